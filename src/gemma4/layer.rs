@@ -1,0 +1,150 @@
+//! One decoder layer: attention, the dense MLP (plus the MoE block on 26B-A4B), the per-layer
+//! embedding injection (E2B/E4B) and the final `layer_scalar`.
+
+use candle_core::Tensor;
+
+use super::attention::{Attention, KvInput};
+use super::mlp::Mlp;
+use super::moe::MoeBlock;
+use super::norm::RmsNorm;
+use super::step::Step;
+use super::Linear;
+use crate::config::{Config, LayerPlan};
+use crate::error::Result;
+use crate::kv::KvView;
+use crate::weights::WeightStore;
+
+/// The MoE branch and its three extra norms.
+#[derive(Debug, Clone)]
+struct MoeBranch {
+    block: MoeBlock,
+    pre_feedforward_layernorm_2: RmsNorm,
+    post_feedforward_layernorm_1: RmsNorm,
+    post_feedforward_layernorm_2: RmsNorm,
+}
+
+/// The PLE gate of a layer.
+#[derive(Debug, Clone)]
+struct PleGate {
+    per_layer_input_gate: Linear,
+    per_layer_projection: Linear,
+    post_per_layer_input_norm: RmsNorm,
+}
+
+/// One Gemma 4 decoder layer.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    /// What this layer decided at load time.
+    pub plan: LayerPlan,
+    self_attn: Attention,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+    pre_feedforward_layernorm: RmsNorm,
+    post_feedforward_layernorm: RmsNorm,
+    moe: Option<MoeBranch>,
+    ple: Option<PleGate>,
+    /// `[1]`, multiplies the whole residual stream at the end of the layer.
+    layer_scalar: Tensor,
+}
+
+impl DecoderLayer {
+    /// Loads `layers.{layer}.*`.
+    ///
+    /// # Errors
+    /// Missing or misshapen tensors, named with the layer.
+    pub fn new(cfg: &Config, layer: usize, vb: &WeightStore) -> Result<Self> {
+        let h = cfg.hidden_size;
+        let p = format!("layers.{layer}");
+        let l = Some(layer);
+        let norm = |name: &str, dim: usize| -> Result<RmsNorm> {
+            Ok(RmsNorm::new(
+                vb.tensor(&format!("{p}.{name}.weight"), l, &[dim])?,
+                cfg.rms_norm_eps,
+            ))
+        };
+        let plan = cfg.layers[layer].clone();
+        let moe = match &cfg.moe {
+            None => None,
+            Some(m) => Some(MoeBranch {
+                block: MoeBlock::new(cfg, m, layer, vb)?,
+                pre_feedforward_layernorm_2: norm("pre_feedforward_layernorm_2", h)?,
+                post_feedforward_layernorm_1: norm("post_feedforward_layernorm_1", h)?,
+                post_feedforward_layernorm_2: norm("post_feedforward_layernorm_2", h)?,
+            }),
+        };
+        let pw = cfg.hidden_size_per_layer_input;
+        let ple = if pw > 0 {
+            Some(PleGate {
+                per_layer_input_gate: Linear::new(
+                    vb.matrix(&format!("{p}.per_layer_input_gate"), l, &[pw, h])?
+                        .weight,
+                ),
+                per_layer_projection: Linear::new(
+                    vb.matrix(&format!("{p}.per_layer_projection"), l, &[h, pw])?
+                        .weight,
+                ),
+                post_per_layer_input_norm: norm("post_per_layer_input_norm", h)?,
+            })
+        } else {
+            None
+        };
+        Ok(Self {
+            self_attn: Attention::new(cfg, layer, vb)?,
+            mlp: Mlp::new(&format!("{p}.mlp"), layer, h, plan.intermediate_size, vb)?,
+            input_layernorm: norm("input_layernorm", h)?,
+            post_attention_layernorm: norm("post_attention_layernorm", h)?,
+            pre_feedforward_layernorm: norm("pre_feedforward_layernorm", h)?,
+            post_feedforward_layernorm: norm("post_feedforward_layernorm", h)?,
+            moe,
+            ple,
+            layer_scalar: vb.tensor(&format!("{p}.layer_scalar"), l, &[1])?,
+            plan,
+        })
+    }
+
+    /// The layer's attention.
+    pub fn attention(&self) -> &Attention {
+        &self.self_attn
+    }
+
+    /// `x` `[B, S, H]`, `ple` this layer's `[B, S, P]` slice when the model has PLE.
+    /// Returns the new residual and, for a KV-owning layer, its cache view.
+    ///
+    /// # Errors
+    /// Cache and shape errors.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        step: &Step,
+        ple: Option<&Tensor>,
+        kv: KvInput<'_>,
+    ) -> Result<(Tensor, Option<KvView>)> {
+        let (attn, view) = self
+            .self_attn
+            .forward(&self.input_layernorm.forward(x)?, step, kv)?;
+        let x = (x + self.post_attention_layernorm.forward(&attn)?)?;
+
+        let dense = self
+            .mlp
+            .forward(&self.pre_feedforward_layernorm.forward(&x)?)?;
+        let ff = match &self.moe {
+            None => dense,
+            Some(m) => {
+                let dense = m.post_feedforward_layernorm_1.forward(&dense)?;
+                let experts = m
+                    .block
+                    .forward(&x, &m.pre_feedforward_layernorm_2.forward(&x)?)?;
+                (dense + m.post_feedforward_layernorm_2.forward(&experts)?)?
+            }
+        };
+        let mut x = (x + self.post_feedforward_layernorm.forward(&ff)?)?;
+
+        if let (Some(g), Some(ple)) = (&self.ple, ple) {
+            let gate = g.per_layer_input_gate.forward(&x)?.gelu()?;
+            let gate = g.per_layer_projection.forward(&(gate * ple)?)?;
+            x = (x + g.post_per_layer_input_norm.forward(&gate)?)?;
+        }
+        Ok((x.broadcast_mul(&self.layer_scalar)?, view))
+    }
+}

@@ -1,0 +1,239 @@
+//! The Gemma 4 text stack: embedding (scaled), per-layer embeddings, the decoder layers with KV
+//! sharing, the final norm, the tied head and the logit soft-cap.
+
+use candle_core::{DType, Device, Tensor};
+
+use super::attention::KvInput;
+use super::layer::DecoderLayer;
+use super::norm::RmsNorm;
+use super::ple::{self, scale_in_dtype, PerLayerEmbeddings};
+use super::rope::Rope;
+use super::step::Step;
+use crate::config::{Config, KvSource, LayerKind};
+use crate::error::{Error, Result};
+use crate::kv::{KvView, LayerCacheSpec, ModelCache};
+use crate::weights::WeightStore;
+
+/// The decoder stack of a Gemma 4 checkpoint.
+#[derive(Debug, Clone)]
+pub struct TextModel {
+    config: Config,
+    /// `[V, H]`, also the (tied) head.
+    embed_tokens: Tensor,
+    ple: Option<PerLayerEmbeddings>,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    /// `[V, H]` when the head is not tied.
+    lm_head: Option<Tensor>,
+    rope_sliding: Rope,
+    rope_full: Rope,
+    /// `producers[i]`: some later layer reads layer i's K/V.
+    producers: Vec<bool>,
+    dtype: DType,
+    device: Device,
+}
+
+impl TextModel {
+    /// Loads every text-stack tensor from `vb` (tower tensors are never read).
+    ///
+    /// # Errors
+    /// Missing or misshapen tensors, named with their layer.
+    pub fn new(config: Config, vb: &WeightStore) -> Result<Self> {
+        let (v, h) = (config.vocab_size, config.hidden_size);
+        let embed_tokens = vb.matrix("embed_tokens", None, &[v, h])?.weight;
+        let layers = (0..config.num_layers())
+            .map(|l| DecoderLayer::new(&config, l, vb))
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(vb.matrix("lm_head", None, &[v, h])?.weight)
+        };
+        let mut producers = vec![false; config.num_layers()];
+        for plan in &config.layers {
+            if let KvSource::Shared { producer } = plan.kv {
+                producers[producer] = true;
+            }
+        }
+        let head_dim = |kind: LayerKind| {
+            config
+                .layers
+                .iter()
+                .find(|l| l.kind == kind)
+                .map_or(2, |l| l.head_dim)
+        };
+        Ok(Self {
+            rope_sliding: Rope::new(&config.rope_sliding, head_dim(LayerKind::Sliding)),
+            rope_full: Rope::new(&config.rope_full, head_dim(LayerKind::Full)),
+            ple: PerLayerEmbeddings::new(&config, vb)?,
+            norm: RmsNorm::new(vb.tensor("norm.weight", None, &[h])?, config.rms_norm_eps),
+            embed_tokens,
+            layers,
+            lm_head,
+            producers,
+            dtype: vb.dtype(),
+            device: vb.device().clone(),
+            config,
+        })
+    }
+
+    /// The validated config.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The activation dtype.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// What each layer's cache must hold; `None` for KV-shared layers, which own no cache.
+    pub fn cache_specs(&self) -> Vec<Option<LayerCacheSpec>> {
+        self.config
+            .layers
+            .iter()
+            .map(|l| match l.kv {
+                KvSource::Shared { .. } => None,
+                KvSource::Own => Some(LayerCacheSpec {
+                    kv_heads: l.kv_heads,
+                    head_dim: l.head_dim,
+                    window: match l.kind {
+                        LayerKind::Sliding => Some(self.config.sliding_window),
+                        LayerKind::Full => None,
+                    },
+                }),
+            })
+            .collect()
+    }
+
+    /// Checks ids against the vocabulary and positions against the context length.
+    fn validate(&self, batch: &[Vec<u32>], offsets: &[usize]) -> Result<usize> {
+        let seq_len = batch.first().map_or(0, Vec::len);
+        if seq_len == 0 {
+            return Err(Error::Input(
+                "empty input: at least one token per sequence".to_string(),
+            ));
+        }
+        if batch.iter().any(|s| s.len() != seq_len) {
+            return Err(Error::Input(
+                "every sequence of a batched forward must have the same number of new tokens"
+                    .to_string(),
+            ));
+        }
+        if offsets.len() != batch.len() {
+            return Err(Error::Input(format!(
+                "{} sequences given, the cache holds {}",
+                batch.len(),
+                offsets.len()
+            )));
+        }
+        for seq in batch {
+            if let Some((position, &id)) = seq
+                .iter()
+                .enumerate()
+                .find(|(_, &id)| id as usize >= self.config.vocab_size)
+            {
+                return Err(Error::TokenOutOfVocab {
+                    id,
+                    position,
+                    vocab_size: self.config.vocab_size,
+                });
+            }
+        }
+        let max = self.config.max_position_embeddings;
+        if let Some(&o) = offsets.iter().max() {
+            if o + seq_len > max {
+                return Err(Error::ContextTooLong {
+                    length: o + seq_len,
+                    max,
+                });
+            }
+        }
+        Ok(seq_len)
+    }
+
+    /// Runs `batch` (one row of new tokens per sequence, equal lengths) through the model,
+    /// appending to `cache`, and returns the f32 logits of each sequence's last position,
+    /// `[B, V]`. Positions come from the cache, read before any layer appends.
+    ///
+    /// # Errors
+    /// [`Error::TokenOutOfVocab`], [`Error::ContextTooLong`], [`Error::Input`], cache errors.
+    pub fn forward(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
+        let offsets = cache.offsets();
+        let seq_len = self.validate(batch, &offsets)?;
+        let b = batch.len();
+        let flat: Vec<u32> = batch.iter().flatten().copied().collect();
+        let ids = Tensor::from_vec(flat, (b, seq_len), &self.device)?;
+
+        let emb = self.embed_tokens.index_select(&ids.flatten_all()?, 0)?;
+        let emb = emb.reshape((b, seq_len, self.config.hidden_size))?;
+        // The references multiply by sqrt(H) rounded to the activation dtype (39.25 in bf16).
+        let mut x = scale_in_dtype(&emb, (self.config.hidden_size as f64).sqrt())?;
+        let mut ple_all = match &self.ple {
+            Some(p) => Some(p.forward(&ids, &x)?),
+            None => None,
+        };
+        let mut step = Step::new(
+            offsets,
+            seq_len,
+            &self.rope_sliding,
+            &self.rope_full,
+            self.dtype,
+            &self.device,
+        )?;
+
+        let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
+        if cache.layers.len() != self.layers.len() {
+            return Err(Error::Input(format!(
+                "cache has {} layers, model has {}",
+                cache.layers.len(),
+                self.layers.len()
+            )));
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            if i == self.config.first_kv_shared_layer && step.seq_len > 1 {
+                // KV-shared layers write no cache, so only the last position matters from here.
+                let last = step.seq_len - 1;
+                x = x.narrow(1, last, 1)?;
+                ple_all = ple_all.map(|p| p.narrow(1, last, 1)).transpose()?;
+                step = step.last_only()?;
+            }
+            let kv = match layer.plan.kv {
+                KvSource::Own => KvInput::Own(cache.layers[i].as_mut().ok_or_else(|| {
+                    Error::Input(format!(
+                        "layer {i} owns K/V but the cache has no entry for it"
+                    ))
+                })?),
+                KvSource::Shared { producer } => {
+                    KvInput::Shared(views[producer].as_ref().ok_or_else(|| {
+                        Error::Input(format!(
+                            "layer {i} reads layer {producer}'s K/V, which was not produced"
+                        ))
+                    })?)
+                }
+            };
+            let ple_l = ple_all
+                .as_ref()
+                .map(|p| ple::layer_slice(p, i))
+                .transpose()?;
+            let (y, view) = layer.forward(&x, &step, ple_l.as_ref(), kv)?;
+            if self.producers[i] {
+                views[i] = view;
+            }
+            x = y;
+        }
+        let last = x.dim(1)? - 1;
+        let x = self.norm.forward(&x.narrow(1, last, 1)?.squeeze(1)?)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        let logits = x.matmul(&head.t()?)?.to_dtype(DType::F32)?;
+        Ok(match self.config.final_logit_softcapping {
+            Some(c) => ((logits / c)?.tanh()? * c)?,
+            None => logits,
+        })
+    }
+}

@@ -1,0 +1,96 @@
+//! Per-layer embeddings (E2B/E4B): a second, per-layer token embedding plus a projection of the
+//! scaled main embedding, combined once per forward and sliced into one `[B, S, P]` input per
+//! decoder layer.
+
+use candle_core::Tensor;
+
+use super::norm::RmsNorm;
+use super::Linear;
+use crate::config::Config;
+use crate::error::Result;
+use crate::weights::WeightStore;
+
+/// The PLE tables and projection of the model.
+#[derive(Debug, Clone)]
+pub struct PerLayerEmbeddings {
+    /// `[V_ple, L * P]`
+    embed_tokens_per_layer: Tensor,
+    /// `H -> L * P`
+    per_layer_model_projection: Linear,
+    /// RMSNorm over each `[P]` slice.
+    per_layer_projection_norm: RmsNorm,
+    layers: usize,
+    width: usize,
+    hidden: usize,
+}
+
+/// Multiplies by a scale rounded to the activation dtype first, as the references do (an f32
+/// run uses the exact scale, a bf16 run the bf16-rounded one).
+pub(crate) fn scale_in_dtype(x: &Tensor, scale: f64) -> Result<Tensor> {
+    let s = Tensor::new(&[scale as f32], x.device())?.to_dtype(x.dtype())?;
+    Ok(x.broadcast_mul(&s)?)
+}
+
+impl PerLayerEmbeddings {
+    /// Loads the PLE weights; `None` when the config has `hidden_size_per_layer_input == 0`.
+    ///
+    /// # Errors
+    /// Missing or misshapen tensors.
+    pub fn new(cfg: &Config, vb: &WeightStore) -> Result<Option<Self>> {
+        let p = cfg.hidden_size_per_layer_input;
+        if p == 0 {
+            return Ok(None);
+        }
+        let l = cfg.num_layers();
+        Ok(Some(Self {
+            embed_tokens_per_layer: vb
+                .matrix(
+                    "embed_tokens_per_layer",
+                    None,
+                    &[cfg.vocab_size_per_layer_input, l * p],
+                )?
+                .weight,
+            per_layer_model_projection: Linear::new(
+                vb.matrix(
+                    "per_layer_model_projection",
+                    None,
+                    &[l * p, cfg.hidden_size],
+                )?
+                .weight,
+            ),
+            per_layer_projection_norm: RmsNorm::new(
+                vb.tensor("per_layer_projection_norm.weight", None, &[p])?,
+                cfg.rms_norm_eps,
+            ),
+            layers: l,
+            width: p,
+            hidden: cfg.hidden_size,
+        }))
+    }
+
+    /// `ids` `[B, S]` (u32) and the scaled embedding `h0` `[B, S, H]` → `[B, S, L, P]`.
+    ///
+    /// # Errors
+    /// Ids outside the PLE table, shape mismatch.
+    pub fn forward(&self, ids: &Tensor, h0: &Tensor) -> Result<Tensor> {
+        let (b, s) = ids.dims2()?;
+        let (l, p) = (self.layers, self.width);
+        let tokens = self
+            .embed_tokens_per_layer
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, s, l, p))?;
+        let tokens = scale_in_dtype(&tokens, (p as f64).sqrt())?;
+        let ctx = self.per_layer_model_projection.forward(h0)?;
+        let ctx = scale_in_dtype(&ctx, (self.hidden as f64).powf(-0.5))?.reshape((b, s, l, p))?;
+        let ctx = self.per_layer_projection_norm.forward(&ctx)?;
+        scale_in_dtype(&(ctx + tokens)?, 0.5f64.sqrt())
+    }
+}
+
+/// The `[B, S, P]` slice of layer `layer`.
+///
+/// # Errors
+/// Index out of range.
+pub fn layer_slice(ple: &Tensor, layer: usize) -> Result<Tensor> {
+    Ok(ple.narrow(2, layer, 1)?.squeeze(2)?)
+}

@@ -1,0 +1,72 @@
+//! The per-forward context shared by every layer: where each sequence's queries sit and the
+//! rotary tables of both layer kinds, computed once per forward.
+
+use candle_core::{DType, Device, Result, Tensor};
+
+use super::rope::Rope;
+use crate::config::LayerKind;
+
+/// Positions and rotary tables of one forward pass.
+#[derive(Debug, Clone)]
+pub struct Step {
+    /// Absolute position of the first query of each sequence.
+    pub offsets: Vec<usize>,
+    /// Query tokens per sequence.
+    pub seq_len: usize,
+    /// `(cos, sin)`, `[batch, seq_len, head_dim/2]`, for sliding layers.
+    sliding: (Tensor, Tensor),
+    /// `(cos, sin)` for full layers.
+    full: (Tensor, Tensor),
+}
+
+impl Step {
+    /// Builds the tables for `seq_len` queries per sequence starting at `offsets`.
+    ///
+    /// # Errors
+    /// Allocation failure.
+    pub fn new(
+        offsets: Vec<usize>,
+        seq_len: usize,
+        sliding: &Rope,
+        full: &Rope,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(Self {
+            sliding: sliding.tables(&offsets, seq_len, dtype, device)?,
+            full: full.tables(&offsets, seq_len, dtype, device)?,
+            offsets,
+            seq_len,
+        })
+    }
+
+    /// The tables of a layer kind.
+    pub fn rope(&self, kind: LayerKind) -> (&Tensor, &Tensor) {
+        let t = match kind {
+            LayerKind::Sliding => &self.sliding,
+            LayerKind::Full => &self.full,
+        };
+        (&t.0, &t.1)
+    }
+
+    /// The same step restricted to its last query of each sequence (KV-shared layers at prefill
+    /// only need the last position: they write no cache and feed no later position).
+    ///
+    /// # Errors
+    /// Allocation failure.
+    pub fn last_only(&self) -> Result<Self> {
+        let last = self.seq_len.saturating_sub(1);
+        let narrow = |t: &(Tensor, Tensor)| -> Result<(Tensor, Tensor)> {
+            Ok((
+                t.0.narrow(1, last, 1)?.contiguous()?,
+                t.1.narrow(1, last, 1)?.contiguous()?,
+            ))
+        };
+        Ok(Self {
+            offsets: self.offsets.iter().map(|o| o + last).collect(),
+            seq_len: 1,
+            sliding: narrow(&self.sliding)?,
+            full: narrow(&self.full)?,
+        })
+    }
+}

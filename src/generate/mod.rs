@@ -1,0 +1,15 @@
+//! Generation: options, the single-sequence [`Generator`] (with prompt-cache reuse across
+//! calls), the continuous-batching [`BatchSession`], sampling, stop strings and streaming
+//! detokenization.
+
+mod batch;
+pub mod detok;
+mod generator;
+pub mod sampling;
+pub mod stop;
+mod types;
+pub use types::*;
+
+pub use batch::{BatchSession, SeqId};
+pub use generator::{Generator, Stream};
+pub use sampling::{Sampler, SamplingOptions};

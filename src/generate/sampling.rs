@@ -1,0 +1,351 @@
+//! Token sampling: repetition penalty, temperature, top-k, top-p and min-p filters, and a
+//! small seeded PRNG so that a given seed always draws the same tokens on every platform.
+//!
+//! The order of operations follows Hugging Face `transformers`' logits processors:
+//! repetition penalty on the raw logits, then temperature, then top-k, top-p and min-p on
+//! the tempered distribution, then one draw.
+//!
+//! ```
+//! use candle_gemma::generate::sampling::{Sampler, SamplingOptions};
+//!
+//! let mut greedy = Sampler::new(SamplingOptions::default());
+//! assert_eq!(greedy.sample(&[0.1, 2.0, -1.0], &[]), 1);
+//!
+//! let opts = SamplingOptions { temperature: 0.8, top_k: Some(2), seed: 7, ..Default::default() };
+//! let (mut a, mut b) = (Sampler::new(opts.clone()), Sampler::new(opts));
+//! let logits = [0.5, 0.4, 0.3, 0.2];
+//! assert_eq!(a.sample(&logits, &[]), b.sample(&logits, &[]));
+//! ```
+
+/// How the next token is chosen from the logits.
+///
+/// Values that would make a filter meaningless disable it instead of failing:
+/// `top_k: Some(0)`, `top_p >= 1`, `min_p <= 0` and a repetition penalty that is not a
+/// positive finite number (or exactly 1) are all no-ops. A temperature that is `<= 0` or
+/// not finite means greedy decoding.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingOptions {
+    /// Softmax temperature; `0` selects greedy (argmax) decoding.
+    pub temperature: f32,
+    /// Keep only the `k` most likely tokens.
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of most likely tokens whose probability sums to at least `p`.
+    pub top_p: Option<f32>,
+    /// Drop tokens whose probability is below `min_p` times the most likely token's.
+    pub min_p: Option<f32>,
+    /// HF-style repetition penalty (`> 1` discourages tokens already in the history).
+    pub repetition_penalty: Option<f32>,
+    /// Seed of the PRNG; the same seed and inputs give the same tokens.
+    pub seed: u64,
+}
+
+impl Default for SamplingOptions {
+    /// Greedy decoding, no filters, seed 0.
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: None,
+            top_p: None,
+            min_p: None,
+            repetition_penalty: None,
+            seed: 0,
+        }
+    }
+}
+
+/// A stateful sampler: the options plus the PRNG state that advances with each draw.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    opts: SamplingOptions,
+    rng: Xoshiro256,
+    /// Scratch `(token id, logit or probability)` pairs, reused across calls.
+    scratch: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    /// Creates a sampler whose PRNG is seeded from `opts.seed`.
+    pub fn new(opts: SamplingOptions) -> Self {
+        let rng = Xoshiro256::seed_from_u64(opts.seed);
+        Self {
+            opts,
+            rng,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The options this sampler was built with.
+    pub fn options(&self) -> &SamplingOptions {
+        &self.opts
+    }
+
+    /// Chooses the next token.
+    ///
+    /// `logits`: `[vocab]`, one score per token id. `history`: the tokens generated (and, if
+    /// the caller wishes, prompted) so far; only used by the repetition penalty, ids outside
+    /// the vocabulary are ignored. NaN logits count as `-inf`. Greedy decoding breaks ties
+    /// toward the lowest id. An empty `logits` slice yields token `0`.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let mut scores: Vec<f32> = logits
+            .iter()
+            .map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l })
+            .collect();
+        if let Some(penalty) = self.opts.repetition_penalty {
+            apply_repetition_penalty(&mut scores, history, penalty);
+        }
+        let t = self.opts.temperature;
+        if !(t.is_finite() && t > 0.0) {
+            return argmax(&scores);
+        }
+        self.sample_tempered(&scores, t)
+    }
+
+    fn sample_tempered(&mut self, scores: &[f32], temperature: f32) -> u32 {
+        let pool = &mut self.scratch;
+        pool.clear();
+        pool.extend(
+            scores
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| **s > f32::NEG_INFINITY)
+                .map(|(i, &s)| (i as u32, s / temperature)),
+        );
+        if pool.is_empty() {
+            return argmax(scores);
+        }
+        // Descending score, ascending id on ties: every filter below keeps a prefix.
+        pool.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if let Some(k) = self.opts.top_k.filter(|&k| k > 0) {
+            pool.truncate(k);
+        }
+        // Softmax over the survivors (max-subtracted; the first entry is the max).
+        let max = pool[0].1;
+        let mut total = 0.0f64;
+        for entry in pool.iter_mut() {
+            let p = ((entry.1 - max) as f64).exp();
+            entry.1 = p as f32;
+            total += p;
+        }
+        for entry in pool.iter_mut() {
+            entry.1 = (entry.1 as f64 / total) as f32;
+        }
+        if let Some(p) = self.opts.top_p.filter(|p| p.is_finite() && *p < 1.0) {
+            let mut cumulative = 0.0f32;
+            let mut keep = pool.len();
+            for (i, entry) in pool.iter().enumerate() {
+                cumulative += entry.1;
+                if cumulative >= p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            pool.truncate(keep.max(1));
+        }
+        if let Some(min_p) = self.opts.min_p.filter(|m| m.is_finite() && *m > 0.0) {
+            let threshold = pool[0].1 * min_p;
+            let keep = pool.iter().take_while(|e| e.1 >= threshold).count();
+            pool.truncate(keep.max(1));
+        }
+        let total: f64 = pool.iter().map(|e| e.1 as f64).sum();
+        let mut target = self.rng.next_f64() * total;
+        for entry in pool.iter() {
+            target -= entry.1 as f64;
+            if target < 0.0 {
+                return entry.0;
+            }
+        }
+        // Rounding left a sliver of mass: the last survivor takes it.
+        pool.last().map_or(0, |e| e.0)
+    }
+}
+
+/// HF `RepetitionPenaltyLogitsProcessor`: each distinct token of `history` has its score
+/// divided by `penalty` when positive and multiplied by it when negative.
+fn apply_repetition_penalty(scores: &mut [f32], history: &[u32], penalty: f32) {
+    if !(penalty.is_finite() && penalty > 0.0) || penalty == 1.0 {
+        return;
+    }
+    let mut seen = std::collections::HashSet::with_capacity(history.len());
+    for &id in history {
+        if !seen.insert(id) {
+            continue;
+        }
+        if let Some(s) = scores.get_mut(id as usize) {
+            *s = if *s > 0.0 { *s / penalty } else { *s * penalty };
+        }
+    }
+}
+
+/// Index of the largest score, the lowest index among equals; 0 for an empty slice.
+fn argmax(scores: &[f32]) -> u32 {
+    let mut best = 0usize;
+    for (i, &s) in scores.iter().enumerate() {
+        if s > scores[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// xoshiro256** seeded through splitmix64 (Blackman & Vigna): small, fast, and identical on
+/// every platform, so a seed reproduces a generation exactly.
+#[derive(Debug, Clone)]
+struct Xoshiro256 {
+    s: [u64; 4],
+}
+
+impl Xoshiro256 {
+    fn seed_from_u64(seed: u64) -> Self {
+        let mut sm = seed;
+        let mut next = || {
+            sm = sm.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = sm;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        Self {
+            s: [next(), next(), next(), next()],
+        }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        let s = &mut self.s;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in `[0, 1)` with 53 random bits.
+    fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(temperature: f32, seed: u64) -> SamplingOptions {
+        SamplingOptions {
+            temperature,
+            seed,
+            ..Default::default()
+        }
+    }
+
+    fn draws(o: SamplingOptions, logits: &[f32], n: usize) -> Vec<u32> {
+        let mut s = Sampler::new(o);
+        (0..n).map(|_| s.sample(logits, &[])).collect()
+    }
+
+    #[test]
+    fn greedy_is_argmax_with_lowest_id_on_ties() {
+        let mut s = Sampler::new(SamplingOptions::default());
+        assert_eq!(s.sample(&[0.0, 3.0, 1.0], &[]), 1);
+        assert_eq!(s.sample(&[2.0, 5.0, 5.0, 1.0], &[]), 1);
+        assert_eq!(s.sample(&[f32::NAN, -1.0], &[]), 1);
+        assert_eq!(s.sample(&[], &[]), 0);
+        assert_eq!(s.sample(&[f32::NEG_INFINITY; 3], &[]), 0);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_other_seed_differs() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let a = draws(opts(1.0, 42), &logits, 64);
+        let b = draws(opts(1.0, 42), &logits, 64);
+        let c = draws(opts(1.0, 43), &logits, 64);
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_equal_greedy() {
+        let logits = [0.3, 1.2, 1.2, -0.5, 0.9];
+        for seed in 0..20 {
+            let k1 = SamplingOptions {
+                top_k: Some(1),
+                ..opts(1.5, seed)
+            };
+            let p0 = SamplingOptions {
+                top_p: Some(1e-6),
+                ..opts(1.5, seed)
+            };
+            assert_eq!(draws(k1, &logits, 5), vec![1; 5]);
+            assert_eq!(draws(p0, &logits, 5), vec![1; 5]);
+        }
+    }
+
+    #[test]
+    fn top_k_excludes_the_tail() {
+        let logits = [5.0, 4.0, 3.0, 2.0, 1.0, 0.0];
+        let o = SamplingOptions {
+            top_k: Some(3),
+            ..opts(10.0, 1)
+        };
+        let got = draws(o, &logits, 500);
+        assert!(got.iter().all(|&t| t < 3));
+        assert!((0..3).all(|t| got.contains(&t)));
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_covering_set() {
+        // Probabilities ~ [0.5, 0.3, 0.2] at temperature 1.
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.2f32.ln()];
+        let o = SamplingOptions {
+            top_p: Some(0.75),
+            ..opts(1.0, 3)
+        };
+        let got = draws(o, &logits, 500);
+        assert!(got.iter().all(|&t| t < 2));
+        assert!(got.contains(&0) && got.contains(&1));
+    }
+
+    #[test]
+    fn min_p_drops_unlikely_tokens() {
+        let logits = [0.6f32.ln(), 0.3f32.ln(), 0.1f32.ln()];
+        let o = SamplingOptions {
+            min_p: Some(0.4),
+            ..opts(1.0, 9)
+        };
+        let got = draws(o, &logits, 500);
+        assert!(got.iter().all(|&t| t < 2));
+        assert!(got.contains(&1));
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative() {
+        let mut scores = vec![2.0, -2.0, 1.0];
+        apply_repetition_penalty(&mut scores, &[0, 1, 1, 99], 2.0);
+        assert_eq!(scores, vec![1.0, -4.0, 1.0]);
+        // Greedy with penalty: token 0 (2.0 -> 0.8) loses to token 2 (1.5).
+        let mut s = Sampler::new(SamplingOptions {
+            repetition_penalty: Some(2.5),
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&[2.0, 0.0, 1.5], &[0]), 2);
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution() {
+        let logits = [0.7f32.ln(), 0.3f32.ln()];
+        let got = draws(opts(1.0, 11), &logits, 4000);
+        let zeros = got.iter().filter(|&&t| t == 0).count() as f64 / 4000.0;
+        assert!((zeros - 0.7).abs() < 0.05, "{zeros}");
+    }
+
+    #[test]
+    fn prng_is_stable_across_versions() {
+        let mut r = Xoshiro256::seed_from_u64(0);
+        let first: Vec<u64> = (0..2).map(|_| r.next_u64()).collect();
+        let mut again = Xoshiro256::seed_from_u64(0);
+        assert_eq!(first, vec![again.next_u64(), again.next_u64()]);
+        let u = r.next_f64();
+        assert!((0.0..1.0).contains(&u));
+    }
+}

@@ -1,0 +1,172 @@
+//! Attention kernels over cache views, and the affine K/V quantization they read.
+//!
+//! [`attend`] is the one entry point: it matches on the [`KvView`] a cache update returned, so
+//! dense K/V go to the matmul path ([`dense`], any device) and packed K/V to the quantized
+//! kernel ([`cpu`], the plain-Rust reference). Masks come from key positions, so a ring buffer's
+//! unsorted storage and a batch's per-sequence offsets need no special casing.
+
+pub mod cpu;
+mod dense;
+mod quant;
+
+pub use quant::{check_group_size, dequantize, quantize, GROUP_SIZES};
+
+use candle_core::{Device, Tensor};
+
+use crate::kv::{CacheError, KvData, KvView};
+
+/// What one sequence's queries need to know besides the tensors.
+pub(crate) struct QueryPlan {
+    /// Absolute position of query 0.
+    pub q_offset: usize,
+    /// `Some(W)`: a key is visible iff it is one of the W latest positions up to the query's own.
+    pub window: Option<usize>,
+    /// Multiplier of `q · k` (1.0 for Gemma 4).
+    pub scale: f64,
+}
+
+/// Whether the key at absolute position `key` is visible to the query at `query`: causal, and
+/// for a window `W`, `query - W < key` (W keys including the query's own).
+#[inline]
+pub fn visible(key: usize, query: usize, window: Option<usize>) -> bool {
+    key <= query && window.map_or(true, |w| key + w > query)
+}
+
+/// Attention of `q` over the keys and values of a cache view.
+///
+/// * `q`: `[batch, n_heads, q_len, head_dim]`, already normed and rotated.
+/// * `view`: what the cache update returned; [`KvView::Single`] for `batch == 1`,
+///   [`KvView::Batch`] with one view per sequence otherwise.
+/// * `q_offsets[b]`: absolute position of query 0 of sequence `b` (the cache offset read
+///   *before* the update); query `i` sits at `q_offsets[b] + i`.
+/// * `window`: `Some(W)` on sliding layers (key `k` visible to query `q` iff `q - W < k <= q`),
+///   `None` on full layers (causal only).
+/// * `scale`: multiplier of the scores (Gemma 4 uses 1.0).
+///
+/// GQA: query head `h` reads KV head `h / (n_heads / kv_heads)`; K/V are never repeated.
+/// Scores and softmax are f32; the output is `[batch, n_heads, q_len, head_dim]` in `q`'s dtype.
+///
+/// Packed K/V run the CPU reference kernel on the CPU. On other devices they are dequantized
+/// and sent through the dense path for now (correct, but it materialises the dense K/V; fused
+/// device kernels will replace this).
+///
+/// # Errors
+/// [`CacheError::Shape`] when the batch, heads or head dimension of `q` and the view disagree,
+/// or `q_offsets` has the wrong length; candle errors.
+pub fn attend(
+    q: &Tensor,
+    view: &KvView,
+    q_offsets: &[usize],
+    window: Option<usize>,
+    scale: f64,
+) -> Result<Tensor, CacheError> {
+    let (batch, _, _, _) = q.dims4()?;
+    if q_offsets.len() != batch {
+        return Err(CacheError::Shape {
+            what: "q_offsets",
+            expected: format!("one offset per sequence ({batch})"),
+            found: vec![q_offsets.len()],
+        });
+    }
+    match view {
+        KvView::Single { data, positions } => {
+            if batch != 1 {
+                return Err(CacheError::BatchSize {
+                    expected: 1,
+                    found: batch,
+                });
+            }
+            let plan = QueryPlan {
+                q_offset: q_offsets[0],
+                window,
+                scale,
+            };
+            attend_one(q, data, positions, &plan)
+        }
+        KvView::Batch(views) => {
+            if views.len() != batch {
+                return Err(CacheError::BatchSize {
+                    expected: views.len(),
+                    found: batch,
+                });
+            }
+            let mut outs = Vec::with_capacity(batch);
+            for (b, (v, &off)) in views.iter().zip(q_offsets).enumerate() {
+                let qb = q.narrow(0, b, 1)?;
+                outs.push(attend(&qb, v, &[off], window, scale)?);
+            }
+            Ok(Tensor::cat(&outs, 0)?)
+        }
+    }
+}
+
+/// One sequence: `q` `[1, n_heads, q_len, head_dim]`.
+fn attend_one(
+    q: &Tensor,
+    data: &KvData,
+    positions: &[usize],
+    plan: &QueryPlan,
+) -> Result<Tensor, CacheError> {
+    let (_, n_heads, _, head_dim) = q.dims4()?;
+    let (k_dims, v_dims) = match data {
+        KvData::Dense { k, v } => (k.dims().to_vec(), v.dims().to_vec()),
+        KvData::Packed { k, v } => {
+            let hd = |p: &crate::kv::PackedKv| {
+                let mut d = p.codes.dims().to_vec();
+                if let Some(last) = d.last_mut() {
+                    *last = *last * 32 / p.bits.bits();
+                }
+                d
+            };
+            (hd(k), hd(v))
+        }
+    };
+    let ok = k_dims.len() == 4
+        && k_dims == v_dims
+        && k_dims[0] == 1
+        && k_dims[1] > 0
+        && n_heads % k_dims[1] == 0
+        && k_dims[2] == positions.len()
+        && k_dims[3] == head_dim;
+    if !ok {
+        return Err(CacheError::Shape {
+            what: "view K/V",
+            expected: format!(
+                "[1, kv_heads dividing {n_heads}, {} keys, {head_dim}] for K and V",
+                positions.len()
+            ),
+            found: k_dims,
+        });
+    }
+    match data {
+        KvData::Dense { k, v } => dense::attend_dense(q, k, v, positions, plan),
+        KvData::Packed { k, v } => {
+            for p in [k, v] {
+                if p.group_size == 0 || head_dim % p.group_size != 0 {
+                    return Err(CacheError::BadGroupSize {
+                        group_size: p.group_size,
+                        head_dim,
+                    });
+                }
+                let groups = [1, k_dims[1], k_dims[2], head_dim / p.group_size];
+                if p.scales.dims() != groups || p.biases.dims() != groups {
+                    return Err(CacheError::Shape {
+                        what: "packed scales/biases",
+                        expected: format!("{groups:?}"),
+                        found: p.scales.dims().to_vec(),
+                    });
+                }
+            }
+            match q.device() {
+                Device::Cpu => cpu::attend_packed(q, k, v, positions, plan),
+                _ => {
+                    let (kd, vd) = (dequantize(k)?, dequantize(v)?);
+                    dense::attend_dense(q, &kd, &vd, positions, plan)
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

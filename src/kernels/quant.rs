@@ -1,0 +1,327 @@
+//! MLX's group-wise affine quantization of K/V rows: `x ≈ scale * code + bias` per group of
+//! `group_size` elements along the last axis, codes packed little-endian into `u32` words.
+//!
+//! The arithmetic mirrors MLX 0.32's CPU `quantize` exactly (f32 throughout, the group's
+//! larger-magnitude end snapped onto a code, round half to even), so codes written here equal
+//! `mx.quantize`'s for the same input and the packed tensors can be exchanged with mlx-lm.
+//! Quantization runs on the host: the input is copied to the CPU and the packed result copied
+//! back to its device (one K/V step is small; a device kernel can replace this later).
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::kv::{CacheError, PackedKv, QuantBits};
+
+/// Group sizes MLX supports for affine quantization.
+pub const GROUP_SIZES: [usize; 3] = [32, 64, 128];
+
+/// Checks that `group_size` is one of [`GROUP_SIZES`] and divides `head_dim`.
+///
+/// # Errors
+/// [`CacheError::BadGroupSize`] otherwise.
+pub fn check_group_size(group_size: usize, head_dim: usize) -> Result<(), CacheError> {
+    if GROUP_SIZES.contains(&group_size) && head_dim % group_size == 0 && head_dim > 0 {
+        Ok(())
+    } else {
+        Err(CacheError::BadGroupSize {
+            group_size,
+            head_dim,
+        })
+    }
+}
+
+/// Scale and bias of one group, as MLX computes them (in f32, before rounding to the storage
+/// dtype). Codes are chosen with these f32 values; the stored scale/bias are then rounded.
+pub(crate) fn group_params(group: &[f32], bits: QuantBits) -> (f32, f32) {
+    let n_bins = ((1u32 << bits.bits()) - 1) as f32;
+    let eps = 1e-7f32;
+    let mut w_min = f32::INFINITY;
+    let mut w_max = f32::NEG_INFINITY;
+    for &x in group {
+        w_max = w_max.max(x);
+        w_min = w_min.min(x);
+    }
+    // Code 0 sits on whichever end has the larger magnitude; the scale's sign follows, so a
+    // group whose maximum dominates gets a negative scale with `bias = max`.
+    let mask = w_min.abs() > w_max.abs();
+    let mut scale = ((w_max - w_min) / n_bins).max(eps);
+    if !mask {
+        scale = -scale;
+    }
+    let edge = if mask { w_min } else { w_max };
+    let q0 = (edge / scale).round_ties_even();
+    let mut bias = 0.0;
+    if q0 != 0.0 {
+        // Snap the end point, not the scale: the largest magnitude stays exact.
+        scale = edge / q0;
+        bias = edge;
+    }
+    (scale, bias)
+}
+
+/// Quantizes `rows` (`[n_rows, dim]`, row-major) into `codes` (`[n_rows, dim * bits / 32]`),
+/// `scales` and `biases` (`[n_rows, dim / group_size]`, f32 as computed, before storage rounding).
+pub(crate) fn quantize_rows(
+    rows: &[f32],
+    dim: usize,
+    bits: QuantBits,
+    group_size: usize,
+) -> (Vec<u32>, Vec<f32>, Vec<f32>) {
+    let b = bits.bits();
+    let per_word = 32 / b;
+    let n_bins = ((1u32 << b) - 1) as f32;
+    let n_groups_total = rows.len() / group_size;
+    let mut codes = vec![0u32; rows.len() / per_word]; // [n_rows, dim * bits / 32]
+    let mut scales = Vec::with_capacity(n_groups_total); // [n_rows, dim / group_size]
+    let mut biases = Vec::with_capacity(n_groups_total); // [n_rows, dim / group_size]
+    debug_assert_eq!(dim % group_size, 0);
+    for (gi, group) in rows.chunks_exact(group_size).enumerate() {
+        let (scale, bias) = group_params(group, bits);
+        scales.push(scale);
+        biases.push(bias);
+        let word0 = gi * group_size / per_word;
+        for (e, &x) in group.iter().enumerate() {
+            let code = ((x - bias) / scale).round_ties_even().clamp(0.0, n_bins) as u32;
+            codes[word0 + e / per_word] |= code << ((e % per_word) * b);
+        }
+    }
+    (codes, scales, biases)
+}
+
+/// Reads element `e` of a packed row (`words`: the row's `u32` words).
+#[inline]
+pub(crate) fn code_at(words: &[u32], e: usize, bits: usize) -> u32 {
+    let per_word = 32 / bits;
+    let mask = (1u32 << bits) - 1;
+    (words[e / per_word] >> ((e % per_word) * bits)) & mask
+}
+
+/// Quantizes `x` (`[..., dim]`, a float dtype) group-wise along its last axis.
+///
+/// Returns codes `[..., dim * bits / 32]` (`u32`) and scales/biases `[..., dim / group_size]` in
+/// `x`'s dtype, on `x`'s device.
+///
+/// # Errors
+/// [`CacheError::BadGroupSize`] when `group_size` is not 32, 64 or 128 or does not divide the
+/// last dimension; [`CacheError::DType`] for a non-float input; candle errors.
+pub fn quantize(x: &Tensor, bits: QuantBits, group_size: usize) -> Result<PackedKv, CacheError> {
+    let dims = x.dims().to_vec();
+    let dim = dims.last().copied().unwrap_or(0);
+    check_group_size(group_size, dim)?;
+    let dtype = x.dtype();
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(CacheError::DType {
+            what: "tensor to quantize",
+            expected: DType::BF16,
+            found: dtype,
+        });
+    }
+    let host: Vec<f32> = x
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?;
+    let (codes, scales, biases) = quantize_rows(&host, dim, bits, group_size);
+    let lead = &dims[..dims.len() - 1];
+    let shape_with = |last: usize| {
+        let mut s = lead.to_vec();
+        s.push(last);
+        s
+    };
+    let device = x.device();
+    let codes = Tensor::from_vec(codes, shape_with(dim * bits.bits() / 32), &Device::Cpu)?
+        .to_device(device)?;
+    let n_groups = dim / group_size;
+    let scales = Tensor::from_vec(scales, shape_with(n_groups), &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)?;
+    let biases = Tensor::from_vec(biases, shape_with(n_groups), &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)?;
+    Ok(PackedKv {
+        codes,
+        scales,
+        biases,
+        bits,
+        group_size,
+    })
+}
+
+/// Dequantizes a packed tensor: `[..., dim]` in the scales' dtype, on their device, computing
+/// `scale * code + bias` in f32 and rounding once.
+///
+/// # Errors
+/// [`CacheError::Shape`] when codes, scales and biases disagree; candle errors.
+pub fn dequantize(p: &PackedKv) -> Result<Tensor, CacheError> {
+    let b = p.bits.bits();
+    let cdims = p.codes.dims().to_vec();
+    let words = cdims.last().copied().unwrap_or(0);
+    let dim = words * 32 / b;
+    let n_groups = if p.group_size == 0 {
+        0
+    } else {
+        dim / p.group_size
+    };
+    let mut sdims = cdims.clone();
+    if let Some(last) = sdims.last_mut() {
+        *last = n_groups;
+    }
+    if p.group_size == 0
+        || dim % p.group_size != 0
+        || p.scales.dims() != sdims
+        || p.biases.dims() != sdims
+    {
+        return Err(CacheError::Shape {
+            what: "packed scales/biases",
+            expected: format!("{sdims:?} (codes {cdims:?}, group {})", p.group_size),
+            found: p.scales.dims().to_vec(),
+        });
+    }
+    let codes: Vec<u32> = p.codes.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
+    let scales: Vec<f32> = p
+        .scales
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?;
+    let biases: Vec<f32> = p
+        .biases
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()?;
+    let rows = if words == 0 { 0 } else { codes.len() / words };
+    let mut out = Vec::with_capacity(rows * dim); // [rows, dim]
+    for r in 0..rows {
+        let row = &codes[r * words..(r + 1) * words];
+        for e in 0..dim {
+            let g = r * n_groups + e / p.group_size;
+            out.push(scales[g] * code_at(row, e, b) as f32 + biases[g]);
+        }
+    }
+    let mut odims = cdims;
+    if let Some(last) = odims.last_mut() {
+        *last = dim;
+    }
+    let t = Tensor::from_vec(out, odims, &Device::Cpu)?
+        .to_dtype(p.scales.dtype())?
+        .to_device(p.scales.device())?;
+    Ok(t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((*seed >> 33) as f32 / (1u64 << 31) as f32) * 2.0 - 1.0
+    }
+
+    #[test]
+    fn pack_bit_order_element0_lowest_bits() {
+        // Values 0..7 in a group of 32 at 4 bits whose min is 0 and max 15: codes equal values.
+        let mut row = vec![0f32; 32];
+        for (i, x) in row.iter_mut().enumerate() {
+            *x = (i % 16) as f32;
+        }
+        // max 15 dominates: negative scale, bias = 15 -> code = (x - 15) / -1 = 15 - x.
+        let (codes, scales, biases) = quantize_rows(&row, 32, QuantBits::Four, 32);
+        assert_eq!(scales[0], -1.0);
+        assert_eq!(biases[0], 15.0);
+        // element 0 -> code 15 in bits 0..4, element 1 -> code 14 in bits 4..8, ...
+        assert_eq!(codes[0] & 0xF, 15);
+        assert_eq!((codes[0] >> 4) & 0xF, 14);
+        assert_eq!(codes[0] >> 28, 8);
+        // A group dominated by its minimum: positive scale, bias = min.
+        let row: Vec<f32> = (0..32).map(|i| -((i % 4) as f32) * 100.0 + 1.0).collect();
+        let (codes, _, _) = quantize_rows(&row, 32, QuantBits::Eight, 32);
+        // 8-bit: element 0 in bits 0..8 of word 0, element 3 in bits 24..32.
+        let t = Tensor::from_vec(row.clone(), (1, 32), &Device::Cpu).unwrap();
+        let p = quantize(&t, QuantBits::Eight, 32).unwrap();
+        let c: Vec<u32> = p.codes.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(c, codes);
+        let e0 = codes[0] & 0xFF;
+        let e3 = codes[0] >> 24;
+        assert!(
+            e0 > e3,
+            "element 0 (value 1) sits above element 3 (value -299): {e0} vs {e3}"
+        );
+    }
+
+    #[test]
+    fn round_trip_error_bounds() {
+        let mut seed = 7u64;
+        for &(bits, gs) in &[
+            (QuantBits::Eight, 32),
+            (QuantBits::Eight, 64),
+            (QuantBits::Four, 64),
+            (QuantBits::Four, 128),
+        ] {
+            let data: Vec<f32> = (0..4 * 256).map(|_| lcg(&mut seed) * 3.0).collect();
+            let t = Tensor::from_vec(data.clone(), (1, 4, 256), &Device::Cpu).unwrap();
+            let p = quantize(&t, bits, gs).unwrap();
+            assert_eq!(p.codes.dims(), &[1, 4, 256 * bits.bits() / 32]);
+            assert_eq!(p.scales.dims(), &[1, 4, 256 / gs]);
+            let back: Vec<f32> = dequantize(&p)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let scales: Vec<f32> = p.scales.flatten_all().unwrap().to_vec1().unwrap();
+            // MLX snaps the dominant end onto a code, which can stretch the range past the last
+            // code: the far end is clamped and may be off by up to 1.5 steps. Everything else
+            // is within half a step.
+            let mut worst = 0f32;
+            let mut beyond_half = 0;
+            for (i, (a, b)) in data.iter().zip(&back).enumerate() {
+                let steps = (a - b).abs() / scales[i / gs].abs();
+                worst = worst.max(steps);
+                if steps > 0.5 + 1e-3 {
+                    beyond_half += 1;
+                }
+            }
+            eprintln!("{bits:?} group {gs}: worst round-trip error {worst:.3} steps, {beyond_half} of {} beyond half a step", data.len());
+            assert!(worst <= 1.5, "bits {bits:?} gs {gs}: {worst} steps");
+            assert!(
+                beyond_half * 20 <= data.len(),
+                "only values near a clamped end: {beyond_half}"
+            );
+        }
+    }
+
+    #[test]
+    fn constant_group_is_exact() {
+        let t = Tensor::from_vec(vec![0.25f32; 64], (1, 64), &Device::Cpu).unwrap();
+        let p = quantize(&t, QuantBits::Four, 64).unwrap();
+        let back: Vec<f32> = dequantize(&p)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        assert!(back.iter().all(|&x| (x - 0.25).abs() < 1e-6), "{back:?}");
+        let z = Tensor::zeros((1, 64), DType::F32, &Device::Cpu).unwrap();
+        let back = dequantize(&quantize(&z, QuantBits::Eight, 64).unwrap()).unwrap();
+        let back: Vec<f32> = back.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(back.iter().all(|&x| x == 0.0));
+    }
+
+    #[test]
+    fn bad_group_size_is_typed() {
+        let t = Tensor::zeros((1, 96), DType::F32, &Device::Cpu).unwrap();
+        assert!(matches!(
+            quantize(&t, QuantBits::Four, 64),
+            Err(CacheError::BadGroupSize {
+                group_size: 64,
+                head_dim: 96
+            })
+        ));
+        assert!(matches!(
+            quantize(&t, QuantBits::Four, 48),
+            Err(CacheError::BadGroupSize { .. })
+        ));
+    }
+}

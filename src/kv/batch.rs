@@ -1,0 +1,173 @@
+//! [`BatchCache`]: one single-sequence cache per sequence, for batched and continuous decoding.
+
+use candle_core::Tensor;
+
+use super::{CacheError, KvCache, KvView, LayerCache};
+
+/// The caches of a batch of sequences, one single-sequence [`LayerCache`] each.
+///
+/// Sequences keep their own offsets and storage: nothing is padded, so sequences of different
+/// lengths (and caches of any kind: simple, rotating, quantized) batch without masks for
+/// padding, a finished sequence is dropped with [`BatchCache::remove`] and a new one, prefilled
+/// on its own, joins between steps with [`BatchCache::push`] (continuous batching). The cost is
+/// one attention call per sequence; the projections and MLP still run batched.
+///
+/// `update` takes `[batch, kv_heads, tokens, head_dim]` (every sequence appends the same number
+/// of tokens) and returns [`KvView::Batch`], one view per sequence in batch order.
+#[derive(Debug, Default)]
+pub struct BatchCache {
+    seqs: Vec<LayerCache>,
+}
+
+impl BatchCache {
+    /// A batch of the given single-sequence caches, in batch order.
+    ///
+    /// # Errors
+    /// [`CacheError::NestedBatch`] when one of them is itself a batch.
+    pub fn new(seqs: Vec<LayerCache>) -> Result<Self, CacheError> {
+        if seqs.iter().any(|c| matches!(c, LayerCache::Batch(_))) {
+            return Err(CacheError::NestedBatch);
+        }
+        Ok(Self { seqs })
+    }
+
+    /// Sequences held.
+    pub fn len(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Whether no sequence is held.
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Adds a sequence at the end of the batch (its cache prefilled on its own).
+    ///
+    /// # Errors
+    /// [`CacheError::NestedBatch`] when `cache` is a batch.
+    pub fn push(&mut self, cache: LayerCache) -> Result<(), CacheError> {
+        if matches!(cache, LayerCache::Batch(_)) {
+            return Err(CacheError::NestedBatch);
+        }
+        self.seqs.push(cache);
+        Ok(())
+    }
+
+    /// Removes sequence `i` and returns its cache; later sequences move down by one.
+    ///
+    /// # Errors
+    /// [`CacheError::SequenceIndex`] when `i` is out of range.
+    pub fn remove(&mut self, i: usize) -> Result<LayerCache, CacheError> {
+        if i >= self.seqs.len() {
+            return Err(CacheError::SequenceIndex {
+                index: i,
+                len: self.seqs.len(),
+            });
+        }
+        Ok(self.seqs.remove(i))
+    }
+
+    /// The per-sequence caches, in batch order.
+    pub fn sequences(&self) -> &[LayerCache] {
+        &self.seqs
+    }
+
+    /// Takes the per-sequence caches out, in batch order.
+    pub fn into_sequences(self) -> Vec<LayerCache> {
+        self.seqs
+    }
+
+    /// Tokens every sequence can roll back (the smallest of them).
+    pub fn trimmable(&self) -> usize {
+        self.seqs
+            .iter()
+            .map(LayerCache::trimmable)
+            .min()
+            .unwrap_or(0)
+    }
+
+    /// A deep copy (new storage).
+    ///
+    /// # Errors
+    /// Candle errors while copying.
+    pub fn deep_clone(&self) -> Result<Self, CacheError> {
+        Ok(Self {
+            seqs: self
+                .seqs
+                .iter()
+                .map(LayerCache::deep_clone)
+                .collect::<Result<_, _>>()?,
+        })
+    }
+}
+
+impl KvCache for BatchCache {
+    /// Splits `k`, `v` along the batch axis, updates each sequence, and returns one view per
+    /// sequence.
+    ///
+    /// # Errors
+    /// [`CacheError::BatchSize`] when the batch axis is not the number of sequences; any
+    /// sequence's error (the sequences before it are already updated).
+    fn update(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView, CacheError> {
+        let found = k.dims().first().copied().unwrap_or(0);
+        if found != self.seqs.len() || v.dims().first().copied().unwrap_or(0) != found {
+            return Err(CacheError::BatchSize {
+                expected: self.seqs.len(),
+                found,
+            });
+        }
+        let mut views = Vec::with_capacity(found);
+        for (b, cache) in self.seqs.iter_mut().enumerate() {
+            views.push(cache.update(&k.narrow(0, b, 1)?, &v.narrow(0, b, 1)?)?);
+        }
+        Ok(KvView::Batch(views))
+    }
+
+    /// One offset per sequence, in batch order.
+    fn offsets(&self) -> Vec<usize> {
+        self.seqs.iter().flat_map(|c| c.offsets()).collect()
+    }
+
+    /// Rolls every sequence back by `n`; checks all of them first, so either all roll back or
+    /// none does.
+    fn trim(&mut self, n: usize) -> Result<(), CacheError> {
+        if let Some((i, c)) = self
+            .seqs
+            .iter()
+            .enumerate()
+            .find(|(_, c)| c.trimmable() < n)
+        {
+            // Let the sequence's own trim explain why.
+            let mut probe = c.deep_clone()?;
+            return match probe.trim(n) {
+                Err(CacheError::CannotTrim {
+                    requested,
+                    available,
+                    reason,
+                }) => Err(CacheError::CannotTrim {
+                    requested,
+                    available,
+                    reason: format!("sequence {i}: {reason}"),
+                }),
+                Err(e) => Err(e),
+                Ok(()) => Err(CacheError::CannotTrim {
+                    requested: n,
+                    available: c.trimmable(),
+                    reason: format!("sequence {i}"),
+                }),
+            };
+        }
+        for c in self.seqs.iter_mut() {
+            c.trim(n)?;
+        }
+        Ok(())
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.seqs.iter().map(|c| c.memory_bytes()).sum()
+    }
+
+    fn reset(&mut self) {
+        self.seqs.iter_mut().for_each(|c| c.reset());
+    }
+}

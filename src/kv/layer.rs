@@ -1,0 +1,183 @@
+//! [`LayerCache`]: the one cache type a layer holds, dispatching by `match` (no `dyn`).
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+
+use super::{BatchCache, CacheError, KvCache, KvView, QuantizedCache, RotatingCache, SimpleCache};
+
+/// The cache of one KV-owning layer.
+#[derive(Debug)]
+pub enum LayerCache {
+    /// Dense, every token.
+    Simple(SimpleCache),
+    /// Dense ring of the window.
+    Rotating(RotatingCache),
+    /// Affine-quantized, growing or ring.
+    Quantized(QuantizedCache),
+    /// One single-sequence cache per sequence of a batch.
+    Batch(BatchCache),
+}
+
+/// What kind of cache a layer holds, with its parameters (recorded in prompt caches and
+/// compared on restore).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum CacheKind {
+    /// [`SimpleCache`].
+    Simple,
+    /// [`RotatingCache`].
+    Rotating {
+        /// Keys visible to a query, its own included.
+        window: usize,
+        /// Ring slots (`window + slack`).
+        slots: usize,
+    },
+    /// [`QuantizedCache`].
+    Quantized {
+        /// Bits per element (4 or 8).
+        bits: usize,
+        /// Elements per group.
+        group_size: usize,
+        /// Tokens kept dense before packing.
+        start: usize,
+        /// `Some(W)`: ring layout.
+        window: Option<usize>,
+    },
+    /// [`BatchCache`].
+    Batch {
+        /// Sequences held.
+        sequences: usize,
+    },
+}
+
+impl std::fmt::Display for CacheKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CacheKind::Simple => write!(f, "simple"),
+            CacheKind::Rotating { window, slots } => {
+                write!(f, "rotating(window {window}, slots {slots})")
+            }
+            CacheKind::Quantized {
+                bits,
+                group_size,
+                start,
+                window,
+            } => {
+                write!(
+                    f,
+                    "quantized({bits} bits, group {group_size}, start {start}"
+                )?;
+                match window {
+                    Some(w) => write!(f, ", window {w})"),
+                    None => write!(f, ")"),
+                }
+            }
+            CacheKind::Batch { sequences } => write!(f, "batch of {sequences}"),
+        }
+    }
+}
+
+impl LayerCache {
+    /// What kind of cache this is, with its parameters.
+    pub fn kind(&self) -> CacheKind {
+        match self {
+            LayerCache::Simple(_) => CacheKind::Simple,
+            LayerCache::Rotating(c) => CacheKind::Rotating {
+                window: c.window(),
+                slots: c.slots(),
+            },
+            LayerCache::Quantized(c) => {
+                let q = c.quant();
+                CacheKind::Quantized {
+                    bits: q.bits.bits(),
+                    group_size: q.group_size,
+                    start: q.start,
+                    window: c.window(),
+                }
+            }
+            LayerCache::Batch(b) => CacheKind::Batch { sequences: b.len() },
+        }
+    }
+
+    /// KV heads and head dimension (those of the first sequence for a batch; `(0, 0)` for an
+    /// empty batch).
+    pub fn geometry(&self) -> (usize, usize) {
+        match self {
+            LayerCache::Simple(c) => c.geometry(),
+            LayerCache::Rotating(c) => c.geometry(),
+            LayerCache::Quantized(c) => c.geometry(),
+            LayerCache::Batch(c) => c.sequences().first().map_or((0, 0), LayerCache::geometry),
+        }
+    }
+
+    /// How many tokens [`KvCache::trim`] can roll back now.
+    pub fn trimmable(&self) -> usize {
+        match self {
+            LayerCache::Simple(c) => c.trimmable(),
+            LayerCache::Rotating(c) => c.trimmable(),
+            LayerCache::Quantized(c) => c.trimmable(),
+            LayerCache::Batch(c) => c.trimmable(),
+        }
+    }
+
+    /// A deep copy (new storage): the in-memory prompt-cache path.
+    ///
+    /// # Errors
+    /// Candle errors while copying.
+    pub fn deep_clone(&self) -> Result<Self, CacheError> {
+        Ok(match self {
+            LayerCache::Simple(c) => LayerCache::Simple(c.deep_clone()?),
+            LayerCache::Rotating(c) => LayerCache::Rotating(c.deep_clone()?),
+            LayerCache::Quantized(c) => LayerCache::Quantized(c.deep_clone()?),
+            LayerCache::Batch(c) => LayerCache::Batch(c.deep_clone()?),
+        })
+    }
+}
+
+impl KvCache for LayerCache {
+    fn update(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView, CacheError> {
+        match self {
+            LayerCache::Simple(c) => c.update(k, v),
+            LayerCache::Rotating(c) => c.update(k, v),
+            LayerCache::Quantized(c) => c.update(k, v),
+            LayerCache::Batch(c) => c.update(k, v),
+        }
+    }
+
+    fn offsets(&self) -> Vec<usize> {
+        match self {
+            LayerCache::Simple(c) => c.offsets(),
+            LayerCache::Rotating(c) => c.offsets(),
+            LayerCache::Quantized(c) => c.offsets(),
+            LayerCache::Batch(c) => c.offsets(),
+        }
+    }
+
+    fn trim(&mut self, n: usize) -> Result<(), CacheError> {
+        match self {
+            LayerCache::Simple(c) => c.trim(n),
+            LayerCache::Rotating(c) => c.trim(n),
+            LayerCache::Quantized(c) => c.trim(n),
+            LayerCache::Batch(c) => c.trim(n),
+        }
+    }
+
+    fn memory_bytes(&self) -> usize {
+        match self {
+            LayerCache::Simple(c) => c.memory_bytes(),
+            LayerCache::Rotating(c) => c.memory_bytes(),
+            LayerCache::Quantized(c) => c.memory_bytes(),
+            LayerCache::Batch(c) => c.memory_bytes(),
+        }
+    }
+
+    fn reset(&mut self) {
+        match self {
+            LayerCache::Simple(c) => c.reset(),
+            LayerCache::Rotating(c) => c.reset(),
+            LayerCache::Quantized(c) => c.reset(),
+            LayerCache::Batch(c) => c.reset(),
+        }
+    }
+}

@@ -1,0 +1,125 @@
+//! [`SimpleCache`]: dense K/V of every token seen, for full-attention layers.
+
+use candle_core::{DType, Tensor};
+
+use super::buffer::{Geometry, GrowBuf};
+use super::{CacheError, KvCache, KvData, KvView, LayerCacheSpec};
+
+/// Dense K/V of every token seen, stored in preallocated buffers `[1, kv_heads, capacity,
+/// head_dim]` that double when full; each update writes only its new tokens.
+///
+/// ```
+/// # use candle_core::{DType, Device, Tensor};
+/// # use candle_gemma::kv::{KvCache, LayerCacheSpec, SimpleCache};
+/// let spec = LayerCacheSpec { kv_heads: 2, head_dim: 8, window: None };
+/// let mut cache = SimpleCache::new(&spec, DType::F32);
+/// let k = Tensor::zeros((1, 2, 3, 8), DType::F32, &Device::Cpu)?;
+/// cache.update(&k, &k)?;
+/// assert_eq!(cache.offsets(), vec![3]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug)]
+pub struct SimpleCache {
+    geometry: Geometry,
+    buf: GrowBuf,
+}
+
+impl SimpleCache {
+    /// An empty cache for K/V of `spec.kv_heads × spec.head_dim` in `dtype` (`spec.window` is
+    /// ignored: every token is kept). Storage is allocated on the device of the first update.
+    pub fn new(spec: &LayerCacheSpec, dtype: DType) -> Self {
+        let geometry = Geometry {
+            kv_heads: spec.kv_heads,
+            head_dim: spec.head_dim,
+            dtype,
+        };
+        Self {
+            geometry,
+            buf: GrowBuf::default(),
+        }
+    }
+
+    /// Every token held, in order: `[1, kv_heads, tokens, head_dim]` K and V (views of the
+    /// storage), or `None` when empty.
+    pub fn kv(&self) -> Result<Option<(Tensor, Tensor)>, CacheError> {
+        Ok(self.buf.live()?.and_then(pair))
+    }
+
+    /// Rebuilds the cache from K and V (`[1, kv_heads, tokens, head_dim]`), as saved.
+    ///
+    /// # Errors
+    /// Shape or dtype disagreeing with the geometry.
+    pub fn load(&mut self, k: &Tensor, v: &Tensor) -> Result<(), CacheError> {
+        self.geometry.check(k, v)?;
+        self.buf.reset();
+        self.buf.append(&[k.clone(), v.clone()])?;
+        Ok(())
+    }
+
+    /// KV heads and head dimension.
+    pub fn geometry(&self) -> (usize, usize) {
+        (self.geometry.kv_heads, self.geometry.head_dim)
+    }
+
+    /// How many tokens [`KvCache::trim`] can roll back now (all of them).
+    pub fn trimmable(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// A deep copy: new storage, same tokens.
+    ///
+    /// # Errors
+    /// Candle errors while copying.
+    pub fn deep_clone(&self) -> Result<Self, CacheError> {
+        Ok(Self {
+            geometry: self.geometry.clone(),
+            buf: self.buf.deep_clone()?,
+        })
+    }
+}
+
+/// `[k, v]` into a pair.
+pub(crate) fn pair(parts: Vec<Tensor>) -> Option<(Tensor, Tensor)> {
+    let mut it = parts.into_iter();
+    Some((it.next()?, it.next()?))
+}
+
+impl KvCache for SimpleCache {
+    /// Appends and returns every token held (`[1, kv_heads, offset, head_dim]`), positions
+    /// `0..offset`.
+    fn update(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView, CacheError> {
+        self.geometry.check(k, v)?;
+        let parts = self.buf.append(&[k.clone(), v.clone()])?;
+        let positions = (0..self.buf.len()).collect();
+        let (k, v) = pair(parts).ok_or_else(super::buffer::unallocated)?;
+        Ok(KvView::Single {
+            data: KvData::Dense { k, v },
+            positions,
+        })
+    }
+
+    fn offsets(&self) -> Vec<usize> {
+        vec![self.buf.len()]
+    }
+
+    fn trim(&mut self, n: usize) -> Result<(), CacheError> {
+        if n > self.buf.len() {
+            return Err(CacheError::CannotTrim {
+                requested: n,
+                available: self.buf.len(),
+                reason: "more tokens than the cache holds".into(),
+            });
+        }
+        self.buf.trim(n);
+        Ok(())
+    }
+
+    /// Allocated bytes (capacity, not only the tokens held).
+    fn memory_bytes(&self) -> usize {
+        self.buf.bytes()
+    }
+
+    fn reset(&mut self) {
+        self.buf.reset();
+    }
+}

@@ -1,0 +1,324 @@
+//! [`Model`]: a loaded checkpoint (config, weights, tokenizer) and the entry point to
+//! generation. Build one with [`Model::builder`].
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use tokenizers::Tokenizer;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::gemma4::TextModel;
+use crate::generate::{GenOptions, Generator};
+use crate::kv::{CacheConfig, ModelCache};
+use crate::weights::WeightStore;
+
+/// Where the checkpoint comes from.
+#[derive(Debug, Clone)]
+enum Source {
+    Path(PathBuf),
+    Repo(String),
+}
+
+/// Configures and loads a [`Model`]. Setters cannot fail; [`ModelBuilder::build`] validates.
+#[derive(Debug, Clone)]
+pub struct ModelBuilder {
+    source: Option<Source>,
+    revision: Option<String>,
+    hub_token: Option<String>,
+    hub_cache_dir: Option<PathBuf>,
+    offline: bool,
+    progress: bool,
+    device: Device,
+    dtype: DType,
+}
+
+impl Default for ModelBuilder {
+    fn default() -> Self {
+        Self {
+            source: None,
+            revision: None,
+            hub_token: None,
+            hub_cache_dir: None,
+            offline: false,
+            progress: false,
+            device: Device::Cpu,
+            dtype: DType::F32,
+        }
+    }
+}
+
+impl ModelBuilder {
+    /// Loads from a local checkpoint folder (config.json, safetensors, tokenizer.json).
+    pub fn path(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.source = Some(Source::Path(dir.into()));
+        self
+    }
+
+    /// Loads a Hugging Face hub repo (`org/name`), from the local hub cache when the files are
+    /// there. Needs the `hub` feature.
+    pub fn repo(mut self, repo_id: impl Into<String>) -> Self {
+        self.source = Some(Source::Repo(repo_id.into()));
+        self
+    }
+
+    /// Hub revision (branch, tag or commit); `main` by default.
+    pub fn revision(mut self, revision: impl Into<String>) -> Self {
+        self.revision = Some(revision.into());
+        self
+    }
+
+    /// Hub token; by default hf-hub's own lookup (the token file in the hub cache) applies.
+    pub fn hub_token(mut self, token: impl Into<String>) -> Self {
+        self.hub_token = Some(token.into());
+        self
+    }
+
+    /// Hub cache folder instead of hf-hub's default.
+    pub fn hub_cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.hub_cache_dir = Some(dir.into());
+        self
+    }
+
+    /// Never touch the network: use only files already in the hub cache.
+    pub fn offline(mut self, offline: bool) -> Self {
+        self.offline = offline;
+        self
+    }
+
+    /// Show a progress bar per downloaded file.
+    pub fn progress(mut self, progress: bool) -> Self {
+        self.progress = progress;
+        self
+    }
+
+    /// The device to run on (CPU by default).
+    pub fn device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// The activation and weight dtype (f32 by default; bf16 or f16 halve the memory).
+    pub fn dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// Resolves the source to a local folder.
+    fn resolve(&self) -> Result<PathBuf> {
+        match &self.source {
+            None => Err(Error::Input(
+                "no checkpoint given: call .path(dir) or .repo(id) on the builder".to_string(),
+            )),
+            Some(Source::Path(p)) => Ok(p.clone()),
+            #[cfg(feature = "hub")]
+            Some(Source::Repo(repo)) => crate::hub::resolve(
+                repo,
+                &crate::hub::HubOptions {
+                    revision: self.revision.clone(),
+                    token: self.hub_token.clone(),
+                    cache_dir: self.hub_cache_dir.clone(),
+                    offline: self.offline,
+                    progress: self.progress,
+                },
+            ),
+            #[cfg(not(feature = "hub"))]
+            Some(Source::Repo(repo)) => Err(Error::Hub {
+                repo: repo.clone(),
+                file: "config.json".to_string(),
+                reason: "this build has no `hub` feature; download the folder and use .path()"
+                    .to_string(),
+            }),
+        }
+    }
+
+    /// Loads config, weights and (when present) `tokenizer.json`.
+    ///
+    /// # Errors
+    /// Anything [`Config::from_dir`], [`WeightStore::open`] or the layer constructors report,
+    /// and [`Error::Tokenizer`] for an unreadable `tokenizer.json`.
+    pub fn build(self) -> Result<Model> {
+        if !matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::Input(format!(
+                "dtype {:?} is not supported: use f32, bf16 or f16",
+                self.dtype
+            )));
+        }
+        let dir = self.resolve()?;
+        let config = Config::from_dir(&dir)?;
+        let store = WeightStore::open(&dir, &self.device, self.dtype)?;
+        let fingerprint = fingerprint(&dir, self.dtype)?;
+        let text = TextModel::new(config, &store)?;
+        let tokenizer_path = dir.join("tokenizer.json");
+        let tokenizer = if tokenizer_path.exists() {
+            Some(
+                Tokenizer::from_file(&tokenizer_path)
+                    .map_err(|e| Error::Tokenizer(format!("{}: {e}", tokenizer_path.display())))?,
+            )
+        } else {
+            None
+        };
+        Ok(Model {
+            text,
+            tokenizer,
+            fingerprint,
+            dir,
+        })
+    }
+}
+
+/// A loaded Gemma 4 checkpoint.
+///
+/// ```no_run
+/// # fn main() -> candle_gemma::Result<()> {
+/// use candle_gemma::{GenOptions, Model};
+/// let model = Model::builder().path("fixtures/e2b-hf").build()?;
+/// let mut generator = model.generator(GenOptions { max_tokens: 8, ..Default::default() });
+/// let out = generator.generate(&[2, 200, 300])?;
+/// println!("{:?}", out.tokens);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Model {
+    text: TextModel,
+    tokenizer: Option<Tokenizer>,
+    fingerprint: String,
+    dir: PathBuf,
+}
+
+impl Model {
+    /// Starts configuring a model.
+    pub fn builder() -> ModelBuilder {
+        ModelBuilder::default()
+    }
+
+    /// The validated config.
+    pub fn config(&self) -> &Config {
+        self.text.config()
+    }
+
+    /// The decoder stack.
+    pub fn text_model(&self) -> &TextModel {
+        &self.text
+    }
+
+    /// The tokenizer, when the checkpoint has a `tokenizer.json`.
+    pub fn tokenizer(&self) -> Option<&Tokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    /// The checkpoint folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The device the model runs on.
+    pub fn device(&self) -> &Device {
+        self.text.device()
+    }
+
+    /// The activation dtype.
+    pub fn dtype(&self) -> DType {
+        self.text.dtype()
+    }
+
+    /// A string that identifies this checkpoint and dtype (prompt caches record it).
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// Encodes text with the checkpoint's tokenizer; `add_bos` prepends `<bos>` if the
+    /// tokenizer does not.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] when there is no tokenizer or encoding fails.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
+        let tok = self.require_tokenizer()?;
+        let enc = tok
+            .encode(text, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let mut ids = enc.get_ids().to_vec();
+        let bos = self.config().bos_token_id;
+        if add_bos && ids.first() != Some(&bos) {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
+    }
+
+    /// Decodes ids to text.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] when there is no tokenizer or decoding fails.
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        self.require_tokenizer()?
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| Error::Tokenizer(e.to_string()))
+    }
+
+    fn require_tokenizer(&self) -> Result<&Tokenizer> {
+        self.tokenizer
+            .as_ref()
+            .ok_or_else(|| Error::Tokenizer(format!("no tokenizer.json in {}", self.dir.display())))
+    }
+
+    /// A fresh cache for one sequence, laid out by `config`.
+    ///
+    /// # Errors
+    /// Invalid cache options (bits, group size).
+    pub fn new_cache(&self, config: &CacheConfig) -> Result<ModelCache> {
+        Ok(ModelCache::new(
+            config,
+            &self.text.cache_specs(),
+            self.dtype(),
+            self.device(),
+        )?)
+    }
+
+    /// Runs new tokens (one row per sequence, equal lengths) through the model, appending to
+    /// `cache`; returns the f32 logits of each sequence's last position, `[B, vocab]`.
+    ///
+    /// # Errors
+    /// See [`TextModel::forward`].
+    pub fn forward(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
+        self.text.forward(batch, cache)
+    }
+
+    /// A generator with these options.
+    pub fn generator(&self, options: GenOptions) -> Generator<'_> {
+        Generator::new(self, options)
+    }
+}
+
+/// FNV-1a over config.json, the weight file names and sizes, and the dtype.
+fn fingerprint(dir: &Path, dtype: DType) -> Result<String> {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut feed = |bytes: &[u8]| {
+        for &b in bytes {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    let config_path = dir.join("config.json");
+    let config = std::fs::read(&config_path).map_err(|source| Error::Io {
+        path: config_path,
+        source,
+    })?;
+    feed(&config);
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        let mut files: Vec<(String, u64)> = entries
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+            .map(|e| {
+                let len = e.metadata().map(|m| m.len()).unwrap_or(0);
+                (e.file_name().to_string_lossy().into_owned(), len)
+            })
+            .collect();
+        files.sort();
+        for (name, len) in files {
+            feed(name.as_bytes());
+            feed(&len.to_le_bytes());
+        }
+    }
+    feed(format!("{dtype:?}").as_bytes());
+    Ok(format!("{h:016x}"))
+}

@@ -1,0 +1,267 @@
+//! Checkpoint weights: memory-mapped safetensors (one file or shards listed in
+//! `model.safetensors.index.json`), the three key layouts Gemma 4 ships in, and MLX affine
+//! quantized tensors (dequantized on load by [`affine`]).
+//!
+//! Names passed to [`WeightStore`] are *logical*: the text-stack name without any layout prefix
+//! (`layers.3.self_attn.q_proj`). The store adds the prefix of the detected [`KeyLayout`].
+
+pub mod affine;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{Error, Result};
+
+/// How the text-stack tensors are named in a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyLayout {
+    /// `model.language_model.*` (transformers' multimodal `Gemma4ForConditionalGeneration`).
+    HfMultimodal,
+    /// `model.*` (transformers' text-only `Gemma4ForCausalLM`).
+    HfText,
+    /// `language_model.model.*` (mlx-lm / mlx-vlm conversions; experts split as `switch_glu`).
+    Mlx,
+}
+
+impl KeyLayout {
+    /// The prefix this layout puts before every text-stack name.
+    pub fn prefix(self) -> &'static str {
+        match self {
+            KeyLayout::HfMultimodal => "model.language_model.",
+            KeyLayout::HfText => "model.",
+            KeyLayout::Mlx => "language_model.model.",
+        }
+    }
+}
+
+/// The tensors of a checkpoint folder, memory-mapped, addressed by logical name.
+pub struct WeightStore {
+    files: Vec<(PathBuf, MmapedSafetensors)>,
+    routing: HashMap<String, usize>,
+    layout: KeyLayout,
+    device: Device,
+    dtype: DType,
+}
+
+impl std::fmt::Debug for WeightStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeightStore")
+            .field(
+                "files",
+                &self.files.iter().map(|(p, _)| p).collect::<Vec<_>>(),
+            )
+            .field("tensors", &self.routing.len())
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+/// A loaded weight matrix: dense, or MLX affine-quantized and dequantized on load.
+#[derive(Debug, Clone)]
+pub struct LoadedMatrix {
+    /// The dense weight, `[.., out, in]`, in the store's dtype.
+    pub weight: Tensor,
+    /// `(bits, group_size)` when the checkpoint stored it quantized.
+    pub quantized: Option<(usize, usize)>,
+}
+
+impl WeightStore {
+    /// Opens every safetensors file of a checkpoint folder.
+    ///
+    /// # Errors
+    /// [`Error::Safetensors`] naming a file that is missing, truncated or malformed;
+    /// [`Error::MissingTensor`] when no known key layout is recognised.
+    pub fn open(dir: &Path, device: &Device, dtype: DType) -> Result<Self> {
+        let paths = shard_paths(dir)?;
+        let mut files = Vec::with_capacity(paths.len());
+        let mut routing = HashMap::new();
+        for (index, path) in paths.into_iter().enumerate() {
+            // SAFETY: the file is mapped read-only; like every mmap-based loader we rely on the
+            // checkpoint not being modified while the model is alive.
+            let st = unsafe { MmapedSafetensors::new(&path) }.map_err(|e| Error::Safetensors {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+            for (name, _) in st.tensors() {
+                routing.insert(name, index);
+            }
+            files.push((path, st));
+        }
+        let layout = detect_layout(&routing)?;
+        Ok(Self {
+            files,
+            routing,
+            layout,
+            device: device.clone(),
+            dtype,
+        })
+    }
+
+    /// The detected key layout.
+    pub fn layout(&self) -> KeyLayout {
+        self.layout
+    }
+
+    /// The device tensors are loaded to.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The dtype tensors are converted to.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Whether a logical name exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.routing.contains_key(&self.full_name(name))
+    }
+
+    fn full_name(&self, name: &str) -> String {
+        format!("{}{name}", self.layout.prefix())
+    }
+
+    /// Loads a raw tensor by logical name, checking its shape, without dtype conversion.
+    fn raw(&self, name: &str, layer: Option<usize>, shape: Option<&[usize]>) -> Result<Tensor> {
+        let full = self.full_name(name);
+        let &index = self
+            .routing
+            .get(&full)
+            .ok_or_else(|| Error::MissingTensor {
+                name: full.clone(),
+                layer,
+            })?;
+        let (path, st) = &self.files[index];
+        let view = st.get(&full).map_err(|e| Error::Safetensors {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        if let Some(expected) = shape {
+            if view.shape() != expected {
+                return Err(Error::Shape {
+                    tensor: full,
+                    expected: expected.to_vec(),
+                    found: view.shape().to_vec(),
+                });
+            }
+        }
+        st.load(&full, &Device::Cpu)
+            .map_err(|e| Error::Safetensors {
+                path: path.clone(),
+                reason: format!("tensor `{full}`: {e}"),
+            })
+    }
+
+    /// Loads a float tensor (norm weights, scalars) of the given shape, in the store's dtype.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::Shape`].
+    pub fn tensor(&self, name: &str, layer: Option<usize>, shape: &[usize]) -> Result<Tensor> {
+        let t = self.raw(name, layer, Some(shape))?;
+        self.finish(name, t)
+    }
+
+    fn finish(&self, name: &str, t: Tensor) -> Result<Tensor> {
+        if !t.dtype().is_float() {
+            return Err(Error::DType {
+                tensor: self.full_name(name),
+                expected: "a float dtype".to_string(),
+                found: format!("{:?}", t.dtype()),
+            });
+        }
+        Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
+    }
+
+    /// Loads a weight matrix stored either dense under `<module>.weight` (or `<module>` itself
+    /// when `suffix_free`) or MLX-quantized as `<module>.weight` (u32 codes) + `.scales` +
+    /// `.biases`. `shape` is the dense shape `[.., out, in]`.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`], [`Error::Shape`] (dense or packed), [`Error::DType`].
+    pub fn matrix(
+        &self,
+        module: &str,
+        layer: Option<usize>,
+        shape: &[usize],
+    ) -> Result<LoadedMatrix> {
+        let weight_name = if self.contains(&format!("{module}.weight")) || !self.contains(module) {
+            format!("{module}.weight")
+        } else {
+            module.to_string()
+        };
+        let scales_name = format!("{module}.scales");
+        if !self.contains(&scales_name) {
+            let t = self.raw(&weight_name, layer, Some(shape))?;
+            return Ok(LoadedMatrix {
+                weight: self.finish(&weight_name, t)?,
+                quantized: None,
+            });
+        }
+        let codes = self.raw(&weight_name, layer, None)?;
+        let scales = self.raw(&scales_name, layer, None)?;
+        let biases = self.raw(&format!("{module}.biases"), layer, Some(scales.dims()))?;
+        let (dense, bits, group) =
+            affine::dequantize(&codes, &scales, &biases, shape).map_err(|reason| {
+                Error::Quantized {
+                    tensor: self.full_name(&weight_name),
+                    reason,
+                }
+            })?;
+        Ok(LoadedMatrix {
+            weight: dense.to_dtype(self.dtype)?.to_device(&self.device)?,
+            quantized: Some((bits, group)),
+        })
+    }
+}
+
+/// The safetensors files of a checkpoint: the shards of `model.safetensors.index.json`, or every
+/// `*.safetensors` in the folder.
+fn shard_paths(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let json = crate::config::read_json(&index)?;
+        let map = json
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| Error::Json {
+                path: index.clone(),
+                reason: "no `weight_map` object".to_string(),
+            })?;
+        let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        return Ok(names.into_iter().map(|n| dir.join(n)).collect());
+    }
+    let entries = std::fs::read_dir(dir).map_err(|source| Error::Io {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let mut paths: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    paths.sort();
+    if paths.is_empty() {
+        return Err(Error::Safetensors {
+            path: dir.join("model.safetensors"),
+            reason: "no safetensors file in the checkpoint folder".to_string(),
+        });
+    }
+    Ok(paths)
+}
+
+fn detect_layout(routing: &HashMap<String, usize>) -> Result<KeyLayout> {
+    for layout in [KeyLayout::HfMultimodal, KeyLayout::Mlx, KeyLayout::HfText] {
+        if routing.contains_key(&format!("{}embed_tokens.weight", layout.prefix())) {
+            return Ok(layout);
+        }
+    }
+    Err(Error::MissingTensor {
+        name: "embed_tokens.weight (under model.language_model., language_model.model. or model.)"
+            .to_string(),
+        layer: None,
+    })
+}

@@ -1,0 +1,89 @@
+//! Every fixture loads and reproduces mlx-lm's greedy ids and first-step log-probs.
+
+mod common;
+
+use candle_gemma::CacheConfig;
+use common::*;
+
+/// Max |Δ log-prob| tolerated on the first step in f32 (a different summation order in the
+/// matmuls moves log-probs by ~1e-5; a missing architectural detail moves them by > 0.1).
+const LOGPROB_TOL: f64 = 2e-3;
+
+fn check_fixture(name: &str) {
+    let model = load(name);
+    for (i, case) in golden(name).iter().enumerate() {
+        let mut cache = model.new_cache(&CacheConfig::default()).expect("cache");
+        let logits = model
+            .forward(&[case.prompt.clone()], &mut cache)
+            .expect("forward")
+            .squeeze(0)
+            .expect("squeeze")
+            .to_vec1::<f32>()
+            .expect("logits");
+        let lp = log_softmax(&logits);
+        let max_diff = lp
+            .iter()
+            .zip(&case.first_logprobs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            max_diff < LOGPROB_TOL,
+            "{name} case {i}: first-step log-probs differ by {max_diff}"
+        );
+
+        let got = greedy(
+            &model,
+            &case.prompt,
+            case.greedy.len(),
+            CacheConfig::default(),
+            None,
+        );
+        let n = comparable_steps(&case.margins, 0.01);
+        assert_matches_reference(&format!("{name} case {i}"), &got, case, 0.01);
+        eprintln!(
+            "{name} case {i}: prompt {} tokens, {n}/{} ids compared, max |dlogprob| {max_diff:.2e}",
+            case.prompt.len(),
+            case.greedy.len()
+        );
+    }
+}
+
+#[test]
+fn e2b_hf_multimodal_layout_bf16_ple_kv_sharing_double_wide() {
+    check_fixture("e2b-hf");
+}
+
+#[test]
+fn e4b_text_layout_per_layer_config_qat_pruned() {
+    check_fixture("e4b-text");
+}
+
+#[test]
+fn moe_mlx_layout_k_eq_v() {
+    check_fixture("moe-mlx");
+}
+
+#[test]
+fn dense_k_eq_v_sharded() {
+    check_fixture("dense-sharded");
+}
+
+#[test]
+fn mlx_4bit_quantized() {
+    check_fixture("e2b-q4");
+}
+
+#[test]
+fn mlx_8bit_quantized() {
+    check_fixture("e2b-q8");
+}
+
+#[test]
+fn every_fixture_has_at_least_eight_comparable_tokens_per_prompt() {
+    for name in FIXTURES {
+        for (i, case) in golden(name).iter().enumerate() {
+            let n = comparable_steps(&case.margins, 0.01);
+            assert!(n >= 8, "{name} case {i}: only {n} steps before a near-tie");
+        }
+    }
+}
