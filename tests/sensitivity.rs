@@ -78,13 +78,16 @@ fn layer_scalar_matters() {
 
 #[test]
 fn k_eq_v_full_layers_need_no_v_proj_and_refuse_without_the_flag() {
-    // The dense-sharded fixture's full layer 5 ships no v_proj: declaring k_eq_v false must
-    // fail loudly, naming the missing tensor and layer.
+    // The dense-sharded fixture's full layer 5 ships no v_proj (and one global KV head):
+    // declaring k_eq_v false must fail loudly, naming the layer-5 tensor that does not fit.
     let s = Scratch::copy_of("dense-sharded", "keqv");
-    s.edit_config(|v| v["text_config"]["attention_k_eq_v"] = false.into());
+    s.edit_config(|v| {
+        v["text_config"]["attention_k_eq_v"] = false.into();
+        v["text_config"]["per_layer_config"] = serde_json::json!({"05": {"num_key_value_heads": 1}});
+    });
     match s.build() {
         Err(candle_gemma::Error::MissingTensor { name, layer }) => {
-            assert!(name.contains("layers.5.self_attn"), "{name}");
+            assert!(name.ends_with("layers.5.self_attn.v_proj.weight"), "{name}");
             assert_eq!(layer, Some(5));
         }
         other => panic!("expected MissingTensor, got {other:?}"),

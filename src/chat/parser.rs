@@ -22,7 +22,7 @@
 //! Guarantees: a tag may be split across chunks at any byte; no special token (`<turn|>`,
 //! `<eos>`, `<|turn>`, …) ever appears inside `Text` or `Thinking`; and nothing the model
 //! wrote is lost — an unterminated thought stays `Thinking`, a tool call that does not parse
-//! comes back as `Text` (its content, without the tags).
+//! comes back as `Text` (its content, without the tags and with `<|"|>` shown as `"`).
 
 use serde_json::Value;
 
@@ -272,29 +272,22 @@ impl OutputParser {
     /// Decides, once the header line of a `<|channel>` (`thinking`) or `<|turn>` block is
     /// known, whether it is a name to drop or content to keep.
     fn resolve_header(&mut self, header: String, thinking: bool) -> State {
-        let name_len = header.find('\n');
-        let name = &header[..name_len.unwrap_or(header.len())];
-        let (next, waiting) = if thinking {
-            (State::Thinking, State::ChannelHeader(String::new()))
-        } else {
-            (State::Text, State::TurnHeader(String::new()))
-        };
-        let body = match name_len {
+        let newline = header.find('\n');
+        let name = &header[..newline.unwrap_or(header.len())];
+        let body = match newline {
             Some(n) if is_header(name) => &header[n + 1..],
-            None if is_header(name) => {
-                return match waiting {
-                    State::ChannelHeader(_) => State::ChannelHeader(header),
-                    _ => State::TurnHeader(header),
-                };
-            }
+            // Still possibly a name: wait for the end of the line.
+            None if thinking && is_header(name) => return State::ChannelHeader(header),
+            None if is_header(name) => return State::TurnHeader(header),
             _ => header.as_str(),
         };
         if thinking {
             self.emit_thinking(body);
+            State::Thinking
         } else {
             self.emit_text(body);
+            State::Text
         }
-        next
     }
 
     fn close_tool_call(&mut self, raw: String) {
@@ -304,7 +297,8 @@ impl OutputParser {
                     self.events.push(OutputEvent::ToolCall { name, arguments });
                 }
             }
-            Err(_) => self.emit_text(&raw),
+            // Kept as text, with its string quotes made plain so no special token leaks.
+            Err(_) => self.emit_text(&raw.replace(QUOTE, "\"")),
         }
     }
 

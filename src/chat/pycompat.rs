@@ -32,7 +32,7 @@ fn unknown(method: &str) -> Error {
     )
 }
 
-fn str_arg<'a>(args: &'a [Value], i: usize) -> Option<&'a str> {
+fn str_arg(args: &[Value], i: usize) -> Option<&str> {
     args.get(i).and_then(|v| v.as_str())
 }
 
@@ -162,9 +162,15 @@ fn split(s: &str, from_right: bool, args: &[Value]) -> Value {
         .map(|m| m as usize);
     let parts: Vec<String> = match (sep, max, from_right) {
         (Some(p), None, _) => s.split(p).map(str::to_string).collect(),
-        (Some(p), Some(m), false) => s.splitn(m + 1, p).map(str::to_string).collect(),
+        (Some(p), Some(m), false) => s
+            .splitn(m.saturating_add(1), p)
+            .map(str::to_string)
+            .collect(),
         (Some(p), Some(m), true) => {
-            let mut v: Vec<String> = s.rsplitn(m + 1, p).map(str::to_string).collect();
+            let mut v: Vec<String> = s
+                .rsplitn(m.saturating_add(1), p)
+                .map(str::to_string)
+                .collect();
             v.reverse();
             v
         }
@@ -186,7 +192,7 @@ fn map_method(state: &State, value: &Value, method: &str, args: &[Value]) -> Res
                 found
             })
         }
-        "items" => state.apply_filter("items", &[value.clone()]),
+        "items" => state.apply_filter("items", std::slice::from_ref(value)),
         "keys" => Ok(Value::from(value.try_iter()?.collect::<Vec<_>>())),
         "values" => {
             let mut out = Vec::new();

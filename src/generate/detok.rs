@@ -49,7 +49,7 @@ impl<'t> StreamDecoder<'t> {
     ///
     /// # Errors
     /// [`Error::Tokenizer`] if decoding fails (e.g. an id outside the vocabulary in a
-    /// tokenizer that rejects it) or if the decoder rewrote text that was already emitted.
+    /// tokenizer that rejects it).
     pub fn push(&mut self, id: u32) -> Result<Option<String>> {
         self.ids.push(id);
         let text = self.decode(&self.ids)?;
@@ -82,14 +82,21 @@ impl<'t> StreamDecoder<'t> {
         Ok(out)
     }
 
+    /// The text after what was already emitted. With malformed byte sequences a byte-fallback
+    /// decoder can render the same ids differently once more ids follow (a lone `<0xE2>` becomes
+    /// part of a different replacement run); emitted text cannot be taken back, so the new text
+    /// then continues after the longest part both renderings share.
     fn new_suffix(&self, text: &str) -> Result<String> {
-        match text.strip_prefix(self.prefix.as_str()) {
-            Some(rest) => Ok(rest.to_string()),
-            None => Err(Error::Tokenizer(format!(
-                "stream decoding: the decoder rewrote emitted text {:?} as {:?}",
-                self.prefix, text
-            ))),
+        if let Some(rest) = text.strip_prefix(self.prefix.as_str()) {
+            return Ok(rest.to_string());
         }
+        let shared: usize = text
+            .char_indices()
+            .zip(self.prefix.chars())
+            .take_while(|((_, a), b)| a == b)
+            .map(|((_, a), _)| a.len_utf8())
+            .sum();
+        Ok(text[shared..].to_string())
     }
 
     fn decode(&self, ids: &[u32]) -> Result<String> {

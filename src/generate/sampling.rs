@@ -113,10 +113,13 @@ impl Sampler {
             return argmax(scores);
         }
         // Descending score, ascending id on ties: every filter below keeps a prefix.
-        pool.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if let Some(k) = self.opts.top_k.filter(|&k| k > 0) {
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if let Some(k) = self.opts.top_k.filter(|&k| k > 0 && k < pool.len()) {
+            // Partition first so that only the k survivors are sorted (vocab is 262k).
+            pool.select_nth_unstable_by(k - 1, order);
             pool.truncate(k);
         }
+        pool.sort_unstable_by(order);
         // Softmax over the survivors (max-subtracted; the first entry is the max).
         let max = pool[0].1;
         let mut total = 0.0f64;

@@ -79,11 +79,51 @@ fn groups_f32(t: &Tensor) -> Result<Vec<f32>, CacheError> {
         .to_vec1()?)
 }
 
+/// One packed K or V of one sequence, ready to read.
+struct Side {
+    /// Packed codes `[kvh, keys, hd*bits/32]`.
+    codes: Codes,
+    /// `[kvh, keys, hd/group]`.
+    scales: Vec<f32>,
+    /// `[kvh, keys, hd/group]`.
+    biases: Vec<f32>,
+    bits: usize,
+    group: usize,
+    /// Groups per row (`hd / group`).
+    groups: usize,
+}
+
+impl Side {
+    fn read(p: &PackedKv, head_dim: usize) -> Result<Self, CacheError> {
+        Ok(Self {
+            codes: Codes::read(&p.codes)?,
+            scales: groups_f32(&p.scales)?,
+            biases: groups_f32(&p.biases)?,
+            bits: p.bits.bits(),
+            group: p.group_size,
+            groups: head_dim / p.group_size,
+        })
+    }
+}
+
+/// Everything one query head needs, shared read-only between threads.
+struct Inputs<'a> {
+    /// Queries `[nH, q_len, hd]`, f32.
+    q: &'a [f32],
+    k: &'a Side,
+    v: &'a Side,
+    positions: &'a [usize],
+    plan: &'a QueryPlan,
+    q_len: usize,
+    head_dim: usize,
+    keys: usize,
+}
+
 /// Quantized attention for one sequence.
 ///
 /// `q`: `[1, n_heads, q_len, head_dim]`; `k`, `v`: packed `[1, kv_heads, keys, ...]`;
 /// `positions[j]`: absolute position of key `j`. Returns `[1, n_heads, q_len, head_dim]` in
-/// `q`'s dtype on `q`'s device.
+/// `q`'s dtype on `q`'s device. Query heads are spread over the available cores.
 pub(crate) fn attend_packed(
     q: &Tensor,
     k: &PackedKv,
@@ -94,81 +134,100 @@ pub(crate) fn attend_packed(
     let (_, n_heads, q_len, head_dim) = q.dims4()?;
     let (_, kv_heads, keys, _) = k.codes.dims4()?;
     let group = n_heads / kv_heads;
-    let (kb, vb) = (k.bits.bits(), v.bits.bits());
-    let (kg, vg) = (k.group_size, v.group_size);
-    let (k_groups, v_groups) = (head_dim / kg, head_dim / vg);
-
     let qf: Vec<f32> = q
         .to_device(&Device::Cpu)?
         .to_dtype(DType::F32)?
         .flatten_all()?
         .to_vec1()?; // [nH, q_len, hd]
-    let k_codes = Codes::read(&k.codes)?; // [kvh, keys, hd*kbits/32]
-    let v_codes = Codes::read(&v.codes)?; // [kvh, keys, hd*vbits/32]
-    let k_scales = groups_f32(&k.scales)?; // [kvh, keys, hd/kg]
-    let k_biases = groups_f32(&k.biases)?; // [kvh, keys, hd/kg]
-    let v_scales = groups_f32(&v.scales)?; // [kvh, keys, hd/vg]
-    let v_biases = groups_f32(&v.biases)?; // [kvh, keys, hd/vg]
+    let (ks, vs) = (Side::read(k, head_dim)?, Side::read(v, head_dim)?);
+    let inputs = Inputs {
+        q: &qf,
+        k: &ks,
+        v: &vs,
+        positions,
+        plan,
+        q_len,
+        head_dim,
+        keys,
+    };
 
-    let scale = plan.scale as f32;
     let mut out = vec![0f32; n_heads * q_len * head_dim]; // [nH, q_len, hd]
-    let mut qs = vec![0f32; head_dim]; // [hd]: one scaled query row
-    let mut q_sums = vec![0f32; k_groups]; // [hd/kg]: Σ q' per key group
-    let mut acc = vec![0f32; head_dim]; // [hd]: running Σ p_j * v_j
-
-    for h in 0..n_heads {
-        let g = h / group; // KV head serving query head h
-        for i in 0..q_len {
-            let qpos = plan.q_offset + i;
-            let q_row = &qf[(h * q_len + i) * head_dim..(h * q_len + i + 1) * head_dim];
-            for (d, s) in qs.iter_mut().zip(q_row) {
-                *d = s * scale;
-            }
-            for (gi, sum) in q_sums.iter_mut().enumerate() {
-                *sum = qs[gi * kg..(gi + 1) * kg].iter().sum();
-            }
-            acc.iter_mut().for_each(|a| *a = 0.0);
-            let mut m = f32::NEG_INFINITY; // running max score
-            let mut l = 0f32; // running Σ exp(s - m)
-            for (j, &pos) in positions.iter().enumerate().take(keys) {
-                if !visible(pos, qpos, plan.window) {
-                    continue;
+    let per_head = (q_len * head_dim).max(1);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(n_heads)
+        .max(1);
+    let heads_per_thread = n_heads.div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (t, chunk) in out.chunks_mut(per_head * heads_per_thread).enumerate() {
+            let inputs = &inputs;
+            scope.spawn(move || {
+                for (i, out_h) in chunk.chunks_mut(per_head).enumerate() {
+                    let h = t * heads_per_thread + i;
+                    one_head(inputs, h, h / group, out_h);
                 }
-                // Score against key j, dequantized group by group.
-                let krow = k_codes.row(g, j);
-                let kgi = (g * keys + j) * k_groups;
-                let mut s = 0f32;
-                for gi in 0..k_groups {
-                    let mut dot = 0f32;
-                    for e in gi * kg..(gi + 1) * kg {
-                        dot += code_at(krow, e, kb) as f32 * qs[e];
-                    }
-                    s += k_scales[kgi + gi] * dot + k_biases[kgi + gi] * q_sums[gi];
-                }
-                // Online softmax: rescale what was accumulated when the max grows.
-                let m_new = m.max(s);
-                let corr = (m - m_new).exp();
-                let p = (s - m_new).exp();
-                l = l * corr + p;
-                m = m_new;
-                let vrow = v_codes.row(g, j);
-                let vgi = (g * keys + j) * v_groups;
-                for (e, a) in acc.iter_mut().enumerate() {
-                    let gi = vgi + e / vg;
-                    let val = v_scales[gi] * code_at(vrow, e, vb) as f32 + v_biases[gi];
-                    *a = *a * corr + p * val;
-                }
-            }
-            let o = &mut out[(h * q_len + i) * head_dim..(h * q_len + i + 1) * head_dim];
-            // l > 0 whenever a key is visible; a query that sees nothing gets zeros, not NaN.
-            let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-            for (d, a) in o.iter_mut().zip(&acc) {
-                *d = a * inv;
-            }
+            });
         }
-    }
+    });
     let t = Tensor::from_vec(out, (1, n_heads, q_len, head_dim), &Device::Cpu)?
         .to_dtype(q.dtype())?
         .to_device(q.device())?;
     Ok(t)
+}
+
+/// Query head `h` (served by KV head `g`) into `out` `[q_len, hd]`.
+fn one_head(x: &Inputs<'_>, h: usize, g: usize, out: &mut [f32]) {
+    let (hd, keys) = (x.head_dim, x.keys);
+    let (k, v) = (x.k, x.v);
+    let scale = x.plan.scale as f32;
+    let mut qs = vec![0f32; hd]; // [hd]: one scaled query row
+    let mut q_sums = vec![0f32; k.groups]; // [hd/kg]: Σ q' per key group
+    let mut acc = vec![0f32; hd]; // [hd]: running Σ p_j * v_j
+    for (i, o) in out.chunks_mut(hd).enumerate() {
+        let qpos = x.plan.q_offset.saturating_add(i);
+        let q_row = &x.q[(h * x.q_len + i) * hd..][..hd];
+        for (d, s) in qs.iter_mut().zip(q_row) {
+            *d = s * scale;
+        }
+        for (sum, chunk) in q_sums.iter_mut().zip(qs.chunks(k.group)) {
+            *sum = chunk.iter().sum();
+        }
+        acc.iter_mut().for_each(|a| *a = 0.0);
+        let mut m = f32::NEG_INFINITY; // running max score
+        let mut l = 0f32; // running Σ exp(s - m)
+        for (j, &pos) in x.positions.iter().enumerate().take(keys) {
+            if !visible(pos, qpos, x.plan.window) {
+                continue;
+            }
+            // Score against key j, dequantized group by group.
+            let krow = k.codes.row(g, j);
+            let kgi = (g * keys + j) * k.groups;
+            let mut s = 0f32;
+            for (gi, q_sum) in q_sums.iter().enumerate() {
+                let mut dot = 0f32;
+                for (e, qe) in qs.iter().enumerate().skip(gi * k.group).take(k.group) {
+                    dot += code_at(krow, e, k.bits) as f32 * qe;
+                }
+                s += k.scales[kgi + gi] * dot + k.biases[kgi + gi] * q_sum;
+            }
+            // Online softmax: rescale what was accumulated when the max grows.
+            let m_new = m.max(s);
+            let corr = (m - m_new).exp();
+            let p = (s - m_new).exp();
+            l = l * corr + p;
+            m = m_new;
+            let vrow = v.codes.row(g, j);
+            let vgi = (g * keys + j) * v.groups;
+            for (e, a) in acc.iter_mut().enumerate() {
+                let gi = vgi + e / v.group;
+                let val = v.scales[gi] * code_at(vrow, e, v.bits) as f32 + v.biases[gi];
+                *a = *a * corr + p * val;
+            }
+        }
+        // l > 0 whenever a key is visible; a query that sees nothing gets zeros, not NaN.
+        let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
+        for (d, a) in o.iter_mut().zip(&acc) {
+            *d = a * inv;
+        }
+    }
 }

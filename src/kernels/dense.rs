@@ -23,9 +23,9 @@ pub(crate) fn attend_dense(
     let group = n_heads / kv_heads;
     // GQA without repeat_kv: the `group` query heads of one KV head become extra rows.
     let qg = q.reshape((kv_heads, group * q_len, head_dim))?; // [kvh, group*q_len, hd]
-    let kk = k.squeeze(0)?.contiguous()?; // [kvh, keys, hd]
-    let vv = v.squeeze(0)?.contiguous()?; // [kvh, keys, hd]
-    let scores = qg.matmul(&kk.t()?)?.to_dtype(DType::F32)?; // [kvh, group*q_len, keys]
+    let kk = k.squeeze(0)?; // [kvh, keys, hd]
+    let vv = v.squeeze(0)?; // [kvh, keys, hd]
+    let scores = matmul_strided(&qg, &kk.t()?)?.to_dtype(DType::F32)?; // [kvh, group*q_len, keys]
     let scores = (scores * plan.scale)?;
     let scores = match mask(positions, plan, q_len)? {
         None => scores,
@@ -38,10 +38,19 @@ pub(crate) fn attend_dense(
         }
     };
     let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(vv.dtype())?; // [kvh, group*q_len, keys]
-    let out = probs.matmul(&vv)?; // [kvh, group*q_len, hd]
+    let out = matmul_strided(&probs, &vv)?; // [kvh, group*q_len, hd]
     Ok(out
         .reshape((1, n_heads, q_len, head_dim))?
         .to_dtype(q.dtype())?)
+}
+
+/// `a · b`, reading a cache view in place when the backend accepts its strides (a narrowed
+/// buffer is strided along heads) and copying it to contiguous memory only when it does not.
+fn matmul_strided(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    match a.matmul(b) {
+        Ok(out) => Ok(out),
+        Err(_) => a.contiguous()?.matmul(&b.contiguous()?),
+    }
 }
 
 /// The additive mask `[q_len, keys]` (0 visible, -inf hidden), or `None` when every key is
@@ -49,7 +58,7 @@ pub(crate) fn attend_dense(
 /// the kernel runs without a mask, the same path whatever the batch.
 fn mask(positions: &[usize], plan: &QueryPlan, q_len: usize) -> Result<Option<Tensor>, CacheError> {
     let first_q = plan.q_offset;
-    let last_q = plan.q_offset + q_len.saturating_sub(1);
+    let last_q = plan.q_offset.saturating_add(q_len.saturating_sub(1));
     let all_visible = positions
         .iter()
         .all(|&p| visible(p, first_q, plan.window) && visible(p, last_q, plan.window));
@@ -58,7 +67,7 @@ fn mask(positions: &[usize], plan: &QueryPlan, q_len: usize) -> Result<Option<Te
     }
     let mut m = Vec::with_capacity(q_len * positions.len()); // [q_len, keys]
     for i in 0..q_len {
-        let qpos = plan.q_offset + i;
+        let qpos = plan.q_offset.saturating_add(i);
         m.extend(positions.iter().map(|&p| {
             if visible(p, qpos, plan.window) {
                 0f32

@@ -29,7 +29,7 @@ pub(crate) struct QueryPlan {
 /// for a window `W`, `query - W < key` (W keys including the query's own).
 #[inline]
 pub fn visible(key: usize, query: usize, window: Option<usize>) -> bool {
-    key <= query && window.map_or(true, |w| key + w > query)
+    key <= query && window.map_or(true, |w| key.saturating_add(w) > query)
 }
 
 /// Attention of `q` over the keys and values of a cache view.

@@ -156,11 +156,7 @@ pub fn dequantize(p: &PackedKv) -> Result<Tensor, CacheError> {
     let cdims = p.codes.dims().to_vec();
     let words = cdims.last().copied().unwrap_or(0);
     let dim = words * 32 / b;
-    let n_groups = if p.group_size == 0 {
-        0
-    } else {
-        dim / p.group_size
-    };
+    let n_groups = dim.checked_div(p.group_size).unwrap_or(0);
     let mut sdims = cdims.clone();
     if let Some(last) = sdims.last_mut() {
         *last = n_groups;
@@ -189,7 +185,7 @@ pub fn dequantize(p: &PackedKv) -> Result<Tensor, CacheError> {
         .to_dtype(DType::F32)?
         .flatten_all()?
         .to_vec1()?;
-    let rows = if words == 0 { 0 } else { codes.len() / words };
+    let rows = codes.len().checked_div(words).unwrap_or(0);
     let mut out = Vec::with_capacity(rows * dim); // [rows, dim]
     for r in 0..rows {
         let row = &codes[r * words..(r + 1) * words];

@@ -154,6 +154,9 @@ impl GrowBuf {
     }
 }
 
+/// Stored parts and the absolute position of each of their tokens.
+type Positioned = (Vec<Tensor>, Vec<usize>);
+
 /// A ring of `size` slots: position `p` lives in slot `p % size`. Live positions are
 /// `first..offset` (at most `size` of them). Storage grows up to `size` slots while the ring
 /// has not wrapped, so a short sequence does not pay for the whole window.
@@ -247,7 +250,7 @@ impl RingBuf {
     /// Live tokens and their positions. Zero-copy when the live slots form one run (the usual
     /// case: a ring not yet wrapped, or a full one); a ring trimmed after wrapping is gathered.
     /// `ordered` forces position order (for saving and converting).
-    fn view(&self, ordered: bool) -> Result<Option<(Vec<Tensor>, Vec<usize>)>, CacheError> {
+    fn view(&self, ordered: bool) -> Result<Option<Positioned>, CacheError> {
         let Some(parts) = &self.parts else {
             return Ok(None);
         };
@@ -284,7 +287,7 @@ impl RingBuf {
     /// In place when the write overwrites no key the new queries need (always for one token);
     /// otherwise the answer is `cat(live keys, new keys)` and the ring then keeps the last
     /// `size` positions.
-    pub fn update(&mut self, new: &[Tensor]) -> Result<(Vec<Tensor>, Vec<usize>), CacheError> {
+    pub fn update(&mut self, new: &[Tensor]) -> Result<Positioned, CacheError> {
         let n = new[0].dim(T)?;
         // Oldest position the first new query still needs.
         let needed = self
@@ -332,10 +335,25 @@ impl RingBuf {
         *self = Self::new(self.window, self.size);
     }
 
+    /// Empties the ring, the next token at position `offset` (a ring whose live keys were all
+    /// trimmed away: with a window of 1 the next query needs none of them).
+    pub fn restart_at(&mut self, offset: usize) {
+        self.reset();
+        self.offset = offset;
+        self.first = offset;
+    }
+
     /// Rebuilds a ring from live tokens in position order (`first..first+len`).
     pub fn load(&mut self, first: usize, live: &[Tensor]) -> Result<(), CacheError> {
         self.reset();
         let n = live[0].dim(T)?;
+        if first.checked_add(n).is_none() {
+            return Err(CacheError::Shape {
+                what: "first position of a ring",
+                expected: "a position that fits".into(),
+                found: vec![first, n],
+            });
+        }
         self.offset = first;
         self.first = first;
         self.store(live, n)

@@ -188,12 +188,12 @@ const PACKED_NAMES: [&str; 6] = [
 ];
 
 /// Geometry of a layer cache as saved.
-fn layer_state(c: &LayerCache, l: usize) -> Result<(SavedLayer, Vec<Tensor>), CacheError> {
+fn layer_state(c: &LayerCache) -> Result<(SavedLayer, Vec<Tensor>), CacheError> {
     let (parts, first, packed) = match c {
         LayerCache::Simple(s) => (s.kv()?.map(|(k, v)| vec![k, v]), 0, false),
         LayerCache::Rotating(r) => match r.live()? {
             Some((k, v, first)) => (Some(vec![k, v]), first, false),
-            None => (None, r.offsets()[0], false),
+            None => (None, r.offsets().first().copied().unwrap_or(0), false),
         },
         LayerCache::Quantized(q) => match q.live()? {
             Some((parts, first)) => (Some(parts), first, q.is_packed()),
@@ -215,7 +215,6 @@ fn layer_state(c: &LayerCache, l: usize) -> Result<(SavedLayer, Vec<Tensor>), Ca
         Some(p) => p[0].dim(2)?,
         None => 0,
     };
-    let _ = l;
     Ok((
         SavedLayer {
             kv_heads,
@@ -312,7 +311,7 @@ impl PromptCache {
                 layers.push(None);
                 continue;
             };
-            let (saved, parts) = layer_state(c, l)?;
+            let (saved, parts) = layer_state(c)?;
             let names: &[&str] = if saved.packed {
                 &PACKED_NAMES
             } else {
@@ -463,14 +462,10 @@ fn rebuild(
         CacheKind::Rotating { window, slots } => {
             spec.window = Some(*window);
             let mut c = RotatingCache::with_slack(&spec, slots.saturating_sub(*window), dtype)?;
-            if !empty {
+            if empty {
+                c.restart_at(saved.first);
+            } else {
                 c.load(&parts[0], &parts[1], saved.first)?;
-            } else if saved.first > 0 {
-                return Err(CacheError::Shape {
-                    what: "empty rotating cache",
-                    expected: "offset 0".into(),
-                    found: vec![saved.first],
-                });
             }
             LayerCache::Rotating(c)
         }
@@ -487,7 +482,9 @@ fn rebuild(
                 start: *start,
             };
             let mut c = QuantizedCache::new(&spec, &quant, dtype)?;
-            if !empty {
+            if empty {
+                c.restart_at(saved.packed, saved.first)?;
+            } else {
                 c.load(saved.packed, parts, saved.first)?;
             }
             LayerCache::Quantized(c)

@@ -148,12 +148,11 @@ impl QuantizedCache {
                     b.append(parts)?;
                 }
             }
-            Store::Ring(r) => {
-                r.reset();
-                if let Some((parts, first)) = &packed {
-                    r.load(*first, parts)?;
-                }
-            }
+            Store::Ring(r) => match &packed {
+                Some((parts, first)) => r.load(*first, parts)?,
+                // Nothing live (all trimmed away): keep the position.
+                None => r.restart_at(r.offset()),
+            },
         }
         self.packed = true;
         Ok(())
@@ -234,6 +233,27 @@ impl QuantizedCache {
             Store::Grow(b) => b.len(),
             Store::Ring(r) => r.trimmable(),
         }
+    }
+
+    /// Empties the cache with the next token at position `offset` (`packed`: whether it had
+    /// reached `start`).
+    ///
+    /// # Errors
+    /// [`CacheError::Shape`] for a nonzero offset on a growing cache (it cannot be empty there).
+    pub(crate) fn restart_at(&mut self, packed: bool, offset: usize) -> Result<(), CacheError> {
+        match &mut self.store {
+            Store::Grow(b) if offset == 0 => b.reset(),
+            Store::Grow(_) => {
+                return Err(CacheError::Shape {
+                    what: "empty growing cache",
+                    expected: "offset 0".into(),
+                    found: vec![offset],
+                })
+            }
+            Store::Ring(r) => r.restart_at(offset),
+        }
+        self.packed = packed;
+        Ok(())
     }
 
     /// A deep copy: new storage, same tokens.

@@ -101,6 +101,11 @@ impl RotatingCache {
         self.ring.trimmable()
     }
 
+    /// Empties the ring with the next token at position `offset`.
+    pub(crate) fn restart_at(&mut self, offset: usize) {
+        self.ring.restart_at(offset);
+    }
+
     /// A deep copy: new storage, same tokens.
     ///
     /// # Errors
