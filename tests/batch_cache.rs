@@ -101,10 +101,13 @@ fn batch_equals_single_for_every_cache_kind() {
             let close = diffs.iter().filter(|&&d| d < LOGPROB_TOL).count();
             eprintln!("{name} {label}: batch vs single, max |dlogprob| {worst:.1e}, {close}/{} steps within {LOGPROB_TOL}", diffs.len());
             if label.ends_with("-bit") {
-                // A K/V value one ulp away (batched matmuls sum in another order) may round to
-                // the neighbouring code, which these random-weight fixtures amplify ~1000x; such
-                // flips are rare, and a real error would move every step.
-                assert!(close * 10 >= diffs.len() * 9, "{name} {label}: only {close}/{} steps close", diffs.len());
+                // A K/V value one f32 ulp away (a batched matmul sums in another order than a
+                // single one) can round to the neighbouring code; these random-weight fixtures
+                // amplify such a flip ~1000x, and the sequence keeps the flipped code. Observed:
+                // e4b-text 8-bit, sequence 0, one code of layer 5 at step 1. A real batching
+                // error would move every sequence; a flip moves one.
+                let clean = (0..prompts.len()).filter(|b| diffs.iter().skip(*b).step_by(prompts.len()).all(|&d| d < LOGPROB_TOL)).count();
+                assert!(clean + 1 >= prompts.len(), "{name} {label}: only {clean} sequences match their single runs");
             } else {
                 assert!(worst < LOGPROB_TOL, "{name} {label}: {worst}");
             }

@@ -16,6 +16,20 @@ use crate::model::Model;
 /// The text of the token that ends a model turn.
 const END_OF_TURN: &str = "<turn|>";
 
+/// Special tokens the output parser needs to see; every other special token (`<unused…>`,
+/// `<mask>`, image placeholders, ...) is dropped from the stream before parsing.
+const STRUCTURAL: &[&str] = &[
+    "<|channel>",
+    "<channel|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|\"|>",
+    "<|turn>",
+    "<turn|>",
+    "<|tool_response>",
+    "<tool_response|>",
+];
+
 /// One answer of the model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Reply {
@@ -193,12 +207,24 @@ impl<'m> ChatSession<'m> {
             }
             keep_going
         };
+        let hidden: std::collections::HashSet<u32> = self
+            .model
+            .tokenizer()
+            .map(|t| {
+                t.get_added_tokens_decoder()
+                    .into_iter()
+                    .filter(|(_, tok)| tok.special && !STRUCTURAL.contains(&tok.content.as_str()))
+                    .map(|(id, _)| id)
+                    .collect()
+            })
+            .unwrap_or_default();
         let mut stream = self.generator.stream(&prompt)?;
         for step in stream.by_ref() {
             let step = step?;
             generated.push(step.token);
             reply.finish = step.finish;
-            if !absorb(parser.push(&step.text), &mut reply) {
+            let text = if hidden.contains(&step.token) { "" } else { step.text.as_str() };
+            if !absorb(parser.push(text), &mut reply) {
                 break;
             }
         }

@@ -6,7 +6,11 @@
 //! unsorted storage and a batch's per-sequence offsets need no special casing.
 
 pub mod cpu;
+pub mod cuda;
 mod dense;
+#[cfg(feature = "metal")]
+pub mod metal;
+pub mod qmatmul;
 mod quant;
 
 pub use quant::{check_group_size, dequantize, quantize, GROUP_SIZES};
@@ -159,6 +163,12 @@ fn attend_one(
             }
             match q.device() {
                 Device::Cpu => cpu::attend_packed(q, k, v, positions, plan),
+                #[cfg(feature = "cuda")]
+                Device::Cuda(_) => {
+                    cuda::launch::attend_packed(q, k, v, positions, plan, cuda::QsdpaPath::Auto)
+                }
+                #[cfg(feature = "metal")]
+                Device::Metal(_) => metal::attend_packed(q, k, v, positions, plan),
                 _ => {
                     let (kd, vd) = (dequantize(k)?, dequantize(v)?);
                     dense::attend_dense(q, &kd, &vd, positions, plan)

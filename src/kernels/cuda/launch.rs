@@ -1,0 +1,509 @@
+//! CUDA launchers for the quantized kernels in `qkernels.cu` (PTX embedded at build time, loaded
+//! once per device by candle's module cache): fused quantized attention with flash-decoding
+//! splits, the quantized matrix-vector product, and row dequantization (prefill GEMM and
+//! embedding lookup).
+
+use candle_core::cuda_backend::cudarc::driver::{
+    sys::CUdevice_attribute, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
+use candle_core::op::BackpropOp;
+use candle_core::{DType, Device, Layout, Storage, Tensor};
+
+use super::params::{
+    split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_WARPS, QSDPA_HEAD_DIMS,
+    QSDPA_ROWS, QSDPA_WARPS,
+};
+use crate::kernels::{dense, QueryPlan};
+use crate::kv::{CacheError, PackedKv};
+
+/// The kernels' PTX, built by `build.rs` from `qkernels.cu`.
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qkernels.ptx"));
+/// Module name under which candle caches the loaded PTX.
+const MODULE: &str = "candle_gemma_qkernels";
+
+// SAFETY: both structs are `#[repr(C)]`, plain integers and floats, passed by value and read
+// by the kernels with the same field layout.
+unsafe impl DeviceRepr for QsdpaParams {}
+unsafe impl DeviceRepr for QmatParams {}
+
+/// Which algorithm the CUDA quantized attention uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QsdpaPath {
+    /// Fused for short query blocks (decode), dequantize-then-dense for long prefills.
+    #[default]
+    Auto,
+    /// Always the fused kernel (reads packed K/V in place, split over the key range).
+    Fused,
+    /// Dequantize K/V on the GPU, then the dense matmul attention.
+    DequantDense,
+}
+
+/// Query blocks longer than this take the dequantize-then-dense path under [`QsdpaPath::Auto`]
+/// (the fused kernel does no tensor-core work, so long prefills are faster through cuBLAS).
+pub const FUSED_MAX_Q_LEN: usize = 16;
+
+fn kname(dtype: DType) -> Result<&'static str, CacheError> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::F16 => Ok("f16"),
+        DType::BF16 => Ok("bf16"),
+        found => Err(CacheError::DType {
+            what: "queries for the CUDA quantized kernels",
+            expected: DType::BF16,
+            found,
+        }),
+    }
+}
+
+fn cuda_dev(t: &Tensor) -> candle_core::Result<CudaDevice> {
+    match t.device() {
+        Device::Cuda(d) => Ok(d.clone()),
+        _ => candle_core::bail!("expected a CUDA tensor"),
+    }
+}
+
+fn cuda_storage<'a>(s: &'a Storage) -> candle_core::Result<&'a CudaStorage> {
+    match s {
+        Storage::Cuda(c) => Ok(c),
+        _ => candle_core::bail!("expected CUDA storage"),
+    }
+}
+
+/// A view of `t`'s buffer from its layout's start offset.
+fn view<'a, T: CudaDType>(
+    s: &'a CudaStorage,
+    layout: &Layout,
+) -> candle_core::Result<CudaView<'a, T>> {
+    Ok(s.as_cuda_slice::<T>()?.slice(layout.start_offset()..))
+}
+
+/// Wraps a freshly written device buffer as a contiguous tensor.
+fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: &[usize]) -> Tensor {
+    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone()));
+    Tensor::from_storage(storage, shape, BackpropOp::none(), false)
+}
+
+/// Multiprocessors of the device (132 on an H100 SXM).
+fn sm_count(dev: &CudaDevice) -> usize {
+    dev.cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_or(132, |n| n.max(1) as usize)
+}
+
+/// `[1, kvh, keys, last]` with a dense last axis, as `(tensor, head stride, key stride)`,
+/// copying only when the view is not addressable by two strides.
+fn strided4(t: &Tensor) -> candle_core::Result<(Tensor, u64, u64)> {
+    let st = t.stride();
+    if st.len() == 4 && st[3] == 1 {
+        return Ok((t.clone(), st[1] as u64, st[2] as u64));
+    }
+    let t = t.contiguous()?;
+    let st = t.stride().to_vec();
+    Ok((t, st[1] as u64, st[2] as u64))
+}
+
+/// Fused quantized attention of one sequence on a CUDA device: the host API behind
+/// [`crate::kernels::attend`] for [`crate::kv::KvData::Packed`] on CUDA.
+///
+/// * `q`: `[1, n_heads, q_len, head_dim]` (f32, f16 or bf16), on a CUDA device.
+/// * `k`, `v`: packed `[1, kv_heads, keys, ..]` on the same device, same bits and group size;
+///   scales/biases in `q`'s dtype (converted otherwise).
+/// * `positions[j]`: absolute position of key `j`; `q_offset`: position of query 0;
+///   `window`: `Some(W)` on sliding layers; `scale`: score multiplier.
+///
+/// Returns `[1, n_heads, q_len, head_dim]` in `q`'s dtype. Queries that see no key get zeros.
+///
+/// # Errors
+/// [`CacheError::Shape`] for mismatched shapes or an unsupported head dimension (32, 64, 128,
+/// 256 or 512), [`CacheError::BadGroupSize`], [`CacheError::DType`] for a non-float query,
+/// candle/CUDA errors.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_packed_cuda(
+    q: &Tensor,
+    k: &PackedKv,
+    v: &PackedKv,
+    positions: &[usize],
+    q_offset: usize,
+    window: Option<usize>,
+    scale: f64,
+    path: QsdpaPath,
+) -> Result<Tensor, CacheError> {
+    let plan = QueryPlan {
+        q_offset,
+        window,
+        scale,
+    };
+    attend_packed(q, k, v, positions, &plan, path)
+}
+
+/// [`attend_packed_cuda`] with the dispatcher's [`QueryPlan`].
+pub(crate) fn attend_packed(
+    q: &Tensor,
+    k: &PackedKv,
+    v: &PackedKv,
+    positions: &[usize],
+    plan: &QueryPlan,
+    path: QsdpaPath,
+) -> Result<Tensor, CacheError> {
+    let (_, _, q_len, _) = q.dims4()?;
+    let fused = match path {
+        QsdpaPath::Auto => q_len <= FUSED_MAX_Q_LEN,
+        QsdpaPath::Fused => true,
+        QsdpaPath::DequantDense => false,
+    };
+    if fused {
+        attend_fused(q, k, v, positions, plan)
+    } else {
+        let kd = dequantize_kv(k, q.dtype())?;
+        let vd = dequantize_kv(v, q.dtype())?;
+        dense::attend_dense(q, &kd, &vd, positions, plan)
+    }
+}
+
+/// Dense `[1, kvh, keys, head_dim]` in `dtype` from packed K or V, on the GPU.
+///
+/// # Errors
+/// Shape, dtype and CUDA errors.
+pub fn dequantize_kv(p: &PackedKv, dtype: DType) -> Result<Tensor, CacheError> {
+    let (b, kvh, keys, words) = p.codes.dims4()?;
+    let bits = p.bits.bits();
+    let hd = words * 32 / bits;
+    let rows = b * kvh * keys;
+    let codes = p.codes.contiguous()?.reshape((rows, words))?;
+    let scales = p.scales.contiguous()?.reshape((rows, hd / p.group_size))?;
+    let biases = p.biases.contiguous()?.reshape((rows, hd / p.group_size))?;
+    let dense = dequant_rows(&codes, &scales, &biases, bits, p.group_size, None, dtype)?;
+    Ok(dense.reshape((b, kvh, keys, hd))?)
+}
+
+fn attend_fused(
+    q: &Tensor,
+    k: &PackedKv,
+    v: &PackedKv,
+    positions: &[usize],
+    plan: &QueryPlan,
+) -> Result<Tensor, CacheError> {
+    let (_, n_heads, q_len, head_dim) = q.dims4()?;
+    let (_, kv_heads, keys, _) = k.codes.dims4()?;
+    if !QSDPA_HEAD_DIMS.contains(&head_dim) || k.bits != v.bits || k.group_size != v.group_size {
+        return Err(CacheError::Shape {
+            what: "CUDA quantized attention",
+            expected: format!(
+                "head_dim in {QSDPA_HEAD_DIMS:?}, K and V with the same bits and group size"
+            ),
+            found: vec![head_dim, k.bits.bits(), v.bits.bits(), k.group_size, v.group_size],
+        });
+    }
+    let dtype = q.dtype();
+    let tn = kname(dtype)?;
+    let dev = cuda_dev(q)?;
+    let q = q.contiguous()?;
+    let cast = |t: &Tensor| -> candle_core::Result<Tensor> {
+        if t.dtype() == dtype {
+            Ok(t.clone())
+        } else {
+            t.to_dtype(dtype)
+        }
+    };
+    let (kc, k_codes_sh, k_codes_sk) = strided4(&k.codes)?;
+    let (vc, v_codes_sh, v_codes_sk) = strided4(&v.codes)?;
+    // Scales and biases are read with one stride pair per side: make both contiguous when
+    // their layouts differ.
+    let pair = |s: &Tensor, b: &Tensor| -> candle_core::Result<(Tensor, Tensor, u64, u64)> {
+        let (s1, sh, sk) = strided4(&cast(s)?)?;
+        let (b1, bh, bk) = strided4(&cast(b)?)?;
+        if (sh, sk) == (bh, bk) {
+            return Ok((s1, b1, sh, sk));
+        }
+        let (s2, sh, sk) = strided4(&s1.contiguous()?)?;
+        Ok((s2, b1.contiguous()?, sh, sk))
+    };
+    let (ks, kb, k_sc_sh, k_sc_sk) = pair(&k.scales, &k.biases)?;
+    let (vs, vb, v_sc_sh, v_sc_sk) = pair(&v.scales, &v.biases)?;
+    let too_big = || CacheError::Shape {
+        what: "CUDA quantized attention (positions/sizes must fit in u32)",
+        expected: "values below 2^32".into(),
+        found: vec![keys, plan.q_offset + q_len],
+    };
+    let u32_of = |x: usize| u32::try_from(x).map_err(|_| too_big());
+    let mut params = QsdpaParams {
+        k_codes_sh,
+        k_codes_sk,
+        k_sc_sh,
+        k_sc_sk,
+        v_codes_sh,
+        v_codes_sk,
+        v_sc_sh,
+        v_sc_sk,
+        n_heads: u32_of(n_heads)?,
+        kv_heads: u32_of(kv_heads)?,
+        q_len: u32_of(q_len)?,
+        head_dim: u32_of(head_dim)?,
+        keys: u32_of(keys)?,
+        group_size: u32_of(k.group_size)?,
+        window: u32_of(plan.window.unwrap_or(0))?,
+        q_offset: u32_of(plan.q_offset)?,
+        scale: plan.scale as f32,
+        ..Default::default()
+    };
+    let code = PositionCode::encode(positions).ok_or_else(too_big)?;
+    let table: Vec<u32> = code.apply(&mut params).map(|t| t.to_vec()).unwrap_or_default();
+    let rows = n_heads / kv_heads * q_len;
+    let row_blocks = rows.div_ceil(QSDPA_ROWS);
+    let (n_split, per) = split_keys(keys.max(1), row_blocks * kv_heads, sm_count(&dev));
+    params.n_split = u32_of(n_split)?;
+    params.keys_per_split = u32_of(per)?;
+
+    let out_len = n_heads * q_len * head_dim;
+    let total_rows = kv_heads * rows;
+    let pos_buf: CudaSlice<u32> = if table.is_empty() {
+        dev.alloc_zeros::<u32>(1)?
+    } else {
+        dev.clone_htod(&table)?
+    };
+    let (ml_len, acc_len) = if n_split > 1 {
+        (n_split * total_rows * 2, n_split * total_rows * head_dim)
+    } else {
+        (1, 1)
+    };
+    // SAFETY: every element of the partial buffers that is read is written first (each split
+    // block writes all its rows), and the output is written in full by the kernel.
+    let part_ml = unsafe { dev.alloc::<f32>(ml_len)? };
+    let part_acc = unsafe { dev.alloc::<f32>(acc_len)? };
+
+    let main_cfg = LaunchConfig {
+        grid_dim: (row_blocks as u32, kv_heads as u32, n_split as u32),
+        block_dim: ((QSDPA_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let comb_cfg = LaunchConfig {
+        grid_dim: (total_rows as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let name = format!("qsdpa_{tn}_{head_dim}_{}", k.bits.bits());
+    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let comb = dev.get_or_load_custom_func(&format!("qsdpa_combine_{tn}"), MODULE, PTX)?;
+
+    macro_rules! go {
+        ($t:ty) => {{
+            // SAFETY: uninitialised, then fully written by the kernel before it is read.
+            let mut out = unsafe { dev.alloc::<$t>(out_len)? };
+            {
+                let (q_s, q_l) = q.storage_and_layout();
+                let (kc_s, kc_l) = kc.storage_and_layout();
+                let (ks_s, ks_l) = ks.storage_and_layout();
+                let (kb_s, kb_l) = kb.storage_and_layout();
+                let (vc_s, vc_l) = vc.storage_and_layout();
+                let (vs_s, vs_l) = vs.storage_and_layout();
+                let (vb_s, vb_l) = vb.storage_and_layout();
+                let qv = view::<$t>(cuda_storage(&q_s)?, q_l)?;
+                let kcv = view::<u32>(cuda_storage(&kc_s)?, kc_l)?;
+                let ksv = view::<$t>(cuda_storage(&ks_s)?, ks_l)?;
+                let kbv = view::<$t>(cuda_storage(&kb_s)?, kb_l)?;
+                let vcv = view::<u32>(cuda_storage(&vc_s)?, vc_l)?;
+                let vsv = view::<$t>(cuda_storage(&vs_s)?, vs_l)?;
+                let vbv = view::<$t>(cuda_storage(&vb_s)?, vb_l)?;
+                let mut b = func.builder();
+                b.arg(&params);
+                b.arg(&qv);
+                b.arg(&kcv);
+                b.arg(&ksv);
+                b.arg(&kbv);
+                b.arg(&vcv);
+                b.arg(&vsv);
+                b.arg(&vbv);
+                b.arg(&pos_buf);
+                b.arg(&mut out);
+                b.arg(&part_ml);
+                b.arg(&part_acc);
+                // SAFETY: argument list and types match the kernel's signature; grid within
+                // the buffers' sizes (checked shapes above).
+                unsafe { b.launch(main_cfg) }.w()?;
+            }
+            if n_split > 1 {
+                let mut b = comb.builder();
+                b.arg(&params);
+                b.arg(&part_ml);
+                b.arg(&part_acc);
+                b.arg(&mut out);
+                // SAFETY: as above.
+                unsafe { b.launch(comb_cfg) }.w()?;
+            }
+            wrap(out, &dev, &[1, n_heads, q_len, head_dim])
+        }};
+    }
+    let out = match dtype {
+        DType::F32 => go!(f32),
+        DType::F16 => go!(half::f16),
+        _ => go!(half::bf16),
+    };
+    Ok(out)
+}
+
+/// Quantized `x · Wᵀ` for `rows <= 8` activation rows (decode): `x` `[rows, in]` contiguous,
+/// `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns `[rows, out]`.
+pub(crate) fn qmatvec(
+    x: &Tensor,
+    codes: &Tensor,
+    scales: &Tensor,
+    biases: &Tensor,
+    bits: usize,
+    group_size: usize,
+) -> candle_core::Result<Tensor> {
+    let (rows, in_dim) = x.dims2()?;
+    let (out_dim, _) = codes.dims2()?;
+    let dev = cuda_dev(x)?;
+    let tn = kname(x.dtype()).map_err(candle_core::Error::wrap)?;
+    let sn = kname(scales.dtype()).map_err(candle_core::Error::wrap)?;
+    let r = match rows {
+        1 => 1,
+        2 => 2,
+        3 | 4 => 4,
+        5..=8 => 8,
+        _ => candle_core::bail!("qmatvec takes 1..=8 rows, got {rows}"),
+    };
+    let params = QmatParams {
+        rows: rows as u32,
+        out_dim: out_dim as u32,
+        in_dim: in_dim as u32,
+        group_size: group_size as u32,
+    };
+    let func = dev.get_or_load_custom_func(&format!("qmatvec_{tn}_{sn}_{bits}_{r}"), MODULE, PTX)?;
+    let cfg = LaunchConfig {
+        grid_dim: (out_dim.div_ceil(QMATVEC_WARPS) as u32, 1, 1),
+        block_dim: ((QMATVEC_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let x = x.contiguous()?;
+    let (codes, scales, biases) = (codes.contiguous()?, scales.contiguous()?, biases.contiguous()?);
+    macro_rules! go {
+        ($t:ty, $s:ty) => {{
+            // SAFETY: fully written by the kernel (one warp per output row, all rows).
+            let mut y = unsafe { dev.alloc::<$t>(rows * out_dim)? };
+            {
+                let (x_s, x_l) = x.storage_and_layout();
+                let (c_s, c_l) = codes.storage_and_layout();
+                let (s_s, s_l) = scales.storage_and_layout();
+                let (b_s, b_l) = biases.storage_and_layout();
+                let xv = view::<$t>(cuda_storage(&x_s)?, x_l)?;
+                let cv = view::<u32>(cuda_storage(&c_s)?, c_l)?;
+                let sv = view::<$s>(cuda_storage(&s_s)?, s_l)?;
+                let bv = view::<$s>(cuda_storage(&b_s)?, b_l)?;
+                let mut b = func.builder();
+                b.arg(&params);
+                b.arg(&xv);
+                b.arg(&cv);
+                b.arg(&sv);
+                b.arg(&bv);
+                b.arg(&mut y);
+                // SAFETY: arguments match the kernel signature; shapes checked by the caller.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            wrap(y, &dev, &[rows, out_dim])
+        }};
+    }
+    macro_rules! by_scale {
+        ($t:ty) => {
+            match scales.dtype() {
+                DType::F32 => go!($t, f32),
+                DType::F16 => go!($t, half::f16),
+                _ => go!($t, half::bf16),
+            }
+        };
+    }
+    Ok(match x.dtype() {
+        DType::F32 => by_scale!(f32),
+        DType::F16 => by_scale!(half::f16),
+        _ => by_scale!(half::bf16),
+    })
+}
+
+/// Dequantizes rows of a packed matrix (`codes` `[n, in*bits/32]`, scales/biases
+/// `[n, in/group]`) into dense `[m, in]` in `dtype`: row `i` is packed row `idx[i]`
+/// (`idx`: u32 `[m]`), or row `i` when `idx` is `None` (`m = n`).
+pub(crate) fn dequant_rows(
+    codes: &Tensor,
+    scales: &Tensor,
+    biases: &Tensor,
+    bits: usize,
+    group_size: usize,
+    idx: Option<&Tensor>,
+    dtype: DType,
+) -> candle_core::Result<Tensor> {
+    let (n, words) = codes.dims2()?;
+    let in_dim = words * 32 / bits;
+    let dev = cuda_dev(codes)?;
+    let tn = kname(dtype).map_err(candle_core::Error::wrap)?;
+    let sn = kname(scales.dtype()).map_err(candle_core::Error::wrap)?;
+    let idx = match idx {
+        Some(i) => Some(i.to_dtype(DType::U32)?.flatten_all()?.contiguous()?),
+        None => None,
+    };
+    let m = idx.as_ref().map_or(n, |i| i.elem_count());
+    let params = QmatParams {
+        rows: m as u32,
+        out_dim: n as u32,
+        in_dim: in_dim as u32,
+        group_size: group_size as u32,
+    };
+    let func = dev.get_or_load_custom_func(&format!("dequant_{tn}_{sn}_{bits}"), MODULE, PTX)?;
+    let total = m * words;
+    let cfg = LaunchConfig {
+        grid_dim: (total.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (codes, scales, biases) = (codes.contiguous()?, scales.contiguous()?, biases.contiguous()?);
+    macro_rules! go {
+        ($t:ty, $s:ty) => {{
+            // SAFETY: fully written (one thread per packed word of every output row).
+            let mut y = unsafe { dev.alloc::<$t>((m * in_dim).max(1))? };
+            if total > 0 {
+                let (c_s, c_l) = codes.storage_and_layout();
+                let (s_s, s_l) = scales.storage_and_layout();
+                let (b_s, b_l) = biases.storage_and_layout();
+                let cv = view::<u32>(cuda_storage(&c_s)?, c_l)?;
+                let sv = view::<$s>(cuda_storage(&s_s)?, s_l)?;
+                let bv = view::<$s>(cuda_storage(&b_s)?, b_l)?;
+                let mut b = func.builder();
+                b.arg(&params);
+                b.arg(&cv);
+                b.arg(&sv);
+                b.arg(&bv);
+                let guard = idx.as_ref().map(|i| i.storage_and_layout());
+                let iv = match &guard {
+                    Some((st, l)) => Some(view::<u32>(cuda_storage(st)?, l)?),
+                    None => None,
+                };
+                // A null index pointer selects "row i" in the kernel.
+                let null = 0u64;
+                match &iv {
+                    Some(iv) => b.arg(iv),
+                    None => b.arg(&null),
+                };
+                b.arg(&mut y);
+                // SAFETY: arguments match the kernel signature; indices are the caller's
+                // responsibility and checked against `n` before the call.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            wrap(y, &dev, &[m, in_dim])
+        }};
+    }
+    macro_rules! by_scale {
+        ($t:ty) => {
+            match scales.dtype() {
+                DType::F32 => go!($t, f32),
+                DType::F16 => go!($t, half::f16),
+                _ => go!($t, half::bf16),
+            }
+        };
+    }
+    Ok(match dtype {
+        DType::F32 => by_scale!(f32),
+        DType::F16 => by_scale!(half::f16),
+        _ => by_scale!(half::bf16),
+    })
+}

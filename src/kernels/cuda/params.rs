@@ -1,0 +1,214 @@
+//! `#[repr(C)]` parameter blocks passed by value to the quantized kernels, and the launch plan
+//! (position encoding, flash-decoding split) shared by the CUDA and Metal launchers. The field
+//! order matches `struct QsdpaParams` / `struct QmatParams` in `qkernels.cu` and
+//! `../metal/qkernels.metal`.
+
+/// Warps per quantized-attention block (`QS_WARPS` in the kernels).
+pub const QSDPA_WARPS: usize = 4;
+/// Query rows per quantized-attention block (`QS_NQ`).
+pub const QSDPA_ROWS: usize = 4;
+/// Keys a warp loads per step (`QS_U`).
+pub const QSDPA_UNROLL: usize = 4;
+/// Output rows per quantized matrix-vector block (`QMV_WARPS`).
+pub const QMATVEC_WARPS: usize = 8;
+/// Head dimensions the quantized attention kernels are instantiated for.
+pub const QSDPA_HEAD_DIMS: [usize; 5] = [32, 64, 128, 256, 512];
+
+/// Parameters of one quantized-attention launch (one sequence).
+///
+/// Strides are in elements of the tensor they describe (`u32` words for codes, scale elements
+/// for scales/biases); the last axis of each is dense.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct QsdpaParams {
+    /// K codes: stride between KV heads.
+    pub k_codes_sh: u64,
+    /// K codes: stride between keys.
+    pub k_codes_sk: u64,
+    /// K scales and biases: stride between KV heads.
+    pub k_sc_sh: u64,
+    /// K scales and biases: stride between keys.
+    pub k_sc_sk: u64,
+    /// V codes: stride between KV heads.
+    pub v_codes_sh: u64,
+    /// V codes: stride between keys.
+    pub v_codes_sk: u64,
+    /// V scales and biases: stride between KV heads.
+    pub v_sc_sh: u64,
+    /// V scales and biases: stride between keys.
+    pub v_sc_sk: u64,
+    /// Query heads.
+    pub n_heads: u32,
+    /// KV heads (divides `n_heads`).
+    pub kv_heads: u32,
+    /// Queries per head.
+    pub q_len: u32,
+    /// Head dimension (one of [`QSDPA_HEAD_DIMS`]).
+    pub head_dim: u32,
+    /// Keys in the view.
+    pub keys: u32,
+    /// Elements per scale/bias group (32, 64 or 128), the same for K and V.
+    pub group_size: u32,
+    /// Sliding window `W` (0: causal only).
+    pub window: u32,
+    /// Absolute position of query 0.
+    pub q_offset: u32,
+    /// How key positions are encoded: see [`PositionCode`].
+    pub pos_mode: u32,
+    /// First position of the first run.
+    pub pos_base: u32,
+    /// Keys in the first run (mode 1).
+    pub pos_split: u32,
+    /// First position of the second run (mode 1).
+    pub pos_base2: u32,
+    /// Key splits (flash-decoding); 1 writes the output directly.
+    pub n_split: u32,
+    /// Keys per split.
+    pub keys_per_split: u32,
+    /// Score multiplier, folded into the queries.
+    pub scale: f32,
+    /// Padding to a multiple of 8 bytes.
+    pub pad_: u32,
+}
+
+/// Parameters of one quantized weight launch (matrix-vector or dequantization).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QmatParams {
+    /// Activation rows (matvec) or output rows (dequantization).
+    pub rows: u32,
+    /// Output features (rows of W).
+    pub out_dim: u32,
+    /// Input features (columns of W).
+    pub in_dim: u32,
+    /// Elements per scale/bias group.
+    pub group_size: u32,
+}
+
+/// Key positions as the kernels read them, so the common cases upload nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PositionCode {
+    /// `positions[j] = base + j` (a plain cache).
+    Linear {
+        /// Position of key 0.
+        base: u32,
+    },
+    /// Two ascending runs (a ring buffer that wrapped): `j < split` at `base + j`, the rest at
+    /// `base2 + (j - split)`.
+    TwoRuns {
+        /// Position of key 0.
+        base: u32,
+        /// Keys in the first run.
+        split: u32,
+        /// Position of key `split`.
+        base2: u32,
+    },
+    /// Anything else: the positions are uploaded.
+    Table(Vec<u32>),
+}
+
+impl PositionCode {
+    /// Encodes `positions`, or `None` when one does not fit in `u32`.
+    pub fn encode(positions: &[usize]) -> Option<Self> {
+        let p: Vec<u32> = positions
+            .iter()
+            .map(|&x| u32::try_from(x).ok())
+            .collect::<Option<_>>()?;
+        let base = p.first().copied().unwrap_or(0);
+        let runs = |from: usize| -> usize {
+            let start = p[from];
+            p[from..]
+                .iter()
+                .enumerate()
+                .take_while(|&(i, &x)| Some(x) == start.checked_add(i as u32))
+                .count()
+        };
+        if p.is_empty() {
+            return Some(Self::Linear { base: 0 });
+        }
+        let first = runs(0);
+        if first == p.len() {
+            return Some(Self::Linear { base });
+        }
+        if first + runs(first) == p.len() {
+            return Some(Self::TwoRuns {
+                base,
+                split: first as u32,
+                base2: p[first],
+            });
+        }
+        Some(Self::Table(p))
+    }
+
+    /// Writes the mode fields of `params`; returns the table to upload, if any.
+    pub fn apply(&self, params: &mut QsdpaParams) -> Option<&[u32]> {
+        match self {
+            Self::Linear { base } => {
+                params.pos_mode = 0;
+                params.pos_base = *base;
+                None
+            }
+            Self::TwoRuns { base, split, base2 } => {
+                params.pos_mode = 1;
+                params.pos_base = *base;
+                params.pos_split = *split;
+                params.pos_base2 = *base2;
+                None
+            }
+            Self::Table(t) => {
+                params.pos_mode = 2;
+                Some(t)
+            }
+        }
+    }
+}
+
+/// Chooses the flash-decoding split: enough blocks to fill `sm_count` multiprocessors about
+/// four times over, each split keeping at least 256 keys. Returns `(n_split, keys_per_split)`.
+pub fn split_keys(keys: usize, base_blocks: usize, sm_count: usize) -> (usize, usize) {
+    let step = QSDPA_WARPS * QSDPA_UNROLL;
+    let target = (4 * sm_count.max(1)).div_ceil(base_blocks.max(1));
+    let max_split = keys.div_ceil(256).max(1);
+    let n = target.clamp(1, max_split);
+    let per = keys.div_ceil(n).div_ceil(step).max(1) * step;
+    (keys.div_ceil(per).max(1), per)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_are_encoded_without_tables_when_they_run() {
+        assert_eq!(
+            PositionCode::encode(&[5, 6, 7]),
+            Some(PositionCode::Linear { base: 5 })
+        );
+        assert_eq!(
+            PositionCode::encode(&[8, 9, 3, 4, 5]),
+            Some(PositionCode::TwoRuns {
+                base: 8,
+                split: 2,
+                base2: 3
+            })
+        );
+        assert_eq!(
+            PositionCode::encode(&[1, 3, 2, 9]),
+            Some(PositionCode::Table(vec![1, 3, 2, 9]))
+        );
+    }
+
+    #[test]
+    fn splits_cover_every_key() {
+        for keys in [1, 100, 1000, 32768, 131072] {
+            let (n, per) = split_keys(keys, 4, 132);
+            assert!(n * per >= keys && (n - 1) * per < keys, "{keys}: {n} x {per}");
+        }
+    }
+
+    #[test]
+    fn params_have_the_c_layout() {
+        assert_eq!(std::mem::size_of::<QsdpaParams>(), 8 * 8 + 16 * 4);
+        assert_eq!(std::mem::size_of::<QmatParams>(), 16);
+    }
+}
