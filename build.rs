@@ -20,14 +20,17 @@ fn main() {
     let out_dir = PathBuf::from(std::env::var("OUT_DIR").unwrap_or_else(|_| ".".into()));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     let cap: String = cap.chars().filter(|c| c.is_ascii_digit()).collect();
-    let nvcc = std::env::var("NVCC").ok().map(PathBuf::from).unwrap_or_else(|| {
-        ["CUDA_ROOT", "CUDA_PATH", "CUDA_HOME"]
-            .iter()
-            .filter_map(|v| std::env::var_os(v))
-            .map(|root| PathBuf::from(root).join("bin").join("nvcc"))
-            .find(|p| p.exists())
-            .unwrap_or_else(|| PathBuf::from("nvcc"))
-    });
+    let nvcc = std::env::var("NVCC")
+        .ok()
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            ["CUDA_ROOT", "CUDA_PATH", "CUDA_HOME"]
+                .iter()
+                .filter_map(|v| std::env::var_os(v))
+                .map(|root| PathBuf::from(root).join("bin").join("nvcc"))
+                .find(|p| p.exists())
+                .unwrap_or_else(|| PathBuf::from("nvcc"))
+        });
     let ptx = out_dir.join("qkernels.ptx");
     let status = Command::new(&nvcc)
         .args(["--ptx", "-O3", "-std=c++17"])

@@ -104,7 +104,9 @@ fn main() -> Result<()> {
             let _ = match event {
                 OutputEvent::Thinking(t) => write!(out, "\x1b[2m{t}\x1b[0m"),
                 OutputEvent::Text(t) => write!(out, "{t}"),
-                OutputEvent::ToolCall { name, arguments } => write!(out, "\n[tool call] {name}({arguments})\n"),
+                OutputEvent::ToolCall { name, arguments } => {
+                    write!(out, "\n[tool call] {name}({arguments})\n")
+                }
             };
             let _ = out.flush();
             !interrupted.load(Ordering::SeqCst)
@@ -116,7 +118,11 @@ fn main() -> Result<()> {
             s.prefilled_tokens,
             s.generated_tokens,
             s.decode_tok_s(),
-            if reply.finish.is_none() { "; stopped" } else { "" }
+            if reply.finish.is_none() {
+                "; stopped"
+            } else {
+                ""
+            }
         );
     }
     Ok(())

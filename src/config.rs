@@ -531,12 +531,14 @@ impl Fields<'_> {
             };
             match rope_type {
                 "default" | "proportional" => {}
-                other => return Err(self.err(
-                    &format!("{field}.rope_type"),
-                    format!(
+                other => {
+                    return Err(self.err(
+                        &format!("{field}.rope_type"),
+                        format!(
                         "unsupported rope type `{other}` (expected `default` or `proportional`)"
                     ),
-                )),
+                    ))
+                }
             }
             Ok(RopeParams {
                 theta: num("rope_theta", default.theta)?,

@@ -187,6 +187,25 @@ pub struct Model {
 }
 
 impl Model {
+    /// A model with random weights (N(0, 0.02²) matrices, unit norms) at the shapes of
+    /// `config`, built directly on `device`: for benchmarks at real shapes. No tokenizer.
+    ///
+    /// # Errors
+    /// Allocation failure.
+    pub fn random(config: Config, device: &Device, dtype: DType, seed: u64) -> Result<Self> {
+        // The CPU generator cannot be seeded; GPU runs are reproducible per seed.
+        if !device.is_cpu() {
+            device.set_seed(seed)?;
+        }
+        let store = WeightStore::random(device, dtype, seed);
+        Ok(Model {
+            text: TextModel::new(config, &store)?,
+            tokenizer: None,
+            fingerprint: format!("random-{seed}-{dtype:?}"),
+            dir: PathBuf::new(),
+        })
+    }
+
     /// Starts configuring a model.
     pub fn builder() -> ModelBuilder {
         ModelBuilder::default()

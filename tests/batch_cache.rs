@@ -4,13 +4,19 @@
 
 mod common;
 
-use candle_gemma::kv::{CacheError, CacheMode, KvCache, ModelCache, QuantBits, QuantSpec};
+use candle_gemma::kv::{CacheError, CacheMode, ModelCache, QuantBits, QuantSpec};
 use candle_gemma::{CacheConfig, Model};
 use common::*;
 
 /// Greedy decoding through `Model::forward`: prefill in chunks, then `n` single tokens.
 /// Returns the generated ids and the logits that chose each of them.
-fn run(model: &Model, cache: &mut ModelCache, prompt: &[u32], n: usize, chunk: Option<usize>) -> (Vec<u32>, Vec<Vec<f32>>) {
+fn run(
+    model: &Model,
+    cache: &mut ModelCache,
+    prompt: &[u32],
+    n: usize,
+    chunk: Option<usize>,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut logits = Vec::new();
     for piece in prompt.chunks(chunk.unwrap_or(prompt.len()).max(1)) {
         logits = step(model, cache, piece);
@@ -29,22 +35,49 @@ fn run(model: &Model, cache: &mut ModelCache, prompt: &[u32], n: usize, chunk: O
 
 /// One forward of one sequence; the logits of its last position.
 fn step(model: &Model, cache: &mut ModelCache, tokens: &[u32]) -> Vec<f32> {
-    model.forward(&[tokens.to_vec()], cache).expect("forward").squeeze(0).expect("squeeze").to_vec1().expect("logits")
+    model
+        .forward(&[tokens.to_vec()], cache)
+        .expect("forward")
+        .squeeze(0)
+        .expect("squeeze")
+        .to_vec1()
+        .expect("logits")
 }
 
 fn argmax(x: &[f32]) -> u32 {
-    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
+    x.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32
 }
 
 /// Max |Δ log-prob| between two logit vectors.
 fn logprob_diff(a: &[f32], b: &[f32]) -> f64 {
-    log_softmax(a).iter().zip(log_softmax(b)).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+    log_softmax(a)
+        .iter()
+        .zip(log_softmax(b))
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
 }
 
 fn modes() -> Vec<(&'static str, CacheConfig)> {
-    let q = |bits| CacheConfig { mode: CacheMode::Quantized(QuantSpec { bits, group_size: 32, start: 0 }) };
+    let q = |bits| CacheConfig {
+        mode: CacheMode::Quantized(QuantSpec {
+            bits,
+            group_size: 32,
+            start: 0,
+        }),
+    };
     vec![
-        ("simple", CacheConfig { mode: CacheMode::Simple }),
+        (
+            "simple",
+            CacheConfig {
+                mode: CacheMode::Simple,
+            },
+        ),
         ("rotating", CacheConfig::default()),
         ("8-bit", q(QuantBits::Eight)),
         ("4-bit", q(QuantBits::Four)),
@@ -61,7 +94,11 @@ fn prefill(model: &Model, cfg: &CacheConfig, prompt: &[u32]) -> (ModelCache, u32
 /// One batched decode step; the logits of every sequence.
 fn batch_step(model: &Model, cache: &mut ModelCache, last: &[u32]) -> Vec<Vec<f32>> {
     let rows: Vec<Vec<u32>> = last.iter().map(|&t| vec![t]).collect();
-    model.forward(&rows, cache).expect("batched forward").to_vec2().expect("logits")
+    model
+        .forward(&rows, cache)
+        .expect("batched forward")
+        .to_vec2()
+        .expect("logits")
 }
 
 /// Logits may differ by a few f32 ulps between a batched and a single matmul; the log-probs
@@ -106,8 +143,19 @@ fn batch_equals_single_for_every_cache_kind() {
                 // amplify such a flip ~1000x, and the sequence keeps the flipped code. Observed:
                 // e4b-text 8-bit, sequence 0, one code of layer 5 at step 1. A real batching
                 // error would move every sequence; a flip moves one.
-                let clean = (0..prompts.len()).filter(|b| diffs.iter().skip(*b).step_by(prompts.len()).all(|&d| d < LOGPROB_TOL)).count();
-                assert!(clean + 1 >= prompts.len(), "{name} {label}: only {clean} sequences match their single runs");
+                let clean = (0..prompts.len())
+                    .filter(|b| {
+                        diffs
+                            .iter()
+                            .skip(*b)
+                            .step_by(prompts.len())
+                            .all(|&d| d < LOGPROB_TOL)
+                    })
+                    .count();
+                assert!(
+                    clean + 1 >= prompts.len(),
+                    "{name} {label}: only {clean} sequences match their single runs"
+                );
             } else {
                 assert!(worst < LOGPROB_TOL, "{name} {label}: {worst}");
             }
@@ -121,7 +169,19 @@ fn sequences_join_and_leave_between_steps() {
     let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
     for (label, cfg) in modes() {
         // Each sequence's greedy ids when decoded alone.
-        let alone: Vec<Vec<u32>> = prompts.iter().map(|p| run(&model, &mut model.new_cache(&cfg).expect("cache"), p, 10, None).0).collect();
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                run(
+                    &model,
+                    &mut model.new_cache(&cfg).expect("cache"),
+                    p,
+                    10,
+                    None,
+                )
+                .0
+            })
+            .collect();
 
         let (c0, t0) = prefill(&model, &cfg, &prompts[0]);
         let (c1, t1) = prefill(&model, &cfg, &prompts[1]);
@@ -149,7 +209,11 @@ fn sequences_join_and_leave_between_steps() {
         }
         for (id, ids) in &seqs {
             let n = ids.len().min(alone[*id].len());
-            assert_eq!(&ids[..n], &alone[*id][..n], "{label}: sequence {id} decoded in a changing batch");
+            assert_eq!(
+                &ids[..n],
+                &alone[*id][..n],
+                "{label}: sequence {id} decoded in a changing batch"
+            );
         }
     }
 }
@@ -161,18 +225,39 @@ fn batch_misuse_is_a_typed_error() {
     let (a, _) = prefill(&model, &cfg, &[2, 200, 300]);
     let (b, _) = prefill(&model, &cfg, &[2, 201]);
     let mut single = model.new_cache(&cfg).expect("cache");
-    assert!(matches!(single.push_sequence(a), Err(CacheError::NotBatched)));
-    assert!(matches!(single.remove_sequence(0), Err(CacheError::NotBatched)));
+    assert!(matches!(
+        single.push_sequence(a),
+        Err(CacheError::NotBatched)
+    ));
+    assert!(matches!(
+        single.remove_sequence(0),
+        Err(CacheError::NotBatched)
+    ));
     let mut batch = ModelCache::batch(vec![b]).expect("batch");
     let nested = ModelCache::batch(vec![prefill(&model, &cfg, &[2]).0]).expect("batch");
-    assert!(matches!(batch.push_sequence(nested), Err(CacheError::NestedBatch)));
-    assert!(matches!(ModelCache::batch(vec![ModelCache::batch(vec![]).expect("empty")]), Err(CacheError::NestedBatch) | Ok(_)));
-    let other = model.new_cache(&CacheConfig { mode: CacheMode::Simple }).expect("cache");
-    assert!(matches!(batch.push_sequence(other), Err(CacheError::Layout { .. })), "a simple cache cannot join rotating ones");
-    assert!(matches!(batch.remove_sequence(5), Err(CacheError::SequenceIndex { index: 5, len: 1 })));
+    assert!(matches!(
+        batch.push_sequence(nested),
+        Err(CacheError::NestedBatch)
+    ));
+    assert!(matches!(
+        ModelCache::batch(vec![ModelCache::batch(vec![]).expect("empty")]),
+        Err(CacheError::NestedBatch) | Ok(_)
+    ));
+    let other = model
+        .new_cache(&CacheConfig {
+            mode: CacheMode::Simple,
+        })
+        .expect("cache");
+    assert!(
+        matches!(batch.push_sequence(other), Err(CacheError::Layout { .. })),
+        "a simple cache cannot join rotating ones"
+    );
+    assert!(matches!(
+        batch.remove_sequence(5),
+        Err(CacheError::SequenceIndex { index: 5, len: 1 })
+    ));
     // A batched forward with the wrong number of rows is refused before any cache changes.
     let before = batch.offsets();
     assert!(model.forward(&[vec![1], vec![2]], &mut batch).is_err());
     assert_eq!(batch.offsets(), before);
-    let _ = single.trim(0);
 }

@@ -18,7 +18,9 @@ fn options() -> GenOptions {
 #[test]
 fn second_turn_prefills_only_its_new_tokens() {
     let model = load("e2b-hf");
-    let mut chat = ChatSession::new(&model, options()).expect("session").with_system("Be brief.");
+    let mut chat = ChatSession::new(&model, options())
+        .expect("session")
+        .with_system("Be brief.");
     let first = chat.send("Hello there", |_| true).expect("turn 1");
     assert_eq!(first.finish, Some(FinishReason::Length));
     assert_eq!(first.stats.prefilled_tokens, first.stats.prompt_tokens);
@@ -33,7 +35,11 @@ fn second_turn_prefills_only_its_new_tokens() {
         second.stats.prompt_tokens - cached,
         "turn 2 must prefill only the tokens after the cached conversation"
     );
-    assert!(second.stats.prefilled_tokens * 2 < second.stats.prompt_tokens, "{:?}", second.stats);
+    assert!(
+        second.stats.prefilled_tokens * 2 < second.stats.prompt_tokens,
+        "{:?}",
+        second.stats
+    );
 
     // The reused cache gives the same tokens as a fresh run over the same prompt.
     let prompt2 = &chat.history()[..second.stats.prompt_tokens];

@@ -11,13 +11,21 @@
 
 mod common;
 
-use candle_gemma::kv::{CacheError, CacheKind, CacheMode, KvCache, LayerCache, ModelCache, QuantBits, QuantSpec};
+use candle_gemma::kv::{
+    CacheError, CacheKind, CacheMode, KvCache, LayerCache, ModelCache, QuantBits, QuantSpec,
+};
 use candle_gemma::{CacheConfig, Model};
 use common::*;
 
 /// Greedy decoding through `Model::forward`: prefill in chunks, then `n` single tokens.
 /// Returns the generated ids and the logits that chose each of them.
-fn run(model: &Model, cache: &mut ModelCache, prompt: &[u32], n: usize, chunk: Option<usize>) -> (Vec<u32>, Vec<Vec<f32>>) {
+fn run(
+    model: &Model,
+    cache: &mut ModelCache,
+    prompt: &[u32],
+    n: usize,
+    chunk: Option<usize>,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut logits = Vec::new();
     for piece in prompt.chunks(chunk.unwrap_or(prompt.len()).max(1)) {
         logits = step(model, cache, piece);
@@ -35,26 +43,54 @@ fn run(model: &Model, cache: &mut ModelCache, prompt: &[u32], n: usize, chunk: O
 }
 
 fn step(model: &Model, cache: &mut ModelCache, tokens: &[u32]) -> Vec<f32> {
-    model.forward(&[tokens.to_vec()], cache).expect("forward").squeeze(0).expect("squeeze").to_vec1().expect("logits")
+    model
+        .forward(&[tokens.to_vec()], cache)
+        .expect("forward")
+        .squeeze(0)
+        .expect("squeeze")
+        .to_vec1()
+        .expect("logits")
 }
 
 fn argmax(x: &[f32]) -> u32 {
-    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
+    x.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32
 }
 
 fn quant(bits: QuantBits, group_size: usize, start: usize) -> CacheConfig {
-    CacheConfig { mode: CacheMode::Quantized(QuantSpec { bits, group_size, start }) }
+    CacheConfig {
+        mode: CacheMode::Quantized(QuantSpec {
+            bits,
+            group_size,
+            start,
+        }),
+    }
 }
 
 fn bits_of(b: usize) -> QuantBits {
     QuantBits::from_bits(b).expect("4 or 8")
 }
 
+/// (fixture, bits, case, greedy ids, comparable steps, first-step top-5 (id, log-prob)).
+type MlxCase = (
+    &'static str,
+    usize,
+    usize,
+    [u32; 24],
+    usize,
+    [(u32, f64); 5],
+);
+
 /// mlx-lm 0.32.2 / mlx 0.32.4, CPU f32, every KV-owning layer a `QuantizedKVCache(group_size=32,
 /// bits)` from the first token, the golden prompts of each fixture: (fixture, bits, case, greedy
 /// ids, steps before the first top-2 margin < 0.01, first-step top-5 (id, log-prob)).
 #[rustfmt::skip]
-const MLX_QUANTIZED_KV: &[(&str, usize, usize, [u32; 24], usize, [(u32, f64); 5])] = &[
+const MLX_QUANTIZED_KV: &[MlxCase] = &[
     ("e2b-hf", 8, 0, [157, 390, 296, 7, 265, 94, 249, 182, 386, 282, 43, 212, 345, 174, 445, 94, 73, 296, 170, 261, 194, 32, 509, 53], 6, [(157, -1.13876), (386, -1.72808), (240, -2.47667), (351, -2.50936), (339, -2.60298)]),
     ("e2b-hf", 8, 1, [423, 335, 148, 90, 335, 28, 249, 73, 265, 437, 88, 482, 482, 345, 394, 453, 109, 195, 390, 148, 390, 148, 390, 109], 5, [(423, -0.77026), (195, -1.65788), (46, -1.93740), (5, -2.27317), (112, -4.01625)]),
     ("e2b-hf", 8, 2, [511, 27, 263, 437, 174, 122, 447, 447, 408, 448, 294, 345, 52, 325, 468, 511, 202, 84, 273, 67, 47, 35, 377, 6], 24, [(511, -0.49689), (172, -1.18879), (57, -3.25704), (347, -3.73167), (295, -5.05797)]),
@@ -108,13 +144,22 @@ fn reproduces_mlx_lm_quantized_kv_generation() {
     for name in FIXTURES {
         let model = load(name);
         let cases = golden(name);
-        for &(_, bits, i, ids, comparable, top) in MLX_QUANTIZED_KV.iter().filter(|r| r.0 == *name) {
-            let mut cache = model.new_cache(&quant(bits_of(bits), 32, 0)).expect("cache");
+        for &(_, bits, i, ids, comparable, top) in MLX_QUANTIZED_KV.iter().filter(|r| r.0 == *name)
+        {
+            let mut cache = model
+                .new_cache(&quant(bits_of(bits), 32, 0))
+                .expect("cache");
             let (got, logits) = run(&model, &mut cache, &cases[i].prompt, 24, None);
             let lp = log_softmax(&logits[0]);
-            let dev = top.iter().map(|&(t, want)| (lp[t as usize] - want).abs()).fold(0.0, f64::max);
+            let dev = top
+                .iter()
+                .map(|&(t, want)| (lp[t as usize] - want).abs())
+                .fold(0.0, f64::max);
             let same = got[..comparable] == ids[..comparable];
-            report.push(format!("{name} {bits}-bit case {i}: top-5 |dlogprob| {dev:.1e}, ids {}", if same { "agree" } else { "differ" }));
+            report.push(format!(
+                "{name} {bits}-bit case {i}: top-5 |dlogprob| {dev:.1e}, ids {}",
+                if same { "agree" } else { "differ" }
+            ));
             if dev < LOGPROB_TOL && same {
                 agree += 1;
             }
@@ -122,7 +167,12 @@ fn reproduces_mlx_lm_quantized_kv_generation() {
     }
     eprintln!("{}", report.join("\n"));
     // Measured: 32 of 36 (all 18 at 4 bits; 4 at 8 bits deviate by 7e-3 .. 8e-2).
-    assert!(agree >= 30, "only {agree} of {} cases reproduce mlx-lm:\n{}", MLX_QUANTIZED_KV.len(), report.join("\n"));
+    assert!(
+        agree >= 30,
+        "only {agree} of {} cases reproduce mlx-lm:\n{}",
+        MLX_QUANTIZED_KV.len(),
+        report.join("\n")
+    );
 }
 
 /// KL(p || q) of two log-prob vectors.
@@ -157,9 +207,14 @@ fn eight_bits_stay_closer_to_dense_than_four_bits() {
         }
     }
     let (kl8, kl4) = (kl8 / n as f64, kl4 / n as f64);
-    eprintln!("mean KL(dense || quantized) per step over {n} steps: 8-bit {kl8:.3e}, 4-bit {kl4:.3e}");
+    eprintln!(
+        "mean KL(dense || quantized) per step over {n} steps: 8-bit {kl8:.3e}, 4-bit {kl4:.3e}"
+    );
     assert!(kl8.is_finite() && kl4.is_finite());
-    assert!(kl8 * 4.0 < kl4, "8-bit ({kl8}) should be much closer to dense than 4-bit ({kl4})");
+    assert!(
+        kl8 * 4.0 < kl4,
+        "8-bit ({kl8}) should be much closer to dense than 4-bit ({kl4})"
+    );
 }
 
 #[test]
@@ -170,16 +225,28 @@ fn start_keeps_short_prompts_exact_then_packs() {
     let (dense_ids, dense_logits) = run(&model, &mut dense, &case.prompt, 12, None);
 
     // Never reaching `start`: the same storage and kernels as the dense rotating cache.
-    let mut never = model.new_cache(&quant(QuantBits::Four, 32, 1000)).expect("cache");
+    let mut never = model
+        .new_cache(&quant(QuantBits::Four, 32, 1000))
+        .expect("cache");
     let (ids, logits) = run(&model, &mut never, &case.prompt, 12, None);
     assert_eq!(ids, dense_ids);
-    assert_eq!(logits, dense_logits, "below start the quantized cache is exactly dense");
+    assert_eq!(
+        logits, dense_logits,
+        "below start the quantized cache is exactly dense"
+    );
 
     // start 10: the prompt is attended dense, the cache converts before the first decode step.
-    let mut late = model.new_cache(&quant(QuantBits::Four, 32, 10)).expect("cache");
+    let mut late = model
+        .new_cache(&quant(QuantBits::Four, 32, 10))
+        .expect("cache");
     let first = step(&model, &mut late, &case.prompt);
     assert_eq!(first, dense_logits[0], "the prefill ran dense");
-    let packed = |c: &ModelCache| c.layers.iter().flatten().all(|l| matches!(l, LayerCache::Quantized(q) if q.is_packed()));
+    let packed = |c: &ModelCache| {
+        c.layers
+            .iter()
+            .flatten()
+            .all(|l| matches!(l, LayerCache::Quantized(q) if q.is_packed()))
+    };
     assert!(!packed(&late));
     step(&model, &mut late, &[argmax(&first)]);
     assert!(packed(&late), "every layer packed once it reached start");
@@ -196,18 +263,30 @@ fn every_layer_quantizes_sliding_as_a_bounded_ring_and_shared_layers_read_packed
         let mut sliding = 0;
         for (l, c) in cache.layers.iter().enumerate() {
             let Some(c) = c else { continue };
-            let LayerCache::Quantized(q) = c else { panic!("layer {l} is not quantized: {:?}", c.kind()) };
+            let LayerCache::Quantized(q) = c else {
+                panic!("layer {l} is not quantized: {:?}", c.kind())
+            };
             assert!(q.is_packed(), "layer {l}");
-            if let CacheKind::Quantized { window: Some(w), .. } = c.kind() {
+            if let CacheKind::Quantized {
+                window: Some(w), ..
+            } = c.kind()
+            {
                 sliding += 1;
                 // Bounded by the window: codes + scales + biases of W tokens, K and V.
                 let (kvh, hd) = c.geometry();
                 let per_token = 2 * kvh * (hd * bits.bits() / 8 + 2 * (hd / 32) * 4);
-                assert_eq!(c.memory_bytes(), w * per_token, "layer {l}: ring of {w} slots");
+                assert_eq!(
+                    c.memory_bytes(),
+                    w * per_token,
+                    "layer {l}: ring of {w} slots"
+                );
             }
         }
         assert!(sliding > 0);
-        assert!(cache.layers.iter().any(Option::is_none), "the fixture has KV-shared layers");
+        assert!(
+            cache.layers.iter().any(Option::is_none),
+            "the fixture has KV-shared layers"
+        );
         assert_eq!(cache.offsets(), vec![33 + 39]);
     }
 }
@@ -221,7 +300,11 @@ fn quantized_memory_is_smaller() {
         run(&model, &mut cache, &case.prompt, 8, None);
         cache.memory_bytes()
     };
-    let (dense, q8, q4) = (bytes(&CacheConfig::default()), bytes(&quant(QuantBits::Eight, 32, 0)), bytes(&quant(QuantBits::Four, 32, 0)));
+    let (dense, q8, q4) = (
+        bytes(&CacheConfig::default()),
+        bytes(&quant(QuantBits::Eight, 32, 0)),
+        bytes(&quant(QuantBits::Four, 32, 0)),
+    );
     eprintln!("KV bytes after 41 tokens (f32 model): dense {dense}, 8-bit {q8}, 4-bit {q4}");
     assert!(q4 < q8 && q8 < dense);
 }
@@ -231,9 +314,18 @@ fn bad_options_are_typed_errors() {
     let model = load("e2b-hf");
     // Sliding layers have head_dim 32: a group of 64 cannot divide it.
     match model.new_cache(&quant(QuantBits::Eight, 64, 0)) {
-        Err(candle_gemma::Error::Cache(CacheError::BadGroupSize { group_size: 64, head_dim: 32 })) => {}
+        Err(candle_gemma::Error::Cache(CacheError::BadGroupSize {
+            group_size: 64,
+            head_dim: 32,
+        })) => {}
         other => panic!("expected BadGroupSize, got {other:?}"),
     }
-    assert!(matches!(model.new_cache(&quant(QuantBits::Four, 48, 0)), Err(candle_gemma::Error::Cache(CacheError::BadGroupSize { .. }))));
-    assert!(matches!(QuantBits::from_bits(3), Err(CacheError::UnsupportedBits { bits: 3 })));
+    assert!(matches!(
+        model.new_cache(&quant(QuantBits::Four, 48, 0)),
+        Err(candle_gemma::Error::Cache(CacheError::BadGroupSize { .. }))
+    ));
+    assert!(matches!(
+        QuantBits::from_bits(3),
+        Err(CacheError::UnsupportedBits { bits: 3 })
+    ));
 }

@@ -11,7 +11,13 @@ use common::*;
 
 /// Greedy decoding through `Model::forward`: prefill in chunks, then `n` single tokens.
 /// Returns the generated ids and the logits that chose each of them.
-fn run(model: &Model, cache: &mut ModelCache, prompt: &[u32], n: usize, chunk: Option<usize>) -> (Vec<u32>, Vec<Vec<f32>>) {
+fn run(
+    model: &Model,
+    cache: &mut ModelCache,
+    prompt: &[u32],
+    n: usize,
+    chunk: Option<usize>,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut logits = Vec::new();
     for piece in prompt.chunks(chunk.unwrap_or(prompt.len()).max(1)) {
         logits = step(model, cache, piece);
@@ -30,16 +36,32 @@ fn run(model: &Model, cache: &mut ModelCache, prompt: &[u32], n: usize, chunk: O
 
 /// One forward of one sequence; the logits of its last position.
 fn step(model: &Model, cache: &mut ModelCache, tokens: &[u32]) -> Vec<f32> {
-    model.forward(&[tokens.to_vec()], cache).expect("forward").squeeze(0).expect("squeeze").to_vec1().expect("logits")
+    model
+        .forward(&[tokens.to_vec()], cache)
+        .expect("forward")
+        .squeeze(0)
+        .expect("squeeze")
+        .to_vec1()
+        .expect("logits")
 }
 
 fn argmax(x: &[f32]) -> u32 {
-    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
+    x.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32
 }
 
 /// Max |Δ log-prob| between two logit vectors.
 fn logprob_diff(a: &[f32], b: &[f32]) -> f64 {
-    log_softmax(a).iter().zip(log_softmax(b)).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+    log_softmax(a)
+        .iter()
+        .zip(log_softmax(b))
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
 }
 
 const LOGPROB_TOL: f64 = 2e-3;
@@ -52,9 +74,21 @@ fn rotating_cache_reproduces_the_goldens_with_any_chunking() {
             for chunk in [None, Some(3), Some(8), Some(13)] {
                 let mut cache = model.new_cache(&CacheConfig::default()).expect("cache");
                 let (ids, logits) = run(&model, &mut cache, &case.prompt, case.greedy.len(), chunk);
-                let dev = log_softmax(&logits[0]).iter().zip(&case.first_logprobs).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-                assert!(dev < LOGPROB_TOL, "{name} case {i} chunk {chunk:?}: first-step log-probs differ by {dev}");
-                assert_matches_reference(&format!("{name} case {i} chunk {chunk:?}"), &ids, case, 0.01);
+                let dev = log_softmax(&logits[0])
+                    .iter()
+                    .zip(&case.first_logprobs)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f64::max);
+                assert!(
+                    dev < LOGPROB_TOL,
+                    "{name} case {i} chunk {chunk:?}: first-step log-probs differ by {dev}"
+                );
+                assert_matches_reference(
+                    &format!("{name} case {i} chunk {chunk:?}"),
+                    &ids,
+                    case,
+                    0.01,
+                );
             }
         }
     }
@@ -72,19 +106,34 @@ fn sliding_layers_stay_bounded_far_past_the_window() {
         match (c, c.kind()) {
             (LayerCache::Rotating(_), CacheKind::Rotating { window, slots }) => {
                 assert_eq!(window, 8);
-                assert_eq!(c.memory_bytes(), slots * 2 * kvh * hd * 4, "layer {l}: {slots} slots whatever the length");
+                assert_eq!(
+                    c.memory_bytes(),
+                    slots * 2 * kvh * hd * 4,
+                    "layer {l}: {slots} slots whatever the length"
+                );
             }
-            (LayerCache::Simple(_), _) => assert!(c.memory_bytes() >= (33 + 199) * 2 * kvh * hd * 4, "full layer {l} keeps everything"),
+            (LayerCache::Simple(_), _) => assert!(
+                c.memory_bytes() >= (33 + 199) * 2 * kvh * hd * 4,
+                "full layer {l} keeps everything"
+            ),
             (_, kind) => panic!("layer {l}: unexpected {kind}"),
         }
     }
     // The same tokens through a simple cache (every key kept, masked to the window).
-    let mut all = model.new_cache(&CacheConfig { mode: CacheMode::Simple }).expect("cache");
+    let mut all = model
+        .new_cache(&CacheConfig {
+            mode: CacheMode::Simple,
+        })
+        .expect("cache");
     let mut ls = vec![step(&model, &mut all, &case.prompt)];
     for &t in &ids[..ids.len() - 1] {
         ls.push(step(&model, &mut all, &[t]));
     }
-    let worst = lr.iter().zip(&ls).map(|(a, b)| logprob_diff(a, b)).fold(0.0, f64::max);
+    let worst = lr
+        .iter()
+        .zip(&ls)
+        .map(|(a, b)| logprob_diff(a, b))
+        .fold(0.0, f64::max);
     eprintln!("rotating vs simple over 200 decode steps: max |dlogprob| {worst:.1e}");
     assert!(worst < LOGPROB_TOL, "{worst}");
 }
@@ -104,8 +153,15 @@ fn trim_works_until_the_ring_wraps_then_is_refused_with_a_reason() {
     let (ids, logits) = run(&model, &mut cache, &long.prompt, 3, None);
     let before = cache.offsets();
     match cache.trim(2) {
-        Err(CacheError::CannotTrim { requested: 2, available: 1, reason }) => {
-            assert!(reason.contains("layer"), "the reason names the layer: {reason}");
+        Err(CacheError::CannotTrim {
+            requested: 2,
+            available: 1,
+            reason,
+        }) => {
+            assert!(
+                reason.contains("layer"),
+                "the reason names the layer: {reason}"
+            );
         }
         other => panic!("expected CannotTrim, got {other:?}"),
     }

@@ -83,7 +83,8 @@ fn k_eq_v_full_layers_need_no_v_proj_and_refuse_without_the_flag() {
     let s = Scratch::copy_of("dense-sharded", "keqv");
     s.edit_config(|v| {
         v["text_config"]["attention_k_eq_v"] = false.into();
-        v["text_config"]["per_layer_config"] = serde_json::json!({"05": {"num_key_value_heads": 1}});
+        v["text_config"]["per_layer_config"] =
+            serde_json::json!({"05": {"num_key_value_heads": 1}});
     });
     match s.build() {
         Err(candle_gemma::Error::MissingTensor { name, layer }) => {

@@ -4,13 +4,19 @@
 
 mod common;
 
-use candle_gemma::kv::{CacheMode, KvCache, LayerCache, ModelCache};
+use candle_gemma::kv::{CacheMode, LayerCache, ModelCache};
 use candle_gemma::{CacheConfig, Model};
 use common::*;
 
 /// Greedy decoding through `Model::forward`: prefill in chunks, then `n` single tokens.
 /// Returns the generated ids and the logits that chose each of them.
-fn run(model: &Model, cache: &mut ModelCache, prompt: &[u32], n: usize, chunk: Option<usize>) -> (Vec<u32>, Vec<Vec<f32>>) {
+fn run(
+    model: &Model,
+    cache: &mut ModelCache,
+    prompt: &[u32],
+    n: usize,
+    chunk: Option<usize>,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut logits = Vec::new();
     for piece in prompt.chunks(chunk.unwrap_or(prompt.len()).max(1)) {
         logits = step(model, cache, piece);
@@ -29,20 +35,38 @@ fn run(model: &Model, cache: &mut ModelCache, prompt: &[u32], n: usize, chunk: O
 
 /// One forward of one sequence; the logits of its last position.
 fn step(model: &Model, cache: &mut ModelCache, tokens: &[u32]) -> Vec<f32> {
-    model.forward(&[tokens.to_vec()], cache).expect("forward").squeeze(0).expect("squeeze").to_vec1().expect("logits")
+    model
+        .forward(&[tokens.to_vec()], cache)
+        .expect("forward")
+        .squeeze(0)
+        .expect("squeeze")
+        .to_vec1()
+        .expect("logits")
 }
 
 fn argmax(x: &[f32]) -> u32 {
-    x.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32
+    x.iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+        )
+        .0 as u32
 }
 
 /// Max |Δ log-prob| between two logit vectors.
 fn logprob_diff(a: &[f32], b: &[f32]) -> f64 {
-    log_softmax(a).iter().zip(log_softmax(b)).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+    log_softmax(a)
+        .iter()
+        .zip(log_softmax(b))
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
 }
 
 fn simple() -> CacheConfig {
-    CacheConfig { mode: CacheMode::Simple }
+    CacheConfig {
+        mode: CacheMode::Simple,
+    }
 }
 
 /// First-step log-probs vs the goldens (README: an f32 port stays below 2e-3).
@@ -55,8 +79,15 @@ fn simple_cache_reproduces_the_goldens() {
         for (i, case) in golden(name).iter().enumerate() {
             let mut cache = model.new_cache(&simple()).expect("cache");
             let (ids, logits) = run(&model, &mut cache, &case.prompt, case.greedy.len(), None);
-            let dev = log_softmax(&logits[0]).iter().zip(&case.first_logprobs).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-            assert!(dev < LOGPROB_TOL, "{name} case {i}: first-step log-probs differ by {dev}");
+            let dev = log_softmax(&logits[0])
+                .iter()
+                .zip(&case.first_logprobs)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert!(
+                dev < LOGPROB_TOL,
+                "{name} case {i}: first-step log-probs differ by {dev}"
+            );
             assert_matches_reference(&format!("{name} case {i} (simple cache)"), &ids, case, 0.01);
         }
     }
@@ -76,8 +107,15 @@ fn simple_and_rotating_caches_agree_far_past_the_window() {
         for &t in &ids[..ids.len() - 1] {
             lb.push(step(&model, &mut b, &[t]));
         }
-        let worst = la.iter().zip(&lb).map(|(x, y)| logprob_diff(x, y)).fold(0.0, f64::max);
-        eprintln!("{name}: simple vs rotating over {} steps: max |dlogprob| {worst:.1e}", la.len());
+        let worst = la
+            .iter()
+            .zip(&lb)
+            .map(|(x, y)| logprob_diff(x, y))
+            .fold(0.0, f64::max);
+        eprintln!(
+            "{name}: simple vs rotating over {} steps: max |dlogprob| {worst:.1e}",
+            la.len()
+        );
         assert!(worst < LOGPROB_TOL, "{name}: {worst}");
     }
 }
@@ -107,7 +145,9 @@ fn trim_rolls_back_exactly() {
     let (ids, logits) = run(&model, &mut cache, &case.prompt, 10, None);
     let before = cache.offsets()[0];
     // Roll back the 9 decoded tokens (the 10th was chosen but never fed), then decode again.
-    cache.trim(9).expect("a simple cache trims anything it holds");
+    cache
+        .trim(9)
+        .expect("a simple cache trims anything it holds");
     assert_eq!(cache.offsets(), vec![case.prompt.len()]);
     let mut again = Vec::new();
     let mut next = ids[0];
@@ -117,8 +157,15 @@ fn trim_rolls_back_exactly() {
         again.push(l);
     }
     assert_eq!(cache.offsets()[0], before);
-    assert_eq!(&again[..], &logits[1..], "the rollback restores the exact state");
-    assert!(cache.trim(before + 1).is_err(), "cannot trim more than held");
+    assert_eq!(
+        &again[..],
+        &logits[1..],
+        "the rollback restores the exact state"
+    );
+    assert!(
+        cache.trim(before + 1).is_err(),
+        "cannot trim more than held"
+    );
 }
 
 #[test]
@@ -142,6 +189,14 @@ fn storage_grows_in_amortised_steps() {
     while cache.offsets()[0] < 300 {
         last = argmax(&step(&model, &mut cache, &[last]));
     }
-    assert_eq!(cache.memory_bytes(), 512 * per_token, "capacity doubled once");
-    assert!(cache.layers.iter().flatten().all(|c| matches!(c, LayerCache::Simple(_))));
+    assert_eq!(
+        cache.memory_bytes(),
+        512 * per_token,
+        "capacity doubled once"
+    );
+    assert!(cache
+        .layers
+        .iter()
+        .flatten()
+        .all(|c| matches!(c, LayerCache::Simple(_))));
 }

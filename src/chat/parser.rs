@@ -106,7 +106,7 @@ enum State {
     TurnHeader(String),
 }
 
-/// Streaming parser of Gemma 4 output; see the [module docs](self).
+/// Streaming parser of Gemma 4 output; see the [`chat`](crate::chat) module docs.
 #[derive(Debug, Clone)]
 pub struct OutputParser {
     /// Text held back because it may be the start of a special token.

@@ -145,7 +145,10 @@ impl<'m> ChatSession<'m> {
         let after_eot = closed
             .rfind(END_OF_TURN)
             .map_or("", |i| &closed[i + END_OF_TURN.len()..]);
-        let eot_id = self.model.tokenizer().and_then(|t| t.token_to_id(END_OF_TURN));
+        let eot_id = self
+            .model
+            .tokenizer()
+            .and_then(|t| t.token_to_id(END_OF_TURN));
         let closed_by_model = eot_id.is_some() && self.history.last().copied() == eot_id;
         let mut text = String::new();
         if !closed_by_model {
@@ -223,7 +226,11 @@ impl<'m> ChatSession<'m> {
             let step = step?;
             generated.push(step.token);
             reply.finish = step.finish;
-            let text = if hidden.contains(&step.token) { "" } else { step.text.as_str() };
+            let text = if hidden.contains(&step.token) {
+                ""
+            } else {
+                step.text.as_str()
+            };
             if !absorb(parser.push(text), &mut reply) {
                 break;
             }

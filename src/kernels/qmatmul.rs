@@ -52,10 +52,21 @@ impl PackedWeight {
     /// # Errors
     /// [`Error::Quantized`] when the shapes or dtypes do not describe a 4/8-bit affine matrix
     /// with group 32, 64 or 128.
-    pub fn new(codes: Tensor, scales: Tensor, biases: Tensor, out_dim: usize, in_dim: usize) -> Result<Self> {
+    pub fn new(
+        codes: Tensor,
+        scales: Tensor,
+        biases: Tensor,
+        out_dim: usize,
+        in_dim: usize,
+    ) -> Result<Self> {
         let (co, words) = codes.dims2().map_err(|e| bad("codes", e.to_string()))?;
         let (so, groups) = scales.dims2().map_err(|e| bad("scales", e.to_string()))?;
-        if co != out_dim || so != out_dim || biases.dims() != scales.dims() || in_dim == 0 || groups == 0 {
+        if co != out_dim
+            || so != out_dim
+            || biases.dims() != scales.dims()
+            || in_dim == 0
+            || groups == 0
+        {
             return Err(bad(
                 "packed weight",
                 format!(
@@ -80,9 +91,17 @@ impl PackedWeight {
                 ),
             ));
         }
-        let bits = if (words * 32) % in_dim == 0 { words * 32 / in_dim } else { 0 };
+        let bits = if (words * 32) % in_dim == 0 {
+            words * 32 / in_dim
+        } else {
+            0
+        };
         let bits = QuantBits::from_bits(bits).map_err(|e| bad("packed weight", e.to_string()))?;
-        let group_size = if in_dim % groups == 0 { in_dim / groups } else { 0 };
+        let group_size = if in_dim % groups == 0 {
+            in_dim / groups
+        } else {
+            0
+        };
         if !super::GROUP_SIZES.contains(&group_size) {
             return Err(bad(
                 "packed weight",
@@ -103,7 +122,8 @@ impl PackedWeight {
     /// Bytes the packed matrix occupies (codes + scales + biases).
     pub fn packed_bytes(&self) -> usize {
         self.codes.elem_count() * 4
-            + (self.scales.elem_count() + self.biases.elem_count()) * self.scales.dtype().size_in_bytes()
+            + (self.scales.elem_count() + self.biases.elem_count())
+                * self.scales.dtype().size_in_bytes()
     }
 
     /// The dense matrix `[out_dim, in_dim]` in `dtype` (tests and prefill GEMM).
@@ -125,9 +145,11 @@ impl PackedWeight {
             _ => {
                 let rows: Vec<u32> = (0..self.out_dim as u32).collect();
                 let dense = cpu_gather(self, &rows)?;
-                Ok(Tensor::from_vec(dense, (self.out_dim, self.in_dim), &Device::Cpu)?
-                    .to_dtype(dtype)?
-                    .to_device(self.codes.device())?)
+                Ok(
+                    Tensor::from_vec(dense, (self.out_dim, self.in_dim), &Device::Cpu)?
+                        .to_dtype(dtype)?
+                        .to_device(self.codes.device())?,
+                )
             }
         }
     }
@@ -237,7 +259,10 @@ struct HostWeight {
 impl HostWeight {
     fn read(w: &PackedWeight) -> Result<Self> {
         let f = |t: &Tensor| -> Result<Vec<f32>> {
-            Ok(t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?)
+            Ok(t.to_device(&Device::Cpu)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?)
         };
         Ok(Self {
             codes: w.codes.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?,
@@ -276,7 +301,9 @@ fn cpu_qmatmul(x: &Tensor, w: &PackedWeight) -> Result<Tensor> {
     // Σ x per group, shared by every output row: [rows, groups].
     let xsum: Vec<f32> = xs.chunks(group).map(|c| c.iter().sum()).collect();
     let mut y = vec![0f32; rows * out_dim]; // [out, rows] while computing, transposed below
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).max(1);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .max(1);
     let per = out_dim.div_ceil(threads).max(1) * rows.max(1);
     std::thread::scope(|scope| {
         for (t, chunk) in y.chunks_mut(per).enumerate() {
@@ -302,6 +329,8 @@ fn cpu_qmatmul(x: &Tensor, w: &PackedWeight) -> Result<Tensor> {
             });
         }
     });
-    let y = Tensor::from_vec(y, (out_dim, rows), &Device::Cpu)?.t()?.contiguous()?;
+    let y = Tensor::from_vec(y, (out_dim, rows), &Device::Cpu)?
+        .t()?
+        .contiguous()?;
     Ok(y.to_dtype(x.dtype())?)
 }

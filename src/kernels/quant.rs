@@ -249,6 +249,7 @@ mod tests {
     /// Codes, scales and biases equal `mx.quantize`'s (MLX 0.32.4, CPU) bit for bit on inputs
     /// exactly representable in f32: `(lcg % 2001 - 1000) / 256`, 2 rows of 128.
     #[test]
+    #[allow(clippy::excessive_precision)] // MLX's f32 values, printed exactly
     fn matches_mlx_quantize_bit_for_bit() {
         let mut s: u64 = 12345;
         let vals: Vec<f32> = (0..256)

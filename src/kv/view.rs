@@ -71,6 +71,10 @@ pub enum KvData {
 }
 
 /// The result of a cache update: what attention needs for the tokens just appended.
+///
+/// The tensors read the cache's storage in place (no copy per step), so a view is valid until
+/// the next `update`, `trim` or `reset` of the cache that returned it: use it within the step
+/// (the layer and its KV-shared consumers), never keep it across steps.
 #[derive(Debug, Clone)]
 pub enum KvView {
     /// One sequence: its K/V and the absolute position of each key, in storage order (a ring

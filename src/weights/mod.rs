@@ -41,6 +41,8 @@ impl KeyLayout {
 pub struct WeightStore {
     files: Vec<(PathBuf, MmapedSafetensors)>,
     routing: HashMap<String, usize>,
+    /// `Some(seed)`: no files; every tensor is generated (benchmarks at real shapes).
+    random: Option<u64>,
     layout: KeyLayout,
     device: Device,
     dtype: DType,
@@ -94,10 +96,37 @@ impl WeightStore {
         Ok(Self {
             files,
             routing,
+            random: None,
             layout,
             device: device.clone(),
             dtype,
         })
+    }
+
+    /// A store with no files that generates every requested tensor on `device`: norms,
+    /// scalars and scales are ones, matrices are N(0, 0.02²). For benchmarks at real shapes,
+    /// where no checkpoint can be downloaded.
+    pub fn random(device: &Device, dtype: DType, seed: u64) -> Self {
+        Self {
+            files: Vec::new(),
+            routing: HashMap::new(),
+            random: Some(seed),
+            layout: KeyLayout::HfText,
+            device: device.clone(),
+            dtype,
+        }
+    }
+
+    /// Generates a tensor for the random store.
+    fn generate(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let is_scale =
+            name.contains("norm") || name.ends_with("layer_scalar") || name.ends_with("scale");
+        let t = if is_scale {
+            Tensor::ones(shape, self.dtype, &self.device)?
+        } else {
+            Tensor::randn(0f32, 0.02, shape, &self.device)?.to_dtype(self.dtype)?
+        };
+        Ok(t)
     }
 
     /// The detected key layout.
@@ -117,6 +146,9 @@ impl WeightStore {
 
     /// Whether a logical name exists.
     pub fn contains(&self, name: &str) -> bool {
+        if self.random.is_some() {
+            return name.ends_with(".weight");
+        }
         self.routing.contains_key(&self.full_name(name))
     }
 
@@ -160,6 +192,9 @@ impl WeightStore {
     /// # Errors
     /// [`Error::MissingTensor`], [`Error::Shape`].
     pub fn tensor(&self, name: &str, layer: Option<usize>, shape: &[usize]) -> Result<Tensor> {
+        if self.random.is_some() {
+            return self.generate(name, shape);
+        }
         let t = self.raw(name, layer, Some(shape))?;
         self.finish(name, t)
     }
@@ -192,6 +227,12 @@ impl WeightStore {
         } else {
             module.to_string()
         };
+        if self.random.is_some() {
+            return Ok(LoadedMatrix {
+                weight: self.generate(&weight_name, shape)?,
+                quantized: None,
+            });
+        }
         let scales_name = format!("{module}.scales");
         if !self.contains(&scales_name) {
             let t = self.raw(&weight_name, layer, Some(shape))?;

@@ -11,8 +11,8 @@ use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Storage, Tensor};
 
 use super::params::{
-    split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_WARPS, QSDPA_HEAD_DIMS,
-    QSDPA_ROWS, QSDPA_WARPS,
+    split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS,
+    QSDPA_WARPS,
 };
 use crate::kernels::{dense, QueryPlan};
 use crate::kv::{CacheError, PackedKv};
@@ -193,7 +193,13 @@ fn attend_fused(
             expected: format!(
                 "head_dim in {QSDPA_HEAD_DIMS:?}, K and V with the same bits and group size"
             ),
-            found: vec![head_dim, k.bits.bits(), v.bits.bits(), k.group_size, v.group_size],
+            found: vec![
+                head_dim,
+                k.bits.bits(),
+                v.bits.bits(),
+                k.group_size,
+                v.group_size,
+            ],
         });
     }
     let dtype = q.dtype();
@@ -249,7 +255,10 @@ fn attend_fused(
         ..Default::default()
     };
     let code = PositionCode::encode(positions).ok_or_else(too_big)?;
-    let table: Vec<u32> = code.apply(&mut params).map(|t| t.to_vec()).unwrap_or_default();
+    let table: Vec<u32> = code
+        .apply(&mut params)
+        .map(|t| t.to_vec())
+        .unwrap_or_default();
     let rows = n_heads / kv_heads * q_len;
     let row_blocks = rows.div_ceil(QSDPA_ROWS);
     let (n_split, per) = split_keys(keys.max(1), row_blocks * kv_heads, sm_count(&dev));
@@ -371,14 +380,19 @@ pub(crate) fn qmatvec(
         in_dim: in_dim as u32,
         group_size: group_size as u32,
     };
-    let func = dev.get_or_load_custom_func(&format!("qmatvec_{tn}_{sn}_{bits}_{r}"), MODULE, PTX)?;
+    let func =
+        dev.get_or_load_custom_func(&format!("qmatvec_{tn}_{sn}_{bits}_{r}"), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (out_dim.div_ceil(QMATVEC_WARPS) as u32, 1, 1),
         block_dim: ((QMATVEC_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     let x = x.contiguous()?;
-    let (codes, scales, biases) = (codes.contiguous()?, scales.contiguous()?, biases.contiguous()?);
+    let (codes, scales, biases) = (
+        codes.contiguous()?,
+        scales.contiguous()?,
+        biases.contiguous()?,
+    );
     macro_rules! go {
         ($t:ty, $s:ty) => {{
             // SAFETY: fully written by the kernel (one warp per output row, all rows).
@@ -456,7 +470,11 @@ pub(crate) fn dequant_rows(
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    let (codes, scales, biases) = (codes.contiguous()?, scales.contiguous()?, biases.contiguous()?);
+    let (codes, scales, biases) = (
+        codes.contiguous()?,
+        scales.contiguous()?,
+        biases.contiguous()?,
+    );
     macro_rules! go {
         ($t:ty, $s:ty) => {{
             // SAFETY: fully written (one thread per packed word of every output row).

@@ -202,7 +202,10 @@ mod tests {
     fn splits_cover_every_key() {
         for keys in [1, 100, 1000, 32768, 131072] {
             let (n, per) = split_keys(keys, 4, 132);
-            assert!(n * per >= keys && (n - 1) * per < keys, "{keys}: {n} x {per}");
+            assert!(
+                n * per >= keys && (n - 1) * per < keys,
+                "{keys}: {n} x {per}"
+            );
         }
     }
 

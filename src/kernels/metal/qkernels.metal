@@ -1,0 +1,323 @@
+// Metal port of src/kernels/cuda/qkernels.cu: quantized attention (split-K, online softmax),
+// quantized matvec and row dequantization over MLX affine 4/8-bit codes. Same algorithm, same
+// parameter structs (src/kernels/cuda/params.rs), same kernel names. Not run: no Mac here; it is
+// compiled as C++ against src/kernels/metal/shim.h by scripts/cuda-metal-syntax.sh.
+#include <metal_stdlib>
+using namespace metal;
+
+struct QsdpaParams {
+    ulong k_codes_sh, k_codes_sk, k_sc_sh, k_sc_sk;
+    ulong v_codes_sh, v_codes_sk, v_sc_sh, v_sc_sk;
+    uint n_heads, kv_heads, q_len, head_dim;
+    uint keys, group_size, window, q_offset;
+    uint pos_mode, pos_base, pos_split, pos_base2;
+    uint n_split, keys_per_split;
+    float scale;
+    uint pad_;
+};
+
+struct QmatParams {
+    uint rows, out_dim, in_dim, group_size;
+};
+
+constant constexpr int QS_WARPS = 4;
+constant constexpr int QS_NQ = 4;
+constant constexpr int QMV_WARPS = 8;
+
+inline uint key_pos(constant QsdpaParams& p, device const uint* pos, int j) {
+    if (p.pos_mode == 0) return p.pos_base + uint(j);
+    if (p.pos_mode == 1)
+        return uint(j) < p.pos_split ? p.pos_base + uint(j) : p.pos_base2 + (uint(j) - p.pos_split);
+    return pos[j];
+}
+
+template <int BITS>
+inline float code_of(thread const uint* w, int i, int shift) {
+    const int bit = i * BITS + shift;
+    return float((w[bit >> 5] >> (bit & 31)) & ((1u << BITS) - 1));
+}
+
+// One threadgroup = one KV head x QS_NQ query rows x one key split; 4 simdgroups of 32.
+template <typename T, int HD, int BITS>
+inline void qsdpa_body(constant QsdpaParams& p, device const T* q, device const uint* kc,
+                       device const T* ks, device const T* kb, device const uint* vc,
+                       device const T* vs, device const T* vb, device const uint* positions,
+                       device T* out, device float* part_ml, device float* part_acc,
+                       threadgroup float* sm_acc, threadgroup float* sm_m, threadgroup float* sm_l,
+                       uint3 tg, uint tid, uint lane, uint warp) {
+    constexpr int E = HD / 32;
+    constexpr int LANE_BITS = E * BITS;
+    constexpr int NW = LANE_BITS >= 32 ? LANE_BITS / 32 : 1;
+    constexpr int NQ = QS_NQ;
+    const int g = int(tg.y);
+    const int group = int(p.n_heads / p.kv_heads);
+    const int rows = group * int(p.q_len);
+    const int row0 = int(tg.x) * NQ;
+    const int split = int(tg.z);
+
+    float qv[NQ][E];
+    float qsum[NQ], m[NQ], l[NQ];
+    float acc[NQ][E];
+    uint qpos[NQ];
+    bool qok[NQ];
+    for (int n = 0; n < NQ; ++n) {
+        const int r = row0 + n;
+        qok[n] = r < rows;
+        const int qi = qok[n] ? r / group : 0, hh = qok[n] ? r % group : 0;
+        const int head = g * group + hh;
+        qpos[n] = p.q_offset + uint(qi);
+        device const T* qr = q + (ulong(head) * p.q_len + qi) * HD + lane * E;
+        qsum[n] = 0.f;
+        for (int i = 0; i < E; ++i) {
+            qv[n][i] = qok[n] ? float(qr[i]) * p.scale : 0.f;
+            qsum[n] += qv[n][i];
+        }
+        m[n] = -INFINITY;
+        l[n] = 0.f;
+        for (int i = 0; i < E; ++i) acc[n][i] = 0.f;
+    }
+    const int j0 = split * int(p.keys_per_split);
+    const int j1 = min(int(p.keys), j0 + int(p.keys_per_split));
+    const int gidx = int(lane * E) / int(p.group_size);
+    const int word0 = int(lane * E * BITS) >> 5;
+    const int shift0 = int(lane * E * BITS) & 31;
+    for (int j = j0 + int(warp); j < j1; j += QS_WARPS) {
+        const uint pos = key_pos(p, positions, j);
+        bool vis[NQ];
+        bool any = false;
+        for (int n = 0; n < NQ; ++n) {
+            vis[n] = qok[n] && pos <= qpos[n] && (p.window == 0 || pos + p.window > qpos[n]);
+            any = any || vis[n];
+        }
+        if (!any) continue;
+        uint kw[NW], vw[NW];
+        device const uint* kr = kc + g * p.k_codes_sh + ulong(j) * p.k_codes_sk + word0;
+        device const uint* vr = vc + g * p.v_codes_sh + ulong(j) * p.v_codes_sk + word0;
+        for (int w = 0; w < NW; ++w) {
+            kw[w] = kr[w];
+            vw[w] = vr[w];
+        }
+        const float ksc = float(ks[g * p.k_sc_sh + ulong(j) * p.k_sc_sk + gidx]);
+        const float kbi = float(kb[g * p.k_sc_sh + ulong(j) * p.k_sc_sk + gidx]);
+        const float vsc = float(vs[g * p.v_sc_sh + ulong(j) * p.v_sc_sk + gidx]);
+        const float vbi = float(vb[g * p.v_sc_sh + ulong(j) * p.v_sc_sk + gidx]);
+        float s[NQ];
+        for (int n = 0; n < NQ; ++n) s[n] = 0.f;
+        for (int i = 0; i < E; ++i) {
+            const float c = code_of<BITS>(kw, i, shift0);
+            for (int n = 0; n < NQ; ++n) s[n] = fma(c, qv[n][i], s[n]);
+        }
+        for (int n = 0; n < NQ; ++n) s[n] = simd_sum(ksc * s[n] + kbi * qsum[n]);
+        float val[E];
+        for (int i = 0; i < E; ++i) val[i] = fma(vsc, code_of<BITS>(vw, i, shift0), vbi);
+        for (int n = 0; n < NQ; ++n) {
+            if (!vis[n]) continue;
+            const float m_new = max(m[n], s[n]);
+            const float corr = exp(m[n] - m_new);
+            const float pp = exp(s[n] - m_new);
+            l[n] = l[n] * corr + pp;
+            m[n] = m_new;
+            for (int i = 0; i < E; ++i) acc[n][i] = fma(acc[n][i], corr, pp * val[i]);
+        }
+    }
+    for (int n = 0; n < NQ; ++n) {
+        for (int i = 0; i < E; ++i) sm_acc[(warp * NQ + n) * HD + lane * E + i] = acc[n][i];
+        if (lane == 0) {
+            sm_m[warp * NQ + n] = m[n];
+            sm_l[warp * NQ + n] = l[n];
+        }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int t = int(tid); t < NQ * HD; t += QS_WARPS * 32) {
+        const int n = t / HD, d = t % HD;
+        const int r = row0 + n;
+        if (r >= rows) continue;
+        float M = -INFINITY;
+        for (int w = 0; w < QS_WARPS; ++w)
+            if (sm_l[w * NQ + n] > 0.f) M = max(M, sm_m[w * NQ + n]);
+        float L = 0.f, A = 0.f;
+        for (int w = 0; w < QS_WARPS; ++w) {
+            if (sm_l[w * NQ + n] > 0.f) {
+                const float f = exp(sm_m[w * NQ + n] - M);
+                L += f * sm_l[w * NQ + n];
+                A += f * sm_acc[(w * NQ + n) * HD + d];
+            }
+        }
+        const int grow = g * rows + r;
+        if (p.n_split == 1) {
+            const int qi = r / group, hh = r % group, head = g * group + hh;
+            out[(ulong(head) * p.q_len + qi) * HD + d] = T(L > 0.f ? A / L : 0.f);
+        } else {
+            const ulong prow = ulong(split) * p.kv_heads * rows + grow;
+            part_acc[prow * HD + d] = A;
+            if (d == 0) {
+                part_ml[prow * 2] = M;
+                part_ml[prow * 2 + 1] = L;
+            }
+        }
+    }
+}
+
+template <typename T>
+inline void qsdpa_combine_body(constant QsdpaParams& p, device const float* part_ml,
+                               device const float* part_acc, device T* out, uint grow_u,
+                               uint tid) {
+    const int hd = int(p.head_dim);
+    const int group = int(p.n_heads / p.kv_heads);
+    const int rows = group * int(p.q_len);
+    const int total = int(p.kv_heads) * rows;
+    const int grow = int(grow_u);
+    const int g = grow / rows, r = grow % rows;
+    const int qi = r / group, hh = r % group, head = g * group + hh;
+    float M = -INFINITY;
+    for (int s = 0; s < int(p.n_split); ++s) {
+        device const float* ml = part_ml + (ulong(s) * total + grow) * 2;
+        if (ml[1] > 0.f) M = max(M, ml[0]);
+    }
+    float L = 0.f;
+    for (int s = 0; s < int(p.n_split); ++s) {
+        device const float* ml = part_ml + (ulong(s) * total + grow) * 2;
+        if (ml[1] > 0.f) L += exp(ml[0] - M) * ml[1];
+    }
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    for (int d = int(tid); d < hd; d += 128) {
+        float A = 0.f;
+        for (int s = 0; s < int(p.n_split); ++s) {
+            device const float* ml = part_ml + (ulong(s) * total + grow) * 2;
+            if (ml[1] > 0.f) A += exp(ml[0] - M) * part_acc[(ulong(s) * total + grow) * hd + d];
+        }
+        out[(ulong(head) * p.q_len + qi) * hd + d] = T(A * inv);
+    }
+}
+
+#define QSDPA_INST(TN, T, HD, BITS)                                                            \
+    [[kernel]] void qsdpa_##TN##_##HD##_##BITS(                                                \
+        constant QsdpaParams& p [[buffer(0)]], device const T* q [[buffer(1)]],                \
+        device const uint* kc [[buffer(2)]], device const T* ks [[buffer(3)]],                 \
+        device const T* kb [[buffer(4)]], device const uint* vc [[buffer(5)]],                 \
+        device const T* vs [[buffer(6)]], device const T* vb [[buffer(7)]],                    \
+        device const uint* positions [[buffer(8)]], device T* out [[buffer(9)]],               \
+        device float* part_ml [[buffer(10)]], device float* part_acc [[buffer(11)]],           \
+        uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],   \
+        uint lane [[thread_index_in_simdgroup]], uint warp [[simdgroup_index_in_threadgroup]]) { \
+        threadgroup float sm_acc[QS_WARPS * QS_NQ * HD];                                       \
+        threadgroup float sm_m[QS_WARPS * QS_NQ];                                              \
+        threadgroup float sm_l[QS_WARPS * QS_NQ];                                              \
+        qsdpa_body<T, HD, BITS>(p, q, kc, ks, kb, vc, vs, vb, positions, out, part_ml,          \
+                                part_acc, sm_acc, sm_m, sm_l, tg, tid, lane, warp);            \
+    }
+
+#define QSDPA_INST_HD(TN, T, BITS) \
+    QSDPA_INST(TN, T, 32, BITS)    \
+    QSDPA_INST(TN, T, 64, BITS)    \
+    QSDPA_INST(TN, T, 128, BITS)   \
+    QSDPA_INST(TN, T, 256, BITS)   \
+    QSDPA_INST(TN, T, 512, BITS)
+
+#define QSDPA_INST_T(TN, T)                                                                    \
+    QSDPA_INST_HD(TN, T, 4)                                                                    \
+    QSDPA_INST_HD(TN, T, 8)                                                                    \
+    [[kernel]] void qsdpa_combine_##TN(constant QsdpaParams& p [[buffer(0)]],                  \
+                                       device const float* part_ml [[buffer(1)]],              \
+                                       device const float* part_acc [[buffer(2)]],             \
+                                       device T* out [[buffer(3)]],                            \
+                                       uint grow [[threadgroup_position_in_grid]],             \
+                                       uint tid [[thread_index_in_threadgroup]]) {             \
+        qsdpa_combine_body<T>(p, part_ml, part_acc, out, grow, tid);                           \
+    }
+
+QSDPA_INST_T(f32, float)
+QSDPA_INST_T(f16, half)
+QSDPA_INST_T(bf16, bfloat)
+
+// y[r, o] = sum_e x[r, e] W[o, e]: one simdgroup per output row, 4 words of codes per step.
+template <typename T, typename S, int BITS, int MAXR>
+inline void qmatvec_body(constant QmatParams& p, device const T* x, device const uint* codes,
+                         device const S* scales, device const S* biases, device T* y, uint tg,
+                         uint lane, uint warp) {
+    constexpr int EPC = 128 / BITS;
+    const int o = int(tg) * QMV_WARPS + int(warp);
+    if (o >= int(p.out_dim)) return;
+    const int words = int(p.in_dim) * BITS / 32;
+    const int chunks = words / 4;
+    const int groups = int(p.in_dim / p.group_size);
+    device const uint* wr = codes + ulong(o) * words;
+    float acc[MAXR];
+    for (int r = 0; r < MAXR; ++r) acc[r] = 0.f;
+    for (int c = int(lane); c < chunks; c += 32) {
+        uint w[4];
+        for (int i = 0; i < 4; ++i) w[i] = wr[c * 4 + i];
+        const int e0 = c * EPC;
+        const float sc = float(scales[ulong(o) * groups + e0 / int(p.group_size)]);
+        const float bi = float(biases[ulong(o) * groups + e0 / int(p.group_size)]);
+        for (int r = 0; r < MAXR; ++r) {
+            if (r < int(p.rows)) {
+                float dot = 0.f, xs = 0.f;
+                device const T* xr = x + ulong(r) * p.in_dim + e0;
+                for (int k = 0; k < EPC; ++k) {
+                    const float xv = float(xr[k]);
+                    const float cv = float((w[(k * BITS) >> 5] >> ((k * BITS) & 31)) & ((1u << BITS) - 1));
+                    dot = fma(cv, xv, dot);
+                    xs += xv;
+                }
+                acc[r] = fma(sc, dot, fma(bi, xs, acc[r]));
+            }
+        }
+    }
+    for (int r = 0; r < MAXR; ++r) acc[r] = simd_sum(acc[r]);
+    if (lane == 0)
+        for (int r = 0; r < MAXR; ++r)
+            if (r < int(p.rows)) y[ulong(r) * p.out_dim + o] = T(acc[r]);
+}
+
+template <typename T, typename S, int BITS>
+inline void dequant_body(constant QmatParams& p, device const uint* codes, device const S* scales,
+                         device const S* biases, device const uint* idx, uint use_idx,
+                         device T* out, uint t) {
+    constexpr int PER = 32 / BITS;
+    const ulong words = ulong(p.in_dim) * BITS / 32;
+    if (ulong(t) >= words * p.rows) return;
+    const ulong i = t / words, wi = t % words;
+    const ulong src = use_idx != 0 ? ulong(idx[i]) : i;
+    const uint w = codes[src * words + wi];
+    const ulong e0 = wi * PER;
+    const ulong gi = src * (p.in_dim / p.group_size) + e0 / p.group_size;
+    const float sc = float(scales[gi]), bi = float(biases[gi]);
+    for (int k = 0; k < PER; ++k) out[i * p.in_dim + e0 + k] = T(fma(sc, float((w >> (k * BITS)) & ((1u << BITS) - 1)), bi));
+}
+
+#define QMV_INST(TN, T, SN, S, BITS, R)                                                        \
+    [[kernel]] void qmatvec_##TN##_##SN##_##BITS##_##R(                                         \
+        constant QmatParams& p [[buffer(0)]], device const T* x [[buffer(1)]],                 \
+        device const uint* c [[buffer(2)]], device const S* s [[buffer(3)]],                   \
+        device const S* b [[buffer(4)]], device T* y [[buffer(5)]],                            \
+        uint tg [[threadgroup_position_in_grid]], uint lane [[thread_index_in_simdgroup]],     \
+        uint warp [[simdgroup_index_in_threadgroup]]) {                                        \
+        qmatvec_body<T, S, BITS, R>(p, x, c, s, b, y, tg, lane, warp);                         \
+    }
+
+#define QW_INST_B(TN, T, SN, S, BITS)                                                          \
+    QMV_INST(TN, T, SN, S, BITS, 1)                                                            \
+    QMV_INST(TN, T, SN, S, BITS, 2)                                                            \
+    QMV_INST(TN, T, SN, S, BITS, 4)                                                            \
+    QMV_INST(TN, T, SN, S, BITS, 8)                                                            \
+    [[kernel]] void dequant_##TN##_##SN##_##BITS(                                               \
+        constant QmatParams& p [[buffer(0)]], device const uint* c [[buffer(1)]],              \
+        device const S* s [[buffer(2)]], device const S* b [[buffer(3)]],                      \
+        device const uint* idx [[buffer(4)]], constant uint& use_idx [[buffer(5)]],            \
+        device T* out [[buffer(6)]], uint t [[thread_position_in_grid]]) {                     \
+        dequant_body<T, S, BITS>(p, c, s, b, idx, use_idx, out, t);                            \
+    }
+
+#define QW_INST_S(TN, T, SN, S) \
+    QW_INST_B(TN, T, SN, S, 4)  \
+    QW_INST_B(TN, T, SN, S, 8)
+
+#define QW_INST_T(TN, T)              \
+    QW_INST_S(TN, T, f32, float)      \
+    QW_INST_S(TN, T, f16, half)       \
+    QW_INST_S(TN, T, bf16, bfloat)
+
+QW_INST_T(f32, float)
+QW_INST_T(f16, half)
+QW_INST_T(bf16, bfloat)

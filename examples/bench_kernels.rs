@@ -1,0 +1,195 @@
+//! GPU benchmark of the quantized kernels, printing one JSON object per line:
+//! quantized attention (4/8-bit, fused decode and auto prefill) against the crate's dense bf16
+//! attention (candle matmul + softmax) at 1k..128k keys on the E4B and 31B head shapes, and
+//! quantized matvec/GEMM against bf16 on the 31B projection shapes, with achieved GB/s against a
+//! device-to-device copy measured in the same process. Times are medians of several repeats,
+//! each `iters` launches between two device synchronizations.
+//!
+//!     cargo run --release --features cuda --example bench_kernels [-- --quick]
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use candle_gemma::kernels::attend;
+use candle_gemma::kernels::cuda::{attend_packed_cuda, QsdpaPath};
+use candle_gemma::kernels::qmatmul::{qmatmul, PackedWeight};
+use candle_gemma::kv::{KvData, KvView, PackedKv, QuantBits};
+use std::time::Instant;
+
+/// Median seconds per call of `f`.
+fn time<F: FnMut() -> Result<()>>(dev: &Device, iters: usize, mut f: F) -> Result<f64> {
+    for _ in 0..2 {
+        f()?;
+    }
+    dev.synchronize()?;
+    let mut v = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        for _ in 0..iters {
+            f()?;
+        }
+        dev.synchronize()?;
+        v.push(t.elapsed().as_secs_f64() / iters as f64);
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok(v[2])
+}
+
+fn rand_codes(shape: (usize, usize, usize, usize), dev: &Device) -> Result<Tensor> {
+    // Random 24-bit patterns (exact in f32); the code values do not change the timing.
+    Ok(Tensor::rand(0f32, 16777215.0, shape, dev)?.to_dtype(DType::U32)?)
+}
+
+fn packed(
+    kvh: usize,
+    keys: usize,
+    hd: usize,
+    bits: usize,
+    group: usize,
+    dev: &Device,
+) -> Result<PackedKv> {
+    Ok(PackedKv {
+        codes: rand_codes((1, kvh, keys, hd * bits / 32), dev)?,
+        scales: Tensor::rand(0.001f32, 0.02, (1, kvh, keys, hd / group), dev)?
+            .to_dtype(DType::BF16)?,
+        biases: Tensor::rand(-0.1f32, 0.0, (1, kvh, keys, hd / group), dev)?
+            .to_dtype(DType::BF16)?,
+        bits: QuantBits::from_bits(bits)?,
+        group_size: group,
+    })
+}
+
+fn main() -> Result<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let dev = Device::new_cuda(0)?;
+
+    // Copy bandwidth: 1 GiB buffer, bytes read + written.
+    let big = Tensor::rand(0f32, 1.0, 256 * 1024 * 1024, &dev)?;
+    let t_copy = time(&dev, 10, || {
+        let _ = big.copy()?;
+        Ok(())
+    })?;
+    let copy_gbs = 2.0 * 1024f64.powi(3) / t_copy / 1e9;
+    println!(
+        "{{\"bench\":\"copy\",\"bytes\":{},\"seconds\":{t_copy:.6e},\"gb_per_s\":{copy_gbs:.1}}}",
+        2u64 << 30
+    );
+    drop(big);
+
+    // Quantized attention vs dense bf16.
+    let shapes: [(&str, usize, usize, usize); 4] = [
+        ("e4b_sliding", 8, 2, 256),
+        ("e4b_full", 8, 2, 512),
+        ("31b_sliding", 32, 16, 256),
+        ("31b_full", 32, 4, 512),
+    ];
+    let key_counts: &[usize] = if quick {
+        &[1024, 32768]
+    } else {
+        &[1024, 8192, 32768, 131072]
+    };
+    for &(name, nh, kvh, hd) in &shapes {
+        for &keys in key_counts {
+            for q_len in [1usize, 512] {
+                if q_len > 1 && keys > 32768 {
+                    continue; // the dense path's host-built mask dominates there
+                }
+                let iters = if q_len == 1 { 50 } else { 3 };
+                let q =
+                    Tensor::randn(0f32, 1.0, (1, nh, q_len, hd), &dev)?.to_dtype(DType::BF16)?;
+                let pos: Vec<usize> = (0..keys).collect();
+                let q_off = keys - q_len;
+                let scale = 1.0 / (hd as f64).sqrt();
+                let kd =
+                    Tensor::randn(0f32, 1.0, (1, kvh, keys, hd), &dev)?.to_dtype(DType::BF16)?;
+                let vd =
+                    Tensor::randn(0f32, 1.0, (1, kvh, keys, hd), &dev)?.to_dtype(DType::BF16)?;
+                let dview = KvView::Single {
+                    data: KvData::Dense { k: kd, v: vd },
+                    positions: pos.clone(),
+                };
+                let t_dense = time(&dev, iters, || {
+                    attend(&q, &dview, &[q_off], None, scale)?;
+                    Ok(())
+                })?;
+                drop(dview);
+                for bits in [4usize, 8] {
+                    let k = packed(kvh, keys, hd, bits, 64, &dev)?;
+                    let v = packed(kvh, keys, hd, bits, 64, &dev)?;
+                    let paths: &[QsdpaPath] = if q_len == 1 {
+                        &[QsdpaPath::Fused]
+                    } else if keys <= 8192 {
+                        &[QsdpaPath::Fused, QsdpaPath::DequantDense]
+                    } else {
+                        &[QsdpaPath::DequantDense]
+                    };
+                    for &path in paths {
+                        let t = time(&dev, iters, || {
+                            attend_packed_cuda(&q, &k, &v, &pos, q_off, None, scale, path)?;
+                            Ok(())
+                        })?;
+                        let kv_bytes = 2 * kvh * keys * (hd * bits / 8 + 2 * 2 * hd / 64);
+                        println!(
+                            "{{\"bench\":\"qsdpa\",\"shape\":\"{name}\",\"heads\":{nh},\"kv_heads\":{kvh},\"head_dim\":{hd},\"keys\":{keys},\"q_len\":{q_len},\"bits\":{bits},\"group\":64,\"path\":\"{path:?}\",\"seconds\":{t:.6e},\"dense_bf16_seconds\":{t_dense:.6e},\"speedup\":{:.3},\"kv_gb_per_s\":{:.1}}}",
+                            t_dense / t,
+                            kv_bytes as f64 / t / 1e9
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    // Quantized matvec / GEMM vs bf16 on the 31B projections ([out, in]).
+    let projs: [(&str, usize, usize); 3] = [
+        ("q_proj_sliding", 8192, 5376),
+        ("mlp_gate_up", 21504, 5376),
+        ("mlp_down", 5376, 21504),
+    ];
+    let rot = 4; // weight copies rotated so that L2 (50 MB) cannot hold them
+    for &(name, out, inp) in &projs {
+        for rows in [1usize, 512] {
+            let iters = if rows == 1 { 40 } else { 5 };
+            let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?.to_dtype(DType::BF16)?;
+            let ws: Vec<Tensor> = (0..rot)
+                .map(|_| Ok(Tensor::randn(0f32, 0.02, (out, inp), &dev)?.to_dtype(DType::BF16)?))
+                .collect::<Result<_>>()?;
+            let mut i = 0;
+            let t_bf16 = time(&dev, iters, || {
+                i += 1;
+                x.matmul(&ws[i % rot].t()?)?;
+                Ok(())
+            })?;
+            let dense_bytes = out * inp * 2;
+            drop(ws);
+            for bits in [4usize, 8] {
+                let wq: Vec<PackedWeight> = (0..rot)
+                    .map(|_| {
+                        let p = packed(1, out, inp, bits, 64, &dev)?;
+                        Ok(PackedWeight::new(
+                            p.codes.squeeze(0)?.squeeze(0)?,
+                            p.scales.squeeze(0)?.squeeze(0)?,
+                            p.biases.squeeze(0)?.squeeze(0)?,
+                            out,
+                            inp,
+                        )?)
+                    })
+                    .collect::<Result<_>>()?;
+                let bytes = wq[0].packed_bytes();
+                let mut i = 0;
+                let t = time(&dev, iters, || {
+                    i += 1;
+                    qmatmul(&x, &wq[i % rot])?;
+                    Ok(())
+                })?;
+                let gbs = bytes as f64 / t / 1e9;
+                println!(
+                    "{{\"bench\":\"qmatmul\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"bits\":{bits},\"group\":64,\"seconds\":{t:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3}}}",
+                    t_bf16 / t,
+                    dense_bytes as f64 / t_bf16 / 1e9,
+                    gbs / copy_gbs
+                );
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,20 @@
+#!/bin/bash
+# Builds the `cuda` feature (library, quantized kernels, kernel_check and bench_kernels) on a
+# machine with nvcc but no GPU, and packs the two binaries for the lent GPU machine.
+# CI has no nvcc: this is the developer's command.
+#
+#   scripts/cuda-check.sh            # check + build, binaries in .device/*.xz
+#   then on the GPU (device tool, carry .device):
+#   xz -d .device/*.xz && source .device/device-env.sh && .device/kernel_check && .device/bench_kernels
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source ../shared/cuda/toolkit.sh >/dev/null
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target-cuda}
+cargo check --features cuda --all-targets
+cargo build --release --features cuda --example kernel_check --example bench_kernels
+mkdir -p .device
+for b in kernel_check bench_kernels; do
+  xz -9 -T2 -c "$CARGO_TARGET_DIR/release/examples/$b" > ".device/$b.xz"
+done
+cp ../shared/cuda/device-env.sh .device/
+ls -la .device
