@@ -236,7 +236,7 @@ def layer_plan(tc):
 # ----------------------------------------------------------------------------
 
 
-def make_weights(tc, seed, emb_std=1.0, lin_gain=1.0):
+def make_weights(tc, seed, emb_std=1.0, lin_gain=1.0, post_norm_range=None):
     rng = np.random.default_rng(seed)
     H = tc["hidden_size"]
     L = tc["num_hidden_layers"]
@@ -252,7 +252,7 @@ def make_weights(tc, seed, emb_std=1.0, lin_gain=1.0):
         return rng.uniform(lo, hi, size=(n,)).astype(f32)
 
     def post_norm(n):
-        return norm(n, *POST_NORM)
+        return norm(n, *(post_norm_range or POST_NORM))
 
     w = {}
     w["embed_tokens.weight"] = (rng.standard_normal((VOCAB, H)) * emb_std).astype(f32)
@@ -593,6 +593,24 @@ def build_e2b_hf(tok):
     return make_golden(d, name, covers, MM_OVERRIDE)
 
 
+def build_e2b_kvq(tok):
+    """E2B-shaped, f32, HF multimodal layout, with gentle residual gains (post norms in
+    [0.8, 1.6]) so that 8/4-bit KV quantization error is not amplified far beyond what real
+    checkpoints show: the fixture of the quantized-cache agreement test."""
+    name = "e2b-kvq"
+    d = fresh_dir(name)
+    cfg = cfg_e2b("float32")
+    tc = cfg["text_config"]
+    w = make_weights(tc, SEEDS["e2b"] + 1000, emb_std=EMB_STD, post_norm_range=(0.8, 1.6))
+    arrays = {"model.language_model." + k: v for k, v in to_mx(w, mx.float32).items()}
+    save_st(d / "model.safetensors", arrays, "pt")
+    write_config(d, cfg)
+    write_tokenizer_files(d, tok)
+    covers = ["KV quantization agreement (gentle residual gains)", "PLE", "KV sharing",
+              "double-wide MLP", "f32 weights"]
+    return make_golden(d, name, covers, MM_OVERRIDE)
+
+
 def build_e4b_text(tok):
     name = "e4b-text"
     d = fresh_dir(name)
@@ -845,6 +863,10 @@ FIXTURE_DOC = {
                "affine 8-bit g64; override `embed_tokens_per_layer` 4-bit g64; linears with in-dim % 64 != 0 "
                "stay float and are NOT listed in the config (detect by absent `.scales`)",
                "mixed float/quantized modules, per-module override, QAT pruning, PLE, KV sharing"),
+    "e2b-kvq": ("E2B-shaped like e2b-hf, gentle residual gains (post norms U[0.8, 1.6])",
+                "HF multimodal `model.language_model.*`", "f32", "none",
+                "the quantized-KV agreement test (8/4-bit caches vs the dense reference); PLE, KV sharing, "
+                "double-wide"),
 }
 
 
@@ -995,7 +1017,7 @@ def build_q8(tok):
 
 def main(argv):
     FIX.mkdir(exist_ok=True)
-    want = set(argv) or {"e2b-hf", "e4b-text", "moe-mlx", "dense-sharded", "e2b-q4", "e2b-q8",
+    want = set(argv) or {"e2b-hf", "e4b-text", "moe-mlx", "dense-sharded", "e2b-q4", "e2b-q8", "e2b-kvq",
                          "crosscheck"}
     tok = build_tokenizer()
     if "--search" in want:
@@ -1013,6 +1035,8 @@ def main(argv):
         build_q4(tok)
     if "e2b-q8" in want:
         build_q8(tok)
+    if "e2b-kvq" in want:
+        build_e2b_kvq(tok)
     if "crosscheck" in want:
         crosscheck_all()
     write_readme()

@@ -261,3 +261,57 @@ fn batch_misuse_is_a_typed_error() {
     assert!(model.forward(&[vec![1], vec![2]], &mut batch).is_err());
     assert_eq!(batch.offsets(), before);
 }
+
+#[test]
+fn batch_session_equals_single_decode_with_joins_and_early_stops() {
+    use candle_gemma::generate::BatchSession;
+    use candle_gemma::GenOptions;
+    let model = load("e2b-hf");
+    let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
+    for (label, cfg) in modes() {
+        let opts = |max_tokens| GenOptions {
+            max_tokens,
+            ignore_eos: true,
+            cache: cfg,
+            ..Default::default()
+        };
+        // Sequence 0 stops early (4 tokens); sequence 2 (33 tokens, 4x the window) joins late.
+        let budgets = [4usize, 12, 12];
+        let single: Vec<Vec<u32>> = prompts
+            .iter()
+            .zip(budgets)
+            .map(|(p, n)| model.generator(opts(n)).generate(p).expect("single").tokens)
+            .collect();
+
+        let mut session = BatchSession::new(&model, opts(12));
+        let mut got: Vec<Vec<u32>> = vec![Vec::new(); 3];
+        let mut ids = vec![session
+            .add_with_max_tokens(&prompts[0], budgets[0])
+            .expect("add 0")];
+        ids.push(session.add(&prompts[1]).expect("add 1"));
+        let mut steps = 0;
+        while !session.is_empty() {
+            if steps == 2 {
+                ids.push(session.add(&prompts[2]).expect("add 2 mid-way"));
+            }
+            for (id, step) in session.step().expect("step") {
+                let seq = ids.iter().position(|&x| x == id).expect("known id");
+                got[seq].push(step.token);
+                let done = got[seq].len() == budgets[seq];
+                assert_eq!(
+                    step.finish.is_some(),
+                    done,
+                    "{label}: sequence {seq} finish flag"
+                );
+            }
+            steps += 1;
+            assert!(steps < 64, "the batch never drained");
+        }
+        for (i, (g, s)) in got.iter().zip(&single).enumerate() {
+            assert_eq!(
+                g, s,
+                "{label}: sequence {i} batched differs from single decode"
+            );
+        }
+    }
+}

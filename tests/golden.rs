@@ -79,6 +79,11 @@ fn mlx_8bit_quantized() {
 }
 
 #[test]
+fn e2b_kvq_gentle_gains_f32() {
+    check_fixture("e2b-kvq");
+}
+
+#[test]
 fn every_fixture_has_at_least_eight_comparable_tokens_per_prompt() {
     for name in FIXTURES {
         for (i, case) in golden(name).iter().enumerate() {

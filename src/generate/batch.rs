@@ -84,6 +84,15 @@ impl<'m> BatchSession<'m> {
     /// # Errors
     /// Invalid prompt, cache errors.
     pub fn add(&mut self, prompt: &[u32]) -> Result<SeqId> {
+        self.add_with_max_tokens(prompt, self.options.max_tokens)
+    }
+
+    /// As [`BatchSession::add`], with this sequence's own token budget (sequences of one batch
+    /// share the cache layout and sampling options, not their lengths).
+    ///
+    /// # Errors
+    /// Invalid prompt, cache errors.
+    pub fn add_with_max_tokens(&mut self, prompt: &[u32], max_tokens: usize) -> Result<SeqId> {
         if prompt.is_empty() {
             return Err(Error::Input("the prompt is empty".to_string()));
         }
@@ -119,7 +128,7 @@ impl<'m> BatchSession<'m> {
             history: prompt.to_vec(),
             last: 0,
             generated: 0,
-            max_tokens: self.options.max_tokens,
+            max_tokens,
             eos,
         };
         self.prefill_secs += started.elapsed().as_secs_f64();
