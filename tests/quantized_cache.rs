@@ -397,3 +397,52 @@ fn quantized_teacher_forced_argmax_agrees_wherever_the_reference_is_decisive() {
         }
     }
 }
+
+#[test]
+fn kv_bytes_per_token_on_real_shapes() {
+    use candle_core::{DType, Device, Tensor};
+    use candle_gemma::config::Config;
+    use candle_gemma::KvCache;
+    // Every KV-owning layer of the real E4B and 31B configs, 256 tokens each (the simple
+    // cache's first allocation), bf16 activations; scales and biases counted.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/real-configs");
+    for file in ["e4b-config.json", "31b-config.json"] {
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(file)).expect("read")).expect("json");
+        let cfg = Config::from_json(&json, None).expect("config");
+        let specs: Vec<_> = cfg
+            .layers
+            .iter()
+            .filter(|l| l.kv == candle_gemma::config::KvSource::Own)
+            .map(|l| candle_gemma::kv::LayerCacheSpec {
+                kv_heads: l.kv_heads,
+                head_dim: l.head_dim,
+                window: None,
+            })
+            .collect();
+        let tokens = 256;
+        let per_token = |cc: &CacheConfig| -> usize {
+            specs
+                .iter()
+                .map(|spec| {
+                    let mut c = cc.build(spec, DType::BF16, &Device::Cpu).expect("cache");
+                    let x = Tensor::zeros((1, spec.kv_heads, tokens, spec.head_dim), DType::BF16, &Device::Cpu)
+                        .expect("zeros");
+                    c.update(&x, &x).expect("update");
+                    c.memory_bytes() / tokens
+                })
+                .sum()
+        };
+        let dense = per_token(&CacheConfig { mode: CacheMode::Simple });
+        let q8 = per_token(&quant(QuantBits::Eight, 64, 0));
+        let q4 = per_token(&quant(QuantBits::Four, 64, 0));
+        eprintln!(
+            "{file}: KV bytes per token over {} KV-owning layers: bf16 {dense}, 8-bit {q8} ({:.3}x), 4-bit {q4} ({:.3}x)",
+            specs.len(),
+            q8 as f64 / dense as f64,
+            q4 as f64 / dense as f64
+        );
+        assert!(q4 as f64 <= 0.3 * dense as f64, "{file}: 4-bit {q4} vs bf16 {dense}");
+        assert!(q8 < dense);
+    }
+}
