@@ -26,7 +26,7 @@ fn main() {
         .unwrap_or_else(|| {
             ["CUDA_ROOT", "CUDA_PATH", "CUDA_HOME"]
                 .iter()
-                .filter_map(|v| std::env::var_os(v))
+                .filter_map(std::env::var_os)
                 .map(|root| PathBuf::from(root).join("bin").join("nvcc"))
                 .find(|p| p.exists())
                 .unwrap_or_else(|| PathBuf::from("nvcc"))

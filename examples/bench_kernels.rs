@@ -62,18 +62,25 @@ fn main() -> Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let dev = Device::new_cuda(0)?;
 
-    // Copy bandwidth: 1 GiB buffer, bytes read + written.
-    let big = Tensor::rand(0f32, 1.0, 256 * 1024 * 1024, &dev)?;
+    // Copy bandwidth: 1 GiB device-to-device memcpy into a preallocated buffer, bytes read +
+    // written.
+    let cdev = match &dev {
+        Device::Cuda(c) => c.clone(),
+        _ => anyhow::bail!("needs a CUDA device"),
+    };
+    let n = 256 * 1024 * 1024;
+    let src = cdev.alloc_zeros::<f32>(n)?;
+    let mut dst = cdev.alloc_zeros::<f32>(n)?;
     let t_copy = time(&dev, 10, || {
-        let _ = big.copy()?;
+        cdev.memcpy_dtod(&src, &mut dst)?;
         Ok(())
     })?;
+    drop((src, dst));
     let copy_gbs = 2.0 * 1024f64.powi(3) / t_copy / 1e9;
     println!(
         "{{\"bench\":\"copy\",\"bytes\":{},\"seconds\":{t_copy:.6e},\"gb_per_s\":{copy_gbs:.1}}}",
         2u64 << 30
     );
-    drop(big);
 
     // Quantized attention vs dense bf16.
     let shapes: [(&str, usize, usize, usize); 4] = [

@@ -99,7 +99,7 @@ impl<'m> Generator<'m> {
         pc.restore_check(&self.cache_meta()?)?;
         self.cached_tokens = pc.tokens;
         self.cache = Some(pc.cache);
-        self.cache_layout = self.options.cache.clone();
+        self.cache_layout = self.options.cache;
         Ok(())
     }
 
@@ -142,7 +142,7 @@ impl<'m> Generator<'m> {
         let mut cache = match self.cache.take() {
             Some(c) => c,
             None => {
-                self.cache_layout = self.options.cache.clone();
+                self.cache_layout = self.options.cache;
                 self.model.new_cache(&self.options.cache)?
             }
         };

@@ -84,12 +84,15 @@ fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: &[usize]) ->
     Tensor::from_storage(storage, shape, BackpropOp::none(), false)
 }
 
-/// Multiprocessors of the device (132 on an H100 SXM).
+/// Multiprocessors of the device (132 on an H100 SXM), read once per process.
 fn sm_count(dev: &CudaDevice) -> usize {
-    dev.cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_or(132, |n| n.max(1) as usize)
+    static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *SMS.get_or_init(|| {
+        dev.cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(132, |n| n.max(1) as usize)
+    })
 }
 
 /// `[1, kvh, keys, last]` with a dense last axis, as `(tensor, head stride, key stride)`,
@@ -260,27 +263,34 @@ fn attend_fused(
         .map(|t| t.to_vec())
         .unwrap_or_default();
     let rows = n_heads / kv_heads * q_len;
-    let row_blocks = rows.div_ceil(QSDPA_ROWS);
+    // Query rows per block: 2 when a KV head serves at most 2 rows (31B sliding decode), else 4.
+    let nq = if rows <= 2 { 2 } else { QSDPA_ROWS };
+    let row_blocks = rows.div_ceil(nq);
     let (n_split, per) = split_keys(keys.max(1), row_blocks * kv_heads, sm_count(&dev));
     params.n_split = u32_of(n_split)?;
     params.keys_per_split = u32_of(per)?;
 
     let out_len = n_heads * q_len * head_dim;
     let total_rows = kv_heads * rows;
-    let pos_buf: CudaSlice<u32> = if table.is_empty() {
-        dev.alloc_zeros::<u32>(1)?
+    // Without a table or splits the kernel never touches these buffers: pass the codes instead
+    // of allocating placeholders.
+    let pos_buf: Option<CudaSlice<u32>> = if table.is_empty() {
+        None
     } else {
-        dev.clone_htod(&table)?
-    };
-    let (ml_len, acc_len) = if n_split > 1 {
-        (n_split * total_rows * 2, n_split * total_rows * head_dim)
-    } else {
-        (1, 1)
+        Some(dev.clone_htod(&table)?)
     };
     // SAFETY: every element of the partial buffers that is read is written first (each split
     // block writes all its rows), and the output is written in full by the kernel.
-    let part_ml = unsafe { dev.alloc::<f32>(ml_len)? };
-    let part_acc = unsafe { dev.alloc::<f32>(acc_len)? };
+    let parts: Option<(CudaSlice<f32>, CudaSlice<f32>)> = if n_split > 1 {
+        unsafe {
+            Some((
+                dev.alloc::<f32>(n_split * total_rows * 2)?,
+                dev.alloc::<f32>(n_split * total_rows * head_dim)?,
+            ))
+        }
+    } else {
+        None
+    };
 
     let main_cfg = LaunchConfig {
         grid_dim: (row_blocks as u32, kv_heads as u32, n_split as u32),
@@ -292,7 +302,7 @@ fn attend_fused(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let name = format!("qsdpa_{tn}_{head_dim}_{}", k.bits.bits());
+    let name = format!("qsdpa_{tn}_{head_dim}_{}_{nq}", k.bits.bits());
     let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let comb = dev.get_or_load_custom_func(&format!("qsdpa_combine_{tn}"), MODULE, PTX)?;
 
@@ -324,19 +334,30 @@ fn attend_fused(
                 b.arg(&vcv);
                 b.arg(&vsv);
                 b.arg(&vbv);
-                b.arg(&pos_buf);
+                match &pos_buf {
+                    Some(p) => b.arg(p),
+                    None => b.arg(&kcv),
+                };
                 b.arg(&mut out);
-                b.arg(&part_ml);
-                b.arg(&part_acc);
+                match &parts {
+                    Some((ml, acc)) => {
+                        b.arg(ml);
+                        b.arg(acc);
+                    }
+                    None => {
+                        b.arg(&kcv);
+                        b.arg(&kcv);
+                    }
+                }
                 // SAFETY: argument list and types match the kernel's signature; grid within
                 // the buffers' sizes (checked shapes above).
                 unsafe { b.launch(main_cfg) }.w()?;
             }
-            if n_split > 1 {
+            if let Some((ml, acc)) = &parts {
                 let mut b = comb.builder();
                 b.arg(&params);
-                b.arg(&part_ml);
-                b.arg(&part_acc);
+                b.arg(ml);
+                b.arg(acc);
                 b.arg(&mut out);
                 // SAFETY: as above.
                 unsafe { b.launch(comb_cfg) }.w()?;

@@ -5,12 +5,14 @@
 
 /// Warps per quantized-attention block (`QS_WARPS` in the kernels).
 pub const QSDPA_WARPS: usize = 4;
-/// Query rows per quantized-attention block (`QS_NQ`).
+/// Query rows per quantized-attention block (the kernels' `NQ`; 2 is also instantiated).
 pub const QSDPA_ROWS: usize = 4;
-/// Keys a warp loads per step (`QS_U`).
+/// Keys a warp loads per step (`QS_U`; 2 for head dim 512).
 pub const QSDPA_UNROLL: usize = 4;
 /// Output rows per quantized matrix-vector block (`QMV_WARPS`).
 pub const QMATVEC_WARPS: usize = 8;
+/// Most key splits the combine kernel merges (`QS_MAX_SPLIT`).
+pub const QSDPA_MAX_SPLIT: usize = 1024;
 /// Head dimensions the quantized attention kernels are instantiated for.
 pub const QSDPA_HEAD_DIMS: [usize; 5] = [32, 64, 128, 256, 512];
 
@@ -164,11 +166,11 @@ impl PositionCode {
 }
 
 /// Chooses the flash-decoding split: enough blocks to fill `sm_count` multiprocessors about
-/// four times over, each split keeping at least 256 keys. Returns `(n_split, keys_per_split)`.
+/// four times over, each split keeping at least 128 keys. Returns `(n_split, keys_per_split)`.
 pub fn split_keys(keys: usize, base_blocks: usize, sm_count: usize) -> (usize, usize) {
     let step = QSDPA_WARPS * QSDPA_UNROLL;
     let target = (4 * sm_count.max(1)).div_ceil(base_blocks.max(1));
-    let max_split = keys.div_ceil(256).max(1);
+    let max_split = keys.div_ceil(128).clamp(1, QSDPA_MAX_SPLIT);
     let n = target.clamp(1, max_split);
     let per = keys.div_ceil(n).div_ceil(step).max(1) * step;
     (keys.div_ceil(per).max(1), per)

@@ -62,10 +62,16 @@ template <int N> __device__ __forceinline__ void load_words(const uint32_t* p, u
 
 // Code of element i of a lane's slice: `w` holds the lane's words, `shift` the bit offset of its
 // first element inside w[0] (non-zero only when the slice is narrower than a word).
+// An integer below 2^23 as f32 without the (quarter-rate) integer-to-float conversion: OR it
+// into the mantissa of 2^23 and subtract 2^23 (exact).
+__device__ __forceinline__ float u2f(uint32_t c) {
+    return __uint_as_float(0x4B000000u | c) - 8388608.f;
+}
+
 template <int BITS, int NW>
 __device__ __forceinline__ float code_of(const uint32_t* w, int i, int shift) {
     const int bit = i * BITS + shift;
-    return (float)((w[bit >> 5] >> (bit & 31)) & ((1u << BITS) - 1));
+    return u2f((w[bit >> 5] >> (bit & 31)) & ((1u << BITS) - 1));
 }
 
 __device__ __forceinline__ uint32_t key_pos(const QsdpaParams& p, const uint32_t* pos, int j) {
@@ -85,10 +91,8 @@ __device__ __forceinline__ uint32_t key_pos(const QsdpaParams& p, const uint32_t
 // `qsdpa_combine` merges the splits (flash-decoding).
 // ---------------------------------------------------------------------------------------------
 constexpr int QS_WARPS = 4;
-constexpr int QS_NQ = 4;
-constexpr int QS_U = 4;
 
-template <typename T, int HD, int BITS>
+template <typename T, int HD, int BITS, int NQ>
 __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __restrict__ q,
                                            const uint32_t* __restrict__ kc,
                                            const T* __restrict__ ks, const T* __restrict__ kb,
@@ -100,7 +104,8 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
     constexpr int E = HD / 32;
     constexpr int LANE_BITS = E * BITS;
     constexpr int NW = LANE_BITS >= 32 ? LANE_BITS / 32 : 1;
-    constexpr int NQ = QS_NQ;
+    // Keys in flight per warp step: fewer for the widest heads, to keep registers in check.
+    constexpr int QS_U = HD >= 512 ? 2 : 4;
     __shared__ float sm_acc[QS_WARPS][NQ][HD];
     __shared__ float sm_m[QS_WARPS][NQ];
     __shared__ float sm_l[QS_WARPS][NQ];
@@ -198,13 +203,18 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
 #pragma unroll
             for (int n = 0; n < NQ; ++n) {
                 if (!vis[u][n]) continue;
-                const float m_new = fmaxf(m[n], s[n]);
-                const float corr = __expf(m[n] - m_new);
-                const float pp = __expf(s[n] - m_new);
-                l[n] = l[n] * corr + pp;
-                m[n] = m_new;
+                // Rescale only when the running max grows (rare once it settles).
+                if (s[n] > m[n]) {
+                    const float corr = __expf(m[n] - s[n]);
+                    m[n] = s[n];
+                    l[n] *= corr;
 #pragma unroll
-                for (int i = 0; i < E; ++i) acc[n][i] = fmaf(acc[n][i], corr, pp * val[i]);
+                    for (int i = 0; i < E; ++i) acc[n][i] *= corr;
+                }
+                const float pp = __expf(s[n] - m[n]);
+                l[n] += pp;
+#pragma unroll
+                for (int i = 0; i < E; ++i) acc[n][i] = fmaf(pp, val[i], acc[n][i]);
             }
         }
     }
@@ -252,12 +262,34 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
     }
 }
 
-// Merges the splits: one block per global row, threads over the head dimension.
+// Merges the splits: one block of 128 threads per global row. The split weights
+// w_s = exp(m_s - M) go to shared memory first, so the sum over splits of each output element
+// is a pipelined loop of independent loads (n_split <= QS_MAX_SPLIT, enforced by the host).
+constexpr int QS_MAX_SPLIT = 1024;
+constexpr int QS_COMBINE_THREADS = 128;
+
+__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
+    red[threadIdx.x] = v;
+    __syncthreads();
+    for (int off = QS_COMBINE_THREADS / 2; off > 0; off >>= 1) {
+        if ((int)threadIdx.x < off) {
+            const float o = red[threadIdx.x + off];
+            red[threadIdx.x] = is_max ? fmaxf(red[threadIdx.x], o) : red[threadIdx.x] + o;
+        }
+        __syncthreads();
+    }
+    const float r = red[0];
+    __syncthreads();
+    return r;
+}
+
 template <typename T>
 __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
                                                    const float* __restrict__ part_ml,
                                                    const float* __restrict__ part_acc,
                                                    T* __restrict__ out) {
+    __shared__ float w[QS_MAX_SPLIT];
+    __shared__ float red[QS_COMBINE_THREADS];
     const int hd = p.head_dim;
     const int group = p.n_heads / p.kv_heads;
     const int rows = group * p.q_len;
@@ -265,36 +297,45 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
     const int grow = blockIdx.x;
     const int g = grow / rows, r = grow % rows;
     const int qi = r / group, hh = r % group, head = g * group + hh;
-    float M = -INFINITY;
-    for (int s = 0; s < (int)p.n_split; ++s) {
+    const int n = min((int)p.n_split, QS_MAX_SPLIT);
+    float mloc = -INFINITY;
+    for (int s = threadIdx.x; s < n; s += QS_COMBINE_THREADS) {
         const float* ml = part_ml + ((size_t)s * total + grow) * 2;
-        if (ml[1] > 0.f) M = fmaxf(M, ml[0]);
+        if (ml[1] > 0.f) mloc = fmaxf(mloc, ml[0]);
     }
-    float L = 0.f;
-    for (int s = 0; s < (int)p.n_split; ++s) {
+    const float M = block_reduce(mloc, red, true);
+    float lloc = 0.f;
+    for (int s = threadIdx.x; s < n; s += QS_COMBINE_THREADS) {
         const float* ml = part_ml + ((size_t)s * total + grow) * 2;
-        if (ml[1] > 0.f) L += __expf(ml[0] - M) * ml[1];
+        const float ws = ml[1] > 0.f ? __expf(ml[0] - M) : 0.f;
+        w[s] = ws;
+        lloc += ws * ml[1];
     }
+    const float L = block_reduce(lloc, red, false);  // also orders the writes to w
     const float inv = L > 0.f ? 1.f / L : 0.f;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    for (int d = threadIdx.x; d < hd; d += QS_COMBINE_THREADS) {
+        const float* a = part_acc + (size_t)grow * hd + d;
+        const size_t step = (size_t)total * hd;
         float A = 0.f;
-        for (int s = 0; s < (int)p.n_split; ++s) {
-            const float* ml = part_ml + ((size_t)s * total + grow) * 2;
-            if (ml[1] > 0.f) A += __expf(ml[0] - M) * part_acc[((size_t)s * total + grow) * hd + d];
-        }
+#pragma unroll 8
+        for (int s = 0; s < n; ++s) A = fmaf(w[s], a[s * step], A);
         out[((size_t)head * p.q_len + qi) * hd + d] = from_f<T>(A * inv);
     }
 }
 
-#define QSDPA_INST(TN, T, HD, BITS)                                                            \
+#define QSDPA_INST_NQ(TN, T, HD, BITS, NQ)                                                     \
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32)                                \
-        qsdpa_##TN##_##HD##_##BITS(const QsdpaParams p, const T* q, const uint32_t* kc,         \
+        qsdpa_##TN##_##HD##_##BITS##_##NQ(const QsdpaParams p, const T* q, const uint32_t* kc,         \
                                    const T* ks, const T* kb, const uint32_t* vc, const T* vs,   \
                                    const T* vb, const uint32_t* positions, T* out,              \
                                    float* part_ml, float* part_acc) {                          \
-        qsdpa_body<T, HD, BITS>(p, q, kc, ks, kb, vc, vs, vb, positions, out, part_ml,          \
-                                part_acc);                                                     \
+        qsdpa_body<T, HD, BITS, NQ>(p, q, kc, ks, kb, vc, vs, vb, positions, out, part_ml,      \
+                                    part_acc);                                                 \
     }
+
+#define QSDPA_INST(TN, T, HD, BITS)      \
+    QSDPA_INST_NQ(TN, T, HD, BITS, 2)    \
+    QSDPA_INST_NQ(TN, T, HD, BITS, 4)
 
 #define QSDPA_INST_HD(TN, T, BITS)  \
     QSDPA_INST(TN, T, 32, BITS)     \
@@ -378,7 +419,7 @@ __device__ __forceinline__ void qmatvec_body(const QmatParams p, const T* __rest
         float cv[EPC];
 #pragma unroll
         for (int k = 0; k < EPC; ++k)
-            cv[k] = (float)((w[(k * BITS) >> 5] >> ((k * BITS) & 31)) & ((1u << BITS) - 1));
+            cv[k] = u2f((w[(k * BITS) >> 5] >> ((k * BITS) & 31)) & ((1u << BITS) - 1));
 #pragma unroll
         for (int r = 0; r < MAXR; ++r) {
             if (r < (int)p.rows) {
@@ -430,10 +471,12 @@ __device__ __forceinline__ void dequant_body(const QmatParams p, const uint32_t*
         const int gi = (int)(e0 / p.group_size);
         const float sc = to_f(scales[src * groups + gi]);
         const float bi = to_f(biases[src * groups + gi]);
-        T* o = out + i * p.in_dim + e0;
+        // One vector store of the word's PER outputs (16 or 32 bytes for 4-bit, 8 or 16 for 8-bit).
+        struct alignas(PER * sizeof(T)) Vec { T v[PER]; } vec;
 #pragma unroll
         for (int k = 0; k < PER; ++k)
-            o[k] = from_f<T>(fmaf(sc, (float)((w >> (k * BITS)) & ((1u << BITS) - 1)), bi));
+            vec.v[k] = from_f<T>(fmaf(sc, u2f((w >> (k * BITS)) & ((1u << BITS) - 1)), bi));
+        *reinterpret_cast<Vec*>(out + i * p.in_dim + e0) = vec;
     }
 }
 
