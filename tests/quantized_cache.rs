@@ -408,7 +408,8 @@ fn kv_bytes_per_token_on_real_shapes() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/real-configs");
     for file in ["e4b-config.json", "31b-config.json"] {
         let json: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join(file)).expect("read")).expect("json");
+            serde_json::from_str(&std::fs::read_to_string(dir.join(file)).expect("read"))
+                .expect("json");
         let cfg = Config::from_json(&json, None).expect("config");
         let specs: Vec<_> = cfg
             .layers
@@ -426,14 +427,20 @@ fn kv_bytes_per_token_on_real_shapes() {
                 .iter()
                 .map(|spec| {
                     let mut c = cc.build(spec, DType::BF16, &Device::Cpu).expect("cache");
-                    let x = Tensor::zeros((1, spec.kv_heads, tokens, spec.head_dim), DType::BF16, &Device::Cpu)
-                        .expect("zeros");
+                    let x = Tensor::zeros(
+                        (1, spec.kv_heads, tokens, spec.head_dim),
+                        DType::BF16,
+                        &Device::Cpu,
+                    )
+                    .expect("zeros");
                     c.update(&x, &x).expect("update");
                     c.memory_bytes() / tokens
                 })
                 .sum()
         };
-        let dense = per_token(&CacheConfig { mode: CacheMode::Simple });
+        let dense = per_token(&CacheConfig {
+            mode: CacheMode::Simple,
+        });
         let q8 = per_token(&quant(QuantBits::Eight, 64, 0));
         let q4 = per_token(&quant(QuantBits::Four, 64, 0));
         eprintln!(
@@ -442,7 +449,10 @@ fn kv_bytes_per_token_on_real_shapes() {
             q8 as f64 / dense as f64,
             q4 as f64 / dense as f64
         );
-        assert!(q4 as f64 <= 0.3 * dense as f64, "{file}: 4-bit {q4} vs bf16 {dense}");
+        assert!(
+            q4 as f64 <= 0.3 * dense as f64,
+            "{file}: 4-bit {q4} vs bf16 {dense}"
+        );
         assert!(q8 < dense);
     }
 }

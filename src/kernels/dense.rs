@@ -30,7 +30,7 @@ pub(crate) fn attend_dense(
     let scores = match mask(positions, plan, q_len)? {
         None => scores,
         Some(mask) => {
-            let mask = mask.to_device(scores.device())?; // [q_len, keys]
+            let mask = on_device(mask, scores.device())?; // [q_len, keys]
             scores
                 .reshape((kv_heads, group, q_len, keys))?
                 .broadcast_add(&mask)?
@@ -44,6 +44,50 @@ pub(crate) fn attend_dense(
         .to_dtype(q.dtype())?)
 }
 
+/// A mask key: every layer of one kind sees the same key positions in one forward, so the
+/// mask is built and uploaded once per forward and kind, not once per layer.
+type MaskKey = (u64, usize, usize, usize, Option<usize>, String);
+
+thread_local! {
+    /// The last few masks, on their device.
+    static MASKS: std::cell::RefCell<Vec<(MaskKey, Tensor)>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+fn positions_hash(positions: &[usize]) -> u64 {
+    positions.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &p| {
+        (h ^ p as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Moves a host mask to `device`, reusing an identical one uploaded earlier on this thread.
+fn on_device(mask: HostMask, device: &candle_core::Device) -> candle_core::Result<Tensor> {
+    let key = (
+        mask.hash,
+        mask.positions.len(),
+        mask.q_offset,
+        mask.q_len,
+        mask.window,
+        format!("{:?}", device.location()),
+    );
+    if let Some(t) = MASKS.with(|m| {
+        m.borrow()
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, t)| t.clone())
+    }) {
+        return Ok(t);
+    }
+    let t = mask.build()?.to_device(device)?;
+    MASKS.with(|m| {
+        let mut m = m.borrow_mut();
+        if m.len() >= 4 {
+            m.remove(0);
+        }
+        m.push((key, t.clone()));
+    });
+    Ok(t)
+}
+
 /// `a · b`, reading a cache view in place when the backend accepts its strides (a narrowed
 /// buffer is strided along heads) and copying it to contiguous memory only when it does not.
 fn matmul_strided(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
@@ -53,10 +97,14 @@ fn matmul_strided(a: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// The additive mask `[q_len, keys]` (0 visible, -inf hidden), or `None` when every key is
-/// visible to every query (a 1-token decode over a ring that holds exactly the window): then
-/// the kernel runs without a mask, the same path whatever the batch.
-fn mask(positions: &[usize], plan: &QueryPlan, q_len: usize) -> Result<Option<Tensor>, CacheError> {
+/// The additive mask `[q_len, keys]` (0 visible, -inf hidden), described but not yet built,
+/// or `None` when every key is visible to every query (a 1-token decode over a ring that holds
+/// exactly the window): then the kernel runs without a mask, the same path whatever the batch.
+fn mask<'a>(
+    positions: &'a [usize],
+    plan: &QueryPlan,
+    q_len: usize,
+) -> Result<Option<HostMask<'a>>, CacheError> {
     let first_q = plan.q_offset;
     let last_q = plan.q_offset.saturating_add(q_len.saturating_sub(1));
     let all_visible = positions
@@ -65,20 +113,41 @@ fn mask(positions: &[usize], plan: &QueryPlan, q_len: usize) -> Result<Option<Te
     if all_visible {
         return Ok(None);
     }
-    let mut m = Vec::with_capacity(q_len * positions.len()); // [q_len, keys]
-    for i in 0..q_len {
-        let qpos = plan.q_offset.saturating_add(i);
-        m.extend(positions.iter().map(|&p| {
-            if visible(p, qpos, plan.window) {
-                0f32
-            } else {
-                f32::NEG_INFINITY
-            }
-        }));
+    Ok(Some(HostMask {
+        positions,
+        hash: positions_hash(positions),
+        q_offset: plan.q_offset,
+        q_len,
+        window: plan.window,
+    }))
+}
+
+/// What a mask depends on.
+struct HostMask<'a> {
+    positions: &'a [usize],
+    hash: u64,
+    q_offset: usize,
+    q_len: usize,
+    window: Option<usize>,
+}
+
+impl HostMask<'_> {
+    fn build(&self) -> candle_core::Result<Tensor> {
+        let mut m = Vec::with_capacity(self.q_len * self.positions.len()); // [q_len, keys]
+        for i in 0..self.q_len {
+            let qpos = self.q_offset.saturating_add(i);
+            m.extend(self.positions.iter().map(|&p| {
+                if visible(p, qpos, self.window) {
+                    0f32
+                } else {
+                    f32::NEG_INFINITY
+                }
+            }));
+        }
+        Tensor::from_vec(
+            m,
+            (self.q_len, self.positions.len()),
+            &candle_core::Device::Cpu,
+        )
     }
-    Ok(Some(Tensor::from_vec(
-        m,
-        (q_len, positions.len()),
-        &candle_core::Device::Cpu,
-    )?))
 }
