@@ -14,7 +14,7 @@ fn check_fixture(name: &str) {
     for (i, case) in golden(name).iter().enumerate() {
         let mut cache = model.new_cache(&CacheConfig::default()).expect("cache");
         let logits = model
-            .forward(&[case.prompt.clone()], &mut cache)
+            .forward(std::slice::from_ref(&case.prompt), &mut cache)
             .expect("forward")
             .squeeze(0)
             .expect("squeeze")

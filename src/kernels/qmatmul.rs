@@ -317,8 +317,8 @@ fn cpu_qmatmul(x: &Tensor, w: &PackedWeight) -> Result<Tensor> {
                         let mut sum = 0f32;
                         for g in 0..h.groups {
                             let mut dot = 0f32;
-                            for e in g * group..(g + 1) * group {
-                                dot += super::quant::code_at(codes, e, bits) as f32 * xr[e];
+                            for (e, &xe) in xr.iter().enumerate().skip(g * group).take(group) {
+                                dot += super::quant::code_at(codes, e, bits) as f32 * xe;
                             }
                             let gi = o * h.groups + g;
                             sum += h.scales[gi] * dot + h.biases[gi] * xsum[r * h.groups + g];

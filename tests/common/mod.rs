@@ -172,7 +172,7 @@ impl Drop for Scratch {
 pub fn first_step_deviation(model: &Model, case: &Case) -> f64 {
     let mut cache = model.new_cache(&CacheConfig::default()).expect("cache");
     let logits = model
-        .forward(&[case.prompt.clone()], &mut cache)
+        .forward(std::slice::from_ref(&case.prompt), &mut cache)
         .expect("forward")
         .squeeze(0)
         .expect("squeeze")
