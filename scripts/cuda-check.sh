@@ -10,7 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source ../shared/cuda/toolkit.sh >/dev/null
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target-cuda}
-cargo check --features cuda --all-targets
+# --release: reuses the build-script outputs (candle's PTX, ours) of the release build below.
+cargo check --release --features cuda --all-targets
 cargo build --release --features cuda --example kernel_check --example bench_kernels
 mkdir -p .device
 for b in kernel_check bench_kernels; do
