@@ -1,7 +1,7 @@
 //! Attention kernels over cache views, and the affine K/V quantization they read.
 //!
 //! [`attend`] is the one entry point: it matches on the [`KvView`] a cache update returned, so
-//! dense K/V go to the matmul path ([`dense`], any device) and packed K/V to the quantized
+//! dense K/V go to the matmul path (`dense`, any device) and packed K/V to the quantized
 //! kernel ([`cpu`], the plain-Rust reference). Masks come from key positions, so a ring buffer's
 //! unsorted storage and a batch's per-sequence offsets need no special casing.
 

@@ -1,6 +1,6 @@
 //! Device kernels for quantized attention and quantized weights: the parameter structs shared by
 //! the CUDA and Metal launchers ([`params`], always compiled so both backends and the tests see
-//! one layout) and the CUDA launcher ([`launch`], `cuda` feature only; kernels in
+//! one layout) and the CUDA launcher (`launch`, `cuda` feature only; kernels in
 //! `qkernels.cu`, compiled to PTX by `build.rs`).
 
 pub mod params;
