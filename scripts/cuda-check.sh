@@ -1,6 +1,7 @@
 #!/bin/bash
-# Builds the `cuda` feature (library, quantized kernels, kernel_check and bench_kernels) on a
-# machine with nvcc but no GPU, and packs the two binaries for the lent GPU machine.
+# Builds the `cuda` feature (library, quantized kernels, and the kernel_check, bench_kernels,
+# bench and generate examples) on a machine with nvcc but no GPU, and packs the binaries for the
+# lent GPU machine.
 # CI has no nvcc: this is the developer's command.
 #
 #   scripts/cuda-check.sh            # check + build, binaries in .device/*.xz
@@ -12,9 +13,9 @@ source ../shared/cuda/toolkit.sh >/dev/null
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target-cuda}
 # --release: reuses the build-script outputs (candle's PTX, ours) of the release build below.
 cargo check --release --features cuda --all-targets
-cargo build --release --features cuda --example kernel_check --example bench_kernels
+cargo build --release --features cuda --example kernel_check --example bench_kernels --example bench --example generate
 mkdir -p .device
-for b in kernel_check bench_kernels; do
+for b in kernel_check bench_kernels bench generate; do
   xz -9 -T2 -c "$CARGO_TARGET_DIR/release/examples/$b" > ".device/$b.xz"
 done
 cp ../shared/cuda/device-env.sh .device/
