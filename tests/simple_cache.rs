@@ -4,64 +4,9 @@
 
 mod common;
 
-use candle_gemma::kv::{CacheMode, LayerCache, ModelCache};
-use candle_gemma::{CacheConfig, Model};
+use candle_gemma::kv::{CacheMode, LayerCache};
+use candle_gemma::CacheConfig;
 use common::*;
-
-/// Greedy decoding through `Model::forward`: prefill in chunks, then `n` single tokens.
-/// Returns the generated ids and the logits that chose each of them.
-fn run(
-    model: &Model,
-    cache: &mut ModelCache,
-    prompt: &[u32],
-    n: usize,
-    chunk: Option<usize>,
-) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut logits = Vec::new();
-    for piece in prompt.chunks(chunk.unwrap_or(prompt.len()).max(1)) {
-        logits = step(model, cache, piece);
-    }
-    let (mut ids, mut all) = (Vec::new(), Vec::new());
-    for i in 0..n {
-        let next = argmax(&logits);
-        ids.push(next);
-        all.push(std::mem::take(&mut logits));
-        if i + 1 < n {
-            logits = step(model, cache, &[next]);
-        }
-    }
-    (ids, all)
-}
-
-/// One forward of one sequence; the logits of its last position.
-fn step(model: &Model, cache: &mut ModelCache, tokens: &[u32]) -> Vec<f32> {
-    model
-        .forward(&[tokens.to_vec()], cache)
-        .expect("forward")
-        .squeeze(0)
-        .expect("squeeze")
-        .to_vec1()
-        .expect("logits")
-}
-
-fn argmax(x: &[f32]) -> u32 {
-    x.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0 as u32
-}
-
-/// Max |Δ log-prob| between two logit vectors.
-fn logprob_diff(a: &[f32], b: &[f32]) -> f64 {
-    log_softmax(a)
-        .iter()
-        .zip(log_softmax(b))
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f64::max)
-}
 
 fn simple() -> CacheConfig {
     CacheConfig {
