@@ -43,22 +43,6 @@ struct Args {
     cpu: bool,
 }
 
-fn device(cpu: bool) -> Result<Device> {
-    if cpu {
-        return Ok(Device::Cpu);
-    }
-    #[cfg(feature = "cuda")]
-    {
-        return Ok(Device::new_cuda(0)?);
-    }
-    #[cfg(feature = "metal")]
-    {
-        return Ok(Device::new_metal(0)?);
-    }
-    #[allow(unreachable_code)]
-    Ok(Device::Cpu)
-}
-
 /// Copy bandwidth in bytes/s (bytes read + written) into a preallocated 1 GiB buffer, so no
 /// allocation is timed.
 fn copy_bandwidth(dev: &Device) -> Result<f64> {
@@ -127,7 +111,7 @@ fn prefill(model: &Model, cc: &CacheConfig, len: usize, seed: u32) -> Result<(Mo
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let dev = device(args.cpu)?;
+    let dev = candle_gemma::best_device(args.cpu)?;
     let bw = copy_bandwidth(&dev)?;
     println!(
         "{}",

@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::Result;
-use candle_core::Device;
 use candle_gemma::chat::{ChatSession, OutputEvent};
 use candle_gemma::generate::SamplingOptions;
 use candle_gemma::{GenOptions, Model};
@@ -41,26 +40,12 @@ struct Args {
     cpu: bool,
 }
 
-fn device(cpu: bool) -> Result<Device> {
-    if cpu {
-        return Ok(Device::Cpu);
-    }
-    #[cfg(feature = "cuda")]
-    {
-        return Ok(Device::new_cuda(0)?);
-    }
-    #[cfg(feature = "metal")]
-    {
-        return Ok(Device::new_metal(0)?);
-    }
-    #[allow(unreachable_code)]
-    Ok(Device::Cpu)
-}
-
 fn main() -> Result<()> {
     let args = Args::parse();
     let path = PathBuf::from(&args.model);
-    let builder = Model::builder().device(device(args.cpu)?).progress(true);
+    let builder = Model::builder()
+        .device(candle_gemma::best_device(args.cpu)?)
+        .progress(true);
     let model = if path.exists() {
         builder.path(path)
     } else {

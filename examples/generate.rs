@@ -11,7 +11,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::DType;
 use candle_gemma::generate::{BatchSession, SamplingOptions};
 use candle_gemma::kv::{CacheMode, QuantBits, QuantSpec};
 use candle_gemma::{CacheConfig, GenOptions, Model};
@@ -103,22 +103,6 @@ struct Args {
     prefill_chunk: Option<usize>,
 }
 
-fn device(cpu: bool) -> Result<Device> {
-    if cpu {
-        return Ok(Device::Cpu);
-    }
-    #[cfg(feature = "cuda")]
-    {
-        return Ok(Device::new_cuda(0)?);
-    }
-    #[cfg(feature = "metal")]
-    {
-        return Ok(Device::new_metal(0)?);
-    }
-    #[allow(unreachable_code)]
-    Ok(Device::Cpu)
-}
-
 fn load(args: &Args) -> Result<Model> {
     let dtype = match args.dtype {
         Dtype::F32 => DType::F32,
@@ -126,7 +110,7 @@ fn load(args: &Args) -> Result<Model> {
         Dtype::F16 => DType::F16,
     };
     let mut b = Model::builder()
-        .device(device(args.cpu)?)
+        .device(candle_gemma::best_device(args.cpu)?)
         .dtype(dtype)
         .progress(!args.json);
     let path = PathBuf::from(&args.model);

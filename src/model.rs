@@ -308,6 +308,27 @@ impl Model {
     }
 }
 
+/// The first GPU the build supports (CUDA, then Metal), or the CPU when `cpu` is set or no GPU
+/// feature is built.
+///
+/// # Errors
+/// The GPU could not be opened.
+pub fn best_device(cpu: bool) -> Result<Device> {
+    if cpu {
+        return Ok(Device::Cpu);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        return Ok(Device::new_cuda(0)?);
+    }
+    #[cfg(all(feature = "metal", not(feature = "cuda")))]
+    {
+        return Ok(Device::new_metal(0)?);
+    }
+    #[allow(unreachable_code)]
+    Ok(Device::Cpu)
+}
+
 /// FNV-1a over config.json, the weight file names and sizes, and the dtype.
 fn fingerprint(dir: &Path, dtype: DType) -> Result<String> {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;

@@ -12,20 +12,7 @@ const LOGPROB_TOL: f64 = 2e-3;
 fn check_fixture(name: &str) {
     let model = load(name);
     for (i, case) in golden(name).iter().enumerate() {
-        let mut cache = model.new_cache(&CacheConfig::default()).expect("cache");
-        let logits = model
-            .forward(std::slice::from_ref(&case.prompt), &mut cache)
-            .expect("forward")
-            .squeeze(0)
-            .expect("squeeze")
-            .to_vec1::<f32>()
-            .expect("logits");
-        let lp = log_softmax(&logits);
-        let max_diff = lp
-            .iter()
-            .zip(&case.first_logprobs)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f64::max);
+        let max_diff = first_step_deviation(&model, case);
         assert!(
             max_diff < LOGPROB_TOL,
             "{name} case {i}: first-step log-probs differ by {max_diff}"
