@@ -65,9 +65,11 @@ impl Attention {
         let p = format!("layers.{layer}.self_attn");
         let l = Some(layer);
         let lin = |name: &str, out: usize, inp: usize| -> Result<Linear> {
-            Ok(Linear::new(
-                vb.matrix(&format!("{p}.{name}"), l, &[out, inp])?.weight,
-            ))
+            Ok(Linear::from_loaded(vb.matrix(
+                &format!("{p}.{name}"),
+                l,
+                &[out, inp],
+            )?))
         };
         let norm = |name: &str| -> Result<RmsNorm> {
             Ok(RmsNorm::new(

@@ -76,14 +76,16 @@ impl DecoderLayer {
         let pw = cfg.hidden_size_per_layer_input;
         let ple = if pw > 0 {
             Some(PleGate {
-                per_layer_input_gate: Linear::new(
-                    vb.matrix(&format!("{p}.per_layer_input_gate"), l, &[pw, h])?
-                        .weight,
-                ),
-                per_layer_projection: Linear::new(
-                    vb.matrix(&format!("{p}.per_layer_projection"), l, &[h, pw])?
-                        .weight,
-                ),
+                per_layer_input_gate: Linear::from_loaded(vb.matrix(
+                    &format!("{p}.per_layer_input_gate"),
+                    l,
+                    &[pw, h],
+                )?),
+                per_layer_projection: Linear::from_loaded(vb.matrix(
+                    &format!("{p}.per_layer_projection"),
+                    l,
+                    &[h, pw],
+                )?),
                 post_per_layer_input_norm: norm("post_per_layer_input_norm", h)?,
             })
         } else {

@@ -27,10 +27,11 @@ impl Mlp {
         vb: &WeightStore,
     ) -> Result<Self> {
         let lin = |name: &str, shape: [usize; 2]| -> Result<Linear> {
-            Ok(Linear::new(
-                vb.matrix(&format!("{prefix}.{name}"), Some(layer), &shape)?
-                    .weight,
-            ))
+            Ok(Linear::from_loaded(vb.matrix(
+                &format!("{prefix}.{name}"),
+                Some(layer),
+                &shape,
+            )?))
         };
         Ok(Self {
             gate_proj: lin("gate_proj", [width, hidden])?,

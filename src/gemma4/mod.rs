@@ -16,33 +16,85 @@ pub use layer::DecoderLayer;
 pub use model::TextModel;
 pub use step::Step;
 
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 
-/// A bias-free linear layer over a `[out, in]` weight (dequantized on load when the checkpoint
-/// stored it quantized).
+use crate::kernels::qmatmul::PackedWeight;
+use crate::weights::LoadedMatrix;
+
+/// A bias-free linear layer over a `[out, in]` weight: dense, or MLX-quantized and kept packed
+/// (the product reads the 4/8-bit codes directly, see [`crate::kernels::qmatmul`]).
 #[derive(Debug, Clone)]
-pub struct Linear {
-    inner: candle_nn::Linear,
+pub enum Linear {
+    /// A dense weight.
+    Dense(candle_nn::Linear),
+    /// A packed affine-quantized weight.
+    Packed(PackedWeight),
 }
 
 impl Linear {
-    /// Wraps a `[out, in]` weight.
+    /// Wraps a dense `[out, in]` weight.
     pub fn new(weight: Tensor) -> Self {
-        Self {
-            inner: candle_nn::Linear::new(weight, None),
+        Linear::Dense(candle_nn::Linear::new(weight, None))
+    }
+
+    /// Wraps what the weight store loaded, keeping a packed weight packed.
+    pub fn from_loaded(m: LoadedMatrix) -> Self {
+        match m {
+            LoadedMatrix::Dense(w) => Self::new(w),
+            LoadedMatrix::Packed(p) => Linear::Packed(p),
         }
     }
 
-    /// The `[out, in]` weight.
-    pub fn weight(&self) -> &Tensor {
-        self.inner.weight()
-    }
-
-    /// `x · Wᵀ` over the last axis of `x`.
+    /// `x · Wᵀ` over the last axis of `x`, in `x`'s dtype.
     ///
     /// # Errors
     /// Shape mismatch.
-    pub fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.inner.forward(x)
+    pub fn forward(&self, x: &Tensor) -> crate::Result<Tensor> {
+        match self {
+            Linear::Dense(l) => Ok(l.forward(x)?),
+            Linear::Packed(p) => crate::kernels::qmatmul::qmatmul(x, p),
+        }
+    }
+}
+
+/// A token embedding table `[vocab, width]`, dense or packed; with tied embeddings it is also
+/// the head.
+#[derive(Debug, Clone)]
+pub enum Embedding {
+    /// A dense table.
+    Dense(Tensor),
+    /// A packed affine-quantized table (rows are dequantized only when looked up).
+    Packed(PackedWeight),
+}
+
+impl Embedding {
+    /// Wraps what the weight store loaded.
+    pub fn from_loaded(m: LoadedMatrix) -> Self {
+        match m {
+            LoadedMatrix::Dense(w) => Embedding::Dense(w),
+            LoadedMatrix::Packed(p) => Embedding::Packed(p),
+        }
+    }
+
+    /// Rows of `ids` (`[n]`, u32) → `[n, width]` in `dtype`.
+    ///
+    /// # Errors
+    /// Ids outside the table.
+    pub fn lookup(&self, ids: &Tensor, dtype: DType) -> crate::Result<Tensor> {
+        match self {
+            Embedding::Dense(t) => Ok(t.index_select(ids, 0)?),
+            Embedding::Packed(p) => crate::kernels::qmatmul::qembedding(ids, p, dtype),
+        }
+    }
+
+    /// `x · Tableᵀ` (the tied head): `[.., width] → [.., vocab]`.
+    ///
+    /// # Errors
+    /// Shape mismatch.
+    pub fn as_head(&self, x: &Tensor) -> crate::Result<Tensor> {
+        match self {
+            Embedding::Dense(t) => Ok(x.broadcast_matmul(&t.t()?)?),
+            Embedding::Packed(p) => crate::kernels::qmatmul::qmatmul(x, p),
+        }
     }
 }

@@ -9,6 +9,7 @@ use super::norm::RmsNorm;
 use super::ple::{self, scale_in_dtype, PerLayerEmbeddings};
 use super::rope::Rope;
 use super::step::Step;
+use super::{Embedding, Linear};
 use crate::config::{Config, KvSource, LayerKind};
 use crate::error::{Error, Result};
 use crate::kv::{KvView, LayerCacheSpec, ModelCache};
@@ -19,12 +20,12 @@ use crate::weights::WeightStore;
 pub struct TextModel {
     config: Config,
     /// `[V, H]`, also the (tied) head.
-    embed_tokens: Tensor,
+    embed_tokens: Embedding,
     ple: Option<PerLayerEmbeddings>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     /// `[V, H]` when the head is not tied.
-    lm_head: Option<Tensor>,
+    lm_head: Option<Linear>,
     rope_sliding: Rope,
     rope_full: Rope,
     /// `producers[i]`: some later layer reads layer i's K/V.
@@ -40,14 +41,14 @@ impl TextModel {
     /// Missing or misshapen tensors, named with their layer.
     pub fn new(config: Config, vb: &WeightStore) -> Result<Self> {
         let (v, h) = (config.vocab_size, config.hidden_size);
-        let embed_tokens = vb.matrix("embed_tokens", None, &[v, h])?.weight;
+        let embed_tokens = Embedding::from_loaded(vb.matrix("embed_tokens", None, &[v, h])?);
         let layers = (0..config.num_layers())
             .map(|l| DecoderLayer::new(&config, l, vb))
             .collect::<Result<Vec<_>>>()?;
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
-            Some(vb.matrix("lm_head", None, &[v, h])?.weight)
+            Some(Linear::from_loaded(vb.matrix("lm_head", None, &[v, h])?))
         };
         let mut producers = vec![false; config.num_layers()];
         for plan in &config.layers {
@@ -170,7 +171,7 @@ impl TextModel {
         let flat: Vec<u32> = batch.iter().flatten().copied().collect();
         let ids = Tensor::from_vec(flat, (b, seq_len), &self.device)?;
 
-        let emb = self.embed_tokens.index_select(&ids.flatten_all()?, 0)?;
+        let emb = self.embed_tokens.lookup(&ids.flatten_all()?, self.dtype)?;
         let emb = emb.reshape((b, seq_len, self.config.hidden_size))?;
         // The references multiply by sqrt(H) rounded to the activation dtype (39.25 in bf16).
         let mut x = scale_in_dtype(&emb, (self.config.hidden_size as f64).sqrt())?;
@@ -229,8 +230,11 @@ impl TextModel {
         }
         let last = x.dim(1)? - 1;
         let x = self.norm.forward(&x.narrow(1, last, 1)?.squeeze(1)?)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        let logits = x.matmul(&head.t()?)?.to_dtype(DType::F32)?;
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&x)?,
+            None => self.embed_tokens.as_head(&x)?,
+        }
+        .to_dtype(DType::F32)?;
         Ok(match self.config.final_logit_softcapping {
             Some(c) => ((logits / c)?.tanh()? * c)?,
             None => logits,

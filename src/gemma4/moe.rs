@@ -78,7 +78,7 @@ impl MoeBlock {
             .to_dtype(DType::F32)?
             .to_vec1::<f32>()?;
         let router = Router {
-            proj: Linear::new(vb.matrix(&format!("{p}.router.proj"), l, &[e, h])?.weight),
+            proj: Linear::from_loaded(vb.matrix(&format!("{p}.router.proj"), l, &[e, h])?),
             norm: RmsNorm::new((scale * (h as f64).powf(-0.5))?, cfg.rms_norm_eps),
             per_expert_scale,
             top_k: moe.top_k,
@@ -89,24 +89,24 @@ impl MoeBlock {
                 Experts {
                     gate: vb
                         .matrix(&format!("{split}.gate_proj"), l, &[e, i, h])?
-                        .weight,
+                        .into_dense(vb.dtype())?,
                     up: vb
                         .matrix(&format!("{split}.up_proj"), l, &[e, i, h])?
-                        .weight,
+                        .into_dense(vb.dtype())?,
                     down: vb
                         .matrix(&format!("{split}.down_proj"), l, &[e, h, i])?
-                        .weight,
+                        .into_dense(vb.dtype())?,
                 }
             } else {
                 let gate_up = vb
                     .matrix(&format!("{p}.experts.gate_up_proj"), l, &[e, 2 * i, h])?
-                    .weight;
+                    .into_dense(vb.dtype())?;
                 Experts {
                     gate: gate_up.narrow(1, 0, i)?.contiguous()?,
                     up: gate_up.narrow(1, i, i)?.contiguous()?,
                     down: vb
                         .matrix(&format!("{p}.experts.down_proj"), l, &[e, h, i])?
-                        .weight,
+                        .into_dense(vb.dtype())?,
                 }
             };
         if moe.top_k == 0 || moe.top_k > e {

@@ -5,7 +5,7 @@
 use candle_core::Tensor;
 
 use super::norm::RmsNorm;
-use super::Linear;
+use super::{Embedding, Linear};
 use crate::config::Config;
 use crate::error::Result;
 use crate::weights::WeightStore;
@@ -14,7 +14,7 @@ use crate::weights::WeightStore;
 #[derive(Debug, Clone)]
 pub struct PerLayerEmbeddings {
     /// `[V_ple, L * P]`
-    embed_tokens_per_layer: Tensor,
+    embed_tokens_per_layer: Embedding,
     /// `H -> L * P`
     per_layer_model_projection: Linear,
     /// RMSNorm over each `[P]` slice.
@@ -43,21 +43,16 @@ impl PerLayerEmbeddings {
         }
         let l = cfg.num_layers();
         Ok(Some(Self {
-            embed_tokens_per_layer: vb
-                .matrix(
-                    "embed_tokens_per_layer",
-                    None,
-                    &[cfg.vocab_size_per_layer_input, l * p],
-                )?
-                .weight,
-            per_layer_model_projection: Linear::new(
-                vb.matrix(
-                    "per_layer_model_projection",
-                    None,
-                    &[l * p, cfg.hidden_size],
-                )?
-                .weight,
-            ),
+            embed_tokens_per_layer: Embedding::from_loaded(vb.matrix(
+                "embed_tokens_per_layer",
+                None,
+                &[cfg.vocab_size_per_layer_input, l * p],
+            )?),
+            per_layer_model_projection: Linear::from_loaded(vb.matrix(
+                "per_layer_model_projection",
+                None,
+                &[l * p, cfg.hidden_size],
+            )?),
             per_layer_projection_norm: RmsNorm::new(
                 vb.tensor("per_layer_projection_norm.weight", None, &[p])?,
                 cfg.rms_norm_eps,
@@ -77,7 +72,7 @@ impl PerLayerEmbeddings {
         let (l, p) = (self.layers, self.width);
         let tokens = self
             .embed_tokens_per_layer
-            .index_select(&ids.flatten_all()?, 0)?
+            .lookup(&ids.flatten_all()?, h0.dtype())?
             .reshape((b, s, l, p))?;
         let tokens = scale_in_dtype(&tokens, (p as f64).sqrt())?;
         let ctx = self.per_layer_model_projection.forward(h0)?;

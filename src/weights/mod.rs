@@ -14,6 +14,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
+use crate::kernels::qmatmul::PackedWeight;
 
 /// How the text-stack tensors are named in a checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,13 +62,27 @@ impl std::fmt::Debug for WeightStore {
     }
 }
 
-/// A loaded weight matrix: dense, or MLX affine-quantized and dequantized on load.
+/// A loaded weight matrix: dense, or MLX affine-quantized and kept packed.
 #[derive(Debug, Clone)]
-pub struct LoadedMatrix {
-    /// The dense weight, `[.., out, in]`, in the store's dtype.
-    pub weight: Tensor,
-    /// `(bits, group_size)` when the checkpoint stored it quantized.
-    pub quantized: Option<(usize, usize)>,
+pub enum LoadedMatrix {
+    /// `[.., out, in]` in the store's dtype (a float checkpoint, or a quantized one whose bits,
+    /// group size or rank the packed kernels do not take: dequantized on load).
+    Dense(Tensor),
+    /// A 2-D 4/8-bit matrix with group 32, 64 or 128, resident packed.
+    Packed(PackedWeight),
+}
+
+impl LoadedMatrix {
+    /// The dense weight, dequantizing a packed one.
+    ///
+    /// # Errors
+    /// Candle errors.
+    pub fn into_dense(self, dtype: DType) -> Result<Tensor> {
+        match self {
+            LoadedMatrix::Dense(t) => Ok(t),
+            LoadedMatrix::Packed(p) => p.dequantize(dtype),
+        }
+    }
 }
 
 impl WeightStore {
@@ -228,33 +243,38 @@ impl WeightStore {
             module.to_string()
         };
         if self.random.is_some() {
-            return Ok(LoadedMatrix {
-                weight: self.generate(&weight_name, shape)?,
-                quantized: None,
-            });
+            return Ok(LoadedMatrix::Dense(self.generate(&weight_name, shape)?));
         }
         let scales_name = format!("{module}.scales");
         if !self.contains(&scales_name) {
             let t = self.raw(&weight_name, layer, Some(shape))?;
-            return Ok(LoadedMatrix {
-                weight: self.finish(&weight_name, t)?,
-                quantized: None,
-            });
+            return Ok(LoadedMatrix::Dense(self.finish(&weight_name, t)?));
         }
         let codes = self.raw(&weight_name, layer, None)?;
         let scales = self.raw(&scales_name, layer, None)?;
         let biases = self.raw(&format!("{module}.biases"), layer, Some(scales.dims()))?;
-        let (dense, bits, group) =
+        if let [out, inp] = *shape {
+            let on_device = |t: &Tensor| t.to_device(&self.device);
+            if let Ok(p) = PackedWeight::new(
+                on_device(&codes)?,
+                on_device(&scales)?,
+                on_device(&biases)?,
+                out,
+                inp,
+            ) {
+                return Ok(LoadedMatrix::Packed(p));
+            }
+        }
+        let (dense, _bits, _group) =
             affine::dequantize(&codes, &scales, &biases, shape).map_err(|reason| {
                 Error::Quantized {
                     tensor: self.full_name(&weight_name),
                     reason,
                 }
             })?;
-        Ok(LoadedMatrix {
-            weight: dense.to_dtype(self.dtype)?.to_device(&self.device)?,
-            quantized: Some((bits, group)),
-        })
+        Ok(LoadedMatrix::Dense(
+            dense.to_dtype(self.dtype)?.to_device(&self.device)?,
+        ))
     }
 }
 
