@@ -163,3 +163,18 @@ impl Attention {
         Ok((self.o_proj.forward(&out)?, produced))
     }
 }
+
+impl Attention {
+    /// Bytes of resident weights.
+    pub fn resident_bytes(&self) -> usize {
+        let kv = self.kv.as_ref().map_or(0, |p| {
+            p.k_proj.resident_bytes()
+                + p.v_proj.as_ref().map_or(0, Linear::resident_bytes)
+                + p.k_norm.resident_bytes()
+        });
+        self.q_proj.resident_bytes()
+            + self.o_proj.resident_bytes()
+            + self.q_norm.resident_bytes()
+            + kv
+    }
+}

@@ -150,3 +150,35 @@ impl DecoderLayer {
         Ok((x.broadcast_mul(&self.layer_scalar)?, view))
     }
 }
+
+impl DecoderLayer {
+    /// Bytes of resident weights.
+    pub fn resident_bytes(&self) -> usize {
+        let norms = [
+            &self.input_layernorm,
+            &self.post_attention_layernorm,
+            &self.pre_feedforward_layernorm,
+            &self.post_feedforward_layernorm,
+        ]
+        .iter()
+        .map(|n| n.resident_bytes())
+        .sum::<usize>();
+        let moe = self.moe.as_ref().map_or(0, |m| {
+            m.block.resident_bytes()
+                + m.pre_feedforward_layernorm_2.resident_bytes()
+                + m.post_feedforward_layernorm_1.resident_bytes()
+                + m.post_feedforward_layernorm_2.resident_bytes()
+        });
+        let ple = self.ple.as_ref().map_or(0, |g| {
+            g.per_layer_input_gate.resident_bytes()
+                + g.per_layer_projection.resident_bytes()
+                + g.post_per_layer_input_norm.resident_bytes()
+        });
+        self.self_attn.resident_bytes()
+            + self.mlp.resident_bytes()
+            + norms
+            + moe
+            + ple
+            + super::tensor_bytes(&self.layer_scalar)
+    }
+}

@@ -51,3 +51,12 @@ impl Mlp {
         Ok(self.down_proj.forward(&(gate * up)?)?)
     }
 }
+
+impl Mlp {
+    /// Bytes of resident weights.
+    pub fn resident_bytes(&self) -> usize {
+        self.gate_proj.resident_bytes()
+            + self.up_proj.resident_bytes()
+            + self.down_proj.resident_bytes()
+    }
+}

@@ -57,6 +57,31 @@ impl Linear {
     }
 }
 
+/// Bytes a tensor holds.
+pub(crate) fn tensor_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
+impl Linear {
+    /// Bytes of resident weight (packed codes, scales and biases for a packed one).
+    pub fn resident_bytes(&self) -> usize {
+        match self {
+            Linear::Dense(l) => tensor_bytes(l.weight()),
+            Linear::Packed(p) => p.packed_bytes(),
+        }
+    }
+}
+
+impl Embedding {
+    /// Bytes of resident table.
+    pub fn resident_bytes(&self) -> usize {
+        match self {
+            Embedding::Dense(t) => tensor_bytes(t),
+            Embedding::Packed(p) => p.packed_bytes(),
+        }
+    }
+}
+
 /// A token embedding table `[vocab, width]`, dense or packed; with tied embeddings it is also
 /// the head.
 #[derive(Debug, Clone)]

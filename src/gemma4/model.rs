@@ -78,6 +78,22 @@ impl TextModel {
         })
     }
 
+    /// Bytes of every weight the model holds (packed ones at their packed size).
+    pub fn resident_bytes(&self) -> usize {
+        self.embed_tokens.resident_bytes()
+            + self
+                .ple
+                .as_ref()
+                .map_or(0, PerLayerEmbeddings::resident_bytes)
+            + self
+                .layers
+                .iter()
+                .map(DecoderLayer::resident_bytes)
+                .sum::<usize>()
+            + self.norm.resident_bytes()
+            + self.lm_head.as_ref().map_or(0, Linear::resident_bytes)
+    }
+
     /// The validated config.
     pub fn config(&self) -> &Config {
         &self.config

@@ -153,3 +153,15 @@ impl MoeBlock {
         Ok(out.reshape((b, s, h))?)
     }
 }
+
+impl MoeBlock {
+    /// Bytes of resident weights (experts are held dense).
+    pub fn resident_bytes(&self) -> usize {
+        use super::tensor_bytes;
+        self.router.proj.resident_bytes()
+            + self.router.norm.resident_bytes()
+            + tensor_bytes(&self.experts.gate)
+            + tensor_bytes(&self.experts.up)
+            + tensor_bytes(&self.experts.down)
+    }
+}

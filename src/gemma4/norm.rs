@@ -38,3 +38,10 @@ impl RmsNorm {
         candle_nn::ops::rms_norm(&x, &self.weight.to_dtype(x.dtype())?, self.eps)
     }
 }
+
+impl RmsNorm {
+    /// Bytes of the scale.
+    pub fn resident_bytes(&self) -> usize {
+        super::tensor_bytes(&self.weight)
+    }
+}

@@ -89,3 +89,12 @@ impl PerLayerEmbeddings {
 pub fn layer_slice(ple: &Tensor, layer: usize) -> Result<Tensor> {
     Ok(ple.narrow(2, layer, 1)?.squeeze(2)?)
 }
+
+impl PerLayerEmbeddings {
+    /// Bytes of resident weights.
+    pub fn resident_bytes(&self) -> usize {
+        self.embed_tokens_per_layer.resident_bytes()
+            + self.per_layer_model_projection.resident_bytes()
+            + self.per_layer_projection_norm.resident_bytes()
+    }
+}
