@@ -48,7 +48,7 @@ impl Mlp {
         // candle's `gelu` is the tanh approximation (`gelu_pytorch_tanh`).
         let gate = self.gate_proj.forward(x)?.gelu()?;
         let up = self.up_proj.forward(x)?;
-        Ok(self.down_proj.forward(&(gate * up)?)?)
+        self.down_proj.forward(&(gate * up)?)
     }
 }
 
