@@ -94,7 +94,7 @@ fn reproduces_mlx_lm_quantized_kv_generation() {
     // matmuls sum in another order) can land on the other side of a rounding boundary, and these
     // random-weight fixtures amplify a one-code change ~1000x. That is rare (and rarer at 4 bits,
     // whose boundaries are 17x sparser), so most cases must match exactly; a few may not.
-    let mut agree = 0;
+    let (mut agree, mut same_ids) = (0, 0);
     let mut report = Vec::new();
     for name in FIXTURES {
         let model = load(name);
@@ -118,13 +118,17 @@ fn reproduces_mlx_lm_quantized_kv_generation() {
             if dev < LOGPROB_TOL && same {
                 agree += 1;
             }
+            same_ids += usize::from(same);
         }
     }
     eprintln!("{}", report.join("\n"));
-    // Measured: 32 of 36 (all 18 at 4 bits; 4 at 8 bits deviate by 7e-3 .. 8e-2).
+    // Measured (weights of the q4/q8 fixtures kept packed): ids agree in 34 of 36 cases, and 28
+    // of 36 also agree on the first step within LOGPROB_TOL. Every miss is a single K/V code
+    // landing one step away (an input one f32 ulp from a rounding boundary), which these
+    // random-weight fixtures amplify to 3e-3 .. 2e-1 in log-probs.
     assert!(
-        agree >= 30,
-        "only {agree} of {} cases reproduce mlx-lm:\n{}",
+        same_ids >= 34 && agree >= 28,
+        "ids agree in {same_ids}, ids and first step in {agree} of {} cases:\n{}",
         MLX_QUANTIZED_KV.len(),
         report.join("\n")
     );
