@@ -24,11 +24,7 @@ fn simple_cache_reproduces_the_goldens() {
         for (i, case) in golden(name).iter().enumerate() {
             let mut cache = model.new_cache(&simple()).expect("cache");
             let (ids, logits) = run(&model, &mut cache, &case.prompt, case.greedy.len(), None);
-            let dev = log_softmax(&logits[0])
-                .iter()
-                .zip(&case.first_logprobs)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0, f64::max);
+            let dev = deviation_from_reference(&logits[0], case);
             assert!(
                 dev < LOGPROB_TOL,
                 "{name} case {i}: first-step log-probs differ by {dev}"

@@ -131,7 +131,8 @@ impl Attention {
         let q = self.q_norm.forward(&q)?.transpose(1, 2)?;
         let q = rope::apply(&q, cos, sin)?;
 
-        let (view, produced) = match (kv, &self.kv) {
+        let mut produced = None;
+        let view: &KvView = match (kv, &self.kv) {
             (KvInput::Own(cache), Some(p)) => {
                 let k_raw = heads(p.k_proj.forward(x)?, self.kv_heads)?;
                 let v_raw = match &p.v_proj {
@@ -141,10 +142,9 @@ impl Attention {
                 let k = p.k_norm.forward(&k_raw)?.transpose(1, 2)?;
                 let k = rope::apply(&k, cos, sin)?;
                 let v = p.v_norm.forward(&v_raw)?.transpose(1, 2)?.contiguous()?;
-                let view = cache.update(&k, &v)?;
-                (view.clone(), Some(view))
+                &*produced.insert(cache.update(&k, &v)?)
             }
-            (KvInput::Shared(view), None) => (view.clone(), None),
+            (KvInput::Shared(view), None) => view,
             (KvInput::Own(_), None) => return Err(Error::Input(
                 "a KV-shared layer was handed a cache to write; it only reads its producer's K/V"
                     .to_string(),
@@ -156,7 +156,7 @@ impl Attention {
                 ))
             }
         };
-        let out = crate::kernels::attend(&q, &view, &step.offsets, self.window, 1.0)?;
+        let out = crate::kernels::attend(&q, view, &step.offsets, self.window, 1.0)?;
         let out = out
             .transpose(1, 2)?
             .reshape((b, s, self.n_heads * self.head_dim))?;

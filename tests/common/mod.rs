@@ -169,21 +169,19 @@ impl Drop for Scratch {
     }
 }
 
-/// Max |Δ log-prob| between the model's first step on a golden prompt and the reference.
-pub fn first_step_deviation(model: &Model, case: &Case) -> f64 {
-    let mut cache = model.new_cache(&CacheConfig::default()).expect("cache");
-    let logits = model
-        .forward(std::slice::from_ref(&case.prompt), &mut cache)
-        .expect("forward")
-        .squeeze(0)
-        .expect("squeeze")
-        .to_vec1::<f32>()
-        .expect("logits");
-    log_softmax(&logits)
+/// Max |Δ log-prob| between first-step logits and the reference's first-step log-probs.
+pub fn deviation_from_reference(logits: &[f32], case: &Case) -> f64 {
+    log_softmax(logits)
         .iter()
         .zip(&case.first_logprobs)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0, f64::max)
+}
+
+/// Max |Δ log-prob| between the model's first step on a golden prompt and the reference.
+pub fn first_step_deviation(model: &Model, case: &Case) -> f64 {
+    let mut cache = model.new_cache(&CacheConfig::default()).expect("cache");
+    deviation_from_reference(&step(model, &mut cache, &case.prompt), case)
 }
 
 /// Greedy decoding through `Model::forward`: prefill in chunks, then `n` single tokens.
