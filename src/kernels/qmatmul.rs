@@ -4,7 +4,8 @@
 //!
 //! [`qmatmul`] and [`qembedding`] dispatch on the device: the CPU runs the plain-Rust reference
 //! below (never a dense copy of `W`); CUDA runs a matrix-vector kernel for up to
-//! [`MATVEC_MAX_ROWS`] rows and dequantize-then-GEMM beyond; Metal runs the `.metal` kernels.
+//! [`MATVEC_MAX_ROWS`] rows and dequantize-then-GEMM beyond; on Metal the weight is
+//! dequantized per product for now (the `.metal` kernels exist but are not launched yet).
 //!
 //! Per output element the reference computes, with `x` in f32:
 //! ```text
