@@ -1,5 +1,6 @@
-//! Build script: compiles the quantized CUDA kernels (`src/kernels/cuda/qkernels.cu`) to PTX with
-//! `nvcc` when the `cuda` feature is on. Without it, nothing is built and no CUDA toolkit is
+//! Build script: compiles the CUDA kernels (`src/kernels/cuda/qkernels.cu`, the quantized ones, and
+//! `src/kernels/cuda/fused.cu`, the fused decoder-layer ones) to PTX with `nvcc` when the `cuda`
+//! feature is on. Without it, nothing is built and no CUDA toolkit is
 //! needed. The PTX is embedded by `src/kernels/cuda/launch.rs` and loaded at run time by candle's
 //! CUDA device.
 //!
@@ -12,6 +13,7 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=src/kernels/cuda/qkernels.cu");
+    println!("cargo:rerun-if-changed=src/kernels/cuda/fused.cu");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -31,20 +33,22 @@ fn main() {
                 .find(|p| p.exists())
                 .unwrap_or_else(|| PathBuf::from("nvcc"))
         });
-    let ptx = out_dir.join("qkernels.ptx");
-    let status = Command::new(&nvcc)
-        .args(["--ptx", "-O3", "-std=c++17"])
-        .arg(format!("-arch=compute_{cap}"))
-        .arg("-o")
-        .arg(&ptx)
-        .arg("src/kernels/cuda/qkernels.cu")
-        .status();
-    match status {
-        Ok(s) if s.success() => {}
-        Ok(s) => panic!("nvcc failed ({s}) compiling src/kernels/cuda/qkernels.cu"),
-        Err(e) => panic!(
-            "cannot run {} ({e}): the `cuda` feature needs nvcc (set NVCC or CUDA_ROOT)",
-            nvcc.display()
-        ),
+    for name in ["qkernels", "fused"] {
+        let src = format!("src/kernels/cuda/{name}.cu");
+        let status = Command::new(&nvcc)
+            .args(["--ptx", "-O3", "-std=c++17"])
+            .arg(format!("-arch=compute_{cap}"))
+            .arg("-o")
+            .arg(out_dir.join(format!("{name}.ptx")))
+            .arg(&src)
+            .status();
+        match status {
+            Ok(s) if s.success() => {}
+            Ok(s) => panic!("nvcc failed ({s}) compiling {src}"),
+            Err(e) => panic!(
+                "cannot run {} ({e}): the `cuda` feature needs nvcc (set NVCC or CUDA_ROOT)",
+                nvcc.display()
+            ),
+        }
     }
 }

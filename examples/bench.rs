@@ -23,10 +23,10 @@ struct Args {
     /// config.json of the shape to build (repeatable).
     #[arg(long, required = true)]
     config: Vec<PathBuf>,
-    /// Prompt lengths for prefill.
+    /// Prompt lengths for prefill (0: none).
     #[arg(long, value_delimiter = ',', default_value = "512,4096")]
     prefill: Vec<usize>,
-    /// Batch sizes for decode.
+    /// Batch sizes for decode (0: none).
     #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
     batch: Vec<usize>,
     /// Contexts for decode.
@@ -38,6 +38,16 @@ struct Args {
     /// KV cache: dense, q8, q4 (repeatable).
     #[arg(long, value_delimiter = ',', default_value = "dense")]
     kv: Vec<String>,
+    /// Weights: bf16, q8, q4 (MLX affine, group 64, kept packed) (repeatable).
+    #[arg(long, value_delimiter = ',', default_value = "bf16")]
+    weights: Vec<String>,
+    /// Build and report memory only (no prefill or decode).
+    #[arg(long)]
+    memory_only: bool,
+    /// After timing each point, run one more prefill / decode step inside cuProfilerStart/Stop,
+    /// for `ncu --profile-from-start off` (see scripts/profile.sh).
+    #[arg(long)]
+    profile: bool,
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
@@ -62,7 +72,7 @@ fn copy_bandwidth(dev: &Device) -> Result<f64> {
 
 /// Weight bytes one decode step of one token reads (the tied head reads the whole table; MoE
 /// reads top_k experts; embedding lookups read one row, ignored).
-fn weight_bytes_per_token(cfg: &Config, dtype_bytes: usize) -> usize {
+fn weight_bytes_per_token(cfg: &Config, bytes_per_param: f64) -> usize {
     let h = cfg.hidden_size;
     let nh = cfg.num_attention_heads;
     let mut params = cfg.vocab_size * h;
@@ -78,7 +88,40 @@ fn weight_bytes_per_token(cfg: &Config, dtype_bytes: usize) -> usize {
             params += m.num_experts * h + m.top_k * 3 * m.intermediate_size * h;
         }
     }
-    params * dtype_bytes
+    (params as f64 * bytes_per_param) as usize
+}
+
+/// Bytes per matrix parameter of a weight format: bf16, or MLX affine codes plus one bf16
+/// scale and bias per group of 64.
+fn bytes_per_param(weights: &str) -> Result<(f64, Option<QuantBits>)> {
+    Ok(match weights {
+        "bf16" => (2.0, None),
+        "q8" => (1.0 + 4.0 / 64.0, Some(QuantBits::Eight)),
+        "q4" => (0.5 + 4.0 / 64.0, Some(QuantBits::Four)),
+        other => anyhow::bail!("unknown --weights {other}"),
+    })
+}
+
+/// Runs `f` inside cuProfilerStart/Stop when `on` (CUDA builds), so a profiler started with
+/// `--profile-from-start off` sees exactly this region.
+fn profiled<T>(on: bool, dev: &Device, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    #[cfg(feature = "cuda")]
+    if on && dev.is_cuda() {
+        dev.synchronize()?;
+        let guard = candle_core::cuda_backend::cudarc::driver::Profiler::new()?;
+        let out = f();
+        dev.synchronize()?;
+        drop(guard);
+        return out;
+    }
+    let _ = (on, dev);
+    f()
+}
+
+/// Greedy ids of each row of `[B, V]` logits, argmax on the device: only B ids cross to the
+/// host, as in greedy generation.
+fn greedy(logits: &Tensor) -> Result<Vec<u32>> {
+    Ok(logits.argmax(1)?.to_vec1::<u32>()?)
 }
 
 fn cache_config(kv: &str) -> Result<CacheConfig> {
@@ -105,7 +148,7 @@ fn prefill(model: &Model, cc: &CacheConfig, len: usize, seed: u32) -> Result<(Mo
     let prompt: Vec<u32> = (0..len as u32).map(|i| (i * 7919 + seed) % vocab).collect();
     let t = Instant::now();
     let logits = model.forward(&[prompt], &mut cache)?;
-    let _ = logits.to_vec2::<f32>()?;
+    let _ = greedy(&logits)?;
     Ok((cache, t.elapsed().as_secs_f64()))
 }
 
@@ -117,6 +160,7 @@ fn main() -> Result<()> {
         "{}",
         json!({"device": format!("{dev:?}"), "copy_bandwidth_gb_s": bw / 1e9})
     );
+    let fused = std::env::var("CANDLE_GEMMA_UNFUSED").map_or(true, |v| v.is_empty() || v == "0");
     for path in &args.config {
         let text = std::fs::read_to_string(path)?;
         let cfg = Config::from_json(&serde_json::from_str(&text)?, None)?;
@@ -124,48 +168,73 @@ fn main() -> Result<()> {
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let t = Instant::now();
-        let model = Model::random(cfg.clone(), &dev, DType::BF16, 1)?;
-        dev.synchronize()?;
-        let wbytes = weight_bytes_per_token(&cfg, 2);
-        eprintln!(
-            "{name}: built in {:.1}s, {:.2} GB read per token",
-            t.elapsed().as_secs_f64(),
-            wbytes as f64 / 1e9
-        );
-        for kv in &args.kv {
-            let cc = cache_config(kv)?;
-            for &len in &args.prefill {
-                let (_, _) = prefill(&model, &cc, 16, 0)?; // warm-up
-                let (_, secs) = prefill(&model, &cc, len, 1)?;
-                println!(
-                    "{}",
-                    json!({"model": name, "kv": kv, "op": "prefill", "tokens": len, "tok_s": len as f64 / secs})
-                );
+        for weights in &args.weights {
+            let (bpp, bits) = bytes_per_param(weights)?;
+            let before = candle_gemma::device_memory_in_use(&dev);
+            let t = Instant::now();
+            let model = match bits {
+                None => Model::random(cfg.clone(), &dev, DType::BF16, 1)?,
+                Some(b) => Model::random_packed(cfg.clone(), &dev, DType::BF16, 1, b, 64)?,
+            };
+            dev.synchronize()?;
+            let after = candle_gemma::device_memory_in_use(&dev);
+            let wbytes = weight_bytes_per_token(&cfg, bpp);
+            let resident = model.text_model().resident_bytes();
+            let checkpoint = model.checkpoint_bytes();
+            let device_delta = before.zip(after).map(|(b, a)| a.saturating_sub(b));
+            println!(
+                "{}",
+                json!({
+                    "model": name, "weights": weights, "op": "memory",
+                    "build_s": t.elapsed().as_secs_f64(),
+                    "checkpoint_bytes": checkpoint, "resident_bytes": resident,
+                    "device_bytes": device_delta,
+                    "device_over_checkpoint": device_delta.map(|d| d as f64 / checkpoint as f64),
+                    "weight_bytes_read_per_token": wbytes,
+                })
+            );
+            if args.memory_only {
+                continue;
             }
-            for &ctx in &args.context {
-                for &b in &args.batch {
-                    let seqs = (0..b)
-                        .map(|i| prefill(&model, &cc, ctx, i as u32).map(|c| c.0))
-                        .collect::<Result<Vec<_>>>()?;
-                    let mut cache = ModelCache::batch(seqs)?;
-                    let kv_bytes = cache.memory_bytes();
-                    let tokens: Vec<Vec<u32>> = (0..b).map(|i| vec![100 + i as u32]).collect();
-                    let _ = model.forward(&tokens, &mut cache)?.to_vec2::<f32>()?; // warm-up
-                    let t = Instant::now();
-                    for _ in 0..args.steps {
-                        let _ = model.forward(&tokens, &mut cache)?.to_vec2::<f32>()?;
-                    }
-                    let secs = t.elapsed().as_secs_f64() / args.steps as f64;
-                    let bytes = wbytes + kv_bytes;
+            for kv in &args.kv {
+                let cc = cache_config(kv)?;
+                for &len in args.prefill.iter().filter(|&&l| l > 0) {
+                    let (_, _) = prefill(&model, &cc, 16, 0)?; // warm-up
+                    let (_, secs) = prefill(&model, &cc, len, 1)?;
+                    profiled(args.profile, &dev, || prefill(&model, &cc, len, 2))?;
                     println!(
                         "{}",
-                        json!({
-                            "model": name, "kv": kv, "op": "decode", "batch": b, "context": ctx,
-                            "tok_s": b as f64 / secs, "step_ms": secs * 1e3,
-                            "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,
-                        })
+                        json!({"model": name, "weights": weights, "kv": kv, "fused": fused, "op": "prefill", "tokens": len, "tok_s": len as f64 / secs})
                     );
+                }
+                for &ctx in &args.context {
+                    for &b in args.batch.iter().filter(|&&b| b > 0) {
+                        let seqs = (0..b)
+                            .map(|i| prefill(&model, &cc, ctx, i as u32).map(|c| c.0))
+                            .collect::<Result<Vec<_>>>()?;
+                        let mut cache = ModelCache::batch(seqs)?;
+                        let kv_bytes = cache.memory_bytes();
+                        let tokens: Vec<Vec<u32>> = (0..b).map(|i| vec![100 + i as u32]).collect();
+                        let _ = greedy(&model.forward(&tokens, &mut cache)?)?; // warm-up
+                        let t = Instant::now();
+                        for _ in 0..args.steps {
+                            let _ = greedy(&model.forward(&tokens, &mut cache)?)?;
+                        }
+                        let secs = t.elapsed().as_secs_f64() / args.steps as f64;
+                        profiled(args.profile, &dev, || {
+                            greedy(&model.forward(&tokens, &mut cache)?)
+                        })?;
+                        let bytes = wbytes + kv_bytes;
+                        println!(
+                            "{}",
+                            json!({
+                                "model": name, "weights": weights, "kv": kv, "fused": fused,
+                                "op": "decode", "batch": b, "context": ctx,
+                                "tok_s": b as f64 / secs, "step_ms": secs * 1e3,
+                                "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,
+                            })
+                        );
+                    }
                 }
             }
         }

@@ -134,6 +134,188 @@ fn check_qsdpa(c: &Case, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Res
     let got = attend(&qg, &gview, &[q_offset], c.window, scale)?;
     let err = max_abs(&got, &want)?;
     ok &= err <= tol(c.dtype);
+    // Dense K/V: the dispatcher sends short query blocks to the same kernel reading dense
+    // elements, longer ones to the matmul path; both against the CPU dense reference.
+    let dense_view = |dev: &Device| -> Result<KvView> {
+        Ok(KvView::Single {
+            data: KvData::Dense {
+                k: k.to_device(dev)?,
+                v: v.to_device(dev)?,
+            },
+            positions: view_positions(&view),
+        })
+    };
+    let want = attend(&q, &dense_view(&Device::Cpu)?, &[q_offset], c.window, scale)?;
+    let got = attend(&qg, &dense_view(gpu)?, &[q_offset], c.window, scale)?;
+    let err = max_abs(&got, &want)?;
+    let pass = err <= tol(c.dtype);
+    ok &= pass;
+    let e = stats
+        .entry(format!("dense attention {:?}", c.dtype))
+        .or_insert(0.0);
+    *e = e.max(err);
+    println!(
+        "dense-attention dtype={:?} hd={} heads={}/{} q_len={} keys={} window={:?} pos={:?} max_abs={:.3e} {}",
+        c.dtype, c.hd, c.n_heads, c.kv_heads, c.q_len, c.keys, c.window, c.pos, err,
+        if pass { "PASS" } else { "FAIL" }
+    );
+    Ok(ok)
+}
+
+fn view_positions(v: &KvView) -> Vec<usize> {
+    match v {
+        KvView::Single { positions, .. } => positions.clone(),
+        KvView::Batch(_) => Vec::new(),
+    }
+}
+
+/// Random `[shape]` in `dtype` on the CPU.
+fn rnd(shape: &[usize], dtype: DType) -> Result<Tensor> {
+    Ok(Tensor::randn(0f32, 1.0, shape, &Device::Cpu)?.to_dtype(dtype)?)
+}
+
+/// The fused decoder-layer kernels against the candle op chains they replace (run on the CPU).
+fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Result<bool> {
+    use candle_gemma::kernels::cuda::fused::{
+        add_norm, gather_matvec, gelu_mul, qkv_prep, QkvSources,
+    };
+    use candle_nn::ops::rms_norm;
+    let g = |t: &Tensor| t.to_device(gpu);
+    let mut ok = true;
+    let mut report = |name: &str, err: f32, limit: f32| {
+        let pass = err <= limit;
+        ok &= pass;
+        let e = stats
+            .entry(format!("fused {name} {dtype:?}"))
+            .or_insert(0.0);
+        *e = e.max(err);
+        println!(
+            "fused {name} dtype={dtype:?} max_abs={err:.3e} {}",
+            if pass { "PASS" } else { "FAIL" }
+        );
+    };
+    // Values of order 1-4 after the norms: allow a few ulps of the activation type.
+    let lim = 4.0 * tol(dtype);
+
+    // Residual add + norm, with the layer scalar and the next norm.
+    let h = 2816;
+    let (res, y, w, w2) = (
+        rnd(&[3, h], dtype)?,
+        rnd(&[3, h], dtype)?,
+        rnd(&[h], dtype)?,
+        rnd(&[h], dtype)?,
+    );
+    let s = Tensor::new(&[0.75f32], &Device::Cpu)?.to_dtype(dtype)?;
+    let eps = 1e-6;
+    let want = (&res + rms_norm(&y, &w, eps as f32)?)?.broadcast_mul(&s)?;
+    let want2 = rms_norm(&want, &w2, eps as f32)?;
+    let (got, got2) = add_norm(
+        &g(&res)?,
+        &g(&y)?,
+        &g(&w)?,
+        eps,
+        Some(&g(&s)?),
+        Some(&g(&w2)?),
+    )?;
+    report("add_norm", max_abs(&got, &want)?, lim);
+    report(
+        "add_norm next",
+        max_abs(&got2.expect("requested"), &want2)?,
+        lim,
+    );
+
+    // GeGLU over the two halves of a stacked product.
+    let gu = rnd(&[5, 2 * 704], dtype)?;
+    let want = (gu.narrow(1, 0, 704)?.gelu()? * gu.narrow(1, 704, 704)?)?;
+    let gug = g(&gu)?;
+    let got = gelu_mul(&gug.narrow(1, 0, 704)?, &gug.narrow(1, 704, 704)?)?;
+    report("gelu_mul", max_abs(&got, &want)?, lim);
+
+    // q/k/v norms, RoPE and layout: batch 2, 3 tokens, 4 query heads, 2 KV heads, head dim 256.
+    let (b, sl, nh, kvh, hd) = (2, 3, 4, 2, 256);
+    let qkv = rnd(&[b * sl, (nh + 2 * kvh) * hd], dtype)?;
+    let (qw, kw) = (rnd(&[hd], dtype)?, rnd(&[hd], dtype)?);
+    let angles = (Tensor::rand(0f32, 6.0, (b, sl, hd / 2), &Device::Cpu)?).to_dtype(DType::F32)?;
+    let (cos, sin) = (
+        angles.cos()?.to_dtype(dtype)?,
+        angles.sin()?.to_dtype(dtype)?,
+    );
+    let heads = |t: Tensor, n: usize| -> Result<Tensor> {
+        Ok(t.reshape((b, sl, n, hd))?.transpose(1, 2)?.contiguous()?)
+    };
+    let part = |start: usize, n: usize| qkv.narrow(1, start * hd, n * hd);
+    let ones = Tensor::ones(hd, dtype, &Device::Cpu)?;
+    let norm = |t: Tensor, w: &Tensor| rms_norm(&t.contiguous()?, w, eps as f32);
+    let wq = candle_nn::rotary_emb::rope(
+        &heads(norm(part(0, nh)?.reshape((b * sl * nh, hd))?, &qw)?, nh)?,
+        &cos,
+        &sin,
+    )?;
+    let wk = candle_nn::rotary_emb::rope(
+        &heads(norm(part(nh, kvh)?.reshape((b * sl * kvh, hd))?, &kw)?, kvh)?,
+        &cos,
+        &sin,
+    )?;
+    let wv = heads(
+        norm(part(nh + kvh, kvh)?.reshape((b * sl * kvh, hd))?, &ones)?,
+        kvh,
+    )?;
+    let qkvg = g(&qkv)?;
+    let (qg, kg, vg) = (
+        qkvg.narrow(1, 0, nh * hd)?,
+        qkvg.narrow(1, nh * hd, kvh * hd)?,
+        qkvg.narrow(1, (nh + kvh) * hd, kvh * hd)?,
+    );
+    let (qwg, kwg, cg, sg) = (g(&qw)?, g(&kw)?, g(&cos)?, g(&sin)?);
+    let src = QkvSources {
+        q: &qg,
+        k: Some((&kg, &kwg)),
+        v: Some(&vg),
+        q_norm: &qwg,
+        cos: &cg,
+        sin: &sg,
+    };
+    let (gq, gkv) = qkv_prep(&src, b, sl, hd, eps)?;
+    let (gk, gv) = gkv.expect("KV-owning");
+    report("qkv_prep q", max_abs(&gq, &wq)?, lim);
+    report("qkv_prep k", max_abs(&gk, &wk)?, lim);
+    report("qkv_prep v", max_abs(&gv, &wv)?, lim);
+
+    // Routed experts: 8 experts [64, 128], 2 tokens x 3 picks, then the mixed down product.
+    let (e, out, inp, tokens, k) = (8, 64, 128, 2, 3);
+    let wts = (rnd(&[e, out, inp], dtype)? * 0.1)?;
+    let x = rnd(&[tokens, inp], dtype)?;
+    let idx: Vec<u32> = vec![5, 0, 7, 2, 5, 3];
+    let idx_t = Tensor::from_vec(idx.clone(), (tokens, k), &Device::Cpu)?;
+    let mut rows = Vec::new();
+    for (p, &ex) in idx.iter().enumerate() {
+        let xr = x.get(p / k)?.unsqueeze(0)?.to_dtype(DType::F32)?;
+        rows.push(xr.matmul(&wts.get(ex as usize)?.to_dtype(DType::F32)?.t()?)?);
+    }
+    let want = Tensor::cat(&rows, 0)?;
+    let got = gather_matvec(&g(&wts)?, &g(&idx_t)?, &g(&x)?, None)?;
+    report("gather_matvec", max_abs(&got, &want)?, lim);
+    let wd = (rnd(&[e, inp, out], dtype)? * 0.1)?;
+    let hmid = rnd(&[tokens * k, out], dtype)?;
+    let mix = Tensor::new(&[[0.5f32, 0.3, 0.2], [0.6, 0.25, 0.15]], &Device::Cpu)?;
+    let mut outs = Vec::new();
+    for t in 0..tokens {
+        let mut acc = Tensor::zeros((1, inp), DType::F32, &Device::Cpu)?;
+        for j in 0..k {
+            let p = t * k + j;
+            let yr = hmid
+                .get(p)?
+                .unsqueeze(0)?
+                .to_dtype(DType::F32)?
+                .matmul(&wd.get(idx[p] as usize)?.to_dtype(DType::F32)?.t()?)?;
+            let m = mix.get(t)?.get(j)?.to_scalar::<f32>()? as f64;
+            acc = (acc + (yr * m)?)?;
+        }
+        outs.push(acc);
+    }
+    let want = Tensor::cat(&outs, 0)?;
+    let got = gather_matvec(&g(&wd)?, &g(&idx_t)?, &g(&hmid)?, Some(&g(&mix)?))?;
+    report("gather_matvec mix", max_abs(&got, &want)?, lim);
     Ok(ok)
 }
 
@@ -311,6 +493,9 @@ fn main() -> Result<()> {
     }
     for c in &cases {
         all_ok &= check_qsdpa(c, &gpu, &mut stats)?;
+    }
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        all_ok &= check_fused(dtype, &gpu, &mut stats)?;
     }
     for xdtype in [DType::F32, DType::BF16, DType::F16] {
         for sdtype in [DType::BF16, DType::F16, DType::F32] {

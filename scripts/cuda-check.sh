@@ -16,7 +16,7 @@ cargo check --release --features cuda --all-targets
 cargo build --release --features cuda --example kernel_check --example bench_kernels --example bench --example generate
 mkdir -p .device
 for b in kernel_check bench_kernels bench generate; do
-  xz -9 -T2 -c "$CARGO_TARGET_DIR/release/examples/$b" > ".device/$b.xz"
+  xz -6 -T2 -c "$CARGO_TARGET_DIR/release/examples/$b" > ".device/$b.xz"
 done
 cp ../shared/cuda/device-env.sh .device/
 ls -la .device

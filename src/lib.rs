@@ -71,4 +71,4 @@ pub mod weights;
 pub use error::{Error, Result};
 pub use generate::{FinishReason, GenOptions, Generator, Output, StepOutput};
 pub use kv::{CacheConfig, KvCache};
-pub use model::{best_device, Model, ModelBuilder};
+pub use model::{best_device, device_memory_in_use, Model, ModelBuilder};

@@ -163,6 +163,7 @@ impl ModelBuilder {
             tokenizer,
             fingerprint,
             dir,
+            checkpoint_bytes: store.file_bytes(),
         })
     }
 }
@@ -184,6 +185,7 @@ pub struct Model {
     tokenizer: Option<Tokenizer>,
     fingerprint: String,
     dir: PathBuf,
+    checkpoint_bytes: usize,
 }
 
 impl Model {
@@ -193,17 +195,57 @@ impl Model {
     /// # Errors
     /// Allocation failure.
     pub fn random(config: Config, device: &Device, dtype: DType, seed: u64) -> Result<Self> {
+        Self::from_random_store(config, WeightStore::random(device, dtype, seed), seed)
+    }
+
+    /// Like [`Model::random`], with the 2-D matrices (projections and the embedding table, so
+    /// the tied head too) MLX-packed at `bits` and `group_size` and kept packed, as a quantized
+    /// checkpoint loads. [`Model::checkpoint_bytes`] then gives the packed size it stands for.
+    ///
+    /// # Errors
+    /// Allocation failure; a group size other than 32, 64 or 128.
+    pub fn random_packed(
+        config: Config,
+        device: &Device,
+        dtype: DType,
+        seed: u64,
+        bits: crate::kv::QuantBits,
+        group_size: usize,
+    ) -> Result<Self> {
+        if !crate::kernels::GROUP_SIZES.contains(&group_size) {
+            return Err(Error::Quantized {
+                tensor: "random weights".to_string(),
+                reason: format!(
+                    "group size {group_size} is not one of {:?}",
+                    crate::kernels::GROUP_SIZES
+                ),
+            });
+        }
+        let store = WeightStore::random_packed(device, dtype, seed, bits, group_size);
+        Self::from_random_store(config, store, seed)
+    }
+
+    fn from_random_store(config: Config, store: WeightStore, seed: u64) -> Result<Self> {
+        let device = store.device().clone();
         // The CPU generator cannot be seeded; GPU runs are reproducible per seed.
         if !device.is_cpu() {
             device.set_seed(seed)?;
         }
-        let store = WeightStore::random(device, dtype, seed);
+        let text = TextModel::new(config, &store)?;
         Ok(Model {
-            text: TextModel::new(config, &store)?,
+            text,
             tokenizer: None,
-            fingerprint: format!("random-{seed}-{dtype:?}"),
+            fingerprint: format!("random-{seed}-{:?}", store.dtype()),
             dir: PathBuf::new(),
+            checkpoint_bytes: store.generated_bytes(),
         })
+    }
+
+    /// Bytes of the checkpoint the model was loaded from: its safetensors files, or for a
+    /// random model the stored size of every generated tensor (packed ones packed). Compare
+    /// with [`TextModel::resident_bytes`](crate::gemma4::TextModel::resident_bytes).
+    pub fn checkpoint_bytes(&self) -> usize {
+        self.checkpoint_bytes
     }
 
     /// Starts configuring a model.
@@ -361,4 +403,18 @@ fn fingerprint(dir: &Path, dtype: DType) -> Result<String> {
     }
     feed(format!("{dtype:?}").as_bytes());
     Ok(format!("{h:016x}"))
+}
+
+/// Bytes of device memory in use on `device` by every process (total minus free), or `None`
+/// where the backend does not report it (the CPU, Metal). Sampled before and after loading a
+/// model, the difference is the model's resident size as the driver sees it.
+pub fn device_memory_in_use(device: &Device) -> Option<usize> {
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(d) = device {
+        device.synchronize().ok()?;
+        let (free, total) = d.cuda_stream().context().mem_get_info().ok()?;
+        return Some(total - free);
+    }
+    let _ = device;
+    None
 }

@@ -4,8 +4,9 @@
 
 use candle_core::Tensor;
 
+use super::fused;
 use super::norm::RmsNorm;
-use super::rope::{self, Rope};
+use super::rope::Rope;
 use super::step::Step;
 use super::Linear;
 use crate::config::{Config, KvSource, LayerKind, LayerPlan};
@@ -22,27 +23,77 @@ pub enum KvInput<'a> {
     Shared(&'a KvView),
 }
 
-/// The projections a KV-owning layer holds.
+/// The norms a KV-owning layer applies to its new K and V.
 #[derive(Debug, Clone)]
-struct KvProjections {
-    k_proj: Linear,
-    /// `None` on full layers of k_eq_v models: V is the raw K projection.
-    v_proj: Option<Linear>,
+struct KvNorms {
     k_norm: RmsNorm,
     v_norm: RmsNorm,
+}
+
+/// The input projections. KV-shared layers own only q; KV-owning layers also own k, and v unless
+/// V is the raw K projection (full layers of k_eq_v models).
+#[derive(Debug, Clone)]
+enum InProj {
+    /// Dense q, k and v stacked row-wise into one `[q; k; v]` weight: one product per step.
+    /// The widths of the three parts (0 for an absent one).
+    Stacked { weight: Linear, widths: [usize; 3] },
+    /// One product per part (a part is packed, so they cannot be stacked).
+    Split {
+        q: Linear,
+        k: Option<Linear>,
+        v: Option<Linear>,
+    },
+}
+
+/// The raw (pre-norm) q, k and v of one step.
+type RawQkv = (Tensor, Option<Tensor>, Option<Tensor>);
+
+impl InProj {
+    fn forward(&self, x: &Tensor) -> Result<RawQkv> {
+        match self {
+            InProj::Stacked { weight, widths } => {
+                let y = weight.forward(x)?;
+                let part = |start: usize, w: usize| -> Result<Option<Tensor>> {
+                    Ok(if w == 0 {
+                        None
+                    } else {
+                        Some(y.narrow(2, start, w)?)
+                    })
+                };
+                let [wq, wk, wv] = *widths;
+                let q = y.narrow(2, 0, wq)?;
+                Ok((q, part(wq, wk)?, part(wq + wk, wv)?))
+            }
+            InProj::Split { q, k, v } => Ok((
+                q.forward(x)?,
+                k.as_ref().map(|k| k.forward(x)).transpose()?,
+                v.as_ref().map(|v| v.forward(x)).transpose()?,
+            )),
+        }
+    }
+
+    fn resident_bytes(&self) -> usize {
+        match self {
+            InProj::Stacked { weight, .. } => weight.resident_bytes(),
+            InProj::Split { q, k, v } => {
+                q.resident_bytes()
+                    + k.as_ref().map_or(0, Linear::resident_bytes)
+                    + v.as_ref().map_or(0, Linear::resident_bytes)
+            }
+        }
+    }
 }
 
 /// Self-attention of one decoder layer.
 #[derive(Debug, Clone)]
 pub struct Attention {
-    q_proj: Linear,
+    proj: InProj,
     o_proj: Linear,
     q_norm: RmsNorm,
     /// `None` on KV-shared layers, which read their producer's K/V.
-    kv: Option<KvProjections>,
+    kv: Option<KvNorms>,
     kind: LayerKind,
     n_heads: usize,
-    kv_heads: usize,
     head_dim: usize,
     window: Option<usize>,
     rope: Rope,
@@ -77,27 +128,44 @@ impl Attention {
                 cfg.rms_norm_eps,
             ))
         };
-        let kv = match plan.kv {
-            KvSource::Shared { .. } => None,
-            KvSource::Own => Some(KvProjections {
-                k_proj: lin("k_proj", kvh * hd, h)?,
-                v_proj: if plan.has_v_proj {
+        let q = lin("q_proj", nh * hd, h)?;
+        let (k, v, kv) = match plan.kv {
+            KvSource::Shared { .. } => (None, None, None),
+            KvSource::Own => (
+                Some(lin("k_proj", kvh * hd, h)?),
+                if plan.has_v_proj {
                     Some(lin("v_proj", kvh * hd, h)?)
                 } else {
                     None
                 },
-                k_norm: norm("k_norm")?,
-                v_norm: RmsNorm::no_scale(hd, cfg.rms_norm_eps, vb.dtype(), vb.device())?,
-            }),
+                Some(KvNorms {
+                    k_norm: norm("k_norm")?,
+                    v_norm: RmsNorm::no_scale(hd, cfg.rms_norm_eps, vb.dtype(), vb.device())?,
+                }),
+            ),
+        };
+        let parts: Vec<&Linear> = [Some(&q), k.as_ref(), v.as_ref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        let proj = match Linear::stack(&parts)? {
+            Some(weight) => InProj::Stacked {
+                weight,
+                widths: [
+                    nh * hd,
+                    if k.is_some() { kvh * hd } else { 0 },
+                    if v.is_some() { kvh * hd } else { 0 },
+                ],
+            },
+            None => InProj::Split { q, k, v },
         };
         Ok(Self {
-            q_proj: lin("q_proj", nh * hd, h)?,
+            proj,
             o_proj: lin("o_proj", h, nh * hd)?,
             q_norm: norm("q_norm")?,
             kv,
             kind: plan.kind,
             n_heads: nh,
-            kv_heads: kvh,
             head_dim: hd,
             window: match plan.kind {
                 LayerKind::Sliding => Some(cfg.sliding_window),
@@ -110,6 +178,11 @@ impl Attention {
     /// The rotary table of this layer's kind and head dim.
     pub fn rope(&self) -> &Rope {
         &self.rope
+    }
+
+    /// Whether this layer owns k/v projections (KV-shared layers own none).
+    pub fn owns_kv(&self) -> bool {
+        self.kv.is_some()
     }
 
     /// Attends `x` `[batch, seq, hidden]` and returns `[batch, seq, hidden]` plus, for a
@@ -125,26 +198,37 @@ impl Attention {
     ) -> Result<(Tensor, Option<KvView>)> {
         let (b, s, _) = x.dims3()?;
         let (cos, sin) = step.rope(self.kind);
-        let heads =
-            |t: Tensor, n: usize| -> Result<Tensor> { Ok(t.reshape((b, s, n, self.head_dim))?) };
-        let q = heads(self.q_proj.forward(x)?, self.n_heads)?;
-        let q = self.q_norm.forward(&q)?.transpose(1, 2)?;
-        let q = rope::apply(&q, cos, sin)?;
+        let (q_raw, k_raw, v_raw) = self.proj.forward(x)?;
+        let prep = |with_kv: Option<&KvNorms>| -> Result<fused::QkvOutput> {
+            let k = match (with_kv, &k_raw) {
+                (Some(n), Some(k)) => Some((k, &n.k_norm)),
+                _ => None,
+            };
+            // V is the raw K projection when the layer has no v_proj.
+            let v = match (with_kv, v_raw.as_ref().or(k_raw.as_ref())) {
+                (Some(n), Some(v)) => Some((v, &n.v_norm)),
+                _ => None,
+            };
+            fused::qkv_prep(&fused::QkvInput {
+                q: &q_raw,
+                k,
+                v,
+                q_norm: &self.q_norm,
+                cos,
+                sin,
+                head_dim: self.head_dim,
+            })
+        };
 
         let mut produced = None;
-        let view: &KvView = match (kv, &self.kv) {
-            (KvInput::Own(cache), Some(p)) => {
-                let k_raw = heads(p.k_proj.forward(x)?, self.kv_heads)?;
-                let v_raw = match &p.v_proj {
-                    Some(v_proj) => heads(v_proj.forward(x)?, self.kv_heads)?,
-                    None => k_raw.clone(),
-                };
-                let k = p.k_norm.forward(&k_raw)?.transpose(1, 2)?;
-                let k = rope::apply(&k, cos, sin)?;
-                let v = p.v_norm.forward(&v_raw)?.transpose(1, 2)?.contiguous()?;
-                &*produced.insert(cache.update(&k, &v)?)
+        let (q, view): (Tensor, &KvView) = match (kv, &self.kv) {
+            (KvInput::Own(cache), Some(norms)) => {
+                let (q, kv) = prep(Some(norms))?;
+                let (k, v) = kv
+                    .ok_or_else(|| Error::Input("a KV-owning layer produced no K/V".to_string()))?;
+                (q, &*produced.insert(cache.update(&k, &v)?))
             }
-            (KvInput::Shared(view), None) => view,
+            (KvInput::Shared(view), None) => (prep(None)?.0, view),
             (KvInput::Own(_), None) => return Err(Error::Input(
                 "a KV-shared layer was handed a cache to write; it only reads its producer's K/V"
                     .to_string(),
@@ -167,14 +251,10 @@ impl Attention {
 impl Attention {
     /// Bytes of resident weights.
     pub fn resident_bytes(&self) -> usize {
-        let kv = self.kv.as_ref().map_or(0, |p| {
-            p.k_proj.resident_bytes()
-                + p.v_proj.as_ref().map_or(0, Linear::resident_bytes)
-                + p.k_norm.resident_bytes()
-        });
-        self.q_proj.resident_bytes()
+        let norms = self.kv.as_ref().map_or(0, |n| n.k_norm.resident_bytes());
+        self.proj.resident_bytes()
             + self.o_proj.resident_bytes()
             + self.q_norm.resident_bytes()
-            + kv
+            + norms
     }
 }

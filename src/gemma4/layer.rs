@@ -8,9 +8,9 @@ use super::mlp::Mlp;
 use super::moe::MoeBlock;
 use super::norm::RmsNorm;
 use super::step::Step;
-use super::Linear;
+use super::{fused, Linear};
 use crate::config::{Config, LayerPlan};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv::KvView;
 use crate::weights::WeightStore;
 
@@ -125,11 +125,16 @@ impl DecoderLayer {
         let (attn, view) = self
             .self_attn
             .forward(&self.input_layernorm.forward(x)?, step, kv)?;
-        let x = (x + self.post_attention_layernorm.forward(&attn)?)?;
+        let (x, normed) = fused::add_norm(
+            x,
+            &attn,
+            &self.post_attention_layernorm,
+            None,
+            Some(&self.pre_feedforward_layernorm),
+        )?;
+        let normed = normed.ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
 
-        let dense = self
-            .mlp
-            .forward(&self.pre_feedforward_layernorm.forward(&x)?)?;
+        let dense = self.mlp.forward(&normed)?;
         let ff = match &self.moe {
             None => dense,
             Some(m) => {
@@ -140,14 +145,28 @@ impl DecoderLayer {
                 (dense + m.post_feedforward_layernorm_2.forward(&experts)?)?
             }
         };
-        let mut x = (x + self.post_feedforward_layernorm.forward(&ff)?)?;
-
-        if let (Some(g), Some(ple)) = (&self.ple, ple) {
-            let gate = g.per_layer_input_gate.forward(&x)?.gelu()?;
-            let gate = g.per_layer_projection.forward(&(gate * ple)?)?;
-            x = (x + g.post_per_layer_input_norm.forward(&gate)?)?;
-        }
-        Ok((x.broadcast_mul(&self.layer_scalar)?, view))
+        // The layer scalar multiplies the whole residual at the end of the layer: fold it into
+        // the last residual add.
+        let ple = self.ple.as_ref().zip(ple);
+        let scalar = if ple.is_none() {
+            Some(&self.layer_scalar)
+        } else {
+            None
+        };
+        let (x, _) = fused::add_norm(&x, &ff, &self.post_feedforward_layernorm, scalar, None)?;
+        let Some((g, ple)) = ple else {
+            return Ok((x, view));
+        };
+        let gate = fused::gelu_mul(&g.per_layer_input_gate.forward(&x)?, ple)?;
+        let gate = g.per_layer_projection.forward(&gate)?;
+        let (x, _) = fused::add_norm(
+            &x,
+            &gate,
+            &g.post_per_layer_input_norm,
+            Some(&self.layer_scalar),
+            None,
+        )?;
+        Ok((x, view))
     }
 }
 

@@ -2,15 +2,23 @@
 
 use candle_core::Tensor;
 
-use super::Linear;
+use super::{fused, Linear};
 use crate::error::Result;
 use crate::weights::WeightStore;
+
+/// The gate and up projections: stacked into one `[gate; up]` product when both are dense.
+#[derive(Debug, Clone)]
+enum GateUp {
+    /// `[2 * width, hidden]`: gate rows, then up rows.
+    Stacked { weight: Linear, width: usize },
+    /// One product each (packed weights).
+    Split { gate: Linear, up: Linear },
+}
 
 /// Dense GeGLU MLP of one layer (`layers.N.mlp.*`).
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    gate_up: GateUp,
     down_proj: Linear,
 }
 
@@ -33,9 +41,14 @@ impl Mlp {
                 &shape,
             )?))
         };
+        let gate = lin("gate_proj", [width, hidden])?;
+        let up = lin("up_proj", [width, hidden])?;
+        let gate_up = match Linear::stack(&[&gate, &up])? {
+            Some(weight) => GateUp::Stacked { weight, width },
+            None => GateUp::Split { gate, up },
+        };
         Ok(Self {
-            gate_proj: lin("gate_proj", [width, hidden])?,
-            up_proj: lin("up_proj", [width, hidden])?,
+            gate_up,
             down_proj: lin("down_proj", [hidden, width])?,
         })
     }
@@ -45,18 +58,28 @@ impl Mlp {
     /// # Errors
     /// Shape mismatch.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // candle's `gelu` is the tanh approximation (`gelu_pytorch_tanh`).
-        let gate = self.gate_proj.forward(x)?.gelu()?;
-        let up = self.up_proj.forward(x)?;
-        self.down_proj.forward(&(gate * up)?)
+        let hidden = match &self.gate_up {
+            GateUp::Stacked { weight, width } => {
+                let y = weight.forward(x)?;
+                let last = y.rank() - 1;
+                fused::gelu_mul(
+                    &y.narrow(last, 0, *width)?,
+                    &y.narrow(last, *width, *width)?,
+                )?
+            }
+            GateUp::Split { gate, up } => fused::gelu_mul(&gate.forward(x)?, &up.forward(x)?)?,
+        };
+        self.down_proj.forward(&hidden)
     }
 }
 
 impl Mlp {
     /// Bytes of resident weights.
     pub fn resident_bytes(&self) -> usize {
-        self.gate_proj.resident_bytes()
-            + self.up_proj.resident_bytes()
-            + self.down_proj.resident_bytes()
+        let gate_up = match &self.gate_up {
+            GateUp::Stacked { weight, .. } => weight.resident_bytes(),
+            GateUp::Split { gate, up } => gate.resident_bytes() + up.resident_bytes(),
+        };
+        gate_up + self.down_proj.resident_bytes()
     }
 }

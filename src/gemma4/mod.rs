@@ -2,6 +2,7 @@
 //! its shape once, from its [`crate::config::LayerPlan`]; forwards only match on that decision.
 
 pub mod attention;
+pub(crate) mod fused;
 pub mod layer;
 pub mod mlp;
 pub mod model;
@@ -54,6 +55,24 @@ impl Linear {
             Linear::Dense(l) => Ok(l.forward(x)?),
             Linear::Packed(p) => crate::kernels::qmatmul::qmatmul(x, p),
         }
+    }
+}
+
+impl Linear {
+    /// Stacks dense `[out_i, in]` weights into one `[sum out_i, in]` weight, so one product
+    /// computes them all; `None` when any part is packed (those keep one product each).
+    ///
+    /// # Errors
+    /// Mismatched input widths.
+    pub fn stack(parts: &[&Linear]) -> crate::Result<Option<Linear>> {
+        let mut ws = Vec::with_capacity(parts.len());
+        for p in parts {
+            match p {
+                Linear::Dense(l) => ws.push(l.weight().clone()),
+                Linear::Packed(_) => return Ok(None),
+            }
+        }
+        Ok(Some(Linear::new(Tensor::cat(&ws, 0)?)))
     }
 }
 

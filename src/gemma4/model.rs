@@ -15,6 +15,9 @@ use crate::error::{Error, Result};
 use crate::kv::{KvView, LayerCacheSpec, ModelCache};
 use crate::weights::WeightStore;
 
+/// Longest run of new tokens one forward pass takes at once; longer prompts are split.
+pub const PREFILL_CHUNK: usize = 1024;
+
 /// The decoder stack of a Gemma 4 checkpoint.
 #[derive(Debug, Clone)]
 pub struct TextModel {
@@ -180,7 +183,27 @@ impl TextModel {
     ///
     /// # Errors
     /// [`Error::TokenOutOfVocab`], [`Error::ContextTooLong`], [`Error::Input`], cache errors.
+    ///
+    /// Prompts longer than [`PREFILL_CHUNK`] tokens run as consecutive chunks of that size:
+    /// sliding layers then score each query against at most `window + chunk` keys instead of
+    /// the whole prompt, and the score matrices stay small. The whole batch is validated before
+    /// the first chunk runs.
     pub fn forward(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
+        let seq_len = self.validate(batch, &cache.offsets())?;
+        if seq_len <= PREFILL_CHUNK {
+            return self.forward_chunk(batch, cache);
+        }
+        let mut logits = None;
+        for start in (0..seq_len).step_by(PREFILL_CHUNK) {
+            let end = (start + PREFILL_CHUNK).min(seq_len);
+            let piece: Vec<Vec<u32>> = batch.iter().map(|s| s[start..end].to_vec()).collect();
+            logits = Some(self.forward_chunk(&piece, cache)?);
+        }
+        logits.ok_or_else(|| Error::Input("empty input".to_string()))
+    }
+
+    /// One chunk of [`TextModel::forward`].
+    fn forward_chunk(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
         let offsets = cache.offsets();
         let seq_len = self.validate(batch, &offsets)?;
         let b = batch.len();

@@ -4,10 +4,14 @@
 use candle_core::{DType, Tensor};
 
 use super::norm::RmsNorm;
-use super::Linear;
+use super::{fused, Linear};
 use crate::config::{Config, MoeConfig};
 use crate::error::{Error, Result};
 use crate::weights::{KeyLayout, WeightStore};
+
+/// Tokens up to which a CUDA forward routes on the device (decode and short chunks); longer
+/// prefills group tokens by expert on the host, one matmul per expert.
+const DEVICE_ROUTING_MAX_TOKENS: usize = 16;
 
 /// Router: `softmax` over the top-k logits of `proj(rms(x) * scale * H^-½)`, times
 /// `per_expert_scale` (softmax over the selected logits equals the renormalised full softmax).
@@ -18,6 +22,9 @@ struct Router {
     norm: RmsNorm,
     /// `[E]` host copy.
     per_expert_scale: Vec<f32>,
+    /// `[E]` f32 on the model's device (for routing without a host round trip).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    per_expert_scale_dev: Tensor,
     top_k: usize,
 }
 
@@ -44,15 +51,15 @@ impl Router {
     }
 }
 
-/// The expert weights, split into gate, up and down whatever the checkpoint layout.
+/// The expert weights, gate and up stacked whatever the checkpoint layout.
 #[derive(Debug, Clone)]
 struct Experts {
-    /// `[E, I, H]`
-    gate: Tensor,
-    /// `[E, I, H]`
-    up: Tensor,
+    /// `[E, 2I, H]`: gate rows, then up rows.
+    gate_up: Tensor,
     /// `[E, H, I]`
     down: Tensor,
+    /// `I`.
+    width: usize,
 }
 
 /// Router plus experts of one layer.
@@ -73,40 +80,34 @@ impl MoeBlock {
         let l = Some(layer);
         let p = format!("layers.{layer}");
         let scale = vb.tensor(&format!("{p}.router.scale"), l, &[h])?;
-        let per_expert_scale = vb
+        let per_expert_scale_dev = vb
             .tensor(&format!("{p}.router.per_expert_scale"), l, &[e])?
-            .to_dtype(DType::F32)?
-            .to_vec1::<f32>()?;
+            .to_dtype(DType::F32)?;
         let router = Router {
             proj: Linear::from_loaded(vb.matrix(&format!("{p}.router.proj"), l, &[e, h])?),
             norm: RmsNorm::new((scale * (h as f64).powf(-0.5))?, cfg.rms_norm_eps),
-            per_expert_scale,
+            per_expert_scale: per_expert_scale_dev.to_vec1::<f32>()?,
+            per_expert_scale_dev,
             top_k: moe.top_k,
         };
         let split = format!("{p}.experts.switch_glu");
+        let dense = |name: &str, shape: &[usize]| -> Result<Tensor> {
+            vb.matrix(name, l, shape)?.into_dense(vb.dtype())
+        };
         let experts =
             if vb.layout() == KeyLayout::Mlx || vb.contains(&format!("{split}.gate_proj.weight")) {
+                let gate = dense(&format!("{split}.gate_proj"), &[e, i, h])?;
+                let up = dense(&format!("{split}.up_proj"), &[e, i, h])?;
                 Experts {
-                    gate: vb
-                        .matrix(&format!("{split}.gate_proj"), l, &[e, i, h])?
-                        .into_dense(vb.dtype())?,
-                    up: vb
-                        .matrix(&format!("{split}.up_proj"), l, &[e, i, h])?
-                        .into_dense(vb.dtype())?,
-                    down: vb
-                        .matrix(&format!("{split}.down_proj"), l, &[e, h, i])?
-                        .into_dense(vb.dtype())?,
+                    gate_up: Tensor::cat(&[gate, up], 1)?,
+                    down: dense(&format!("{split}.down_proj"), &[e, h, i])?,
+                    width: i,
                 }
             } else {
-                let gate_up = vb
-                    .matrix(&format!("{p}.experts.gate_up_proj"), l, &[e, 2 * i, h])?
-                    .into_dense(vb.dtype())?;
                 Experts {
-                    gate: gate_up.narrow(1, 0, i)?.contiguous()?,
-                    up: gate_up.narrow(1, i, i)?.contiguous()?,
-                    down: vb
-                        .matrix(&format!("{p}.experts.down_proj"), l, &[e, h, i])?
-                        .into_dense(vb.dtype())?,
+                    gate_up: dense(&format!("{p}.experts.gate_up_proj"), &[e, 2 * i, h])?,
+                    down: dense(&format!("{p}.experts.down_proj"), &[e, h, i])?,
+                    width: i,
                 }
             };
         if moe.top_k == 0 || moe.top_k > e {
@@ -125,9 +126,15 @@ impl MoeBlock {
     /// Shape mismatch.
     pub fn forward(&self, router_input: &Tensor, expert_input: &Tensor) -> Result<Tensor> {
         let (b, s, h) = expert_input.dims3()?;
-        let routes = self.router.route(&router_input.reshape((b * s, h))?)?;
         let x = expert_input.reshape((b * s, h))?;
-        let n_experts = self.experts.gate.dim(0)?;
+        let router_input = router_input.reshape((b * s, h))?;
+        if fused::enabled(x.device()) && b * s <= DEVICE_ROUTING_MAX_TOKENS {
+            return Ok(self
+                .forward_on_device(&router_input, &x)?
+                .reshape((b, s, h))?);
+        }
+        let routes = self.router.route(&router_input)?;
+        let n_experts = self.experts.gate_up.dim(0)?;
         // Group tokens by expert so each expert runs one matmul over its tokens.
         let mut by_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); n_experts];
         for (token, picks) in routes.iter().enumerate() {
@@ -136,6 +143,7 @@ impl MoeBlock {
                 by_expert[e].1.push(w);
             }
         }
+        let width = self.experts.width;
         let mut out = Tensor::zeros((b * s, h), x.dtype(), x.device())?;
         for (e, (tokens, weights)) in by_expert.into_iter().enumerate() {
             if tokens.is_empty() {
@@ -144,13 +152,52 @@ impl MoeBlock {
             let n = tokens.len();
             let idx = Tensor::from_vec(tokens, n, x.device())?;
             let xe = x.index_select(&idx, 0)?;
-            let gate = xe.matmul(&self.experts.gate.get(e)?.t()?)?.gelu()?;
-            let up = xe.matmul(&self.experts.up.get(e)?.t()?)?;
-            let y = (gate * up)?.matmul(&self.experts.down.get(e)?.t()?)?;
+            let gu = xe.matmul(&self.experts.gate_up.get(e)?.t()?)?;
+            let hidden = fused::gelu_mul(&gu.narrow(1, 0, width)?, &gu.narrow(1, width, width)?)?;
+            let y = hidden.matmul(&self.experts.down.get(e)?.t()?)?;
             let w = Tensor::from_vec(weights, (n, 1), x.device())?.to_dtype(y.dtype())?;
             out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
         }
         Ok(out.reshape((b, s, h))?)
+    }
+
+    /// Routing and experts without a host round trip (few tokens, CUDA): top-k on the device,
+    /// then the routed expert products read each picked expert's rows in place.
+    #[cfg(feature = "cuda")]
+    fn forward_on_device(&self, router_input: &Tensor, x: &Tensor) -> Result<Tensor> {
+        use crate::kernels::cuda::fused::gather_matvec;
+        let r = &self.router;
+        let logits = r
+            .proj
+            .forward(&r.norm.forward(router_input)?)?
+            .to_dtype(DType::F32)?;
+        let tokens = logits.dim(0)?;
+        let idx = logits
+            .arg_sort_last_dim(false)?
+            .narrow(1, 0, r.top_k)?
+            .contiguous()?;
+        let top = logits.gather(&idx, 1)?;
+        let scale = r
+            .per_expert_scale_dev
+            .index_select(&idx.flatten_all()?, 0)?
+            .reshape((tokens, r.top_k))?;
+        let mix = (candle_nn::ops::softmax_last_dim(&top)? * scale)?;
+        let width = self.experts.width;
+        let gu = gather_matvec(&self.experts.gate_up, &idx, x, None)?;
+        let hidden = fused::gelu_mul(&gu.narrow(1, 0, width)?, &gu.narrow(1, width, width)?)?;
+        Ok(gather_matvec(
+            &self.experts.down,
+            &idx,
+            &hidden,
+            Some(&mix),
+        )?)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn forward_on_device(&self, _router_input: &Tensor, _x: &Tensor) -> Result<Tensor> {
+        Err(Error::Input(
+            "device-side routing needs the `cuda` feature".to_string(),
+        ))
     }
 }
 
@@ -160,8 +207,7 @@ impl MoeBlock {
         use super::tensor_bytes;
         self.router.proj.resident_bytes()
             + self.router.norm.resident_bytes()
-            + tensor_bytes(&self.experts.gate)
-            + tensor_bytes(&self.experts.up)
+            + tensor_bytes(&self.experts.gate_up)
             + tensor_bytes(&self.experts.down)
     }
 }

@@ -40,6 +40,16 @@ impl RmsNorm {
 }
 
 impl RmsNorm {
+    /// The `[dim]` scale (all ones for the no-scale variant).
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    /// The epsilon added to the mean square.
+    pub fn eps(&self) -> f64 {
+        f64::from(self.eps)
+    }
+
     /// Bytes of the scale.
     pub fn resident_bytes(&self) -> usize {
         super::tensor_bytes(&self.weight)

@@ -26,7 +26,11 @@ pub(crate) fn attend_dense(
     let kk = k.squeeze(0)?; // [kvh, keys, hd]
     let vv = v.squeeze(0)?; // [kvh, keys, hd]
     let scores = matmul_strided(&qg, &kk.t()?)?.to_dtype(DType::F32)?; // [kvh, group*q_len, keys]
-    let scores = (scores * plan.scale)?;
+    let scores = if plan.scale == 1.0 {
+        scores
+    } else {
+        (scores * plan.scale)?
+    };
     let scores = match mask(positions, plan, q_len)? {
         None => scores,
         Some(mask) => {
@@ -77,7 +81,11 @@ fn on_device(mask: HostMask, device: &candle_core::Device) -> candle_core::Resul
     }) {
         return Ok(t);
     }
-    let t = mask.build()?.to_device(device)?;
+    let t = if device.is_cpu() {
+        mask.build()?
+    } else {
+        mask.build_on(device)?
+    };
     MASKS.with(|m| {
         let mut m = m.borrow_mut();
         if m.len() >= 4 {
@@ -132,6 +140,35 @@ struct HostMask<'a> {
 }
 
 impl HostMask<'_> {
+    /// Builds the mask on `device` from the key positions (a `keys`-long upload instead of a
+    /// `q_len x keys` one, and no host loop over every pair).
+    fn build_on(&self, device: &candle_core::Device) -> candle_core::Result<Tensor> {
+        let keys = self.positions.len();
+        let to_u32 = |x: usize| {
+            u32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("position {x} > u32")))
+        };
+        let kpos: Vec<u32> = self
+            .positions
+            .iter()
+            .map(|&p| to_u32(p))
+            .collect::<candle_core::Result<_>>()?;
+        let kpos = Tensor::from_vec(kpos, (1, keys), device)?;
+        let first = to_u32(self.q_offset)?;
+        let qpos =
+            Tensor::arange(first, first + to_u32(self.q_len)?, device)?.reshape((self.q_len, 1))?;
+        let mut visible = kpos.broadcast_le(&qpos)?; // [q_len, keys] u8
+        if let Some(w) = self.window {
+            // key + W > query
+            let shifted = (kpos.to_dtype(DType::F32)? + w as f64)?;
+            let inside = shifted.broadcast_gt(&qpos.to_dtype(DType::F32)?)?;
+            visible = (visible * inside)?;
+        }
+        let zero = Tensor::zeros(1, DType::F32, device)?.broadcast_as((self.q_len, keys))?;
+        let hidden =
+            Tensor::full(f32::NEG_INFINITY, 1, device)?.broadcast_as((self.q_len, keys))?;
+        visible.where_cond(&zero, &hidden)
+    }
+
     fn build(&self) -> candle_core::Result<Tensor> {
         let mut m = Vec::with_capacity(self.q_len * self.positions.len()); // [q_len, keys]
         for i in 0..self.q_len {
@@ -149,5 +186,33 @@ impl HostMask<'_> {
             (self.q_len, self.positions.len()),
             &candle_core::Device::Cpu,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_mask_equals_host_mask() {
+        let dev = candle_core::Device::Cpu;
+        let positions: Vec<usize> = (20..40).chain(5..20).collect();
+        let mut hidden = 0;
+        for window in [None, Some(4), Some(16)] {
+            for (q_offset, q_len) in [(30, 10), (39, 1), (35, 5)] {
+                let m = HostMask {
+                    positions: &positions,
+                    hash: 0,
+                    q_offset,
+                    q_len,
+                    window,
+                };
+                let host = m.build().unwrap().to_vec2::<f32>().unwrap();
+                let device = m.build_on(&dev).unwrap().to_vec2::<f32>().unwrap();
+                assert_eq!(host, device, "window {window:?}, q {q_offset}+{q_len}");
+                hidden += host.iter().flatten().filter(|x| x.is_infinite()).count();
+            }
+        }
+        assert!(hidden > 0);
     }
 }

@@ -143,7 +143,18 @@ fn attend_one(
         });
     }
     match data {
-        KvData::Dense { k, v } => dense::attend_dense(q, k, v, positions, plan),
+        KvData::Dense { k, v } => {
+            #[cfg(feature = "cuda")]
+            if q.device().is_cuda()
+                && q.dim(2)? <= cuda::launch::FUSED_MAX_Q_LEN
+                && k.dtype() == q.dtype()
+                && v.dtype() == q.dtype()
+                && cuda::params::QSDPA_HEAD_DIMS.contains(&head_dim)
+            {
+                return cuda::launch::attend_dense_fused(q, k, v, positions, plan);
+            }
+            dense::attend_dense(q, k, v, positions, plan)
+        }
         KvData::Packed { k, v } => {
             for p in [k, v] {
                 if p.group_size == 0 || head_dim % p.group_size != 0 {

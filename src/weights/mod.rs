@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::kernels::qmatmul::PackedWeight;
+use crate::kv::QuantBits;
 
 /// How the text-stack tensors are named in a checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +45,10 @@ pub struct WeightStore {
     routing: HashMap<String, usize>,
     /// `Some(seed)`: no files; every tensor is generated (benchmarks at real shapes).
     random: Option<u64>,
+    /// With `random`: generate 2-D matrices MLX-packed at `(bits, group_size)`.
+    random_packing: Option<(QuantBits, usize)>,
+    /// With `random`: bytes of every generated tensor as a checkpoint would store it.
+    generated_bytes: std::sync::atomic::AtomicUsize,
     layout: KeyLayout,
     device: Device,
     dtype: DType,
@@ -112,6 +117,8 @@ impl WeightStore {
             files,
             routing,
             random: None,
+            random_packing: None,
+            generated_bytes: Default::default(),
             layout,
             device: device.clone(),
             dtype,
@@ -126,10 +133,73 @@ impl WeightStore {
             files: Vec::new(),
             routing: HashMap::new(),
             random: Some(seed),
+            random_packing: None,
+            generated_bytes: Default::default(),
             layout: KeyLayout::HfText,
             device: device.clone(),
             dtype,
         }
+    }
+
+    /// Like [`WeightStore::random`], but 2-D matrices (projections, embedding table) come out
+    /// MLX-packed at `bits` and `group_size`, as in a quantized checkpoint: uniformly random
+    /// codes, scales and biases spanning about ±0.04. Norms, scalars and 3-D expert stacks stay
+    /// dense.
+    pub fn random_packed(
+        device: &Device,
+        dtype: DType,
+        seed: u64,
+        bits: QuantBits,
+        group_size: usize,
+    ) -> Self {
+        Self {
+            random_packing: Some((bits, group_size)),
+            ..Self::random(device, dtype, seed)
+        }
+    }
+
+    /// Bytes of the checkpoint files (0 for a random store).
+    pub fn file_bytes(&self) -> usize {
+        self.files
+            .iter()
+            .filter_map(|(p, _)| std::fs::metadata(p).ok())
+            .map(|m| m.len() as usize)
+            .sum()
+    }
+
+    /// For a random store: bytes of every tensor generated so far, at their stored size (packed
+    /// matrices as codes + scales + biases), i.e. the size of the checkpoint it stands for.
+    pub fn generated_bytes(&self) -> usize {
+        self.generated_bytes
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn count_generated(&self, bytes: usize) {
+        self.generated_bytes
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A random packed `[out, in]` matrix, or `None` when `in` is not a multiple of the group.
+    fn generate_packed(&self, out: usize, inp: usize) -> Result<Option<PackedWeight>> {
+        let Some((bits, group)) = self.random_packing else {
+            return Ok(None);
+        };
+        let b = bits.bits();
+        if inp % group != 0 || (inp * b) % 32 != 0 {
+            return Ok(None);
+        }
+        let words = inp * b / 32;
+        // Random u32 words: f32 uniforms scaled to [0, 2^32) and truncated (the low bits of
+        // large values are zero, which is still a spread of codes for a benchmark).
+        let codes = Tensor::rand(0f32, 4_294_967_040f32, (out, words), &self.device)?
+            .to_dtype(DType::U32)?;
+        let levels = ((1u32 << b) - 1) as f64;
+        let scales =
+            (Tensor::ones((out, inp / group), self.dtype, &self.device)? * (0.08 / levels))?;
+        let biases = (Tensor::ones((out, inp / group), self.dtype, &self.device)? * -0.04)?;
+        let p = PackedWeight::new(codes, scales, biases, out, inp)?;
+        self.count_generated(p.packed_bytes());
+        Ok(Some(p))
     }
 
     /// Generates a tensor for the random store.
@@ -141,6 +211,7 @@ impl WeightStore {
         } else {
             Tensor::randn(0f32, 0.02, shape, &self.device)?.to_dtype(self.dtype)?
         };
+        self.count_generated(t.elem_count() * self.dtype.size_in_bytes());
         Ok(t)
     }
 
@@ -243,6 +314,11 @@ impl WeightStore {
             module.to_string()
         };
         if self.random.is_some() {
+            if let [out, inp] = *shape {
+                if let Some(p) = self.generate_packed(out, inp)? {
+                    return Ok(LoadedMatrix::Packed(p));
+                }
+            }
             return Ok(LoadedMatrix::Dense(self.generate(&weight_name, shape)?));
         }
         let scales_name = format!("{module}.scales");

@@ -43,7 +43,7 @@ pub enum QsdpaPath {
 /// (the fused kernel does no tensor-core work, so long prefills are faster through cuBLAS).
 pub const FUSED_MAX_Q_LEN: usize = 16;
 
-fn kname(dtype: DType) -> Result<&'static str, CacheError> {
+pub(super) fn kname(dtype: DType) -> Result<&'static str, CacheError> {
     match dtype {
         DType::F32 => Ok("f32"),
         DType::F16 => Ok("f16"),
@@ -56,14 +56,14 @@ fn kname(dtype: DType) -> Result<&'static str, CacheError> {
     }
 }
 
-fn cuda_dev(t: &Tensor) -> candle_core::Result<CudaDevice> {
+pub(super) fn cuda_dev(t: &Tensor) -> candle_core::Result<CudaDevice> {
     match t.device() {
         Device::Cuda(d) => Ok(d.clone()),
         _ => candle_core::bail!("expected a CUDA tensor"),
     }
 }
 
-fn cuda_storage<'a>(s: &'a Storage) -> candle_core::Result<&'a CudaStorage> {
+pub(super) fn cuda_storage<'a>(s: &'a Storage) -> candle_core::Result<&'a CudaStorage> {
     match s {
         Storage::Cuda(c) => Ok(c),
         _ => candle_core::bail!("expected CUDA storage"),
@@ -71,7 +71,7 @@ fn cuda_storage<'a>(s: &'a Storage) -> candle_core::Result<&'a CudaStorage> {
 }
 
 /// A view of `t`'s buffer from its layout's start offset.
-fn view<'a, T: CudaDType>(
+pub(super) fn view<'a, T: CudaDType>(
     s: &'a CudaStorage,
     layout: &Layout,
 ) -> candle_core::Result<CudaView<'a, T>> {
@@ -79,7 +79,7 @@ fn view<'a, T: CudaDType>(
 }
 
 /// Wraps a freshly written device buffer as a contiguous tensor.
-fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: &[usize]) -> Tensor {
+pub(super) fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: &[usize]) -> Tensor {
     let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(slice, dev.clone()));
     Tensor::from_storage(storage, shape, BackpropOp::none(), false)
 }
@@ -157,7 +157,13 @@ pub(crate) fn attend_packed(
         QsdpaPath::DequantDense => false,
     };
     if fused {
-        attend_fused(q, k, v, positions, plan)
+        attend_fused(
+            q,
+            KvOperand::Packed(k),
+            KvOperand::Packed(v),
+            positions,
+            plan,
+        )
     } else {
         let kd = dequantize_kv(k, q.dtype())?;
         let vd = dequantize_kv(v, q.dtype())?;
@@ -181,34 +187,54 @@ pub fn dequantize_kv(p: &PackedKv, dtype: DType) -> Result<Tensor, CacheError> {
     Ok(dense.reshape((b, kvh, keys, hd))?)
 }
 
-fn attend_fused(
-    q: &Tensor,
-    k: &PackedKv,
-    v: &PackedKv,
-    positions: &[usize],
-    plan: &QueryPlan,
-) -> Result<Tensor, CacheError> {
-    let (_, n_heads, q_len, head_dim) = q.dims4()?;
-    let (_, kv_heads, keys, _) = k.codes.dims4()?;
-    if !QSDPA_HEAD_DIMS.contains(&head_dim) || k.bits != v.bits || k.group_size != v.group_size {
-        return Err(CacheError::Shape {
-            what: "CUDA quantized attention",
-            expected: format!(
-                "head_dim in {QSDPA_HEAD_DIMS:?}, K and V with the same bits and group size"
-            ),
-            found: vec![
-                head_dim,
-                k.bits.bits(),
-                v.bits.bits(),
-                k.group_size,
-                v.group_size,
-            ],
-        });
+/// K or V as the attention kernel reads it.
+#[derive(Clone, Copy)]
+pub(crate) enum KvOperand<'a> {
+    /// MLX affine codes with scales and biases.
+    Packed(&'a PackedKv),
+    /// Dense `[1, kv_heads, keys, head_dim]` in the queries' dtype.
+    Dense(&'a Tensor),
+}
+
+impl KvOperand<'_> {
+    /// Bits per element as the kernel names them (4/8 packed, 16/32 dense).
+    fn bits(&self, dtype: DType) -> usize {
+        match self {
+            KvOperand::Packed(p) => p.bits.bits(),
+            KvOperand::Dense(_) => 8 * dtype.size_in_bytes(),
+        }
     }
-    let dtype = q.dtype();
-    let tn = kname(dtype)?;
-    let dev = cuda_dev(q)?;
-    let q = q.contiguous()?;
+
+    fn group_size(&self) -> usize {
+        match self {
+            KvOperand::Packed(p) => p.group_size,
+            KvOperand::Dense(_) => 0,
+        }
+    }
+
+    /// `(kv_heads, keys)`.
+    fn dims(&self) -> candle_core::Result<(usize, usize)> {
+        let (_, kvh, keys, _) = match self {
+            KvOperand::Packed(p) => p.codes.dims4()?,
+            KvOperand::Dense(t) => t.dims4()?,
+        };
+        Ok((kvh, keys))
+    }
+}
+
+/// One side (K or V) ready for the kernel: the word tensor with its head/key strides in words,
+/// and scales/biases with theirs (the word tensor again for dense operands, never read).
+struct KernelSide {
+    words: Tensor,
+    words_sh: u64,
+    words_sk: u64,
+    scales: Tensor,
+    biases: Tensor,
+    sc_sh: u64,
+    sc_sk: u64,
+}
+
+fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Result<KernelSide> {
     let cast = |t: &Tensor| -> candle_core::Result<Tensor> {
         if t.dtype() == dtype {
             Ok(t.clone())
@@ -216,42 +242,122 @@ fn attend_fused(
             t.to_dtype(dtype)
         }
     };
-    let (kc, k_codes_sh, k_codes_sk) = strided4(&k.codes)?;
-    let (vc, v_codes_sh, v_codes_sk) = strided4(&v.codes)?;
-    // Scales and biases are read with one stride pair per side: make both contiguous when
-    // their layouts differ.
-    let pair = |s: &Tensor, b: &Tensor| -> candle_core::Result<(Tensor, Tensor, u64, u64)> {
-        let (s1, sh, sk) = strided4(&cast(s)?)?;
-        let (b1, bh, bk) = strided4(&cast(b)?)?;
-        if (sh, sk) == (bh, bk) {
-            return Ok((s1, b1, sh, sk));
+    match side {
+        KvOperand::Packed(p) => {
+            let (words, words_sh, words_sk) = strided4(&p.codes)?;
+            // Scales and biases are read with one stride pair: make both contiguous when their
+            // layouts differ.
+            let (s1, sh, sk) = strided4(&cast(&p.scales)?)?;
+            let (b1, bh, bk) = strided4(&cast(&p.biases)?)?;
+            let (scales, biases, sc_sh, sc_sk) = if (sh, sk) == (bh, bk) {
+                (s1, b1, sh, sk)
+            } else {
+                let (s2, sh, sk) = strided4(&s1.contiguous()?)?;
+                (s2, b1.contiguous()?, sh, sk)
+            };
+            Ok(KernelSide {
+                words,
+                words_sh,
+                words_sk,
+                scales,
+                biases,
+                sc_sh,
+                sc_sk,
+            })
         }
-        let (s2, sh, sk) = strided4(&s1.contiguous()?)?;
-        Ok((s2, b1.contiguous()?, sh, sk))
-    };
-    let (ks, kb, k_sc_sh, k_sc_sk) = pair(&k.scales, &k.biases)?;
-    let (vs, vb, v_sc_sh, v_sc_sk) = pair(&v.scales, &v.biases)?;
+        KvOperand::Dense(t) => {
+            // Lanes load 16-byte chunks: the start and both strides must be multiples of 16
+            // bytes, else the view is copied (a fresh buffer is aligned).
+            let per_word = 4 / dtype.size_in_bytes();
+            let aligned = |x: usize| x % (4 * per_word) == 0;
+            let t = cast(t)?;
+            let (mut w, mut sh, mut sk) = strided4(&t)?;
+            if !(aligned(w.layout().start_offset()) && aligned(sh as usize) && aligned(sk as usize))
+            {
+                (w, sh, sk) = strided4(&w.contiguous()?)?;
+            }
+            Ok(KernelSide {
+                scales: w.clone(),
+                biases: w.clone(),
+                words: w,
+                words_sh: sh / per_word as u64,
+                words_sk: sk / per_word as u64,
+                sc_sh: 0,
+                sc_sk: 0,
+            })
+        }
+    }
+}
+
+/// Dense attention of one sequence on CUDA through the fused kernel (K/V read in place, masks
+/// from positions, flash-decoding splits): `q` `[1, n_heads, q_len, head_dim]`, `k`/`v`
+/// `[1, kv_heads, keys, head_dim]`. Returns `[1, n_heads, q_len, head_dim]` in `q`'s dtype.
+pub(crate) fn attend_dense_fused(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    positions: &[usize],
+    plan: &QueryPlan,
+) -> Result<Tensor, CacheError> {
+    attend_fused(q, KvOperand::Dense(k), KvOperand::Dense(v), positions, plan)
+}
+
+fn attend_fused(
+    q: &Tensor,
+    k: KvOperand<'_>,
+    v: KvOperand<'_>,
+    positions: &[usize],
+    plan: &QueryPlan,
+) -> Result<Tensor, CacheError> {
+    let (_, n_heads, q_len, head_dim) = q.dims4()?;
+    let (kv_heads, keys) = k.dims()?;
+    let dtype = q.dtype();
+    let tn = kname(dtype)?;
+    let bits = k.bits(dtype);
+    if !QSDPA_HEAD_DIMS.contains(&head_dim)
+        || bits != v.bits(dtype)
+        || k.group_size() != v.group_size()
+    {
+        return Err(CacheError::Shape {
+            what: "CUDA fused attention",
+            expected: format!(
+                "head_dim in {QSDPA_HEAD_DIMS:?}, K and V with the same bits and group size"
+            ),
+            found: vec![
+                head_dim,
+                bits,
+                v.bits(dtype),
+                k.group_size(),
+                v.group_size(),
+            ],
+        });
+    }
+    let dev = cuda_dev(q)?;
+    let q = q.contiguous()?;
+    let ks = kernel_side(k, dtype)?;
+    let vs = kernel_side(v, dtype)?;
     let too_big = || CacheError::Shape {
-        what: "CUDA quantized attention (positions/sizes must fit in u32)",
+        what: "CUDA fused attention (positions/sizes must fit in u32)",
         expected: "values below 2^32".into(),
         found: vec![keys, plan.q_offset + q_len],
     };
     let u32_of = |x: usize| u32::try_from(x).map_err(|_| too_big());
     let mut params = QsdpaParams {
-        k_codes_sh,
-        k_codes_sk,
-        k_sc_sh,
-        k_sc_sk,
-        v_codes_sh,
-        v_codes_sk,
-        v_sc_sh,
-        v_sc_sk,
+        k_codes_sh: ks.words_sh,
+        k_codes_sk: ks.words_sk,
+        k_sc_sh: ks.sc_sh,
+        k_sc_sk: ks.sc_sk,
+        v_codes_sh: vs.words_sh,
+        v_codes_sk: vs.words_sk,
+        v_sc_sh: vs.sc_sh,
+        v_sc_sk: vs.sc_sk,
         n_heads: u32_of(n_heads)?,
         kv_heads: u32_of(kv_heads)?,
         q_len: u32_of(q_len)?,
         head_dim: u32_of(head_dim)?,
         keys: u32_of(keys)?,
-        group_size: u32_of(k.group_size)?,
+        // Dense operands have no groups; any non-zero value keeps the index arithmetic finite.
+        group_size: u32_of(k.group_size().max(1))?,
         window: u32_of(plan.window.unwrap_or(0))?,
         q_offset: u32_of(plan.q_offset)?,
         scale: plan.scale as f32,
@@ -272,8 +378,8 @@ fn attend_fused(
 
     let out_len = n_heads * q_len * head_dim;
     let total_rows = kv_heads * rows;
-    // Without a table or splits the kernel never touches these buffers: pass the codes instead
-    // of allocating placeholders.
+    // Without a table or splits the kernel never touches these buffers: pass the K words
+    // instead of allocating placeholders.
     let pos_buf: Option<CudaSlice<u32>> = if table.is_empty() {
         None
     } else {
@@ -302,9 +408,10 @@ fn attend_fused(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let name = format!("qsdpa_{tn}_{head_dim}_{}_{nq}", k.bits.bits());
+    let name = format!("qsdpa_{tn}_{head_dim}_{bits}_{nq}");
     let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let comb = dev.get_or_load_custom_func(&format!("qsdpa_combine_{tn}"), MODULE, PTX)?;
+    let dense = matches!(k, KvOperand::Dense(_));
 
     macro_rules! go {
         ($t:ty) => {{
@@ -312,31 +419,44 @@ fn attend_fused(
             let mut out = unsafe { dev.alloc::<$t>(out_len)? };
             {
                 let (q_s, q_l) = q.storage_and_layout();
-                let (kc_s, kc_l) = kc.storage_and_layout();
-                let (ks_s, ks_l) = ks.storage_and_layout();
-                let (kb_s, kb_l) = kb.storage_and_layout();
-                let (vc_s, vc_l) = vc.storage_and_layout();
-                let (vs_s, vs_l) = vs.storage_and_layout();
-                let (vb_s, vb_l) = vb.storage_and_layout();
+                let (kc_s, kc_l) = ks.words.storage_and_layout();
+                let (ks_s, ks_l) = ks.scales.storage_and_layout();
+                let (kb_s, kb_l) = ks.biases.storage_and_layout();
+                let (vc_s, vc_l) = vs.words.storage_and_layout();
+                let (vs_s, vs_l) = vs.scales.storage_and_layout();
+                let (vb_s, vb_l) = vs.biases.storage_and_layout();
                 let qv = view::<$t>(cuda_storage(&q_s)?, q_l)?;
-                let kcv = view::<u32>(cuda_storage(&kc_s)?, kc_l)?;
                 let ksv = view::<$t>(cuda_storage(&ks_s)?, ks_l)?;
                 let kbv = view::<$t>(cuda_storage(&kb_s)?, kb_l)?;
-                let vcv = view::<u32>(cuda_storage(&vc_s)?, vc_l)?;
                 let vsv = view::<$t>(cuda_storage(&vs_s)?, vs_l)?;
                 let vbv = view::<$t>(cuda_storage(&vb_s)?, vb_l)?;
+                // Dense words are the elements themselves (the kernel reads them as u32 words).
+                let (kcv, vcv);
+                let (kcd, vcd);
                 let mut b = func.builder();
                 b.arg(&params);
                 b.arg(&qv);
-                b.arg(&kcv);
+                if dense {
+                    kcd = view::<$t>(cuda_storage(&kc_s)?, kc_l)?;
+                    b.arg(&kcd);
+                } else {
+                    kcv = view::<u32>(cuda_storage(&kc_s)?, kc_l)?;
+                    b.arg(&kcv);
+                }
                 b.arg(&ksv);
                 b.arg(&kbv);
-                b.arg(&vcv);
+                if dense {
+                    vcd = view::<$t>(cuda_storage(&vc_s)?, vc_l)?;
+                    b.arg(&vcd);
+                } else {
+                    vcv = view::<u32>(cuda_storage(&vc_s)?, vc_l)?;
+                    b.arg(&vcv);
+                }
                 b.arg(&vsv);
                 b.arg(&vbv);
                 match &pos_buf {
                     Some(p) => b.arg(p),
-                    None => b.arg(&kcv),
+                    None => b.arg(&ksv),
                 };
                 b.arg(&mut out);
                 match &parts {
@@ -345,8 +465,8 @@ fn attend_fused(
                         b.arg(acc);
                     }
                     None => {
-                        b.arg(&kcv);
-                        b.arg(&kcv);
+                        b.arg(&ksv);
+                        b.arg(&ksv);
                     }
                 }
                 // SAFETY: argument list and types match the kernel's signature; grid within

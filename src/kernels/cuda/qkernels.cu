@@ -10,6 +10,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 struct QsdpaParams {
     // Element strides of K/V codes and scales/biases along heads and keys (last axis is dense).
     uint64_t k_codes_sh, k_codes_sk, k_sc_sh, k_sc_sk;
@@ -47,9 +49,16 @@ __device__ __forceinline__ uint4 ld_stream4(const uint32_t* p) {
     return r;
 }
 
-// Loads N consecutive u32 words (N = 1, 2 or 4; the address is N*4-byte aligned).
+// Loads N consecutive u32 words (N = 1, 2 or a multiple of 4; the address is
+// min(N, 4)*4-byte aligned).
 template <int N> __device__ __forceinline__ void load_words(const uint32_t* p, uint32_t* w) {
-    if constexpr (N == 4) {
+    if constexpr (N > 4) {
+#pragma unroll
+        for (int c = 0; c < N / 4; ++c) {
+            uint4 v = reinterpret_cast<const uint4*>(p)[c];
+            w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
+        }
+    } else if constexpr (N == 4) {
         uint4 v = *reinterpret_cast<const uint4*>(p);
         w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
     } else if constexpr (N == 2) {
@@ -72,6 +81,32 @@ template <int BITS, int NW>
 __device__ __forceinline__ float code_of(const uint32_t* w, int i, int shift) {
     const int bit = i * BITS + shift;
     return u2f((w[bit >> 5] >> (bit & 31)) & ((1u << BITS) - 1));
+}
+
+// Element i of a lane's slice of dense K/V (BITS = 16: f16/bf16 bit patterns, 32: f32).
+template <typename T, int BITS>
+__device__ __forceinline__ float dense_of(const uint32_t* w, int i, int shift) {
+    if constexpr (BITS == 32) {
+        return __uint_as_float(w[i]);
+    } else {
+        const int bit = i * 16 + shift;
+        const uint32_t h = (w[bit >> 5] >> (bit & 31)) & 0xffffu;
+        if constexpr (sizeof(T) == 2 && std::is_same<T, __half>::value) {
+            return __half2float(__ushort_as_half((unsigned short)h));
+        } else {
+            return __uint_as_float(h << 16);
+        }
+    }
+}
+
+// A K/V element: packed code (BITS 4/8, before scale and bias) or dense value (BITS 16/32).
+template <typename T, int BITS, int NW>
+__device__ __forceinline__ float kv_elem(const uint32_t* w, int i, int shift) {
+    if constexpr (BITS >= 16) {
+        return dense_of<T, BITS>(w, i, shift);
+    } else {
+        return code_of<BITS, NW>(w, i, shift);
+    }
 }
 
 __device__ __forceinline__ uint32_t key_pos(const QsdpaParams& p, const uint32_t* pos, int j) {
@@ -101,6 +136,8 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
                                            const uint32_t* __restrict__ positions,
                                            T* __restrict__ out, float* __restrict__ part_ml,
                                            float* __restrict__ part_acc) {
+    // BITS 16/32: dense K/V in T's format, read as words ("codes") with no scales or biases.
+    constexpr bool DENSE = BITS >= 16;
     constexpr int E = HD / 32;
     constexpr int LANE_BITS = E * BITS;
     constexpr int NW = LANE_BITS >= 32 ? LANE_BITS / 32 : 1;
@@ -171,10 +208,14 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
             if (any[u]) {
                 load_words<NW>(kcg + j * p.k_codes_sk, kw[u]);
                 load_words<NW>(vcg + j * p.v_codes_sk, vw[u]);
-                ksc[u] = to_f(ksg[j * p.k_sc_sk]);
-                kbi[u] = to_f(kbg[j * p.k_sc_sk]);
-                vsc[u] = to_f(vsg[j * p.v_sc_sk]);
-                vbi[u] = to_f(vbg[j * p.v_sc_sk]);
+                if constexpr (DENSE) {
+                    ksc[u] = 1.f; kbi[u] = 0.f; vsc[u] = 1.f; vbi[u] = 0.f;
+                } else {
+                    ksc[u] = to_f(ksg[j * p.k_sc_sk]);
+                    kbi[u] = to_f(kbg[j * p.k_sc_sk]);
+                    vsc[u] = to_f(vsg[j * p.v_sc_sk]);
+                    vbi[u] = to_f(vbg[j * p.v_sc_sk]);
+                }
             }
         }
 #pragma unroll
@@ -185,12 +226,12 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
             for (int n = 0; n < NQ; ++n) s[n] = 0.f;
 #pragma unroll
             for (int i = 0; i < E; ++i) {
-                const float c = code_of<BITS, NW>(kw[u], i, shift0);
+                const float c = kv_elem<T, BITS, NW>(kw[u], i, shift0);
 #pragma unroll
                 for (int n = 0; n < NQ; ++n) s[n] = fmaf(c, qv[n][i], s[n]);
             }
 #pragma unroll
-            for (int n = 0; n < NQ; ++n) s[n] = ksc[u] * s[n] + kbi[u] * qsum[n];
+            for (int n = 0; n < NQ; ++n) s[n] = DENSE ? s[n] : ksc[u] * s[n] + kbi[u] * qsum[n];
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) {
 #pragma unroll
@@ -199,7 +240,8 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
             float val[E];
 #pragma unroll
             for (int i = 0; i < E; ++i)
-                val[i] = fmaf(vsc[u], code_of<BITS, NW>(vw[u], i, shift0), vbi[u]);
+                val[i] = DENSE ? kv_elem<T, BITS, NW>(vw[u], i, shift0)
+                               : fmaf(vsc[u], kv_elem<T, BITS, NW>(vw[u], i, shift0), vbi[u]);
 #pragma unroll
             for (int n = 0; n < NQ; ++n) {
                 if (!vis[u][n]) continue;
@@ -355,6 +397,10 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
 QSDPA_INST_T(f32, float)
 QSDPA_INST_T(f16, __half)
 QSDPA_INST_T(bf16, __nv_bfloat16)
+// Dense K/V (same kernel, BITS = the element width).
+QSDPA_INST_HD(f32, float, 32)
+QSDPA_INST_HD(f16, __half, 16)
+QSDPA_INST_HD(bf16, __nv_bfloat16, 16)
 
 // ---------------------------------------------------------------------------------------------
 // Quantized weights W [out, in] (codes [out, in*BITS/32], scales/biases [out, in/G]).

@@ -1,0 +1,155 @@
+//! The decoder layer's fusable steps, each with two implementations: a fused CUDA kernel
+//! (`cuda` feature, CUDA tensors) and the chain of candle ops it replaces, which runs everywhere
+//! else and is the reference the kernels are checked against.
+//!
+//! Setting `CANDLE_GEMMA_UNFUSED=1` forces the candle chains on CUDA too (to measure what the
+//! fusion buys, or to rule it out when debugging).
+
+use candle_core::Tensor;
+
+use super::norm::RmsNorm;
+use super::rope;
+use crate::error::Result;
+
+/// Whether the fused CUDA kernels may run for tensors on `device`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn enabled(device: &candle_core::Device) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| {
+        std::env::var("CANDLE_GEMMA_UNFUSED").is_ok_and(|v| !v.is_empty() && v != "0")
+    });
+    cfg!(feature = "cuda") && device.is_cuda() && !off
+}
+
+/// `res + norm(y)`, times `scalar` when given; with `next` also `next(result)`.
+///
+/// # Errors
+/// Shape mismatch.
+pub(crate) fn add_norm(
+    res: &Tensor,
+    y: &Tensor,
+    norm: &RmsNorm,
+    scalar: Option<&Tensor>,
+    next: Option<&RmsNorm>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    #[cfg(feature = "cuda")]
+    if enabled(res.device()) && norm.weight().dtype() == res.dtype() {
+        return Ok(crate::kernels::cuda::fused::add_norm(
+            res,
+            y,
+            norm.weight(),
+            norm.eps(),
+            scalar,
+            next.map(RmsNorm::weight),
+        )?);
+    }
+    let mut x = (res + norm.forward(y)?)?;
+    if let Some(s) = scalar {
+        x = x.broadcast_mul(s)?;
+    }
+    let n = match next {
+        Some(n) => Some(n.forward(&x)?),
+        None => None,
+    };
+    Ok((x, n))
+}
+
+/// `gelu_tanh(a) * b` for `a`, `b` of one shape (`[.., width]`; rows may be strided).
+///
+/// # Errors
+/// Shape mismatch.
+pub(crate) fn gelu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if enabled(a.device()) {
+        let dims = a.dims().to_vec();
+        let width = dims.last().copied().unwrap_or(1);
+        let rows = a.elem_count() / width.max(1);
+        let flat = |t: &Tensor| -> candle_core::Result<Tensor> {
+            // A narrow of the last axis keeps its row stride through this reshape only when
+            // the leading axes are dense; otherwise copy.
+            match t.reshape((rows, width)) {
+                Ok(r) => Ok(r),
+                Err(_) => t.contiguous()?.reshape((rows, width)),
+            }
+        };
+        let out = crate::kernels::cuda::fused::gelu_mul(&flat(a)?, &flat(b)?)?;
+        return Ok(out.reshape(dims)?);
+    }
+    // candle's `gelu` is the tanh approximation (`gelu_pytorch_tanh`).
+    Ok((a.gelu()? * b)?)
+}
+
+/// One step's q/k/v before attention: per-head norms, RoPE, `[B, heads, S, D]` layout.
+pub(crate) struct QkvInput<'a> {
+    /// `[B, S, n_heads * D]`.
+    pub q: &'a Tensor,
+    /// `[B, S, kv_heads * D]` and k_norm, on KV-owning layers.
+    pub k: Option<(&'a Tensor, &'a RmsNorm)>,
+    /// `[B, S, kv_heads * D]` (raw K on k_eq_v layers) and v_norm, on KV-owning layers.
+    pub v: Option<(&'a Tensor, &'a RmsNorm)>,
+    /// q_norm.
+    pub q_norm: &'a RmsNorm,
+    /// RoPE tables `[B, S, D / 2]`.
+    pub cos: &'a Tensor,
+    /// See `cos`.
+    pub sin: &'a Tensor,
+    /// Head dimension.
+    pub head_dim: usize,
+}
+
+/// Normed, rotated q `[B, n_heads, S, D]`; normed, rotated k and normed v
+/// `[B, kv_heads, S, D]` on KV-owning layers.
+pub(crate) type QkvOutput = (Tensor, Option<(Tensor, Tensor)>);
+
+/// Runs [`QkvInput`] through the norms and RoPE.
+///
+/// # Errors
+/// Shape mismatch.
+pub(crate) fn qkv_prep(inp: &QkvInput<'_>) -> Result<QkvOutput> {
+    let (b, s, _) = inp.q.dims3()?;
+    let hd = inp.head_dim;
+    #[cfg(feature = "cuda")]
+    if enabled(inp.q.device()) && inp.q_norm.weight().dtype() == inp.q.dtype() {
+        let flat = |t: &Tensor| -> candle_core::Result<Tensor> {
+            let w = t.dim(2)?;
+            match t.reshape((b * s, w)) {
+                Ok(r) => Ok(r),
+                Err(_) => t.contiguous()?.reshape((b * s, w)),
+            }
+        };
+        let q = flat(inp.q)?;
+        let k = inp.k.map(|(k, _)| flat(k)).transpose()?;
+        let v = inp.v.map(|(v, _)| flat(v)).transpose()?;
+        let src = crate::kernels::cuda::fused::QkvSources {
+            q: &q,
+            k: k.as_ref().zip(inp.k.map(|(_, n)| n.weight())),
+            v: v.as_ref(),
+            q_norm: inp.q_norm.weight(),
+            cos: inp.cos,
+            sin: inp.sin,
+        };
+        return Ok(crate::kernels::cuda::fused::qkv_prep(
+            &src,
+            b,
+            s,
+            hd,
+            inp.q_norm.eps(),
+        )?);
+    }
+    let heads = |t: &Tensor| -> Result<Tensor> {
+        let n = t.dim(2)? / hd;
+        Ok(t.reshape((b, s, n, hd))?)
+    };
+    let q = inp.q_norm.forward(&heads(inp.q)?)?.transpose(1, 2)?;
+    let q = rope::apply(&q, inp.cos, inp.sin)?;
+    let kv = match (inp.k, inp.v) {
+        (Some((k, k_norm)), Some((v, v_norm))) => {
+            let k = k_norm.forward(&heads(k)?)?.transpose(1, 2)?;
+            let k = rope::apply(&k, inp.cos, inp.sin)?;
+            let v = v_norm.forward(&heads(v)?)?.transpose(1, 2)?.contiguous()?;
+            Some((k, v))
+        }
+        _ => None,
+    };
+    Ok((q, kv))
+}

@@ -1,0 +1,278 @@
+// Fused decoder-layer kernels: each replaces a chain of small candle ops (one launch and one
+// pass over memory instead of several). Intermediate results are rounded to the activation type
+// where the unfused chain rounds them, so both paths agree to the last rounding step.
+//
+// Parameter structs must match `src/kernels/cuda/fused.rs` field for field (#[repr(C)]).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+    return __float2bfloat16(x);
+}
+// Rounds an f32 to T and back (the rounding an unfused op would apply to its output).
+template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
+
+constexpr int NORM_THREADS = 256;
+
+// Sum over the block (NORM_THREADS threads); `red` holds NORM_THREADS / 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < NORM_THREADS / 32; ++w) s += red[w];
+    return s;
+}
+
+struct AddNormParams {
+    uint32_t rows, dim;
+    float eps;
+    // 1: multiply the sum by scalar[0]; 2: also write norm2(out) * w2 to out2.
+    uint32_t flags;
+};
+
+// out = (res + rms(y) * w) [* scalar]; out2 = rms(out) * w2. One block per row; the row of
+// `out` is staged in shared memory (dim floats) for the second norm.
+template <typename T>
+__device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __restrict__ res,
+                                              const T* __restrict__ y, const T* __restrict__ w,
+                                              const T* __restrict__ scalar,
+                                              const T* __restrict__ w2, T* __restrict__ out,
+                                              T* __restrict__ out2) {
+    extern __shared__ float row[];
+    __shared__ float red[NORM_THREADS / 32];
+    const size_t base = (size_t)blockIdx.x * p.dim;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < (int)p.dim; i += NORM_THREADS) {
+        const float v = to_f(y[base + i]);
+        row[i] = v;
+        ss += v * v;
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / p.dim + p.eps);
+    const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
+    float ss2 = 0.f;
+    for (int i = threadIdx.x; i < (int)p.dim; i += NORM_THREADS) {
+        const float normed = rnd<T>(row[i] * inv * to_f(w[i]));
+        float o = rnd<T>(to_f(res[base + i]) + normed);
+        if (p.flags & 1) o = rnd<T>(o * s);
+        out[base + i] = from_f<T>(o);
+        row[i] = o;
+        ss2 += o * o;
+    }
+    if (!(p.flags & 2)) return;
+    const float inv2 = rsqrtf(block_sum(ss2, red) / p.dim + p.eps);
+    for (int i = threadIdx.x; i < (int)p.dim; i += NORM_THREADS)
+        out2[base + i] = from_f<T>(row[i] * inv2 * to_f(w2[i]));
+}
+
+struct GeluMulParams {
+    uint32_t rows, width;
+    // Row strides (elements) of a and b; out is dense [rows, width].
+    uint32_t a_stride, b_stride;
+};
+
+// out = gelu_tanh(a) * b, with gelu's output rounded to T as an unfused op would.
+template <typename T>
+__device__ __forceinline__ void gelu_mul_body(const GeluMulParams p, const T* __restrict__ a,
+                                              const T* __restrict__ b, T* __restrict__ out) {
+    const size_t n = (size_t)p.rows * p.width;
+    for (size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x; t < n;
+         t += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = t / p.width, i = t % p.width;
+        const float x = to_f(a[r * p.a_stride + i]);
+        const float g = 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+        out[t] = from_f<T>(rnd<T>(g) * to_f(b[r * p.b_stride + i]));
+    }
+}
+
+struct QkvPrepParams {
+    uint32_t batch, seq_len, n_heads, kv_heads, head_dim;
+    // Row strides (elements) of the q, k and v sources.
+    uint32_t q_stride, k_stride, v_stride;
+    float eps;
+    uint32_t pad_;
+};
+
+// Per head of one token: RMS norm (q and k with their weights, v without), rotate-half RoPE
+// on q and k from the step's cos/sin tables ([batch * seq_len, head_dim / 2]), and the write to
+// [batch, heads, seq_len, head_dim]. One block per (token, head slot): slots are the n_heads
+// query heads, then kv_heads key heads, then kv_heads value heads.
+template <typename T>
+__device__ __forceinline__ void qkv_prep_body(const QkvPrepParams p, const T* __restrict__ qs,
+                                              const T* __restrict__ ks, const T* __restrict__ vs,
+                                              const T* __restrict__ qw, const T* __restrict__ kw,
+                                              const T* __restrict__ cos,
+                                              const T* __restrict__ sin, T* __restrict__ q,
+                                              T* __restrict__ k, T* __restrict__ v) {
+    extern __shared__ float x[];
+    __shared__ float red[NORM_THREADS / 32];
+    const int token = blockIdx.x, slot = blockIdx.y;
+    const int hd = p.head_dim, half = hd / 2;
+    const int b = token / p.seq_len, s = token % p.seq_len;
+    const T* src;
+    const T* w;
+    T* dst;
+    bool rope = true;
+    if (slot < (int)p.n_heads) {
+        src = qs + (size_t)token * p.q_stride + (size_t)slot * hd;
+        w = qw;
+        dst = q + (((size_t)b * p.n_heads + slot) * p.seq_len + s) * hd;
+    } else if (slot < (int)(p.n_heads + p.kv_heads)) {
+        const int h = slot - p.n_heads;
+        src = ks + (size_t)token * p.k_stride + (size_t)h * hd;
+        w = kw;
+        dst = k + (((size_t)b * p.kv_heads + h) * p.seq_len + s) * hd;
+    } else {
+        const int h = slot - p.n_heads - p.kv_heads;
+        src = vs + (size_t)token * p.v_stride + (size_t)h * hd;
+        w = nullptr;
+        rope = false;
+        dst = v + (((size_t)b * p.kv_heads + h) * p.seq_len + s) * hd;
+    }
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hd; i += NORM_THREADS) {
+        const float val = to_f(src[i]);
+        x[i] = val;
+        ss += val * val;
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / hd + p.eps);
+    __syncthreads();
+    for (int i = threadIdx.x; i < hd; i += NORM_THREADS)
+        x[i] = rnd<T>(x[i] * inv * (w ? to_f(w[i]) : 1.f));
+    __syncthreads();
+    if (!rope) {
+        for (int i = threadIdx.x; i < hd; i += NORM_THREADS) dst[i] = from_f<T>(x[i]);
+        return;
+    }
+    const T* c = cos + (size_t)token * half;
+    const T* sn = sin + (size_t)token * half;
+    for (int i = threadIdx.x; i < half; i += NORM_THREADS) {
+        const float cc = to_f(c[i]), ssn = to_f(sn[i]);
+        const float x1 = x[i], x2 = x[i + half];
+        dst[i] = from_f<T>(x1 * cc - x2 * ssn);
+        dst[i + half] = from_f<T>(x2 * cc + x1 * ssn);
+    }
+}
+
+struct GatherMvParams {
+    // pairs: (token, pick) pairs = tokens * top_k; out_dim/in_dim of one expert matrix.
+    uint32_t tokens, top_k, out_dim, in_dim;
+    // Elements between consecutive experts' matrices.
+    uint64_t expert_stride;
+};
+
+constexpr int GMV_WARPS = 8;
+
+// 8 consecutive elements as f32 (16-byte aligned for 16-bit types, 32 for f32).
+template <typename T> __device__ __forceinline__ void load8(const T* p, float* v);
+template <> __device__ __forceinline__ void load8<float>(const float* p, float* v) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+template <> __device__ __forceinline__ void load8<__half>(const __half* p, float* v) {
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&a);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        v[2 * i] = f.x; v[2 * i + 1] = f.y;
+    }
+}
+template <> __device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* p, float* v) {
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+// dot(W row, x) over in_dim (a multiple of 8) by one warp, 16-byte loads.
+template <typename T>
+__device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __restrict__ xr,
+                                          int in_dim) {
+    const int lane = threadIdx.x & 31;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int e = lane * 8; e < in_dim; e += 32 * 8) {
+        float wv[8], xv[8];
+        load8<T>(wr + e, wv);
+        load8<T>(xr + e, xv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc = fmaf(wv[i], xv[i], acc);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    return acc;
+}
+
+// Routed expert products without a host round trip. With `weights` null:
+//   y[t * top_k + j, o] = W[idx[t, j]][o, :] · x[t, :]                  (gate/up)
+// with `weights`:
+//   y[t, o] = sum_j weights[t, j] * (W[idx[t, j]][o, :] · x[t * top_k + j, :])   (down + mix)
+// One warp per output element; blockIdx.y is the pair (or the token when mixing).
+template <typename T>
+__device__ __forceinline__ void gather_mv_body(const GatherMvParams p, const T* __restrict__ w,
+                                               const uint32_t* __restrict__ idx,
+                                               const T* __restrict__ x,
+                                               const float* __restrict__ weights,
+                                               T* __restrict__ y) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int o = blockIdx.x * GMV_WARPS + warp;
+    if (o >= (int)p.out_dim) return;
+    const int r = blockIdx.y;
+    if (weights == nullptr) {
+        const int t = r / p.top_k;
+        const T* wr = w + idx[r] * p.expert_stride + (size_t)o * p.in_dim;
+        const float acc = warp_dot(wr, x + (size_t)t * p.in_dim, p.in_dim);
+        if (lane == 0) y[(size_t)r * p.out_dim + o] = from_f<T>(acc);
+    } else {
+        float acc = 0.f;
+        for (int j = 0; j < (int)p.top_k; ++j) {
+            const int pr = r * p.top_k + j;
+            const T* wr = w + idx[pr] * p.expert_stride + (size_t)o * p.in_dim;
+            acc = fmaf(weights[pr], warp_dot(wr, x + (size_t)pr * p.in_dim, p.in_dim), acc);
+        }
+        if (lane == 0) y[(size_t)r * p.out_dim + o] = from_f<T>(acc);
+    }
+}
+
+#define FUSED_INST(TN, T)                                                                      \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
+        add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,             \
+                      const T* scalar, const T* w2, T* out, T* out2) {                         \
+        add_norm_body<T>(p, res, y, w, scalar, w2, out, out2);                                 \
+    }                                                                                          \
+    extern "C" __global__ void gelu_mul_##TN(const GeluMulParams p, const T* a, const T* b,    \
+                                             T* out) {                                         \
+        gelu_mul_body<T>(p, a, b, out);                                                        \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
+        qkv_prep_##TN(const QkvPrepParams p, const T* qs, const T* ks, const T* vs,            \
+                      const T* qw, const T* kw, const T* cos, const T* sin, T* q, T* k, T* v) { \
+        qkv_prep_body<T>(p, qs, ks, vs, qw, kw, cos, sin, q, k, v);                            \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32)                               \
+        gather_mv_##TN(const GatherMvParams p, const T* w, const uint32_t* idx, const T* x,    \
+                       const float* weights, T* y) {                                           \
+        gather_mv_body<T>(p, w, idx, x, weights, y);                                           \
+    }
+
+FUSED_INST(f32, float)
+FUSED_INST(f16, __half)
+FUSED_INST(bf16, __nv_bfloat16)
