@@ -162,6 +162,36 @@ fn check_qsdpa(c: &Case, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Res
     Ok(ok)
 }
 
+/// The KV cache's quantization on the GPU against the CPU reference: codes, scales and biases
+/// must be identical.
+fn check_quantize(dtype: DType, gpu: &Device) -> Result<bool> {
+    let mut ok = true;
+    for bits in [QuantBits::Four, QuantBits::Eight] {
+        for group in [32, 64, 128] {
+            let x = (rnd(&[2, 3, 5, 256], dtype)? * 3.0)?;
+            let want = quantize(&x, bits, group)?;
+            let got = quantize(&x.to_device(gpu)?, bits, group)?;
+            let same = |a: &Tensor, b: &Tensor| -> Result<bool> {
+                Ok(a.dims() == b.dims()
+                    && max_abs(&a.to_dtype(DType::F32)?, &b.to_dtype(DType::F32)?)? == 0.0)
+            };
+            let words = |t: &Tensor| -> Result<Vec<u32>> {
+                Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u32>()?)
+            };
+            let pass = words(&want.codes)? == words(&got.codes)?
+                && same(&want.scales, &got.scales)?
+                && same(&want.biases, &got.biases)?;
+            ok &= pass;
+            println!(
+                "quantize dtype={dtype:?} bits={} group={group} {}",
+                bits.bits(),
+                if pass { "PASS (bit-exact)" } else { "FAIL" }
+            );
+        }
+    }
+    Ok(ok)
+}
+
 fn view_positions(v: &KvView) -> Vec<usize> {
     match v {
         KvView::Single { positions, .. } => positions.clone(),
@@ -177,7 +207,7 @@ fn rnd(shape: &[usize], dtype: DType) -> Result<Tensor> {
 /// The fused decoder-layer kernels against the candle op chains they replace (run on the CPU).
 fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Result<bool> {
     use candle_gemma::kernels::cuda::fused::{
-        add_norm, gather_matvec, gelu_mul, qkv_prep, QkvSources,
+        add_norm, gelu_mul, grouped_matvec, moe_mix, moe_route, qkv_prep, QkvSources,
     };
     use candle_nn::ops::rms_norm;
     let g = |t: &Tensor| t.to_device(gpu);
@@ -281,11 +311,42 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
     report("qkv_prep k", max_abs(&gk, &wk)?, lim);
     report("qkv_prep v", max_abs(&gv, &wv)?, lim);
 
-    // Routed experts: 8 experts [64, 128], 2 tokens x 3 picks, then the mixed down product.
-    let (e, out, inp, tokens, k) = (8, 64, 128, 2, 3);
+    // Router: top-3 of 8 logits per token (ties to the lower expert), softmax, per-expert scale.
+    let (e, out, inp, tokens, k) = (8, 64, 128, 5, 3);
+    let logits = rnd(&[tokens, e], dtype)?;
+    let scale = Tensor::rand(0.5f32, 1.5, e, &Device::Cpu)?;
+    let (gidx, gmix) = moe_route(&g(&logits)?, &g(&scale)?, k)?;
+    let lg = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let sc = scale.to_vec1::<f32>()?;
+    let (gi, gm) = (
+        gidx.to_device(&Device::Cpu)?.to_vec2::<u32>()?,
+        gmix.to_device(&Device::Cpu)?.to_vec2::<f32>()?,
+    );
+    let mut route_err = 0f32;
+    let mut idx = Vec::new();
+    let mut mixv = Vec::new();
+    for t in 0..tokens {
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| lg[t][b].total_cmp(&lg[t][a]).then(a.cmp(&b)));
+        let sum: f32 = order[..k]
+            .iter()
+            .map(|&i| (lg[t][i] - lg[t][order[0]]).exp())
+            .sum();
+        for j in 0..k {
+            let want = (lg[t][order[j]] - lg[t][order[0]]).exp() / sum * sc[order[j]];
+            if gi[t][j] as usize != order[j] {
+                route_err = f32::INFINITY;
+            }
+            route_err = route_err.max((gm[t][j] - want).abs());
+            idx.push(order[j] as u32);
+            mixv.push(want);
+        }
+    }
+    report("moe_route", route_err, 1e-5);
+
+    // Grouped expert products (gate/up: x per token; down: x per pair), then the mix.
     let wts = (rnd(&[e, out, inp], dtype)? * 0.1)?;
     let x = rnd(&[tokens, inp], dtype)?;
-    let idx: Vec<u32> = vec![5, 0, 7, 2, 5, 3];
     let idx_t = Tensor::from_vec(idx.clone(), (tokens, k), &Device::Cpu)?;
     let mut rows = Vec::new();
     for (p, &ex) in idx.iter().enumerate() {
@@ -293,11 +354,11 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
         rows.push(xr.matmul(&wts.get(ex as usize)?.to_dtype(DType::F32)?.t()?)?);
     }
     let want = Tensor::cat(&rows, 0)?;
-    let got = gather_matvec(&g(&wts)?, &g(&idx_t)?, &g(&x)?, None)?;
-    report("gather_matvec", max_abs(&got, &want)?, lim);
+    let got = grouped_matvec(&g(&wts)?, &g(&idx_t)?, &g(&x)?, true)?;
+    report("grouped_matvec", max_abs(&got, &want)?, lim);
     let wd = (rnd(&[e, inp, out], dtype)? * 0.1)?;
     let hmid = rnd(&[tokens * k, out], dtype)?;
-    let mix = Tensor::new(&[[0.5f32, 0.3, 0.2], [0.6, 0.25, 0.15]], &Device::Cpu)?;
+    let mix = Tensor::from_vec(mixv.clone(), (tokens, k), &Device::Cpu)?;
     let mut outs = Vec::new();
     for t in 0..tokens {
         let mut acc = Tensor::zeros((1, inp), DType::F32, &Device::Cpu)?;
@@ -308,14 +369,14 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
                 .unsqueeze(0)?
                 .to_dtype(DType::F32)?
                 .matmul(&wd.get(idx[p] as usize)?.to_dtype(DType::F32)?.t()?)?;
-            let m = mix.get(t)?.get(j)?.to_scalar::<f32>()? as f64;
-            acc = (acc + (yr * m)?)?;
+            acc = (acc + (yr * mixv[p] as f64)?)?;
         }
         outs.push(acc);
     }
     let want = Tensor::cat(&outs, 0)?;
-    let got = gather_matvec(&g(&wd)?, &g(&idx_t)?, &g(&hmid)?, Some(&g(&mix)?))?;
-    report("gather_matvec mix", max_abs(&got, &want)?, lim);
+    let y = grouped_matvec(&g(&wd)?, &g(&idx_t)?, &g(&hmid)?, false)?;
+    let got = moe_mix(&y, &g(&mix)?)?;
+    report("grouped_matvec + moe_mix", max_abs(&got, &want)?, lim);
     Ok(ok)
 }
 
@@ -496,6 +557,7 @@ fn main() -> Result<()> {
     }
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         all_ok &= check_fused(dtype, &gpu, &mut stats)?;
+        all_ok &= check_quantize(dtype, &gpu)?;
     }
     for xdtype in [DType::F32, DType::BF16, DType::F16] {
         for sdtype in [DType::BF16, DType::F16, DType::F32] {

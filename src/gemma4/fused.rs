@@ -61,19 +61,7 @@ pub(crate) fn add_norm(
 pub(crate) fn gelu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if enabled(a.device()) {
-        let dims = a.dims().to_vec();
-        let width = dims.last().copied().unwrap_or(1);
-        let rows = a.elem_count() / width.max(1);
-        let flat = |t: &Tensor| -> candle_core::Result<Tensor> {
-            // A narrow of the last axis keeps its row stride through this reshape only when
-            // the leading axes are dense; otherwise copy.
-            match t.reshape((rows, width)) {
-                Ok(r) => Ok(r),
-                Err(_) => t.contiguous()?.reshape((rows, width)),
-            }
-        };
-        let out = crate::kernels::cuda::fused::gelu_mul(&flat(a)?, &flat(b)?)?;
-        return Ok(out.reshape(dims)?);
+        return Ok(crate::kernels::cuda::fused::gelu_mul(a, b)?);
     }
     // candle's `gelu` is the tanh approximation (`gelu_pytorch_tanh`).
     Ok((a.gelu()? * b)?)
@@ -110,20 +98,11 @@ pub(crate) fn qkv_prep(inp: &QkvInput<'_>) -> Result<QkvOutput> {
     let hd = inp.head_dim;
     #[cfg(feature = "cuda")]
     if enabled(inp.q.device()) && inp.q_norm.weight().dtype() == inp.q.dtype() {
-        let flat = |t: &Tensor| -> candle_core::Result<Tensor> {
-            let w = t.dim(2)?;
-            match t.reshape((b * s, w)) {
-                Ok(r) => Ok(r),
-                Err(_) => t.contiguous()?.reshape((b * s, w)),
-            }
-        };
-        let q = flat(inp.q)?;
-        let k = inp.k.map(|(k, _)| flat(k)).transpose()?;
-        let v = inp.v.map(|(v, _)| flat(v)).transpose()?;
+        let (q, k, v) = (inp.q, inp.k.map(|(k, _)| k), inp.v.map(|(v, _)| v));
         let src = crate::kernels::cuda::fused::QkvSources {
-            q: &q,
-            k: k.as_ref().zip(inp.k.map(|(_, n)| n.weight())),
-            v: v.as_ref(),
+            q,
+            k: k.zip(inp.k.map(|(_, n)| n.weight())),
+            v,
             q_norm: inp.q_norm.weight(),
             cos: inp.cos,
             sin: inp.sin,

@@ -31,6 +31,17 @@ struct PleGate {
     post_per_layer_input_norm: RmsNorm,
 }
 
+/// What [`DecoderLayer::forward_chained`] returns.
+#[derive(Debug)]
+pub struct LayerOutput {
+    /// The new residual `[B, S, H]`.
+    pub x: Tensor,
+    /// The next layer's input norm of `x`, when it was asked for.
+    pub next_normed: Option<Tensor>,
+    /// The cache view of a KV-owning layer.
+    pub view: Option<KvView>,
+}
+
 /// One Gemma 4 decoder layer.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
@@ -110,6 +121,11 @@ impl DecoderLayer {
         &self.self_attn
     }
 
+    /// The norm applied to the residual before attention.
+    pub fn input_norm(&self) -> &RmsNorm {
+        &self.input_layernorm
+    }
+
     /// `x` `[B, S, H]`, `ple` this layer's `[B, S, P]` slice when the model has PLE.
     /// Returns the new residual and, for a KV-owning layer, its cache view.
     ///
@@ -122,9 +138,30 @@ impl DecoderLayer {
         ple: Option<&Tensor>,
         kv: KvInput<'_>,
     ) -> Result<(Tensor, Option<KvView>)> {
-        let (attn, view) = self
-            .self_attn
-            .forward(&self.input_layernorm.forward(x)?, step, kv)?;
+        let out = self.forward_chained(x, None, step, ple, kv, None)?;
+        Ok((out.x, out.view))
+    }
+
+    /// [`DecoderLayer::forward`] for a stack: `input_normed` is this layer's input norm of `x`
+    /// when the previous layer already computed it, and `next_norm` the next layer's input norm,
+    /// which is then computed in this layer's last residual add (one pass instead of two).
+    ///
+    /// # Errors
+    /// Cache and shape errors.
+    pub fn forward_chained(
+        &self,
+        x: &Tensor,
+        input_normed: Option<&Tensor>,
+        step: &Step,
+        ple: Option<&Tensor>,
+        kv: KvInput<'_>,
+        next_norm: Option<&RmsNorm>,
+    ) -> Result<LayerOutput> {
+        let normed_in = match input_normed {
+            Some(n) => n.clone(),
+            None => self.input_layernorm.forward(x)?,
+        };
+        let (attn, view) = self.self_attn.forward(&normed_in, step, kv)?;
         let (x, normed) = fused::add_norm(
             x,
             &attn,
@@ -153,20 +190,30 @@ impl DecoderLayer {
         } else {
             None
         };
-        let (x, _) = fused::add_norm(&x, &ff, &self.post_feedforward_layernorm, scalar, None)?;
         let Some((g, ple)) = ple else {
-            return Ok((x, view));
+            let (x, next_normed) =
+                fused::add_norm(&x, &ff, &self.post_feedforward_layernorm, scalar, next_norm)?;
+            return Ok(LayerOutput {
+                x,
+                next_normed,
+                view,
+            });
         };
+        let (x, _) = fused::add_norm(&x, &ff, &self.post_feedforward_layernorm, scalar, None)?;
         let gate = fused::gelu_mul(&g.per_layer_input_gate.forward(&x)?, ple)?;
         let gate = g.per_layer_projection.forward(&gate)?;
-        let (x, _) = fused::add_norm(
+        let (x, next_normed) = fused::add_norm(
             &x,
             &gate,
             &g.post_per_layer_input_norm,
             Some(&self.layer_scalar),
-            None,
+            next_norm,
         )?;
-        Ok((x, view))
+        Ok(LayerOutput {
+            x,
+            next_normed,
+            view,
+        })
     }
 }
 

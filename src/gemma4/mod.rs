@@ -13,7 +13,7 @@ pub mod rope;
 pub mod step;
 
 pub use attention::{Attention, KvInput};
-pub use layer::DecoderLayer;
+pub use layer::{DecoderLayer, LayerOutput};
 pub use model::TextModel;
 pub use step::Step;
 

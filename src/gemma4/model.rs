@@ -228,6 +228,8 @@ impl TextModel {
         )?;
 
         let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
+        // The next layer's input norm, computed by the previous layer's last residual add.
+        let mut normed: Option<Tensor> = None;
         if cache.layers.len() != self.layers.len() {
             return Err(Error::Input(format!(
                 "cache has {} layers, model has {}",
@@ -240,6 +242,7 @@ impl TextModel {
                 // KV-shared layers write no cache, so only the last position matters from here.
                 let last = step.seq_len - 1;
                 x = x.narrow(1, last, 1)?;
+                normed = normed.map(|n| n.narrow(1, last, 1)).transpose()?;
                 ple_all = ple_all.map(|p| p.narrow(1, last, 1)).transpose()?;
                 step = step.last_only()?;
             }
@@ -261,11 +264,14 @@ impl TextModel {
                 .as_ref()
                 .map(|p| ple::layer_slice(p, i))
                 .transpose()?;
-            let (y, view) = layer.forward(&x, &step, ple_l.as_ref(), kv)?;
+            let next_norm = self.layers.get(i + 1).map(DecoderLayer::input_norm);
+            let out =
+                layer.forward_chained(&x, normed.as_ref(), &step, ple_l.as_ref(), kv, next_norm)?;
             if self.producers[i] {
-                views[i] = view;
+                views[i] = out.view;
             }
-            x = y;
+            x = out.x;
+            normed = out.next_normed;
         }
         let last = x.dim(1)? - 1;
         let x = self.norm.forward(&x.narrow(1, last, 1)?.squeeze(1)?)?;

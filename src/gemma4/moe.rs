@@ -9,10 +9,6 @@ use crate::config::{Config, MoeConfig};
 use crate::error::{Error, Result};
 use crate::weights::{KeyLayout, WeightStore};
 
-/// Tokens up to which a CUDA forward routes on the device (decode and short chunks); longer
-/// prefills group tokens by expert on the host, one matmul per expert.
-const DEVICE_ROUTING_MAX_TOKENS: usize = 16;
-
 /// Router: `softmax` over the top-k logits of `proj(rms(x) * scale * H^-½)`, times
 /// `per_expert_scale` (softmax over the selected logits equals the renormalised full softmax).
 #[derive(Debug, Clone)]
@@ -128,7 +124,7 @@ impl MoeBlock {
         let (b, s, h) = expert_input.dims3()?;
         let x = expert_input.reshape((b * s, h))?;
         let router_input = router_input.reshape((b * s, h))?;
-        if fused::enabled(x.device()) && b * s <= DEVICE_ROUTING_MAX_TOKENS {
+        if fused::enabled(x.device()) {
             return Ok(self
                 .forward_on_device(&router_input, &x)?
                 .reshape((b, s, h))?);
@@ -161,36 +157,35 @@ impl MoeBlock {
         Ok(out.reshape((b, s, h))?)
     }
 
-    /// Routing and experts without a host round trip (few tokens, CUDA): top-k on the device,
-    /// then the routed expert products read each picked expert's rows in place.
+    /// Routing and experts without a host round trip (CUDA): top-k on the device, then the
+    /// routed expert products grouped by expert, so each picked expert's rows are read once per
+    /// call. Long inputs run in slices of at most `GROUPED_MAX_PAIRS / top_k` tokens.
     #[cfg(feature = "cuda")]
     fn forward_on_device(&self, router_input: &Tensor, x: &Tensor) -> Result<Tensor> {
-        use crate::kernels::cuda::fused::gather_matvec;
+        use crate::kernels::cuda::fused::{grouped_matvec, moe_mix, moe_route, GROUPED_MAX_PAIRS};
         let r = &self.router;
-        let logits = r
-            .proj
-            .forward(&r.norm.forward(router_input)?)?
-            .to_dtype(DType::F32)?;
+        let logits = r.proj.forward(&r.norm.forward(router_input)?)?;
         let tokens = logits.dim(0)?;
-        let idx = logits
-            .arg_sort_last_dim(false)?
-            .narrow(1, 0, r.top_k)?
-            .contiguous()?;
-        let top = logits.gather(&idx, 1)?;
-        let scale = r
-            .per_expert_scale_dev
-            .index_select(&idx.flatten_all()?, 0)?
-            .reshape((tokens, r.top_k))?;
-        let mix = (candle_nn::ops::softmax_last_dim(&top)? * scale)?;
+        let slice = (GROUPED_MAX_PAIRS / r.top_k).max(1);
         let width = self.experts.width;
-        let gu = gather_matvec(&self.experts.gate_up, &idx, x, None)?;
-        let hidden = fused::gelu_mul(&gu.narrow(1, 0, width)?, &gu.narrow(1, width, width)?)?;
-        Ok(gather_matvec(
-            &self.experts.down,
-            &idx,
-            &hidden,
-            Some(&mix),
-        )?)
+        let mut outs = Vec::with_capacity(tokens.div_ceil(slice));
+        for start in (0..tokens).step_by(slice) {
+            let n = slice.min(tokens - start);
+            let (idx, mix) = moe_route(
+                &logits.narrow(0, start, n)?,
+                &r.per_expert_scale_dev,
+                r.top_k,
+            )?;
+            let gu = grouped_matvec(&self.experts.gate_up, &idx, &x.narrow(0, start, n)?, true)?;
+            let hidden = fused::gelu_mul(&gu.narrow(1, 0, width)?, &gu.narrow(1, width, width)?)?;
+            let y = grouped_matvec(&self.experts.down, &idx, &hidden, false)?;
+            outs.push(moe_mix(&y, &mix)?);
+        }
+        Ok(if outs.len() == 1 {
+            outs.remove(0)
+        } else {
+            Tensor::cat(&outs, 0)?
+        })
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -25,7 +25,25 @@ pub(crate) fn attend_dense(
     let qg = q.reshape((kv_heads, group * q_len, head_dim))?; // [kvh, group*q_len, hd]
     let kk = k.squeeze(0)?; // [kvh, keys, hd]
     let vv = v.squeeze(0)?; // [kvh, keys, hd]
-    let scores = matmul_strided(&qg, &kk.t()?)?.to_dtype(DType::F32)?; // [kvh, group*q_len, keys]
+    let scores = matmul_strided(&qg, &kk.t()?)?; // [kvh, group*q_len, keys]
+    #[cfg(feature = "cuda")]
+    if crate::gemma4::fused::enabled(q.device()) {
+        // Mask, scale and softmax in one kernel, in the scores' dtype.
+        let probs = crate::kernels::cuda::fused::masked_softmax(
+            &scores,
+            positions,
+            plan.q_offset,
+            q_len,
+            plan.window,
+            plan.scale,
+        )?
+        .to_dtype(vv.dtype())?;
+        let out = matmul_strided(&probs, &vv)?;
+        return Ok(out
+            .reshape((1, n_heads, q_len, head_dim))?
+            .to_dtype(q.dtype())?);
+    }
+    let scores = scores.to_dtype(DType::F32)?;
     let scores = if plan.scale == 1.0 {
         scores
     } else {

@@ -115,6 +115,10 @@ pub fn quantize(x: &Tensor, bits: QuantBits, group_size: usize) -> Result<Packed
             found: dtype,
         });
     }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return Ok(super::cuda::launch::quantize(x, bits, group_size)?);
+    }
     let host: Vec<f32> = x
         .to_device(&Device::Cpu)?
         .to_dtype(DType::F32)?

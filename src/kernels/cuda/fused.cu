@@ -166,14 +166,71 @@ __device__ __forceinline__ void qkv_prep_body(const QkvPrepParams p, const T* __
     }
 }
 
-struct GatherMvParams {
-    // pairs: (token, pick) pairs = tokens * top_k; out_dim/in_dim of one expert matrix.
-    uint32_t tokens, top_k, out_dim, in_dim;
-    // Elements between consecutive experts' matrices.
+// Router top-k: per token, the top_k largest logits (ties: lower expert first), a softmax over
+// them, times per_expert_scale of each pick. One warp per token; experts <= 32 * ROUTE_MAX_PER_LANE.
+constexpr int ROUTE_MAX_PER_LANE = 16;
+
+struct RouteParams {
+    uint32_t tokens, experts, top_k, pad_;
+};
+
+template <typename T>
+__device__ __forceinline__ void moe_route_body(const RouteParams p, const T* __restrict__ logits,
+                                               const float* __restrict__ scale,
+                                               uint32_t* __restrict__ idx,
+                                               float* __restrict__ mix) {
+    const int t = blockIdx.x, lane = threadIdx.x;
+    float v[ROUTE_MAX_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
+        const int e = i * 32 + lane;
+        v[i] = e < (int)p.experts ? to_f(logits[(size_t)t * p.experts + e]) : -INFINITY;
+    }
+    float top[32];
+    int pick[32];
+    for (int j = 0; j < (int)p.top_k && j < 32; ++j) {
+        float bv = -INFINITY;
+        int be = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
+            const int e = i * 32 + lane;
+            if (e < (int)p.experts && (v[i] > bv || (v[i] == bv && e < be))) {
+                bv = v[i];
+                be = e;
+            }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+            const int oe = __shfl_xor_sync(0xffffffffu, be, off);
+            if (ov > bv || (ov == bv && oe < be)) {
+                bv = ov;
+                be = oe;
+            }
+        }
+        top[j] = bv;
+        pick[j] = be;
+        if ((be & 31) == lane) v[be >> 5] = -INFINITY;
+    }
+    if (lane != 0) return;
+    float sum = 0.f;
+    for (int j = 0; j < (int)p.top_k; ++j) sum += expf(top[j] - top[0]);
+    for (int j = 0; j < (int)p.top_k; ++j) {
+        idx[(size_t)t * p.top_k + j] = (uint32_t)pick[j];
+        mix[(size_t)t * p.top_k + j] = expf(top[j] - top[0]) / sum * scale[pick[j]];
+    }
+}
+
+struct GroupedMvParams {
+    // pairs = tokens * top_k routed (token, pick) pairs; x row of pair p: p / top_k when
+    // x_per_token, else p.
+    uint32_t pairs, top_k, out_dim, in_dim;
     uint64_t expert_stride;
+    uint32_t x_per_token, pad_;
 };
 
 constexpr int GMV_WARPS = 8;
+constexpr int GMV_MAX_PAIRS = 4096;
 
 // 8 consecutive elements as f32 (16-byte aligned for 16-bit types, 32 for f32).
 template <typename T> __device__ __forceinline__ void load8(const T* p, float* v);
@@ -221,35 +278,106 @@ __device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __r
     return acc;
 }
 
-// Routed expert products without a host round trip. With `weights` null:
-//   y[t * top_k + j, o] = W[idx[t, j]][o, :] · x[t, :]                  (gate/up)
-// with `weights`:
-//   y[t, o] = sum_j weights[t, j] * (W[idx[t, j]][o, :] · x[t * top_k + j, :])   (down + mix)
-// One warp per output element; blockIdx.y is the pair (or the token when mixing).
+// Routed expert products grouped by expert: block (e, tile) finds the pairs routed to expert
+// e, then each warp takes one output row of e and computes it for every such pair, so each
+// expert row is read from memory once per call however many tokens picked it.
+//   y[p, o] = W[e][o, :] . x[row(p), :]      for every pair p with idx[p] == e
 template <typename T>
-__device__ __forceinline__ void gather_mv_body(const GatherMvParams p, const T* __restrict__ w,
-                                               const uint32_t* __restrict__ idx,
-                                               const T* __restrict__ x,
-                                               const float* __restrict__ weights,
-                                               T* __restrict__ y) {
+__device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const T* __restrict__ w,
+                                                const uint32_t* __restrict__ idx,
+                                                const T* __restrict__ x, T* __restrict__ y) {
+    __shared__ uint32_t mine[GMV_MAX_PAIRS];
+    __shared__ uint32_t count;
+    const int e = blockIdx.x;
+    if (threadIdx.x == 0) count = 0;
+    __syncthreads();
+    for (uint32_t q = threadIdx.x; q < p.pairs; q += blockDim.x)
+        if (idx[q] == (uint32_t)e) mine[atomicAdd(&count, 1u)] = q;
+    __syncthreads();
+    const uint32_t n = count;
+    if (n == 0) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int o = blockIdx.x * GMV_WARPS + warp;
+    const int o = blockIdx.y * GMV_WARPS + warp;
     if (o >= (int)p.out_dim) return;
-    const int r = blockIdx.y;
-    if (weights == nullptr) {
-        const int t = r / p.top_k;
-        const T* wr = w + idx[r] * p.expert_stride + (size_t)o * p.in_dim;
-        const float acc = warp_dot(wr, x + (size_t)t * p.in_dim, p.in_dim);
-        if (lane == 0) y[(size_t)r * p.out_dim + o] = from_f<T>(acc);
-    } else {
-        float acc = 0.f;
-        for (int j = 0; j < (int)p.top_k; ++j) {
-            const int pr = r * p.top_k + j;
-            const T* wr = w + idx[pr] * p.expert_stride + (size_t)o * p.in_dim;
-            acc = fmaf(weights[pr], warp_dot(wr, x + (size_t)pr * p.in_dim, p.in_dim), acc);
-        }
-        if (lane == 0) y[(size_t)r * p.out_dim + o] = from_f<T>(acc);
+    const T* wr = w + (size_t)e * p.expert_stride + (size_t)o * p.in_dim;
+    for (uint32_t i = 0; i < n; ++i) {
+        const uint32_t q = mine[i];
+        const uint32_t row = p.x_per_token ? q / p.top_k : q;
+        const float acc = warp_dot(wr, x + (size_t)row * p.in_dim, p.in_dim);
+        if (lane == 0) y[(size_t)q * p.out_dim + o] = from_f<T>(acc);
     }
+}
+
+// out[t, o] = sum_j mix[t, j] * y[t * top_k + j, o]
+template <typename T>
+__device__ __forceinline__ void moe_mix_body(const GroupedMvParams p, const T* __restrict__ y,
+                                             const float* __restrict__ mix, T* __restrict__ out) {
+    const size_t tokens = p.pairs / p.top_k;
+    const size_t n = tokens * p.out_dim;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t t = i / p.out_dim, o = i % p.out_dim;
+        float acc = 0.f;
+        for (uint32_t j = 0; j < p.top_k; ++j)
+            acc = fmaf(mix[t * p.top_k + j], to_f(y[(t * p.top_k + j) * p.out_dim + o]), acc);
+        out[i] = from_f<T>(acc);
+    }
+}
+
+struct SoftmaxParams {
+    // rows = kv_heads * group * q_len score rows; row r is query (r % q_len) of its head.
+    uint32_t rows, keys, q_len, q_offset;
+    // window 0: causal only. Key positions as in QsdpaParams (mode 0 linear, 1 two runs, 2 table).
+    uint32_t window, pos_mode, pos_base, pos_split;
+    uint32_t pos_base2;
+    float scale;
+};
+
+__device__ __forceinline__ uint32_t softmax_key_pos(const SoftmaxParams& p,
+                                                    const uint32_t* pos, uint32_t j) {
+    if (p.pos_mode == 0) return p.pos_base + j;
+    if (p.pos_mode == 1) return j < p.pos_split ? p.pos_base + j : p.pos_base2 + (j - p.pos_split);
+    return pos[j];
+}
+
+// Softmax over each score row with the causal / sliding mask computed from key positions (no
+// mask tensor), in f32, written in T. One block per row; a row with no visible key gets zeros.
+template <typename T>
+__device__ __forceinline__ void masked_softmax_body(const SoftmaxParams p,
+                                                    const T* __restrict__ scores,
+                                                    const uint32_t* __restrict__ positions,
+                                                    T* __restrict__ out) {
+    __shared__ float red[NORM_THREADS / 32];
+    const size_t row = blockIdx.x;
+    const uint32_t qpos = p.q_offset + (uint32_t)(row % p.q_len);
+    const T* sr = scores + row * p.keys;
+    T* orow = out + row * p.keys;
+    auto visible = [&](uint32_t j) {
+        const uint32_t k = softmax_key_pos(p, positions, j);
+        return k <= qpos && (p.window == 0 || k + p.window > qpos);
+    };
+    float m = -INFINITY;
+    for (uint32_t j = threadIdx.x; j < p.keys; j += NORM_THREADS)
+        if (visible(j)) m = fmaxf(m, to_f(sr[j]) * p.scale);
+    // Block max.
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        __syncthreads();
+        if (lane == 0) red[warp] = m;
+        __syncthreads();
+        m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NORM_THREADS / 32; ++w) m = fmaxf(m, red[w]);
+    }
+    float sum = 0.f;
+    for (uint32_t j = threadIdx.x; j < p.keys; j += NORM_THREADS)
+        if (visible(j)) sum += __expf(to_f(sr[j]) * p.scale - m);
+    sum = block_sum(sum, red);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (uint32_t j = threadIdx.x; j < p.keys; j += NORM_THREADS)
+        orow[j] = from_f<T>(visible(j) ? __expf(to_f(sr[j]) * p.scale - m) * inv : 0.f);
 }
 
 #define FUSED_INST(TN, T)                                                                      \
@@ -267,10 +395,23 @@ __device__ __forceinline__ void gather_mv_body(const GatherMvParams p, const T* 
                       const T* qw, const T* kw, const T* cos, const T* sin, T* q, T* k, T* v) { \
         qkv_prep_body<T>(p, qs, ks, vs, qw, kw, cos, sin, q, k, v);                            \
     }                                                                                          \
+    extern "C" __global__ void moe_route_##TN(const RouteParams p, const T* logits,             \
+                                              const float* scale, uint32_t* idx, float* mix) {  \
+        moe_route_body<T>(p, logits, scale, idx, mix);                                         \
+    }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32)                               \
-        gather_mv_##TN(const GatherMvParams p, const T* w, const uint32_t* idx, const T* x,    \
-                       const float* weights, T* y) {                                           \
-        gather_mv_body<T>(p, w, idx, x, weights, y);                                           \
+        grouped_mv_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx, const T* x,  \
+                        T* y) {                                                                \
+        grouped_mv_body<T>(p, w, idx, x, y);                                                   \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
+        masked_softmax_##TN(const SoftmaxParams p, const T* scores, const uint32_t* positions,  \
+                            T* out) {                                                          \
+        masked_softmax_body<T>(p, scores, positions, out);                                     \
+    }                                                                                          \
+    extern "C" __global__ void moe_mix_##TN(const GroupedMvParams p, const T* y,               \
+                                            const float* mix, T* out) {                        \
+        moe_mix_body<T>(p, y, mix, out);                                                       \
     }
 
 FUSED_INST(f32, float)

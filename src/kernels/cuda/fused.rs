@@ -15,8 +15,15 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 const MODULE: &str = "candle_gemma_fused";
 /// Threads of the norm kernels (`NORM_THREADS`).
 const NORM_THREADS: u32 = 256;
-/// Output rows per gather-matvec block (`GMV_WARPS`).
+/// Output rows per grouped-matvec block (`GMV_WARPS`).
 const GMV_WARPS: usize = 8;
+/// Experts per lane of the router kernel (`ROUTE_MAX_PER_LANE`): at most 512 experts.
+const ROUTE_MAX_PER_LANE: usize = 16;
+
+/// The kernel-name suffix of a dtype.
+fn tn(dtype: DType) -> Result<&'static str> {
+    kname(dtype).map_err(candle_core::Error::wrap)
+}
 
 /// `struct AddNormParams` in `fused.cu`.
 #[repr(C)]
@@ -54,15 +61,27 @@ struct QkvPrepParams {
     pad_: u32,
 }
 
-/// `struct GatherMvParams` in `fused.cu`.
+/// `struct RouteParams` in `fused.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct GatherMvParams {
+struct RouteParams {
     tokens: u32,
+    experts: u32,
+    top_k: u32,
+    pad_: u32,
+}
+
+/// `struct GroupedMvParams` in `fused.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct GroupedMvParams {
+    pairs: u32,
     top_k: u32,
     out_dim: u32,
     in_dim: u32,
     expert_stride: u64,
+    x_per_token: u32,
+    pad_: u32,
 }
 
 // SAFETY: `#[repr(C)]` plain integers and floats, passed by value, read by the kernels with the
@@ -70,7 +89,8 @@ struct GatherMvParams {
 unsafe impl DeviceRepr for AddNormParams {}
 unsafe impl DeviceRepr for GeluMulParams {}
 unsafe impl DeviceRepr for QkvPrepParams {}
-unsafe impl DeviceRepr for GatherMvParams {}
+unsafe impl DeviceRepr for RouteParams {}
+unsafe impl DeviceRepr for GroupedMvParams {}
 
 fn u32_of(x: usize, what: &str) -> Result<u32> {
     u32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} {x} exceeds u32")))
@@ -103,6 +123,34 @@ macro_rules! by_dtype {
             }
         }
     };
+}
+
+/// `t` (rank >= 1) as rows of its last axis: `(tensor, rows, width, row stride)`. The tensor is
+/// `t` itself when its last axis is dense and its rows are evenly spaced (a narrow of the last
+/// axis qualifies), else a contiguous copy.
+fn as_rows(t: &Tensor) -> Result<(Tensor, usize, usize, usize)> {
+    let dims = t.dims();
+    let st = t.stride();
+    let n = dims.len();
+    let width = dims.last().copied().unwrap_or(1);
+    let rows = t.elem_count() / width.max(1);
+    if n >= 1 && st[n - 1] == 1 {
+        let row_stride = if n >= 2 { st[n - 2] } else { width };
+        // Leading axes must step by whole multiples of the row stride, like one flat row axis.
+        let mut expect = row_stride;
+        let mut uniform = true;
+        for i in (0..n.saturating_sub(1)).rev() {
+            if dims[i] > 1 && st[i] != expect {
+                uniform = false;
+                break;
+            }
+            expect *= dims[i];
+        }
+        if uniform {
+            return Ok((t.clone(), rows, width, row_stride));
+        }
+    }
+    Ok((t.contiguous()?, rows, width, width))
 }
 
 fn check_dtype(ts: &[&Tensor], dtype: DType) -> Result<()> {
@@ -199,29 +247,20 @@ pub fn add_norm(
     })
 }
 
-/// `gelu_tanh(a) * b` for 2-D `a`, `b` `[rows, width]` whose rows may be strided (e.g. the two
-/// halves of a fused gate/up product); returns a dense `[rows, width]`.
+/// `gelu_tanh(a) * b` for `a`, `b` of one shape `[.., width]` whose rows may be strided (e.g.
+/// the two halves of a fused gate/up product); returns a dense tensor of that shape.
 ///
 /// # Errors
 /// Shapes or dtypes that disagree, CUDA errors.
 pub fn gelu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let dtype = a.dtype();
     check_dtype(&[a, b], dtype)?;
-    let (rows, width) = a.dims2()?;
-    if b.dims2()? != (rows, width) {
+    if a.dims() != b.dims() {
         candle_core::bail!("gelu_mul: {:?} vs {:?}", a.dims(), b.dims());
     }
-    let rowwise = |t: &Tensor| -> Result<(Tensor, usize)> {
-        let st = t.stride();
-        if st[1] == 1 {
-            Ok((t.clone(), st[0]))
-        } else {
-            let t = t.contiguous()?;
-            Ok((t, width))
-        }
-    };
-    let (a, sa) = rowwise(a)?;
-    let (b, sb) = rowwise(b)?;
+    let out_shape = a.dims().to_vec();
+    let (a, rows, width, sa) = as_rows(a)?;
+    let (b, _, _, sb) = as_rows(b)?;
     let dev = cuda_dev(&a)?;
     let params = GeluMulParams {
         rows: u32_of(rows, "rows")?,
@@ -257,17 +296,17 @@ pub fn gelu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
             // SAFETY: arguments match the kernel's signature; strides checked above.
             unsafe { bl.launch(cfg) }.w()?;
         }
-        Ok(wrap(out, &dev, &[rows, width]))
+        Ok(wrap(out, &dev, &out_shape))
     })
 }
 
 /// The sources and weights of [`qkv_prep`].
 pub struct QkvSources<'a> {
-    /// `[tokens, n_heads * head_dim]`, rows possibly strided.
+    /// `[.., n_heads * head_dim]` (tokens along the leading axes), rows possibly strided.
     pub q: &'a Tensor,
-    /// `[tokens, kv_heads * head_dim]` with `k_norm`'s weight, for a KV-owning layer.
+    /// `[.., kv_heads * head_dim]` with `k_norm`'s weight, for a KV-owning layer.
     pub k: Option<(&'a Tensor, &'a Tensor)>,
-    /// `[tokens, kv_heads * head_dim]` (the raw K again on k_eq_v layers).
+    /// `[.., kv_heads * head_dim]` (the raw K again on k_eq_v layers).
     pub v: Option<&'a Tensor>,
     /// q_norm's weight `[head_dim]`.
     pub q_norm: &'a Tensor,
@@ -302,25 +341,19 @@ pub fn qkv_prep(
     check_dtype(&ts, dtype)?;
     let tokens = batch * seq_len;
     let rowwise = |t: &Tensor| -> Result<(Tensor, usize)> {
-        let (r, _) = t.dims2()?;
+        let (t, r, _, stride) = as_rows(t)?;
         if r != tokens {
             candle_core::bail!("qkv_prep: {r} rows, expected {tokens}");
         }
-        let st = t.stride();
-        if st[1] == 1 {
-            Ok((t.clone(), st[0]))
-        } else {
-            let c = t.contiguous()?;
-            let w = c.dim(1)?;
-            Ok((c, w))
-        }
+        Ok((t, stride))
     };
     let (q, qs) = rowwise(src.q)?;
-    let n_heads = q.dim(1)? / head_dim;
+    let width = |t: &Tensor| t.dims().last().copied().unwrap_or(0);
+    let n_heads = width(&q) / head_dim;
     let (k, ks, kw, kv_heads) = match src.k {
         Some((k, kw)) => {
             let (k, ks) = rowwise(k)?;
-            let kvh = k.dim(1)? / head_dim;
+            let kvh = width(&k) / head_dim;
             (k, ks, kw.contiguous()?, kvh)
         }
         None => (q.clone(), qs, src.q_norm.contiguous()?, 0),
@@ -409,31 +442,87 @@ pub fn qkv_prep(
     })
 }
 
-/// Routed expert products. `weights` `[E, out, in]` (contiguous), `idx` u32 `[tokens, top_k]`.
-/// Without `mix`: `x` `[tokens, in]` → `[tokens * top_k, out]`, row `t * top_k + j` through
-/// expert `idx[t, j]`. With `mix` (f32 `[tokens, top_k]`): `x` `[tokens * top_k, in]` →
-/// `[tokens, out]`, the mix-weighted sum over each token's picks.
+/// Router top-k on the device: for each row of `logits` `[tokens, E]`, the `top_k` largest
+/// (ties: lower expert first) as u32 `idx` `[tokens, top_k]`, and `mix` f32 `[tokens, top_k]`:
+/// the softmax over the picked logits times `scale[e]` (f32 `[E]`) of each pick.
 ///
 /// # Errors
-/// Shapes or dtypes that disagree (`in` must be a multiple of 8), CUDA errors.
-pub fn gather_matvec(
+/// More than 512 experts or more than 32 picks, dtype mismatch, CUDA errors.
+pub fn moe_route(logits: &Tensor, scale: &Tensor, top_k: usize) -> Result<(Tensor, Tensor)> {
+    let dtype = logits.dtype();
+    check_dtype(&[logits], dtype)?;
+    let (tokens, experts) = logits.dims2()?;
+    if experts > 32 * ROUTE_MAX_PER_LANE || top_k == 0 || top_k > 32.min(experts) {
+        candle_core::bail!("moe_route: {experts} experts, top {top_k}");
+    }
+    let dev = cuda_dev(logits)?;
+    let logits = logits.contiguous()?;
+    let scale = scale.to_dtype(DType::F32)?.contiguous()?;
+    let params = RouteParams {
+        tokens: u32_of(tokens, "tokens")?,
+        experts: u32_of(experts, "experts")?,
+        top_k: u32_of(top_k, "top_k")?,
+        pad_: 0,
+    };
+    let func = dev.get_or_load_custom_func(&format!("moe_route_{}", tn(dtype)?), MODULE, PTX)?;
+    let cfg = LaunchConfig {
+        grid_dim: (params.tokens.max(1), 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let n = (tokens * top_k).max(1);
+    // SAFETY: one warp per token writes all its picks.
+    let (mut idx, mut mix) = unsafe { (dev.alloc::<u32>(n)?, dev.alloc::<f32>(n)?) };
+    if tokens > 0 {
+        by_dtype!(dtype, E, {
+            bind!(lv, logits, E);
+            bind!(sv, scale, f32);
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&lv);
+            b.arg(&sv);
+            b.arg(&mut idx);
+            b.arg(&mut mix);
+            // SAFETY: arguments match the kernel's signature; experts bounded above.
+            unsafe { b.launch(cfg) }.w()?;
+        })
+    }
+    Ok((
+        wrap(idx, &dev, &[tokens, top_k]),
+        wrap(mix, &dev, &[tokens, top_k]),
+    ))
+}
+
+/// Most (token, pick) pairs one [`grouped_matvec`] call takes (`GMV_MAX_PAIRS`).
+pub const GROUPED_MAX_PAIRS: usize = 4096;
+
+/// Routed expert products grouped by expert (each picked expert's rows are read once per call):
+/// `weights` `[E, out, in]` (contiguous), `idx` u32 `[tokens, top_k]`; `x` is `[tokens, in]`
+/// when `x_per_token` (every pick of a token reads its row) or `[tokens * top_k, in]`.
+/// Returns `[tokens * top_k, out]`, row `t * top_k + j` through expert `idx[t, j]`.
+///
+/// # Errors
+/// Shapes or dtypes that disagree (`in` must be a multiple of 8), more than
+/// [`GROUPED_MAX_PAIRS`] pairs, CUDA errors.
+pub fn grouped_matvec(
     weights: &Tensor,
     idx: &Tensor,
     x: &Tensor,
-    mix: Option<&Tensor>,
+    x_per_token: bool,
 ) -> Result<Tensor> {
     let dtype = x.dtype();
     check_dtype(&[weights, x], dtype)?;
-    let (_, out_dim, in_dim) = weights.dims3()?;
+    let (experts, out_dim, in_dim) = weights.dims3()?;
     let (tokens, top_k) = idx.dims2()?;
-    let x_rows = if mix.is_some() {
-        tokens * top_k
-    } else {
-        tokens
-    };
-    if x.dims2()? != (x_rows, in_dim) || in_dim % 8 != 0 || idx.dtype() != DType::U32 {
+    let pairs = tokens * top_k;
+    let x_rows = if x_per_token { tokens } else { pairs };
+    if x.dims2()? != (x_rows, in_dim)
+        || in_dim % 8 != 0
+        || idx.dtype() != DType::U32
+        || pairs > GROUPED_MAX_PAIRS
+    {
         candle_core::bail!(
-            "gather_matvec: x {:?}, weights {:?}, idx {:?} {:?}",
+            "grouped_matvec: x {:?}, weights {:?}, idx {:?} {:?}",
             x.dims(),
             weights.dims(),
             idx.dims(),
@@ -442,66 +531,184 @@ pub fn gather_matvec(
     }
     let dev = cuda_dev(x)?;
     let (weights, idx, x) = (weights.contiguous()?, idx.contiguous()?, x.contiguous()?);
-    let mix = match mix {
-        Some(m) => Some(m.to_dtype(DType::F32)?.contiguous()?),
-        None => None,
-    };
-    let params = GatherMvParams {
-        tokens: u32_of(tokens, "tokens")?,
+    let params = GroupedMvParams {
+        pairs: u32_of(pairs, "pairs")?,
         top_k: u32_of(top_k, "top_k")?,
         out_dim: u32_of(out_dim, "rows")?,
         in_dim: u32_of(in_dim, "columns")?,
         expert_stride: (out_dim * in_dim) as u64,
+        x_per_token: u32::from(x_per_token),
+        pad_: 0,
     };
-    let out_rows = if mix.is_some() {
-        tokens
-    } else {
-        tokens * top_k
-    };
-    let func = dev.get_or_load_custom_func(
-        &format!(
-            "gather_mv_{}",
-            kname(dtype).map_err(candle_core::Error::wrap)?
-        ),
-        MODULE,
-        PTX,
-    )?;
+    let func = dev.get_or_load_custom_func(&format!("grouped_mv_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (
+            u32_of(experts, "experts")?,
             out_dim.div_ceil(GMV_WARPS) as u32,
-            u32_of(out_rows, "rows")?,
             1,
         ),
         block_dim: ((GMV_WARPS * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     by_dtype!(dtype, E, {
-        // SAFETY: one warp writes each output element.
-        let mut y = unsafe { dev.alloc::<E>((out_rows * out_dim).max(1))? };
-        if out_rows > 0 {
+        // SAFETY: every pair has one expert, whose block writes its whole output row.
+        let mut y = unsafe { dev.alloc::<E>((pairs * out_dim).max(1))? };
+        if pairs > 0 {
             bind!(wv, weights, E);
             bind!(iv, idx, u32);
             bind!(xv, x, E);
-            let null = 0u64;
             let mut b = func.builder();
             b.arg(&params);
             b.arg(&wv);
             b.arg(&iv);
             b.arg(&xv);
-            let mg = mix.as_ref().map(|m| m.storage_and_layout());
-            let mv = match &mg {
-                Some((s, l)) => Some(view::<f32>(cuda_storage(s)?, l)?),
-                None => None,
-            };
-            match &mv {
-                Some(m) => b.arg(m),
-                None => b.arg(&null),
-            };
             b.arg(&mut y);
-            // SAFETY: arguments match the kernel's signature; expert ids come from the router's
-            // top-k over `E` logits, so they index `weights`.
+            // SAFETY: arguments match the kernel's signature; expert ids that are not below E
+            // match no block and are the router's to avoid (moe_route only emits valid ones).
             unsafe { b.launch(cfg) }.w()?;
         }
-        Ok(wrap(y, &dev, &[out_rows, out_dim]))
+        Ok(wrap(y, &dev, &[pairs, out_dim]))
+    })
+}
+
+/// `out[t] = sum_j mix[t, j] * y[t * top_k + j]`: `y` `[tokens * top_k, out]`, `mix` f32
+/// `[tokens, top_k]`; returns `[tokens, out]`.
+///
+/// # Errors
+/// Shapes that disagree, CUDA errors.
+pub fn moe_mix(y: &Tensor, mix: &Tensor) -> Result<Tensor> {
+    let dtype = y.dtype();
+    check_dtype(&[y], dtype)?;
+    let (tokens, top_k) = mix.dims2()?;
+    let (pairs, out_dim) = y.dims2()?;
+    if pairs != tokens * top_k {
+        candle_core::bail!("moe_mix: y {:?}, mix {:?}", y.dims(), mix.dims());
+    }
+    let dev = cuda_dev(y)?;
+    let (y, mix) = (y.contiguous()?, mix.to_dtype(DType::F32)?.contiguous()?);
+    let params = GroupedMvParams {
+        pairs: u32_of(pairs, "pairs")?,
+        top_k: u32_of(top_k, "top_k")?,
+        out_dim: u32_of(out_dim, "rows")?,
+        in_dim: 0,
+        expert_stride: 0,
+        x_per_token: 0,
+        pad_: 0,
+    };
+    let n = tokens * out_dim;
+    let func = dev.get_or_load_custom_func(&format!("moe_mix_{}", tn(dtype)?), MODULE, PTX)?;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 132 * 8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    by_dtype!(dtype, E, {
+        // SAFETY: grid-stride loop writes every element.
+        let mut out = unsafe { dev.alloc::<E>(n.max(1))? };
+        if n > 0 {
+            bind!(yv, y, E);
+            bind!(mv, mix, f32);
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&yv);
+            b.arg(&mv);
+            b.arg(&mut out);
+            // SAFETY: arguments match the kernel's signature.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(wrap(out, &dev, &[tokens, out_dim]))
+    })
+}
+
+/// `struct SoftmaxParams` in `fused.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct SoftmaxParams {
+    rows: u32,
+    keys: u32,
+    q_len: u32,
+    q_offset: u32,
+    window: u32,
+    pos_mode: u32,
+    pos_base: u32,
+    pos_split: u32,
+    pos_base2: u32,
+    scale: f32,
+}
+
+// SAFETY: as above.
+unsafe impl DeviceRepr for SoftmaxParams {}
+
+/// Softmax over the last axis of attention scores `[.., rows, keys]` (row `r` is query
+/// `r % q_len` of its head, at position `q_offset + r % q_len`) with the causal / sliding mask
+/// built from `positions[j]` inside the kernel: no mask tensor, one pass in, one out, in the
+/// scores' dtype. `scale` multiplies the scores first.
+///
+/// # Errors
+/// Positions beyond `u32`, CUDA errors.
+pub fn masked_softmax(
+    scores: &Tensor,
+    positions: &[usize],
+    q_offset: usize,
+    q_len: usize,
+    window: Option<usize>,
+    scale: f64,
+) -> Result<Tensor> {
+    use super::params::{PositionCode, QsdpaParams};
+    let dtype = scores.dtype();
+    check_dtype(&[scores], dtype)?;
+    let keys = positions.len();
+    let dims = scores.dims().to_vec();
+    if dims.last() != Some(&keys) || q_len == 0 {
+        candle_core::bail!("masked_softmax: scores {dims:?} for {keys} keys");
+    }
+    let rows = scores.elem_count() / keys.max(1);
+    let code = PositionCode::encode(positions)
+        .ok_or_else(|| candle_core::Error::Msg("key position beyond u32".into()))?;
+    let mut qp = QsdpaParams::default();
+    let table = code.apply(&mut qp).map(<[u32]>::to_vec);
+    let params = SoftmaxParams {
+        rows: u32_of(rows, "rows")?,
+        keys: u32_of(keys, "keys")?,
+        q_len: u32_of(q_len, "q_len")?,
+        q_offset: u32_of(q_offset, "q_offset")?,
+        window: u32_of(window.unwrap_or(0), "window")?,
+        pos_mode: qp.pos_mode,
+        pos_base: qp.pos_base,
+        pos_split: qp.pos_split,
+        pos_base2: qp.pos_base2,
+        scale: scale as f32,
+    };
+    let dev = cuda_dev(scores)?;
+    let scores = scores.contiguous()?;
+    let table = match table {
+        Some(t) => Some(dev.clone_htod(&t)?),
+        None => None,
+    };
+    let func =
+        dev.get_or_load_custom_func(&format!("masked_softmax_{}", tn(dtype)?), MODULE, PTX)?;
+    let cfg = LaunchConfig {
+        grid_dim: (params.rows.max(1), 1, 1),
+        block_dim: (NORM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    by_dtype!(dtype, E, {
+        // SAFETY: one block per row writes every key of its row.
+        let mut out = unsafe { dev.alloc::<E>((rows * keys).max(1))? };
+        if rows * keys > 0 {
+            bind!(sv, scores, E);
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&sv);
+            match &table {
+                Some(t) => b.arg(t),
+                None => b.arg(&sv),
+            };
+            b.arg(&mut out);
+            // SAFETY: arguments match the kernel's signature; the table, when read, has `keys`
+            // entries.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(wrap(out, &dev, &dims))
     })
 }

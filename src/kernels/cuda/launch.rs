@@ -666,3 +666,81 @@ pub(crate) fn dequant_rows(
         _ => by_scale!(half::bf16),
     })
 }
+
+/// Group-wise affine quantization of `x` (`[..., dim]`, f32/f16/bf16, on CUDA) along its last
+/// axis, bit-exact with the CPU reference [`crate::kernels::quantize`]: codes `[..., dim * bits /
+/// 32]`, scales and biases `[..., dim / group_size]` in `x`'s dtype. The caller checks the group
+/// size.
+pub(crate) fn quantize(
+    x: &Tensor,
+    bits: crate::kv::QuantBits,
+    group_size: usize,
+) -> candle_core::Result<PackedKv> {
+    let dims = x.dims().to_vec();
+    let dim = dims.last().copied().unwrap_or(0);
+    let b = bits.bits();
+    let dev = cuda_dev(x)?;
+    let tn = kname(x.dtype()).map_err(candle_core::Error::wrap)?;
+    let x = x.contiguous()?;
+    let groups = x.elem_count() / group_size.max(1);
+    let params = QmatParams {
+        rows: u32::try_from(groups).map_err(candle_core::Error::wrap)?,
+        out_dim: 0,
+        in_dim: dim as u32,
+        group_size: group_size as u32,
+    };
+    let func = dev.get_or_load_custom_func(&format!("quantize_{tn}_{b}"), MODULE, PTX)?;
+    let cfg = LaunchConfig {
+        grid_dim: (groups.div_ceil(128).max(1) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let lead = &dims[..dims.len().saturating_sub(1)];
+    let shape_with = |last: usize| {
+        let mut s = lead.to_vec();
+        s.push(last);
+        s
+    };
+    let words = x.elem_count() * b / 32;
+    macro_rules! go {
+        ($t:ty) => {{
+            // SAFETY: every group writes its scale, bias and all its code words.
+            let (mut codes, mut scales, mut biases) = unsafe {
+                (
+                    dev.alloc::<u32>(words.max(1))?,
+                    dev.alloc::<$t>(groups.max(1))?,
+                    dev.alloc::<$t>(groups.max(1))?,
+                )
+            };
+            if groups > 0 {
+                let (x_s, x_l) = x.storage_and_layout();
+                let xv = view::<$t>(cuda_storage(&x_s)?, x_l)?;
+                let mut bl = func.builder();
+                bl.arg(&params);
+                bl.arg(&xv);
+                bl.arg(&mut codes);
+                bl.arg(&mut scales);
+                bl.arg(&mut biases);
+                // SAFETY: arguments match the kernel's signature; one thread per group.
+                unsafe { bl.launch(cfg) }.w()?;
+            }
+            (
+                wrap(codes, &dev, &shape_with(dim * b / 32)),
+                wrap(scales, &dev, &shape_with(dim / group_size)),
+                wrap(biases, &dev, &shape_with(dim / group_size)),
+            )
+        }};
+    }
+    let (codes, scales, biases) = match x.dtype() {
+        DType::F32 => go!(f32),
+        DType::F16 => go!(half::f16),
+        _ => go!(half::bf16),
+    };
+    Ok(PackedKv {
+        codes,
+        scales,
+        biases,
+        bits,
+        group_size,
+    })
+}

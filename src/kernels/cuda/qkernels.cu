@@ -557,3 +557,62 @@ __device__ __forceinline__ void dequant_body(const QmatParams p, const uint32_t*
 QW_INST_T(f32, float)
 QW_INST_T(f16, __half)
 QW_INST_T(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// Affine quantization of rows (the KV cache's appends), bit-exact with the CPU reference
+// (`src/kernels/quant.rs`): f32 arithmetic in the same order, round-half-even, then the scale
+// and bias rounded to T for storage. One thread per group; p.rows = number of groups,
+// p.group_size elements each.
+// ---------------------------------------------------------------------------------------------
+template <typename T, int BITS>
+__device__ __forceinline__ void quantize_body(const QmatParams p, const T* __restrict__ x,
+                                              uint32_t* __restrict__ codes, T* __restrict__ scales,
+                                              T* __restrict__ biases) {
+    const size_t gi = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gi >= p.rows) return;
+    const int g = p.group_size;
+    const T* xs = x + gi * g;
+    const float n_bins = (float)((1u << BITS) - 1);
+    float w_min = INFINITY, w_max = -INFINITY;
+    for (int e = 0; e < g; ++e) {
+        const float v = to_f(xs[e]);
+        w_max = fmaxf(w_max, v);
+        w_min = fminf(w_min, v);
+    }
+    const bool mask = fabsf(w_min) > fabsf(w_max);
+    float scale = fmaxf(__fdiv_rn(w_max - w_min, n_bins), 1e-7f);
+    if (!mask) scale = -scale;
+    const float edge = mask ? w_min : w_max;
+    const float q0 = rintf(__fdiv_rn(edge, scale));
+    float bias = 0.f;
+    if (q0 != 0.f) {
+        scale = __fdiv_rn(edge, q0);
+        bias = edge;
+    }
+    scales[gi] = from_f<T>(scale);
+    biases[gi] = from_f<T>(bias);
+    constexpr int PER = 32 / BITS;
+    uint32_t* cw = codes + gi * g / PER;
+    for (int w = 0; w < g / PER; ++w) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int k = 0; k < PER; ++k) {
+            const float v = to_f(xs[w * PER + k]);
+            const float c = fminf(fmaxf(rintf(__fdiv_rn(__fsub_rn(v, bias), scale)), 0.f), n_bins);
+            word |= ((uint32_t)c) << (k * BITS);
+        }
+        cw[w] = word;
+    }
+}
+
+#define QUANT_INST(TN, T, BITS)                                                                \
+    extern "C" __global__ void quantize_##TN##_##BITS(const QmatParams p, const T* x,          \
+                                                       uint32_t* codes, T* scales, T* biases) { \
+        quantize_body<T, BITS>(p, x, codes, scales, biases);                                   \
+    }
+QUANT_INST(f32, float, 4)
+QUANT_INST(f32, float, 8)
+QUANT_INST(f16, __half, 4)
+QUANT_INST(f16, __half, 8)
+QUANT_INST(bf16, __nv_bfloat16, 4)
+QUANT_INST(bf16, __nv_bfloat16, 8)

@@ -1,0 +1,88 @@
+#!/bin/bash
+# What one `device` call runs on the lent GPU machine (binaries from scripts/cuda-check.sh,
+# carried in .device/). Phases: check (kernels vs CPU, fixture tokens vs goldens), bench (our
+# bench, fused and unfused), profile (ncu over one decode step / one prefill), peers.
+# Outputs go to $OUT (or ./out).
+#
+#   bash scripts/device-run.sh check bench
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+for f in .device/*.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; done
+chmod +x .device/kernel_check .device/bench_kernels .device/bench .device/generate .device/peer_ct 2>/dev/null
+source .device/device-env.sh
+C=fixtures/real-configs
+B=.device/bench
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
+for phase in "$@"; do
+  case $phase in
+    check)
+      .device/kernel_check > "$OUT/kernel-check.txt" 2>&1; echo "kernel_check exit $?"
+      grep -E "FAIL" "$OUT/kernel-check.txt" | head -5
+      sed -n '/^summary/,$p' "$OUT/kernel-check.txt"
+      python3 scripts/gpu_tokens_check.py .device/generate > "$OUT/tokens-f32.txt" 2>&1; echo "tokens exit $?"
+      tail -3 "$OUT/tokens-f32.txt"
+      ;;
+    bench)
+      for m in e2b e4b 26b-a4b; do
+        $B --config $C/$m-config.json --prefill 512,4096 --batch 1,8,32 --context 128,4096 --steps 16 \
+          2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl" | grep -v memory | cut -c1-160
+      done
+      $B --config $C/31b-config.json --prefill 512,4096 --batch 1,8 --context 128 --steps 8 \
+        2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl" | cut -c1-160
+      $B --config $C/31b-config.json --prefill 0 --batch 1 --context 4096 --steps 8 \
+        2>>"$OUT/bench.err" | tee -a "$OUT/bench.jsonl" | grep decode | cut -c1-160
+      ;;
+    unfused)
+      for m in e4b 26b-a4b; do
+        CANDLE_GEMMA_UNFUSED=1 $B --config $C/$m-config.json --prefill 4096 --batch 1,8 --context 128 --steps 16 \
+          2>>"$OUT/bench.err" | tee -a "$OUT/bench-unfused.jsonl" | grep -v memory | cut -c1-160
+      done
+      ;;
+    quant)
+      $B --config $C/31b-config.json --weights q4 --memory-only 2>>"$OUT/bench.err" | tee -a "$OUT/bench-q.jsonl"
+      for m in e4b 31b; do
+        $B --config $C/$m-config.json --weights q4,q8 --prefill 512 --batch 1,8 --context 128 --kv dense,q4 --steps 8 \
+          2>>"$OUT/bench.err" | tee -a "$OUT/bench-q.jsonl" | cut -c1-160
+      done
+      ;;
+    profile)
+      NCU="ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv"
+      for m in e2b e4b 26b-a4b 31b; do
+        $B --config $C/$m-config.json --prefill 0 --batch 1 --context 128 --steps 16 2>>"$OUT/bench.err" >> "$OUT/bench.jsonl"
+        $NCU --log-file "$OUT/ncu-$m-decode.csv" $B --config $C/$m-config.json --prefill 0 --batch 1 --context 128 --steps 8 --profile \
+          > "$OUT/prof-$m-decode.jsonl" 2>>"$OUT/bench.err"
+        # Wall time of the same point from the bench phase (no profiler attached), else from this run.
+        wall=$(python3 - "$OUT" "$m" <<'PY'
+import json, sys, os
+out, m = sys.argv[1], sys.argv[2]
+def pick(path):
+    if not os.path.exists(path):
+        return None
+    for l in open(path):
+        if not l.startswith("{"):
+            continue
+        j = json.loads(l)
+        if j.get("op") == "decode" and j.get("model") == m + "-config" and j.get("batch") == 1 and j.get("context") == 128 and j.get("weights", "bf16") == "bf16":
+            return j["step_ms"]
+print(pick(out + "/bench.jsonl") or pick(out + "/prof-" + m + "-decode.jsonl"))
+PY
+)
+        python3 scripts/profile_summary.py "$OUT/ncu-$m-decode.csv" --wall-ms "$wall" --label "$m decode b=1 ctx=128" --top 12
+      done
+      $NCU --log-file "$OUT/ncu-e4b-prefill.csv" $B --config $C/e4b-config.json --prefill 4096 --batch 0 --profile \
+        > "$OUT/prof-e4b-prefill.jsonl" 2>>"$OUT/bench.err"
+      wall=$(python3 -c "import json,sys; print([4096e3/json.loads(l)['tok_s'] for l in open(sys.argv[1]) if 'prefill' in l][0])" "$OUT/prof-e4b-prefill.jsonl")
+      python3 scripts/profile_summary.py "$OUT/ncu-e4b-prefill.csv" --wall-ms "$wall" --label "e4b prefill 4096" --top 15
+      ;;
+    peers)
+      [ -x .device/peer_ct ] && .device/peer_ct $C/e2b-config.json $C/e4b-config.json $C/31b-config.json \
+        2>>"$OUT/peers.err" | tee -a "$OUT/peers.jsonl"
+      python3 scripts/peers/transformers_bench.py $C/e2b-config.json $C/e4b-config.json $C/26b-a4b-config.json $C/31b-config.json \
+        2>>"$OUT/peers.err" | tee -a "$OUT/peers.jsonl"
+      ;;
+    kernels)
+      .device/bench_kernels > "$OUT/bench-kernels.txt" 2>&1; tail -40 "$OUT/bench-kernels.txt"
+      ;;
+  esac
+done
