@@ -377,6 +377,35 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
     let y = grouped_matvec(&g(&wd)?, &g(&idx_t)?, &g(&hmid)?, false)?;
     let got = moe_mix(&y, &g(&mix)?)?;
     report("grouped_matvec + moe_mix", max_abs(&got, &want)?, lim);
+
+    // Greedy pick over a vocabulary-sized row, with a planted tie (the lower index wins).
+    if dtype == DType::F32 {
+        let mut rows = rnd(&[3, 262_144], DType::F32)?.to_vec2::<f32>()?;
+        rows[1][7] = 100.0;
+        rows[1][90_000] = 100.0;
+        let want: Vec<u32> = rows
+            .iter()
+            .map(|r| {
+                r.iter()
+                    .enumerate()
+                    .fold((0usize, f32::NEG_INFINITY), |b, (i, &v)| {
+                        if v > b.1 {
+                            (i, v)
+                        } else {
+                            b
+                        }
+                    })
+                    .0 as u32
+            })
+            .collect();
+        let x = Tensor::new(rows, &Device::Cpu)?;
+        let got = candle_gemma::kernels::cuda::fused::argmax_rows(&g(&x)?)?.to_vec1::<u32>()?;
+        report(
+            "argmax_rows",
+            if got == want { 0.0 } else { f32::INFINITY },
+            0.0,
+        );
+    }
     Ok(ok)
 }
 

@@ -70,9 +70,10 @@ PY
 )
         python3 scripts/profile_summary.py "$OUT/ncu-$m-decode.csv" --wall-ms "$wall" --label "$m decode b=1 ctx=128" --top 12
       done
+      $B --config $C/e4b-config.json --prefill 4096 --batch 0 2>>"$OUT/bench.err" | grep prefill > "$OUT/e4b-prefill-wall.jsonl"
       $NCU --log-file "$OUT/ncu-e4b-prefill.csv" $B --config $C/e4b-config.json --prefill 4096 --batch 0 --profile \
         > "$OUT/prof-e4b-prefill.jsonl" 2>>"$OUT/bench.err"
-      wall=$(python3 -c "import json,sys; print([4096e3/json.loads(l)['tok_s'] for l in open(sys.argv[1]) if 'prefill' in l][0])" "$OUT/prof-e4b-prefill.jsonl")
+      wall=$(python3 -c "import json,sys; print([4096e3/json.loads(l)['tok_s'] for l in open(sys.argv[1]) if 'prefill' in l][0])" "$OUT/e4b-prefill-wall.jsonl")
       python3 scripts/profile_summary.py "$OUT/ncu-e4b-prefill.csv" --wall-ms "$wall" --label "e4b prefill 4096" --top 15
       ;;
     peers)

@@ -21,8 +21,11 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
 
 constexpr int NORM_THREADS = 256;
+// The residual add + norm runs one row per block at decode: more threads, shorter serial loops.
+constexpr int ADD_NORM_THREADS = 1024;
 
-// Sum over the block (NORM_THREADS threads); `red` holds NORM_THREADS / 32 floats.
+// Sum over the block (THREADS threads); `red` holds THREADS / 32 floats.
+template <int THREADS = NORM_THREADS>
 __device__ __forceinline__ float block_sum(float v, float* red) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
@@ -32,7 +35,7 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
     __syncthreads();
     float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < NORM_THREADS / 32; ++w) s += red[w];
+    for (int w = 0; w < THREADS / 32; ++w) s += red[w];
     return s;
 }
 
@@ -52,18 +55,18 @@ __device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __
                                               const T* __restrict__ w2, T* __restrict__ out,
                                               T* __restrict__ out2) {
     extern __shared__ float row[];
-    __shared__ float red[NORM_THREADS / 32];
+    __shared__ float red[ADD_NORM_THREADS / 32];
     const size_t base = (size_t)blockIdx.x * p.dim;
     float ss = 0.f;
-    for (int i = threadIdx.x; i < (int)p.dim; i += NORM_THREADS) {
+    for (int i = threadIdx.x; i < (int)p.dim; i += ADD_NORM_THREADS) {
         const float v = to_f(y[base + i]);
         row[i] = v;
         ss += v * v;
     }
-    const float inv = rsqrtf(block_sum(ss, red) / p.dim + p.eps);
+    const float inv = rsqrtf(block_sum<ADD_NORM_THREADS>(ss, red) / p.dim + p.eps);
     const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
     float ss2 = 0.f;
-    for (int i = threadIdx.x; i < (int)p.dim; i += NORM_THREADS) {
+    for (int i = threadIdx.x; i < (int)p.dim; i += ADD_NORM_THREADS) {
         const float normed = rnd<T>(row[i] * inv * to_f(w[i]));
         float o = rnd<T>(to_f(res[base + i]) + normed);
         if (p.flags & 1) o = rnd<T>(o * s);
@@ -72,8 +75,8 @@ __device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __
         ss2 += o * o;
     }
     if (!(p.flags & 2)) return;
-    const float inv2 = rsqrtf(block_sum(ss2, red) / p.dim + p.eps);
-    for (int i = threadIdx.x; i < (int)p.dim; i += NORM_THREADS)
+    const float inv2 = rsqrtf(block_sum<ADD_NORM_THREADS>(ss2, red) / p.dim + p.eps);
+    for (int i = threadIdx.x; i < (int)p.dim; i += ADD_NORM_THREADS)
         out2[base + i] = from_f<T>(row[i] * inv2 * to_f(w2[i]));
 }
 
@@ -380,8 +383,65 @@ __device__ __forceinline__ void masked_softmax_body(const SoftmaxParams p,
         orow[j] = from_f<T>(visible(j) ? __expf(to_f(sr[j]) * p.scale - m) * inv : 0.f);
 }
 
+// Device-to-device copy through the SMs (16-byte loads and stores, grid-stride): the
+// bandwidth reference of the benches, the access pattern of a bandwidth-bound kernel.
+extern "C" __global__ void copy_u4(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                   uint64_t n) {
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
+
+// Greedy pick: the index of the largest f32 of each row (ties: the lowest index; NaN never
+// wins). One block of 1024 threads per row.
+extern "C" __global__ void __launch_bounds__(1024)
+    argmax_rows_f32(const float* __restrict__ x, uint32_t cols, uint32_t* __restrict__ out) {
+    __shared__ float sv[32];
+    __shared__ uint32_t si[32];
+    const float* r = x + (size_t)blockIdx.x * cols;
+    float bv = -INFINITY;
+    uint32_t bi = 0xffffffffu;
+    for (uint32_t j = threadIdx.x; j < cols; j += blockDim.x) {
+        const float v = r[j];
+        if (v > bv || (v == bv && j < bi)) {
+            bv = v;
+            bi = j;
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
+        if (ov > bv || (ov == bv && oi < bi)) {
+            bv = ov;
+            bi = oi;
+        }
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x / 32;
+        bv = lane < nw ? sv[lane] : -INFINITY;
+        bi = lane < nw ? si[lane] : 0xffffffffu;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+            const uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
+            if (ov > bv || (ov == bv && oi < bi)) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (lane == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
+    }
+}
+
 #define FUSED_INST(TN, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
+    extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                             \
         add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,             \
                       const T* scalar, const T* w2, T* out, T* out2) {                         \
         add_norm_body<T>(p, res, y, w, scalar, w2, out, out2);                                 \

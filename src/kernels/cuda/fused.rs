@@ -15,6 +15,8 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
 const MODULE: &str = "candle_gemma_fused";
 /// Threads of the norm kernels (`NORM_THREADS`).
 const NORM_THREADS: u32 = 256;
+/// Threads of the residual add + norm kernel (`ADD_NORM_THREADS`).
+const ADD_NORM_THREADS: u32 = 1024;
 /// Output rows per grouped-matvec block (`GMV_WARPS`).
 const GMV_WARPS: usize = 8;
 /// Experts per lane of the router kernel (`ROUTE_MAX_PER_LANE`): at most 512 experts.
@@ -208,7 +210,7 @@ pub fn add_norm(
     )?;
     let cfg = LaunchConfig {
         grid_dim: (params.rows, 1, 1),
-        block_dim: (NORM_THREADS, 1, 1),
+        block_dim: (ADD_NORM_THREADS, 1, 1),
         shared_mem_bytes: (dim * 4) as u32,
     };
     let shape = res.dims().to_vec();
@@ -711,4 +713,72 @@ pub fn masked_softmax(
         }
         Ok(wrap(out, &dev, &dims))
     })
+}
+
+/// Copies `src` into `dst` (same byte size, contiguous, a multiple of 16 bytes) with an SM copy
+/// kernel: the bandwidth reference of the benches.
+///
+/// # Errors
+/// Sizes that disagree, CUDA errors.
+pub fn device_copy(src: &Tensor, dst: &Tensor) -> Result<()> {
+    let bytes = src.elem_count() * src.dtype().size_in_bytes();
+    if bytes != dst.elem_count() * dst.dtype().size_in_bytes()
+        || bytes % 16 != 0
+        || src.dtype() != DType::F32
+        || dst.dtype() != DType::F32
+        || !src.is_contiguous()
+        || !dst.is_contiguous()
+    {
+        candle_core::bail!("device_copy: two contiguous f32 tensors of one size (x16 bytes)");
+    }
+    let dev = cuda_dev(src)?;
+    let func = dev.get_or_load_custom_func("copy_u4", MODULE, PTX)?;
+    let n = (bytes / 16) as u64;
+    let cfg = LaunchConfig {
+        grid_dim: (132 * 16, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    bind!(sv, src, f32);
+    bind!(dv, dst, f32);
+    let mut b = func.builder();
+    b.arg(&sv);
+    b.arg(&dv);
+    b.arg(&n);
+    // SAFETY: both buffers hold `n` 16-byte chunks from their (16-byte aligned) starts.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Index of the largest value of each row of f32 `[rows, cols]` (ties: lowest index), as u32
+/// `[rows]`: greedy decoding without copying the logits to the host.
+///
+/// # Errors
+/// Non-f32 input, CUDA errors.
+pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
+    let (rows, cols) = x.dims2()?;
+    if x.dtype() != DType::F32 {
+        candle_core::bail!("argmax_rows: f32 expected, found {:?}", x.dtype());
+    }
+    let dev = cuda_dev(x)?;
+    let x = x.contiguous()?;
+    let func = dev.get_or_load_custom_func("argmax_rows_f32", MODULE, PTX)?;
+    let cfg = LaunchConfig {
+        grid_dim: (u32_of(rows, "rows")?.max(1), 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let cols32 = u32_of(cols, "columns")?;
+    // SAFETY: one block per row writes its index.
+    let mut out = unsafe { dev.alloc::<u32>(rows.max(1))? };
+    if rows > 0 {
+        bind!(xv, x, f32);
+        let mut b = func.builder();
+        b.arg(&xv);
+        b.arg(&cols32);
+        b.arg(&mut out);
+        // SAFETY: arguments match the kernel's signature.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(wrap(out, &dev, &[rows]))
 }
