@@ -405,13 +405,16 @@ fn fingerprint(dir: &Path, dtype: DType) -> Result<String> {
     Ok(format!("{h:016x}"))
 }
 
-/// Bytes of device memory in use on `device` by every process (total minus free), or `None`
+/// Bytes of device memory in use on `device` by every process (total minus free, after the
+/// memory pool returned its unused blocks), or `None`
 /// where the backend does not report it (the CPU, Metal). Sampled before and after loading a
 /// model, the difference is the model's resident size as the driver sees it.
 pub fn device_memory_in_use(device: &Device) -> Option<usize> {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(d) = device {
         device.synchronize().ok()?;
+        // Freed blocks the pool keeps for reuse are not in use.
+        crate::kernels::cuda::launch::trim_pool(d).ok()?;
         let (free, total) = d.cuda_stream().context().mem_get_info().ok()?;
         return Some(total - free);
     }

@@ -27,8 +27,17 @@ def main(paths, prefills=(512, 4096), batches=(1, 8), context=128, steps=16):
         cfg = text_config(path)
         cfg._attn_implementation = "sdpa"
         torch.manual_seed(0)
-        with torch.device(dev):
-            model = Gemma4ForCausalLM(cfg).to(torch.bfloat16).eval()
+        # Built in bf16 directly (an f32 build of 26B-A4B / 31B does not fit in 80 GB).
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(dev):
+                model = Gemma4ForCausalLM(cfg).eval()
+        except torch.OutOfMemoryError as e:
+            print(json.dumps({"engine": "transformers", "model": name, "error": str(e)[:200]}), flush=True)
+            torch.cuda.empty_cache()
+            continue
+        finally:
+            torch.set_default_dtype(torch.float32)
         vocab = cfg.vocab_size
         with torch.inference_mode():
             for n in prefills:

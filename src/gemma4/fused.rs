@@ -18,7 +18,18 @@ pub(crate) fn enabled(device: &candle_core::Device) -> bool {
     let off = *OFF.get_or_init(|| {
         std::env::var("CANDLE_GEMMA_UNFUSED").is_ok_and(|v| !v.is_empty() && v != "0")
     });
-    cfg!(feature = "cuda") && device.is_cuda() && !off
+    let on = cfg!(feature = "cuda") && device.is_cuda() && !off;
+    #[cfg(feature = "cuda")]
+    if on {
+        static POOL: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+        POOL.get_or_init(|| {
+            if let candle_core::Device::Cuda(d) = device {
+                // Best effort: without it the pool only regrows more often.
+                let _ = crate::kernels::cuda::launch::retain_pool_memory(d);
+            }
+        });
+    }
+    on
 }
 
 /// `res + norm(y)`, times `scalar` when given; with `next` also `next(result)`.

@@ -44,37 +44,50 @@ fn main() -> Result<()> {
         dev.synchronize()?;
         let vocab = cfg.vocab_size;
         for n in [512usize, 4096] {
-            model.clear_kv_cache();
-            let _ = model.forward(&ids(1, 16, 0, vocab, &dev)?, 0)?;
-            model.clear_kv_cache();
-            dev.synchronize()?;
-            let t = Instant::now();
-            let out = model.forward(&ids(1, n, 1, vocab, &dev)?, 0);
-            let out = out.and_then(|l| l.squeeze(1)?.argmax(1)?.to_vec1::<u32>());
-            let secs = t.elapsed().as_secs_f64();
-            match out {
-                Ok(_) => println!("{}", json!({"engine": "candle-transformers", "model": name, "op": "prefill", "tokens": n, "tok_s": n as f64 / secs})),
+            let mut point = || -> Result<f64> {
+                model.clear_kv_cache();
+                let _ = model.forward(&ids(1, 16, 0, vocab, &dev)?, 0)?;
+                model.clear_kv_cache();
+                dev.synchronize()?;
+                let t = Instant::now();
+                let _ = model
+                    .forward(&ids(1, n, 1, vocab, &dev)?, 0)?
+                    .squeeze(1)?
+                    .argmax(1)?
+                    .to_vec1::<u32>()?;
+                Ok(n as f64 / t.elapsed().as_secs_f64())
+            };
+            match point() {
+                Ok(tok_s) => println!("{}", json!({"engine": "candle-transformers", "model": name, "op": "prefill", "tokens": n, "tok_s": tok_s})),
                 Err(e) => println!("{}", json!({"engine": "candle-transformers", "model": name, "op": "prefill", "tokens": n, "error": e.to_string()})),
             }
         }
         for b in [1usize, 8] {
             let context = 128;
             let steps = 16;
-            model.clear_kv_cache();
-            let _ = model.forward(&ids(b, context, 2, vocab, &dev)?, 0)?;
-            let step = ids(b, 1, 3, vocab, &dev)?;
-            let _ = model.forward(&step, context)?.squeeze(1)?.argmax(1)?.to_vec1::<u32>()?;
-            let t = Instant::now();
-            for i in 0..steps {
-                let _ = model
-                    .forward(&step, context + 1 + i)?
-                    .squeeze(1)?
-                    .argmax(1)?
-                    .to_vec1::<u32>()?;
+            let mut point = || -> Result<f64> {
+                model.clear_kv_cache();
+                let _ = model.forward(&ids(b, context, 2, vocab, &dev)?, 0)?;
+                let step = ids(b, 1, 3, vocab, &dev)?;
+                let _ = model.forward(&step, context)?.squeeze(1)?.argmax(1)?.to_vec1::<u32>()?;
+                let t = Instant::now();
+                for i in 0..steps {
+                    let _ = model
+                        .forward(&step, context + 1 + i)?
+                        .squeeze(1)?
+                        .argmax(1)?
+                        .to_vec1::<u32>()?;
+                }
+                Ok(t.elapsed().as_secs_f64() / steps as f64)
+            };
+            match point() {
+                Ok(secs) => println!("{}", json!({"engine": "candle-transformers", "model": name, "op": "decode", "batch": b, "context": context, "tok_s": b as f64 / secs, "step_ms": secs * 1e3})),
+                Err(e) => println!("{}", json!({"engine": "candle-transformers", "model": name, "op": "decode", "batch": b, "error": e.to_string()})),
             }
-            let secs = t.elapsed().as_secs_f64() / steps as f64;
-            println!("{}", json!({"engine": "candle-transformers", "model": name, "op": "decode", "batch": b, "context": context, "tok_s": b as f64 / secs, "step_ms": secs * 1e3}));
         }
+        model.clear_kv_cache();
+        drop(model);
+        drop(map);
     }
     Ok(())
 }
