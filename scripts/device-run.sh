@@ -22,6 +22,9 @@ for phase in "$@"; do
       sed -n '/^summary/,$p' "$OUT/kernel-check.txt"
       python3 scripts/gpu_tokens_check.py .device/generate > "$OUT/tokens-f32.txt" 2>&1; echo "tokens exit $?"
       tail -3 "$OUT/tokens-f32.txt"
+      # The MoE fixture again with every forward through the sorted (prefill) expert path.
+      CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=0 python3 scripts/gpu_tokens_check.py .device/generate > "$OUT/tokens-f32-moe-sorted.txt" 2>&1
+      echo "tokens (MoE sorted path) exit $?"; tail -1 "$OUT/tokens-f32-moe-sorted.txt"
       ;;
     bench)
       for m in e2b e4b 26b-a4b; do

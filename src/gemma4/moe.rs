@@ -9,6 +9,22 @@ use crate::config::{Config, MoeConfig};
 use crate::error::{Error, Result};
 use crate::weights::{KeyLayout, WeightStore};
 
+/// Above this many tokens a CUDA forward sorts the picks by expert and runs tensor-core
+/// matmuls per expert; up to it, the grouped matrix-vector kernel reads each expert once.
+/// `CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS` overrides it (0 sends every forward through the
+/// sorted path, which is how the GPU token check covers that path on the short fixture
+/// prompts).
+#[cfg(feature = "cuda")]
+fn grouped_max_tokens() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(64)
+    })
+}
+
 /// Router: `softmax` over the top-k logits of `proj(rms(x) * scale * H^-½)`, times
 /// `per_expert_scale` (softmax over the selected logits equals the renormalised full softmax).
 #[derive(Debug, Clone)]
@@ -166,6 +182,10 @@ impl MoeBlock {
         let r = &self.router;
         let logits = r.proj.forward(&r.norm.forward(router_input)?)?;
         let tokens = logits.dim(0)?;
+        if tokens > grouped_max_tokens() {
+            let (idx, mix) = moe_route(&logits, &r.per_expert_scale_dev, r.top_k)?;
+            return self.forward_sorted(x, &idx, &mix);
+        }
         let slice = (GROUPED_MAX_PAIRS / r.top_k).max(1);
         let width = self.experts.width;
         let mut outs = Vec::with_capacity(tokens.div_ceil(slice));
@@ -186,6 +206,69 @@ impl MoeBlock {
         } else {
             Tensor::cat(&outs, 0)?
         })
+    }
+
+    /// Many tokens (prefill): the picks are sorted by expert on the host (one copy of the
+    /// routing per layer), the rows gathered once, and each picked expert runs two tensor-core
+    /// matmuls over its contiguous block of rows.
+    #[cfg(feature = "cuda")]
+    fn forward_sorted(&self, x: &Tensor, idx: &Tensor, mix: &Tensor) -> Result<Tensor> {
+        use crate::kernels::cuda::fused::moe_mix;
+        let (tokens, k) = idx.dims2()?;
+        let picks = idx.flatten_all()?.to_vec1::<u32>()?;
+        let n_experts = self.experts.gate_up.dim(0)?;
+        // Pairs (t * k + j) ordered by expert, and each expert's run.
+        let mut order: Vec<u32> = (0..picks.len() as u32).collect();
+        order.sort_by_key(|&p| picks[p as usize]);
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new(); // (expert, start, len)
+        for (i, &p) in order.iter().enumerate() {
+            let e = picks[p as usize] as usize;
+            if e >= n_experts {
+                return Err(Error::Input(format!(
+                    "router picked expert {e} of {n_experts}"
+                )));
+            }
+            match runs.last_mut() {
+                Some((last, _, len)) if *last == e => *len += 1,
+                _ => runs.push((e, i, 1)),
+            }
+        }
+        let dev = x.device();
+        let rows: Vec<u32> = order.iter().map(|&p| p / k as u32).collect();
+        let n = rows.len();
+        let x_sorted = x.index_select(&Tensor::from_vec(rows, n, dev)?, 0)?;
+        let width = self.experts.width;
+        let gu = Tensor::cat(
+            &runs
+                .iter()
+                .map(|&(e, start, len)| {
+                    x_sorted
+                        .narrow(0, start, len)?
+                        .matmul(&self.experts.gate_up.get(e)?.t()?)
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?,
+            0,
+        )?;
+        let hidden = fused::gelu_mul(&gu.narrow(1, 0, width)?, &gu.narrow(1, width, width)?)?;
+        let y_sorted = Tensor::cat(
+            &runs
+                .iter()
+                .map(|&(e, start, len)| {
+                    hidden
+                        .narrow(0, start, len)?
+                        .matmul(&self.experts.down.get(e)?.t()?)
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?,
+            0,
+        )?;
+        // Back to pair order (t * k + j), then the weighted sum per token.
+        let mut inverse = vec![0u32; n];
+        for (i, &p) in order.iter().enumerate() {
+            inverse[p as usize] = i as u32;
+        }
+        let y = y_sorted.index_select(&Tensor::from_vec(inverse, n, dev)?, 0)?;
+        debug_assert_eq!(y.dim(0)?, tokens * k);
+        Ok(moe_mix(&y, mix)?)
     }
 
     #[cfg(not(feature = "cuda"))]
