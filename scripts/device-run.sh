@@ -85,6 +85,9 @@ PY
       python3 scripts/peers/transformers_bench.py $C/e2b-config.json $C/e4b-config.json $C/26b-a4b-config.json $C/31b-config.json \
         2>>"$OUT/peers.err" | tee -a "$OUT/peers.jsonl"
       ;;
+    table)
+      python3 scripts/perf_table.py "$OUT/bench.jsonl" "$OUT/peers.jsonl" | tee "$OUT/table.md"
+      ;;
     kernels)
       .device/bench_kernels > "$OUT/bench-kernels.txt" 2>&1; tail -40 "$OUT/bench-kernels.txt"
       ;;

@@ -148,11 +148,11 @@ impl<'m> Generator<'m> {
         };
         let rest = &prompt[reused..];
         let chunk = self.options.prefill_chunk.unwrap_or(rest.len()).max(1);
-        let mut logits = Vec::new();
+        let mut logits = None;
         for piece in rest.chunks(chunk) {
             let out = self.model.forward(&[piece.to_vec()], &mut cache);
             match out {
-                Ok(l) => logits = l.squeeze(0)?.to_vec1::<f32>()?,
+                Ok(l) => logits = Some(l.squeeze(0)?),
                 Err(e) => {
                     self.cached_tokens.clear();
                     return Err(e);
@@ -182,7 +182,14 @@ impl<'m> Generator<'m> {
                 .map(|t| StreamDecoder::new(t, options.skip_special_tokens)),
             stops: StopStrings::new(options.stop_strings.iter().cloned()),
             history: prompt.to_vec(),
-            logits,
+            logits: match logits {
+                Some(l) => l,
+                None => candle_core::Tensor::zeros(
+                    0,
+                    candle_core::DType::F32,
+                    &candle_core::Device::Cpu,
+                )?,
+            },
             eos,
             max_tokens: options.max_tokens,
             generated: 0,
@@ -236,8 +243,8 @@ pub struct Stream<'g, 'm> {
     decoder: Option<StreamDecoder<'m>>,
     stops: StopStrings,
     history: Vec<u32>,
-    /// Logits of the next token.
-    logits: Vec<f32>,
+    /// Logits of the next token, `[vocab]` f32 where the model left them.
+    logits: candle_core::Tensor,
     eos: Vec<u32>,
     max_tokens: usize,
     generated: usize,
@@ -262,11 +269,26 @@ impl Stream<'_, '_> {
         s
     }
 
+    /// The next token from the current logits. Plain greedy decoding on CUDA takes the argmax
+    /// on the device and copies one id back; anything else copies the logits to the sampler.
+    fn pick(&mut self) -> Result<u32> {
+        #[cfg(feature = "cuda")]
+        if self.sampler.is_plain_greedy() && self.logits.device().is_cuda() {
+            let rows = self.logits.unsqueeze(0)?;
+            let ids = crate::kernels::cuda::fused::argmax_rows(&rows)?.to_vec1::<u32>()?;
+            if let Some(&id) = ids.first() {
+                return Ok(id);
+            }
+        }
+        let host = self.logits.to_vec1::<f32>()?;
+        Ok(self.sampler.sample(&host, &self.history))
+    }
+
     fn next_step(&mut self) -> Result<Option<StepOutput>> {
         if self.done {
             return Ok(None);
         }
-        let token = self.sampler.sample(&self.logits, &self.history);
+        let token = self.pick()?;
         self.history.push(token);
         self.generated += 1;
         if self.decode_started.is_none() {
@@ -302,7 +324,7 @@ impl Stream<'_, '_> {
             })?;
             let logits = self.generator.model.forward(&[vec![token]], cache)?;
             self.generator.cached_tokens.push(token);
-            self.logits = logits.squeeze(0)?.to_vec1::<f32>()?;
+            self.logits = logits.squeeze(0)?;
         }
         Ok(Some(StepOutput {
             token,

@@ -78,6 +78,13 @@ impl Sampler {
         &self.opts
     }
 
+    /// Whether [`Sampler::sample`] is a plain argmax (greedy, no repetition penalty), which the
+    /// caller may then compute where the logits live.
+    pub fn is_plain_greedy(&self) -> bool {
+        let t = self.opts.temperature;
+        !(t.is_finite() && t > 0.0) && self.opts.repetition_penalty.is_none()
+    }
+
     /// Chooses the next token.
     ///
     /// `logits`: `[vocab]`, one score per token id. `history`: the tokens generated (and, if
