@@ -39,3 +39,35 @@ fn quantized_weights_stay_packed() {
         );
     }
 }
+
+#[test]
+fn random_packed_models_report_their_packed_size() {
+    use candle_gemma::config::Config;
+    use candle_gemma::kv::QuantBits;
+    let dir = fixture("e2b-hf");
+    let text = std::fs::read_to_string(dir.join("config.json")).expect("config");
+    let cfg = Config::from_json(&serde_json::from_str(&text).expect("json"), None).expect("cfg");
+    let dev = candle_core::Device::Cpu;
+    let dense = Model::random(cfg.clone(), &dev, DType::BF16, 3).expect("dense");
+    let packed =
+        Model::random_packed(cfg.clone(), &dev, DType::BF16, 3, QuantBits::Four, 32).expect("q4");
+    // Everything generated is resident, at its stored size.
+    assert_eq!(
+        dense.checkpoint_bytes(),
+        dense.text_model().resident_bytes()
+    );
+    assert_eq!(
+        packed.checkpoint_bytes(),
+        packed.text_model().resident_bytes()
+    );
+    assert!(packed.checkpoint_bytes() * 2 < dense.checkpoint_bytes());
+    // And it runs.
+    let mut cache = packed
+        .new_cache(&candle_gemma::CacheConfig::default())
+        .expect("cache");
+    let logits = packed
+        .forward(&[vec![2, 5, 9]], &mut cache)
+        .expect("forward");
+    assert_eq!(logits.dims(), &[1, cfg.vocab_size]);
+    assert!(Model::random_packed(cfg, &dev, DType::BF16, 3, QuantBits::Four, 48).is_err());
+}

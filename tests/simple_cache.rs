@@ -141,3 +141,24 @@ fn storage_grows_in_amortised_steps() {
         .flatten()
         .all(|c| matches!(c, LayerCache::Simple(_))));
 }
+
+#[test]
+fn prompts_longer_than_one_prefill_chunk_equal_pieces() {
+    // The model splits prompts longer than PREFILL_CHUNK itself; feeding the same prompt in
+    // uneven pieces by hand must give the same last logits and offsets.
+    let model = load("e2b-hf");
+    let vocab = model.config().vocab_size as u32;
+    let n = candle_gemma::gemma4::model::PREFILL_CHUNK + 77;
+    let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 3) % vocab).collect();
+    let mut whole = model.new_cache(&simple()).expect("cache");
+    let want = step(&model, &mut whole, &prompt);
+    let mut pieces = model.new_cache(&simple()).expect("cache");
+    let mut got = Vec::new();
+    for piece in prompt.chunks(300) {
+        got = step(&model, &mut pieces, piece);
+    }
+    assert_eq!(whole.offsets(), vec![n]);
+    assert_eq!(pieces.offsets(), vec![n]);
+    let d = logprob_diff(&got, &want);
+    assert!(d < LOGPROB_TOL, "{d}");
+}
