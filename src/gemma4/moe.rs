@@ -9,8 +9,9 @@ use crate::config::{Config, MoeConfig};
 use crate::error::{Error, Result};
 use crate::weights::{KeyLayout, WeightStore};
 
-/// Above this many tokens a CUDA forward sorts the picks by expert and runs tensor-core
-/// matmuls per expert; up to it, the grouped matrix-vector kernel reads each expert once.
+/// Above this many tokens a CUDA forward groups the picks by expert and runs the experts as
+/// batched tensor-core matmuls; up to it, the grouped matrix-vector kernel reads each expert
+/// once.
 /// `CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS` overrides it (0 sends every forward through the
 /// sorted path, which is how the GPU token check covers that path on the short fixture
 /// prompts).
@@ -208,66 +209,51 @@ impl MoeBlock {
         })
     }
 
-    /// Many tokens (prefill): the picks are sorted by expert on the host (one copy of the
-    /// routing per layer), the rows gathered once, and each picked expert runs two tensor-core
-    /// matmuls over its contiguous block of rows.
+    /// Many tokens (prefill): the picks are grouped by expert on the host (one copy of the
+    /// routing per layer) into a `[experts, longest group, hidden]` block padded with row 0,
+    /// and both expert products run as one batched tensor-core matmul each (padding rows are
+    /// computed and dropped).
     #[cfg(feature = "cuda")]
     fn forward_sorted(&self, x: &Tensor, idx: &Tensor, mix: &Tensor) -> Result<Tensor> {
         use crate::kernels::cuda::fused::moe_mix;
-        let (tokens, k) = idx.dims2()?;
+        let (_, k) = idx.dims2()?;
         let picks = idx.flatten_all()?.to_vec1::<u32>()?;
         let n_experts = self.experts.gate_up.dim(0)?;
-        // Pairs (t * k + j) ordered by expert, and each expert's run.
-        let mut order: Vec<u32> = (0..picks.len() as u32).collect();
-        order.sort_by_key(|&p| picks[p as usize]);
-        let mut runs: Vec<(usize, usize, usize)> = Vec::new(); // (expert, start, len)
-        for (i, &p) in order.iter().enumerate() {
-            let e = picks[p as usize] as usize;
+        let mut groups: Vec<Vec<u32>> = vec![Vec::new(); n_experts];
+        for (p, &e) in picks.iter().enumerate() {
+            let e = e as usize;
             if e >= n_experts {
                 return Err(Error::Input(format!(
                     "router picked expert {e} of {n_experts}"
                 )));
             }
-            match runs.last_mut() {
-                Some((last, _, len)) if *last == e => *len += 1,
-                _ => runs.push((e, i, 1)),
+            groups[e].push(p as u32);
+        }
+        let longest = groups.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        // Row of each padded slot (token of the pair, or 0 for padding), and the slot of each
+        // pair for the way back.
+        let mut rows = vec![0u32; n_experts * longest];
+        let mut slot_of = vec![0u32; picks.len()];
+        for (e, g) in groups.iter().enumerate() {
+            for (i, &p) in g.iter().enumerate() {
+                rows[e * longest + i] = p / k as u32;
+                slot_of[p as usize] = (e * longest + i) as u32;
             }
         }
         let dev = x.device();
-        let rows: Vec<u32> = order.iter().map(|&p| p / k as u32).collect();
-        let n = rows.len();
-        let x_sorted = x.index_select(&Tensor::from_vec(rows, n, dev)?, 0)?;
+        let h = x.dim(1)?;
+        let n_slots = rows.len();
+        let x_pad = x
+            .index_select(&Tensor::from_vec(rows, n_slots, dev)?, 0)?
+            .reshape((n_experts, longest, h))?;
         let width = self.experts.width;
-        let gu = Tensor::cat(
-            &runs
-                .iter()
-                .map(|&(e, start, len)| {
-                    x_sorted
-                        .narrow(0, start, len)?
-                        .matmul(&self.experts.gate_up.get(e)?.t()?)
-                })
-                .collect::<candle_core::Result<Vec<_>>>()?,
-            0,
-        )?;
-        let hidden = fused::gelu_mul(&gu.narrow(1, 0, width)?, &gu.narrow(1, width, width)?)?;
-        let y_sorted = Tensor::cat(
-            &runs
-                .iter()
-                .map(|&(e, start, len)| {
-                    hidden
-                        .narrow(0, start, len)?
-                        .matmul(&self.experts.down.get(e)?.t()?)
-                })
-                .collect::<candle_core::Result<Vec<_>>>()?,
-            0,
-        )?;
-        // Back to pair order (t * k + j), then the weighted sum per token.
-        let mut inverse = vec![0u32; n];
-        for (i, &p) in order.iter().enumerate() {
-            inverse[p as usize] = i as u32;
-        }
-        let y = y_sorted.index_select(&Tensor::from_vec(inverse, n, dev)?, 0)?;
-        debug_assert_eq!(y.dim(0)?, tokens * k);
+        let gu = x_pad.matmul(&self.experts.gate_up.transpose(1, 2)?)?; // [E, L, 2I]
+        let hidden = fused::gelu_mul(&gu.narrow(2, 0, width)?, &gu.narrow(2, width, width)?)?;
+        let y_pad = hidden.matmul(&self.experts.down.transpose(1, 2)?)?; // [E, L, H]
+        let n = slot_of.len();
+        let y = y_pad
+            .reshape((n_slots, h))?
+            .index_select(&Tensor::from_vec(slot_of, n, dev)?, 0)?;
         Ok(moe_mix(&y, mix)?)
     }
 
