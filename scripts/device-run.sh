@@ -85,6 +85,16 @@ PY
       python3 scripts/peers/transformers_bench.py $C/e2b-config.json $C/e4b-config.json $C/26b-a4b-config.json $C/31b-config.json \
         2>>"$OUT/peers.err" | tee -a "$OUT/peers.jsonl"
       ;;
+    tokens)
+      python3 scripts/gpu_tokens_check.py .device/generate > "$OUT/tokens-f32.txt" 2>&1; echo "tokens exit $?"; tail -1 "$OUT/tokens-f32.txt"
+      CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=0 python3 scripts/gpu_tokens_check.py .device/generate > "$OUT/tokens-f32-moe-sorted.txt" 2>&1
+      echo "tokens (MoE sorted path) exit $?"; tail -1 "$OUT/tokens-f32-moe-sorted.txt"
+      ;;
+    moe)
+      $B --config $C/26b-a4b-config.json --prefill 512,4096 --batch 1,32 --context 128 --steps 8 \
+        2>>"$OUT/bench.err" | tee -a "$OUT/bench-moe.jsonl" | cut -c1-160
+      python3 scripts/peers/transformers_bench.py $C/26b-a4b-config.json 2>>"$OUT/peers.err" | tee -a "$OUT/peers-moe.jsonl"
+      ;;
     table)
       python3 scripts/perf_table.py "$OUT/bench.jsonl" "$OUT/peers.jsonl" | tee "$OUT/table.md"
       ;;
