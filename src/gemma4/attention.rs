@@ -34,10 +34,11 @@ struct KvNorms {
 /// V is the raw K projection (full layers of k_eq_v models).
 #[derive(Debug, Clone)]
 enum InProj {
-    /// Dense q, k and v stacked row-wise into one `[q; k; v]` weight: one product per step.
+    /// Dense q, k and v stacked row-wise into one `[q; k; v]` weight: one product per step
+    /// (CUDA).
     /// The widths of the three parts (0 for an absent one).
     Stacked { weight: Linear, widths: [usize; 3] },
-    /// One product per part (a part is packed, so they cannot be stacked).
+    /// One product per part (off CUDA, or a part is packed).
     Split {
         q: Linear,
         k: Option<Linear>,
@@ -148,7 +149,14 @@ impl Attention {
             .into_iter()
             .flatten()
             .collect();
-        let proj = match Linear::stack(&parts)? {
+        // Stacked on CUDA, where one product instead of three saves launches; elsewhere the
+        // products stay separate, summing exactly as the references' separate products do.
+        let stacked = if vb.device().is_cuda() {
+            Linear::stack(&parts)?
+        } else {
+            None
+        };
+        let proj = match stacked {
             Some(weight) => InProj::Stacked {
                 weight,
                 widths: [

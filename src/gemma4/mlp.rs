@@ -6,12 +6,13 @@ use super::{fused, Linear};
 use crate::error::Result;
 use crate::weights::WeightStore;
 
-/// The gate and up projections: stacked into one `[gate; up]` product when both are dense.
+/// The gate and up projections: stacked into one `[gate; up]` product when both are dense and
+/// the model runs on CUDA.
 #[derive(Debug, Clone)]
 enum GateUp {
     /// `[2 * width, hidden]`: gate rows, then up rows.
     Stacked { weight: Linear, width: usize },
-    /// One product each (packed weights).
+    /// One product each (off CUDA, or packed weights).
     Split { gate: Linear, up: Linear },
 }
 
@@ -43,7 +44,13 @@ impl Mlp {
         };
         let gate = lin("gate_proj", [width, hidden])?;
         let up = lin("up_proj", [width, hidden])?;
-        let gate_up = match Linear::stack(&[&gate, &up])? {
+        // Stacked on CUDA only, as in attention.
+        let stacked = if vb.device().is_cuda() {
+            Linear::stack(&[&gate, &up])?
+        } else {
+            None
+        };
+        let gate_up = match stacked {
             Some(weight) => GateUp::Stacked { weight, width },
             None => GateUp::Split { gate, up },
         };
