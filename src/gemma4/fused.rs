@@ -2,35 +2,14 @@
 //! (`cuda` feature, CUDA tensors) and the chain of candle ops it replaces, which runs everywhere
 //! else and is the reference the kernels are checked against.
 //!
-//! Setting `CANDLE_GEMMA_UNFUSED=1` forces the candle chains on CUDA too (to measure what the
-//! fusion buys, or to rule it out when debugging).
+//! [`crate::kernels::fused_enabled`] decides which runs (`CANDLE_GEMMA_UNFUSED=1` forces the
+//! candle chains on CUDA too).
 
 use candle_core::Tensor;
 
 use super::norm::RmsNorm;
 use super::rope;
 use crate::error::Result;
-
-/// Whether the fused CUDA kernels may run for tensors on `device`.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn enabled(device: &candle_core::Device) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| {
-        std::env::var("CANDLE_GEMMA_UNFUSED").is_ok_and(|v| !v.is_empty() && v != "0")
-    });
-    let on = cfg!(feature = "cuda") && device.is_cuda() && !off;
-    #[cfg(feature = "cuda")]
-    if on {
-        static POOL: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-        POOL.get_or_init(|| {
-            if let candle_core::Device::Cuda(d) = device {
-                // Best effort: without it the pool only regrows more often.
-                let _ = crate::kernels::cuda::launch::retain_pool_memory(d);
-            }
-        });
-    }
-    on
-}
 
 /// `res + norm(y)`, times `scalar` when given; with `next` also `next(result)`.
 ///
@@ -44,7 +23,7 @@ pub(crate) fn add_norm(
     next: Option<&RmsNorm>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     #[cfg(feature = "cuda")]
-    if enabled(res.device()) && norm.weight().dtype() == res.dtype() {
+    if crate::kernels::fused_enabled(res.device()) && norm.weight().dtype() == res.dtype() {
         return Ok(crate::kernels::cuda::fused::add_norm(
             res,
             y,
@@ -71,7 +50,7 @@ pub(crate) fn add_norm(
 /// Shape mismatch.
 pub(crate) fn gelu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if enabled(a.device()) {
+    if crate::kernels::fused_enabled(a.device()) {
         return Ok(crate::kernels::cuda::fused::gelu_mul(a, b)?);
     }
     // candle's `gelu` is the tanh approximation (`gelu_pytorch_tanh`).
@@ -108,7 +87,8 @@ pub(crate) fn qkv_prep(inp: &QkvInput<'_>) -> Result<QkvOutput> {
     let (b, s, _) = inp.q.dims3()?;
     let hd = inp.head_dim;
     #[cfg(feature = "cuda")]
-    if enabled(inp.q.device()) && inp.q_norm.weight().dtype() == inp.q.dtype() {
+    if crate::kernels::fused_enabled(inp.q.device()) && inp.q_norm.weight().dtype() == inp.q.dtype()
+    {
         let (q, k, v) = (inp.q, inp.k.map(|(k, _)| k), inp.v.map(|(v, _)| v));
         let src = crate::kernels::cuda::fused::QkvSources {
             q,

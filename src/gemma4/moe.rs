@@ -141,7 +141,7 @@ impl MoeBlock {
         let (b, s, h) = expert_input.dims3()?;
         let x = expert_input.reshape((b * s, h))?;
         let router_input = router_input.reshape((b * s, h))?;
-        if fused::enabled(x.device()) {
+        if crate::kernels::fused_enabled(x.device()) {
             return Ok(self
                 .forward_on_device(&router_input, &x)?
                 .reshape((b, s, h))?);

@@ -26,23 +26,59 @@ pub(crate) fn attend_dense(
     let kk = k.squeeze(0)?; // [kvh, keys, hd]
     let vv = v.squeeze(0)?; // [kvh, keys, hd]
     let scores = matmul_strided(&qg, &kk.t()?)?; // [kvh, group*q_len, keys]
-    #[cfg(feature = "cuda")]
-    if crate::gemma4::fused::enabled(q.device()) {
-        // Mask, scale and softmax in one kernel, in the scores' dtype.
-        let probs = crate::kernels::cuda::fused::masked_softmax(
-            &scores,
-            positions,
-            plan.q_offset,
-            q_len,
-            plan.window,
-            plan.scale,
-        )?
-        .to_dtype(vv.dtype())?;
-        let out = matmul_strided(&probs, &vv)?;
-        return Ok(out
-            .reshape((1, n_heads, q_len, head_dim))?
-            .to_dtype(q.dtype())?);
+    let probs = if super::fused_enabled(q.device()) {
+        fused_softmax(&scores, positions, plan, q_len)?
+    } else {
+        softmax(scores, positions, plan, (kv_heads, group, q_len, keys))?
     }
+    .to_dtype(vv.dtype())?; // [kvh, group*q_len, keys]
+    let out = matmul_strided(&probs, &vv)?; // [kvh, group*q_len, hd]
+    Ok(out
+        .reshape((1, n_heads, q_len, head_dim))?
+        .to_dtype(q.dtype())?)
+}
+
+/// Mask, scale and softmax in one CUDA kernel, in the scores' dtype.
+#[cfg(feature = "cuda")]
+fn fused_softmax(
+    scores: &Tensor,
+    positions: &[usize],
+    plan: &QueryPlan,
+    q_len: usize,
+) -> Result<Tensor, CacheError> {
+    Ok(crate::kernels::cuda::fused::masked_softmax(
+        scores,
+        positions,
+        plan.q_offset,
+        q_len,
+        plan.window,
+        plan.scale,
+    )?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn fused_softmax(
+    scores: &Tensor,
+    positions: &[usize],
+    plan: &QueryPlan,
+    q_len: usize,
+) -> Result<Tensor, CacheError> {
+    let (kvh, rows, keys) = scores.dims3()?;
+    softmax(
+        scores.clone(),
+        positions,
+        plan,
+        (kvh, rows / q_len.max(1), q_len, keys),
+    )
+}
+
+/// Scale, mask and softmax with candle ops, in f32: `scores` `[kvh, group * q_len, keys]`.
+fn softmax(
+    scores: Tensor,
+    positions: &[usize],
+    plan: &QueryPlan,
+    (kv_heads, group, q_len, keys): (usize, usize, usize, usize),
+) -> Result<Tensor, CacheError> {
     let scores = scores.to_dtype(DType::F32)?;
     let scores = if plan.scale == 1.0 {
         scores
@@ -59,11 +95,7 @@ pub(crate) fn attend_dense(
                 .reshape((kv_heads, group * q_len, keys))?
         }
     };
-    let probs = candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(vv.dtype())?; // [kvh, group*q_len, keys]
-    let out = matmul_strided(&probs, &vv)?; // [kvh, group*q_len, hd]
-    Ok(out
-        .reshape((1, n_heads, q_len, head_dim))?
-        .to_dtype(q.dtype())?)
+    Ok(candle_nn::ops::softmax_last_dim(&scores)?)
 }
 
 /// A mask key: every layer of one kind sees the same key positions in one forward, so the

@@ -19,6 +19,29 @@ use candle_core::{Device, Tensor};
 
 use crate::kv::{CacheError, KvData, KvView};
 
+/// Whether the fused CUDA kernels (`cuda` feature, tensors on a CUDA device) run instead of the
+/// candle op chains they replace. `CANDLE_GEMMA_UNFUSED=1` switches them off, to measure what
+/// the fusion buys or to rule it out when debugging. The first call on CUDA also lets the
+/// device's memory pool keep freed blocks (every forward reallocates the same sizes).
+pub(crate) fn fused_enabled(device: &Device) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| {
+        std::env::var("CANDLE_GEMMA_UNFUSED").is_ok_and(|v| !v.is_empty() && v != "0")
+    });
+    let on = cfg!(feature = "cuda") && device.is_cuda() && !off;
+    #[cfg(feature = "cuda")]
+    if on {
+        static POOL: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+        POOL.get_or_init(|| {
+            if let Device::Cuda(d) = device {
+                // Best effort: without it the pool only regrows more often.
+                let _ = cuda::launch::retain_pool_memory(d);
+            }
+        });
+    }
+    on
+}
+
 /// What one sequence's queries need to know besides the tensors.
 pub(crate) struct QueryPlan {
     /// Absolute position of query 0.

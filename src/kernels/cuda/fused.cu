@@ -4,19 +4,10 @@
 //
 // Parameter structs must match `src/kernels/cuda/fused.rs` field for field (#[repr(C)]).
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
 
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-    return __float2bfloat16(x);
-}
+#include "common.cuh"
+
 // Rounds an f32 to T and back (the rounding an unfused op would apply to its output).
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
 
@@ -197,20 +188,9 @@ __device__ __forceinline__ void moe_route_body(const RouteParams p, const T* __r
 #pragma unroll
         for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
             const int e = i * 32 + lane;
-            if (e < (int)p.experts && (v[i] > bv || (v[i] == bv && e < be))) {
-                bv = v[i];
-                be = e;
-            }
+            if (e < (int)p.experts) argmax_step(bv, be, v[i], e);
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-            const int oe = __shfl_xor_sync(0xffffffffu, be, off);
-            if (ov > bv || (ov == bv && oe < be)) {
-                bv = ov;
-                be = oe;
-            }
-        }
+        warp_argmax(bv, be);
         top[j] = bv;
         pick[j] = be;
         if ((be & 31) == lane) v[be >> 5] = -INFINITY;
@@ -235,33 +215,6 @@ struct GroupedMvParams {
 constexpr int GMV_WARPS = 8;
 constexpr int GMV_MAX_PAIRS = 4096;
 
-// 8 consecutive elements as f32 (16-byte aligned for 16-bit types, 32 for f32).
-template <typename T> __device__ __forceinline__ void load8(const T* p, float* v);
-template <> __device__ __forceinline__ void load8<float>(const float* p, float* v) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    const float4 b = *reinterpret_cast<const float4*>(p + 4);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-template <> __device__ __forceinline__ void load8<__half>(const __half* p, float* v) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&a);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __half22float2(h[i]);
-        v[2 * i] = f.x; v[2 * i + 1] = f.y;
-    }
-}
-template <> __device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16* p, float* v) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-
 // dot(W row, x) over in_dim (a multiple of 8) by one warp, 16-byte loads.
 template <typename T>
 __device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __restrict__ xr,
@@ -271,8 +224,8 @@ __device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __r
 #pragma unroll 4
     for (int e = lane * 8; e < in_dim; e += 32 * 8) {
         float wv[8], xv[8];
-        load8<T>(wr + e, wv);
-        load8<T>(xr + e, xv);
+        load_x8<T>(wr + e, wv);
+        load_x8<T>(xr + e, xv);
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc = fmaf(wv[i], xv[i], acc);
     }
@@ -401,22 +354,8 @@ extern "C" __global__ void __launch_bounds__(1024)
     const float* r = x + (size_t)blockIdx.x * cols;
     float bv = -INFINITY;
     uint32_t bi = 0xffffffffu;
-    for (uint32_t j = threadIdx.x; j < cols; j += blockDim.x) {
-        const float v = r[j];
-        if (v > bv || (v == bv && j < bi)) {
-            bv = v;
-            bi = j;
-        }
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-        const uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
-        if (ov > bv || (ov == bv && oi < bi)) {
-            bv = ov;
-            bi = oi;
-        }
-    }
+    for (uint32_t j = threadIdx.x; j < cols; j += blockDim.x) argmax_step(bv, bi, r[j], j);
+    warp_argmax(bv, bi);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) {
         sv[warp] = bv;
@@ -427,15 +366,7 @@ extern "C" __global__ void __launch_bounds__(1024)
         const int nw = blockDim.x / 32;
         bv = lane < nw ? sv[lane] : -INFINITY;
         bi = lane < nw ? si[lane] : 0xffffffffu;
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
-            const uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, off);
-            if (ov > bv || (ov == bv && oi < bi)) {
-                bv = ov;
-                bi = oi;
-            }
-        }
+        warp_argmax(bv, bi);
         if (lane == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
     }
 }

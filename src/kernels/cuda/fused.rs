@@ -22,6 +22,16 @@ const GMV_WARPS: usize = 8;
 /// Experts per lane of the router kernel (`ROUTE_MAX_PER_LANE`): at most 512 experts.
 const ROUTE_MAX_PER_LANE: usize = 16;
 
+/// A grid-stride launch over `n` elements: 256 threads a block, at most 8 blocks per
+/// multiprocessor of an H100-sized device.
+fn grid_stride(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 132 * 8) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The kernel-name suffix of a dtype.
 fn tn(dtype: DType) -> Result<&'static str> {
     kname(dtype).map_err(candle_core::Error::wrap)
@@ -156,7 +166,7 @@ fn as_rows(t: &Tensor) -> Result<(Tensor, usize, usize, usize)> {
 }
 
 fn check_dtype(ts: &[&Tensor], dtype: DType) -> Result<()> {
-    kname(dtype).map_err(candle_core::Error::wrap)?;
+    tn(dtype)?;
     for t in ts {
         if t.dtype() != dtype {
             candle_core::bail!("fused kernel: expected {dtype:?}, found {:?}", t.dtype());
@@ -200,14 +210,7 @@ pub fn add_norm(
         eps: eps as f32,
         flags: u32::from(scalar.is_some()) | (u32::from(next.is_some()) << 1),
     };
-    let func = dev.get_or_load_custom_func(
-        &format!(
-            "add_norm_{}",
-            kname(dtype).map_err(candle_core::Error::wrap)?
-        ),
-        MODULE,
-        PTX,
-    )?;
+    let func = dev.get_or_load_custom_func(&format!("add_norm_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (params.rows, 1, 1),
         block_dim: (ADD_NORM_THREADS, 1, 1),
@@ -271,19 +274,8 @@ pub fn gelu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         b_stride: u32_of(sb, "stride")?,
     };
     let n = rows * width;
-    let func = dev.get_or_load_custom_func(
-        &format!(
-            "gelu_mul_{}",
-            kname(dtype).map_err(candle_core::Error::wrap)?
-        ),
-        MODULE,
-        PTX,
-    )?;
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 132 * 8) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let func = dev.get_or_load_custom_func(&format!("gelu_mul_{}", tn(dtype)?), MODULE, PTX)?;
+    let cfg = grid_stride(n);
     by_dtype!(dtype, E, {
         // SAFETY: grid-stride loop writes every element.
         let mut out = unsafe { dev.alloc::<E>(n.max(1))? };
@@ -382,14 +374,7 @@ pub fn qkv_prep(
         eps: eps as f32,
         pad_: 0,
     };
-    let func = dev.get_or_load_custom_func(
-        &format!(
-            "qkv_prep_{}",
-            kname(dtype).map_err(candle_core::Error::wrap)?
-        ),
-        MODULE,
-        PTX,
-    )?;
+    let func = dev.get_or_load_custom_func(&format!("qkv_prep_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (
             params.batch * params.seq_len,
@@ -599,11 +584,7 @@ pub fn moe_mix(y: &Tensor, mix: &Tensor) -> Result<Tensor> {
     };
     let n = tokens * out_dim;
     let func = dev.get_or_load_custom_func(&format!("moe_mix_{}", tn(dtype)?), MODULE, PTX)?;
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 132 * 8) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = grid_stride(n);
     by_dtype!(dtype, E, {
         // SAFETY: grid-stride loop writes every element.
         let mut out = unsafe { dev.alloc::<E>(n.max(1))? };

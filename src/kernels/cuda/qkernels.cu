@@ -6,9 +6,9 @@
 //
 // Parameter structs must match `src/kernels/cuda/params.rs` field for field (#[repr(C)]).
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "common.cuh"
 
 #include <type_traits>
 
@@ -29,16 +29,6 @@ struct QsdpaParams {
 struct QmatParams {
     uint32_t rows, out_dim, in_dim, group_size;
 };
-
-__device__ __forceinline__ float to_f(float x) { return x; }
-__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-    return __float2bfloat16(x);
-}
 
 // Streaming 16-byte load that does not allocate in L1 (keeps the small activation there).
 __device__ __forceinline__ uint4 ld_stream4(const uint32_t* p) {
@@ -405,33 +395,6 @@ QSDPA_INST_HD(bf16, __nv_bfloat16, 16)
 // ---------------------------------------------------------------------------------------------
 // Quantized weights W [out, in] (codes [out, in*BITS/32], scales/biases [out, in/G]).
 // ---------------------------------------------------------------------------------------------
-
-// 8 consecutive activations as f32 (16-byte aligned for f16/bf16, 32 bytes for f32).
-template <typename T> __device__ __forceinline__ void load_x8(const T* p, float* v);
-template <> __device__ __forceinline__ void load_x8<float>(const float* p, float* v) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    const float4 b = *reinterpret_cast<const float4*>(p + 4);
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-}
-template <> __device__ __forceinline__ void load_x8<__half>(const __half* p, float* v) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p);
-    const __half2* h = reinterpret_cast<const __half2*>(&a);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __half22float2(h[i]);
-        v[2 * i] = f.x; v[2 * i + 1] = f.y;
-    }
-}
-template <> __device__ __forceinline__ void load_x8<__nv_bfloat16>(const __nv_bfloat16* p, float* v) {
-    const uint4 a = *reinterpret_cast<const uint4*>(p);
-    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
 
 // y[r, o] = sum_e x[r, e] * W[o, e] for rows <= MAXR: one warp per output row, each lane reads
 // 16 bytes of codes per step (32 four-bit or 16 eight-bit codes, always inside one group).

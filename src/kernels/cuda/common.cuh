@@ -1,0 +1,64 @@
+// Helpers shared by `qkernels.cu` and `fused.cu`: element conversions, the 8-wide activation
+// load, and the (value, index) warp reduction of the argmax kernels.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+    return __float2bfloat16(x);
+}
+
+// 8 consecutive elements as f32 (16-byte aligned for f16/bf16, 32 bytes for f32).
+template <typename T> __device__ __forceinline__ void load_x8(const T* p, float* v);
+template <> __device__ __forceinline__ void load_x8<float>(const float* p, float* v) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+template <> __device__ __forceinline__ void load_x8<__half>(const __half* p, float* v) {
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
+    const __half2* h = reinterpret_cast<const __half2*>(&a);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __half22float2(h[i]);
+        v[2 * i] = f.x; v[2 * i + 1] = f.y;
+    }
+}
+template <> __device__ __forceinline__ void load_x8<__nv_bfloat16>(const __nv_bfloat16* p, float* v) {
+    const uint4 a = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+// Keeps the larger of (bv, bi) and (v, i); ties go to the lower index.
+template <typename I>
+__device__ __forceinline__ void argmax_step(float& bv, I& bi, float v, I i) {
+    if (v > bv || (v == bv && i < bi)) {
+        bv = v;
+        bi = i;
+    }
+}
+
+// Warp-wide (value, index) argmax: every lane ends with the warp's best pair.
+template <typename I>
+__device__ __forceinline__ void warp_argmax(float& bv, I& bi) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
+        const I oi = __shfl_xor_sync(0xffffffffu, bi, off);
+        argmax_step(bv, bi, ov, oi);
+    }
+}
