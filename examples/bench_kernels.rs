@@ -60,6 +60,14 @@ fn packed(
 
 fn main() -> Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
+    // `--matmul-only`: skip the attention benches (the matvec kernels alone).
+    let attention = !std::env::args().any(|a| a == "--matmul-only");
+    // Which matvec kernel `qmatmul` takes for bf16 activations (see `qmatvec` in the launcher).
+    let matvec_kernel = if std::env::var("CANDLE_GEMMA_QMV_SIMT").is_ok_and(|v| v == "1") {
+        "simt"
+    } else {
+        "tensor_core"
+    };
     let dev = Device::new_cuda(0)?;
 
     // Copy bandwidth: 1 GiB device-to-device memcpy into a preallocated buffer, bytes read +
@@ -94,7 +102,7 @@ fn main() -> Result<()> {
     } else {
         &[1024, 8192, 32768, 131072]
     };
-    for &(name, nh, kvh, hd) in &shapes {
+    for &(name, nh, kvh, hd) in shapes.iter().filter(|_| attention) {
         for &keys in key_counts {
             for q_len in [1usize, 512] {
                 if q_len > 1 && keys > 32768 {
@@ -154,8 +162,8 @@ fn main() -> Result<()> {
     ];
     let rot = 4; // weight copies rotated so that L2 (50 MB) cannot hold them
     for &(name, out, inp) in &projs {
-        for rows in [1usize, 512] {
-            let iters = if rows == 1 { 40 } else { 5 };
+        for rows in [1usize, 8, 512] {
+            let iters = if rows <= 8 { 40 } else { 5 };
             let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?.to_dtype(DType::BF16)?;
             let ws: Vec<Tensor> = (0..rot)
                 .map(|_| Ok(Tensor::randn(0f32, 0.02, (out, inp), &dev)?.to_dtype(DType::BF16)?))
@@ -168,10 +176,14 @@ fn main() -> Result<()> {
             })?;
             let dense_bytes = out * inp * 2;
             drop(ws);
-            for bits in [4usize, 8] {
+            let groups: &[usize] = if rows == 1 { &[32, 64, 128] } else { &[64] };
+            for (bits, &group) in [4usize, 8]
+                .into_iter()
+                .flat_map(|b| groups.iter().map(move |g| (b, g)))
+            {
                 let wq: Vec<PackedWeight> = (0..rot)
                     .map(|_| {
-                        let p = packed(1, out, inp, bits, 64, &dev)?;
+                        let p = packed(1, out, inp, bits, group, &dev)?;
                         Ok(PackedWeight::new(
                             p.codes.squeeze(0)?.squeeze(0)?,
                             p.scales.squeeze(0)?.squeeze(0)?,
@@ -190,7 +202,7 @@ fn main() -> Result<()> {
                 })?;
                 let gbs = bytes as f64 / t / 1e9;
                 println!(
-                    "{{\"bench\":\"qmatmul\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"bits\":{bits},\"group\":64,\"seconds\":{t:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3}}}",
+                    "{{\"bench\":\"qmatmul\",\"kernel\":\"{matvec_kernel}\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"bits\":{bits},\"group\":{group},\"seconds\":{t:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3}}}",
                     t_bf16 / t,
                     dense_bytes as f64 / t_bf16 / 1e9,
                     gbs / copy_gbs

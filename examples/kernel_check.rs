@@ -596,6 +596,12 @@ fn main() -> Result<()> {
                         384, 512, bits, group, sdtype, xdtype, rows, &gpu, &mut stats,
                     )?;
                 }
+                // Output rows not a multiple of the tensor-core tile (16), odd row counts.
+                for (group, rows) in [(32, 2), (64, 5), (128, 7)] {
+                    all_ok &= check_qmatmul(
+                        200, 1024, bits, group, sdtype, xdtype, rows, &gpu, &mut stats,
+                    )?;
+                }
             }
         }
     }

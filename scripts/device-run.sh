@@ -98,6 +98,29 @@ PY
     table)
       python3 scripts/perf_table.py "$OUT/bench.jsonl" "$OUT/peers.jsonl" | tee "$OUT/table.md"
       ;;
+    kcheck)
+      .device/kernel_check > "$OUT/kernel-check.txt" 2>&1; echo "kernel_check exit $?"
+      grep -E "FAIL" "$OUT/kernel-check.txt" | head -5
+      sed -n '/^summary/,$p' "$OUT/kernel-check.txt"
+      ;;
+    matvec)
+      # Quantized matvec only: the tensor-core kernel, then the SIMT one, same process layout.
+      .device/bench_kernels --matmul-only > "$OUT/matvec.jsonl" 2>&1
+      CANDLE_GEMMA_QMV_SIMT=1 .device/bench_kernels --matmul-only >> "$OUT/matvec.jsonl" 2>&1
+      python3 - "$OUT/matvec.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    if not l.startswith("{"):
+        continue
+    j = json.loads(l)
+    if j["bench"] == "copy":
+        print("copy GB/s", j["gb_per_s"])
+    elif j["rows"] <= 8:
+        print(f'{j["kernel"]:11s} {j["shape"]:15s} rows={j["rows"]} {j["bits"]}-bit g{j["group"]:<3d} '
+              f'{j["seconds"]*1e6:7.1f}us {j["gb_per_s"]:7.1f} GB/s {j["fraction_of_copy"]:.3f} of copy, '
+              f'{j["speedup"]:.2f}x bf16')
+PY
+      ;;
     kernels)
       .device/bench_kernels > "$OUT/bench-kernels.txt" 2>&1; tail -40 "$OUT/bench-kernels.txt"
       ;;

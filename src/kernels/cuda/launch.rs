@@ -11,7 +11,8 @@ use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Storage, Tensor};
 
 use super::params::{
-    split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS,
+    split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS,
+    QMATVEC_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS,
     QSDPA_WARPS,
 };
 use crate::kernels::{dense, QueryPlan};
@@ -493,6 +494,19 @@ fn attend_fused(
     Ok(out)
 }
 
+/// Whether [`qmatvec`] takes the tensor-core kernel: f16/bf16 activations and MLX group sizes
+/// (f32 activations keep the SIMT kernel, whose products stay in f32). Setting
+/// `CANDLE_GEMMA_QMV_SIMT=1` forces the SIMT kernel, for comparison in benches.
+fn uses_tensor_core_matvec(x_dtype: DType, group_size: usize, in_dim: usize) -> bool {
+    static FORCE_SIMT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let force_simt =
+        *FORCE_SIMT.get_or_init(|| std::env::var("CANDLE_GEMMA_QMV_SIMT").is_ok_and(|v| v == "1"));
+    matches!(x_dtype, DType::BF16 | DType::F16)
+        && matches!(group_size, 32 | 64 | 128)
+        && in_dim % group_size == 0
+        && !force_simt
+}
+
 /// Quantized `x · Wᵀ` for `rows <= 8` activation rows (decode): `x` `[rows, in]` contiguous,
 /// `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns `[rows, out]`.
 pub(crate) fn qmatvec(
@@ -521,12 +535,22 @@ pub(crate) fn qmatvec(
         in_dim: in_dim as u32,
         group_size: group_size as u32,
     };
-    let func =
-        dev.get_or_load_custom_func(&format!("qmatvec_{tn}_{sn}_{bits}_{r}"), MODULE, PTX)?;
-    let cfg = LaunchConfig {
-        grid_dim: (out_dim.div_ceil(QMATVEC_WARPS) as u32, 1, 1),
-        block_dim: ((QMATVEC_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: 0,
+    let (func, cfg) = if uses_tensor_core_matvec(x.dtype(), group_size, in_dim) {
+        let name = format!("qmv_mma_{tn}_{sn}_{bits}_{group_size}");
+        let cfg = LaunchConfig {
+            grid_dim: (out_dim.div_ceil(QMATVEC_MMA_ROWS) as u32, 1, 1),
+            block_dim: ((QMATVEC_MMA_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (dev.get_or_load_custom_func(&name, MODULE, PTX)?, cfg)
+    } else {
+        let name = format!("qmatvec_{tn}_{sn}_{bits}_{r}");
+        let cfg = LaunchConfig {
+            grid_dim: (out_dim.div_ceil(QMATVEC_WARPS) as u32, 1, 1),
+            block_dim: ((QMATVEC_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (dev.get_or_load_custom_func(&name, MODULE, PTX)?, cfg)
     };
     let x = x.contiguous()?;
     let (codes, scales, biases) = (
@@ -536,7 +560,7 @@ pub(crate) fn qmatvec(
     );
     macro_rules! go {
         ($t:ty, $s:ty) => {{
-            // SAFETY: fully written by the kernel (one warp per output row, all rows).
+            // SAFETY: fully written by either kernel (every output row of every activation row).
             let mut y = unsafe { dev.alloc::<$t>(rows * out_dim)? };
             {
                 let (x_s, x_l) = x.storage_and_layout();

@@ -460,6 +460,269 @@ __device__ __forceinline__ void qmatvec_body(const QmatParams p, const T* __rest
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tensor-core matrix-vector product for f16/bf16 activations (rows <= 8), MLX affine 4/8-bit W.
+//
+// One block = 16 output rows (the M of mma.m16n8k16) x QMMA_WARPS warps splitting the input
+// dimension into contiguous ranges. The N = 8 columns are the activation rows. Codes
+// enter the tensor cores as exact small integers (magic-number conversion: code | 128.0 as bf16,
+// or | 1024.0 as f16, minus the magic), so products are exact and sums are f32; the group's
+// scale and bias are applied afterwards: sum_k W[o,k] x[k] = s * sum_k c[o,k] x[k] + b * sum_k x[k],
+// the x sums coming from a second mma against an all-ones A.
+//
+// Fragment order: lane = 4 * gq + q. Within one group (G consecutive k), thread q owns the G/4
+// consecutive k starting at q * G / 4 and mma step s takes its k's 4s..4s+3; the quad's four
+// threads together cover 16 k of one group per step, so every step lies inside one group.
+// A slots (2q, 2q+1) hold k (4s, 4s+1) and slots (2q+8, 2q+9) hold k (4s+2, 4s+3); B holds x at
+// the same k for activation row gq, i.e. 4 consecutive x elements (one 8-byte load).
+// 8-bit codes are split into nibbles: c = lo + 16 hi, two mma per step into the same sum.
+// ---------------------------------------------------------------------------------------------
+constexpr int QMMA_WARPS = 4;
+
+template <typename T> struct MmaMagic;
+template <> struct MmaMagic<__nv_bfloat16> {
+    static constexpr uint32_t MAGIC = 0x43004300u;   // 128.0 in both halves
+    static constexpr uint32_t ONES = 0x3F803F80u;    // 1.0
+    static constexpr uint32_t SIXTEEN = 0x41804180u; // 16.0
+    static constexpr uint32_t NEG_MAGIC16 = 0xC500C500u;  // -2048.0 = -16 * 128
+};
+template <> struct MmaMagic<__half> {
+    static constexpr uint32_t MAGIC = 0x64006400u;   // 1024.0
+    static constexpr uint32_t ONES = 0x3C003C00u;
+    static constexpr uint32_t SIXTEEN = 0x4C004C00u;
+    static constexpr uint32_t NEG_MAGIC16 = 0xF400F400u;  // -16384.0 = -16 * 1024
+};
+
+template <typename T> __device__ __forceinline__ uint32_t h2_sub(uint32_t a, uint32_t b);
+template <> __device__ __forceinline__ uint32_t h2_sub<__nv_bfloat16>(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+template <> __device__ __forceinline__ uint32_t h2_sub<__half>(uint32_t a, uint32_t b) {
+    uint32_t r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+template <typename T> __device__ __forceinline__ uint32_t h2_fma(uint32_t a, uint32_t b, uint32_t c);
+template <> __device__ __forceinline__ uint32_t h2_fma<__nv_bfloat16>(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+template <> __device__ __forceinline__ uint32_t h2_fma<__half>(uint32_t a, uint32_t b, uint32_t c) {
+    uint32_t r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// c += A (16x16) * B (16x8), f32 accumulate.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, const uint32_t* b) {
+    if constexpr (std::is_same<T, __half>::value) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+}
+
+// Two 4-bit fields of `lo`/`hi` (selected by the byte_perm selector) as an exact code pair.
+template <typename T>
+__device__ __forceinline__ uint32_t code_pair(uint32_t lo, uint32_t hi, uint32_t sel) {
+    const uint32_t v = (__byte_perm(lo, hi, sel) & 0x000F000Fu) | MmaMagic<T>::MAGIC;
+    return h2_sub<T>(v, MmaMagic<T>::MAGIC);
+}
+// The same pair times 16 (the high nibbles of 8-bit codes), still exact.
+template <typename T>
+__device__ __forceinline__ uint32_t code_pair16(uint32_t w, uint32_t sel) {
+    const uint32_t v = (__byte_perm(w, 0u, sel) & 0x000F000Fu) | MmaMagic<T>::MAGIC;
+    return h2_fma<T>(v, MmaMagic<T>::SIXTEEN, MmaMagic<T>::NEG_MAGIC16);
+}
+
+// Async 16-byte global -> shared copies (bypassing L1), committed and waited per warp.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// A thread's TW consecutive code words from shared memory (16-byte aligned for TW >= 4).
+template <int TW> __device__ __forceinline__ void lds_codes(const uint32_t* p, uint32_t* w) {
+    if constexpr (TW >= 4) {
+#pragma unroll
+        for (int c = 0; c < TW / 4; ++c) {
+            const uint4 v = reinterpret_cast<const uint4*>(p)[c];
+            w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
+        }
+    } else if constexpr (TW == 2) {
+        const uint2 v = *reinterpret_cast<const uint2*>(p);
+        w[0] = v.x; w[1] = v.y;
+    } else {
+        w[0] = *p;
+    }
+}
+
+// Weights stream through shared memory: each warp copies "units" of 16 rows x 128 bytes with
+// whole-line 16-byte async copies (QMMA_STAGES units in flight), then reads its fragments from
+// there. Row strides are padded so the fragment reads are free of bank conflicts.
+constexpr int QMMA_STAGES = 3;
+constexpr int QMMA_UNIT_WORDS = 32;
+template <int TW> struct QmmaStride { static constexpr int W = TW == 1 ? 36 : TW == 2 ? 40 : TW == 4 ? 48 : 36; };
+
+template <typename T, typename S, int BITS, int G>
+__device__ __forceinline__ void qmv_mma_body(const QmatParams p, const T* __restrict__ x,
+                                             const uint32_t* __restrict__ codes,
+                                             const S* __restrict__ scales,
+                                             const S* __restrict__ biases, T* __restrict__ y) {
+    constexpr int GW = G * BITS / 32;   // code words per row per group
+    constexpr int TW = GW / 4;          // ... per thread
+    constexpr int STEPS = G / 16;       // mma k-steps per group
+    constexpr int GPU = QMMA_UNIT_WORDS / GW;  // groups per unit
+    constexpr int RS = QmmaStride<TW>::W;      // padded row stride in words
+    __shared__ __align__(16) uint32_t stage[QMMA_WARPS][QMMA_STAGES][16 * RS];
+    __shared__ float red[QMMA_WARPS][32][4];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gq = lane >> 2, q = lane & 3;
+    const int tile0 = blockIdx.x * 16;
+    const int last = (int)p.out_dim - 1;
+    const int ra = min(tile0 + gq, last), rb = min(tile0 + gq + 8, last);
+    const int words = p.in_dim * BITS / 32;
+    const int groups = p.in_dim / G;
+    const int units = (words + QMMA_UNIT_WORDS - 1) / QMMA_UNIT_WORDS;
+    const int per = (units + QMMA_WARPS - 1) / QMMA_WARPS;
+    const int u0 = warp * per, u1 = min(units, u0 + per);
+    const bool xok = gq < (int)p.rows;
+    const T* xr = x + (size_t)(xok ? gq : 0) * p.in_dim + q * (G / 4);
+    const uint32_t ones[4] = {MmaMagic<T>::ONES, MmaMagic<T>::ONES, MmaMagic<T>::ONES,
+                              MmaMagic<T>::ONES};
+    uint32_t(*st)[16 * RS] = stage[warp];
+
+    // Unit u into stage slot u % QMMA_STAGES: 16 rows x 8 chunks of 16 bytes, 4 per lane.
+    auto load_unit = [&](int u) {
+        uint32_t* dst = st[u % QMMA_STAGES];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int c = i * 32 + lane, row = c >> 3, col = (c & 7) * 4;
+            const int wofs = u * QMMA_UNIT_WORDS + col;
+            if (wofs < words)
+                cp_async16(dst + row * RS + col,
+                           codes + (size_t)min(tile0 + row, last) * words + wofs);
+        }
+    };
+#pragma unroll
+    for (int i = 0; i < QMMA_STAGES - 1; ++i) {
+        if (u0 + i < u1) load_unit(u0 + i);
+        cp_async_commit();
+    }
+    float tot[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int u = u0; u < u1; ++u) {
+        if (u + QMMA_STAGES - 1 < u1) load_unit(u + QMMA_STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<QMMA_STAGES - 1>();
+        __syncwarp();
+        const uint32_t* sa_row = st[u % QMMA_STAGES] + gq * RS + q * TW;
+        const uint32_t* sb_row = sa_row + 8 * RS;
+#pragma unroll
+        for (int gg = 0; gg < GPU; ++gg) {
+            const int gi = u * GPU + gg;
+            if (gi >= groups) continue;
+            uint32_t wa[TW], wb[TW];
+            lds_codes<TW>(sa_row + gg * GW, wa);
+            lds_codes<TW>(sb_row + gg * GW, wb);
+            float c[4] = {0.f, 0.f, 0.f, 0.f}, cx[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int s = 0; s < STEPS; ++s) {
+                uint32_t b[2] = {0u, 0u};
+                if (xok) {
+                    const uint2 v = *reinterpret_cast<const uint2*>(xr + (size_t)gi * G + 4 * s);
+                    b[0] = v.x;
+                    b[1] = v.y;
+                }
+                if constexpr (BITS == 4) {
+                    // Word s/2, bytes j and j+1: (lo, hi) nibbles = k (4s, 4s+1), (4s+2, 4s+3).
+                    const uint32_t xa = wa[s >> 1], xb = wb[s >> 1];
+                    const uint32_t ha = xa >> 4, hb = xb >> 4;
+                    const uint32_t j = 2 * (s & 1);  // constant once unrolled
+                    const uint32_t s0 = j | ((4 + j) << 8), s1 = (j + 1) | ((5 + j) << 8);
+                    const uint32_t a[4] = {code_pair<T>(xa, ha, s0), code_pair<T>(xb, hb, s0),
+                                           code_pair<T>(xa, ha, s1), code_pair<T>(xb, hb, s1)};
+                    mma_16816<T>(c, a, b);
+                } else {
+                    // Word s: bytes (0, 1) = k (4s, 4s+1), bytes (2, 3) = k (4s+2, 4s+3).
+                    const uint32_t xa = wa[s], xb = wb[s];
+                    const uint32_t ha = xa >> 4, hb = xb >> 4;
+                    constexpr uint32_t s0 = 0x0100u, s1 = 0x0302u;
+                    const uint32_t alo[4] = {code_pair<T>(xa, 0u, s0), code_pair<T>(xb, 0u, s0),
+                                             code_pair<T>(xa, 0u, s1), code_pair<T>(xb, 0u, s1)};
+                    const uint32_t ahi[4] = {code_pair16<T>(ha, s0), code_pair16<T>(hb, s0),
+                                             code_pair16<T>(ha, s1), code_pair16<T>(hb, s1)};
+                    mma_16816<T>(c, alo, b);
+                    mma_16816<T>(c, ahi, b);
+                }
+                mma_16816<T>(cx, ones, b);
+            }
+            const float sa = to_f(scales[(size_t)ra * groups + gi]);
+            const float ba = to_f(biases[(size_t)ra * groups + gi]);
+            const float sb = to_f(scales[(size_t)rb * groups + gi]);
+            const float bb = to_f(biases[(size_t)rb * groups + gi]);
+            tot[0] = fmaf(sa, c[0], fmaf(ba, cx[0], tot[0]));
+            tot[1] = fmaf(sa, c[1], fmaf(ba, cx[1], tot[1]));
+            tot[2] = fmaf(sb, c[2], fmaf(bb, cx[2], tot[2]));
+            tot[3] = fmaf(sb, c[3], fmaf(bb, cx[3], tot[3]));
+        }
+        __syncwarp();  // the slot is refilled next iteration
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][lane][i] = tot[i];
+    __syncthreads();
+    if (warp == 0) {
+#pragma unroll
+        for (int w = 1; w < QMMA_WARPS; ++w) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) tot[i] += red[w][lane][i];
+        }
+        // C fragment: (row gq, cols 2q, 2q+1) and (row gq + 8, same cols); cols = activation rows.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = tile0 + gq + (i >= 2 ? 8 : 0);
+            const int col = 2 * q + (i & 1);
+            if (row <= last && col < (int)p.rows) y[(size_t)col * p.out_dim + row] = from_f<T>(tot[i]);
+        }
+    }
+}
+
+#define QMMA_INST(TN, T, SN, S, BITS, G)                                                        \
+    extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32)                               \
+        qmv_mma_##TN##_##SN##_##BITS##_##G(const QmatParams p, const T* x, const uint32_t* c,    \
+                                          const S* s, const S* b, T* y) {                      \
+        qmv_mma_body<T, S, BITS, G>(p, x, c, s, b, y);                                          \
+    }
+#define QMMA_INST_G(TN, T, SN, S, BITS) \
+    QMMA_INST(TN, T, SN, S, BITS, 32)   \
+    QMMA_INST(TN, T, SN, S, BITS, 64)   \
+    QMMA_INST(TN, T, SN, S, BITS, 128)
+#define QMMA_INST_S(TN, T, SN, S)    \
+    QMMA_INST_G(TN, T, SN, S, 4)     \
+    QMMA_INST_G(TN, T, SN, S, 8)
+#define QMMA_INST_T(TN, T)                \
+    QMMA_INST_S(TN, T, f32, float)        \
+    QMMA_INST_S(TN, T, f16, __half)       \
+    QMMA_INST_S(TN, T, bf16, __nv_bfloat16)
+QMMA_INST_T(f16, __half)
+QMMA_INST_T(bf16, __nv_bfloat16)
+
 // Dequantizes rows of W into out [n, in] (out row i = W row `idx[i]`, or row i when idx is
 // null): one thread per u32 word.
 template <typename T, typename S, int BITS>
