@@ -12,8 +12,7 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 
 use super::params::{
     split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS,
-    QMATVEC_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS,
-    QSDPA_WARPS,
+    QMATVEC_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_WARPS,
 };
 use crate::kernels::{dense, QueryPlan};
 use crate::kv::{CacheError, PackedKv};
@@ -494,16 +493,25 @@ fn attend_fused(
     Ok(out)
 }
 
-/// Whether [`qmatvec`] takes the tensor-core kernel: f16/bf16 activations and MLX group sizes
-/// (f32 activations keep the SIMT kernel, whose products stay in f32). Setting
-/// `CANDLE_GEMMA_QMV_SIMT=1` forces the SIMT kernel, for comparison in benches.
-fn uses_tensor_core_matvec(x_dtype: DType, group_size: usize, in_dim: usize) -> bool {
+/// Whether [`qmatvec`] takes the tensor-core kernel: f16/bf16 activations, MLX group sizes, and
+/// not a single 8-bit row. Measured on an H100 (`bench_kernels --matmul-only`, 31B shapes): the
+/// tensor-core kernel is 1.9-5x faster at 8 rows and up to 1.2x faster for one 4-bit row, but
+/// the SIMT kernel is faster for one 8-bit row. f32 activations keep the SIMT kernel, whose
+/// products stay in f32. `CANDLE_GEMMA_QMV_SIMT=1` forces the SIMT kernel, for comparison.
+fn uses_tensor_core_matvec(
+    x_dtype: DType,
+    rows: usize,
+    bits: usize,
+    group_size: usize,
+    in_dim: usize,
+) -> bool {
     static FORCE_SIMT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let force_simt =
         *FORCE_SIMT.get_or_init(|| std::env::var("CANDLE_GEMMA_QMV_SIMT").is_ok_and(|v| v == "1"));
     matches!(x_dtype, DType::BF16 | DType::F16)
         && matches!(group_size, 32 | 64 | 128)
         && in_dim % group_size == 0
+        && (bits == 4 || rows > 1)
         && !force_simt
 }
 
@@ -535,7 +543,7 @@ pub(crate) fn qmatvec(
         in_dim: in_dim as u32,
         group_size: group_size as u32,
     };
-    let (func, cfg) = if uses_tensor_core_matvec(x.dtype(), group_size, in_dim) {
+    let (func, cfg) = if uses_tensor_core_matvec(x.dtype(), rows, bits, group_size, in_dim) {
         let name = format!("qmv_mma_{tn}_{sn}_{bits}_{group_size}");
         let cfg = LaunchConfig {
             grid_dim: (out_dim.div_ceil(QMATVEC_MMA_ROWS) as u32, 1, 1),

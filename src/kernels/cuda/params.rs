@@ -14,7 +14,7 @@ pub const QMATVEC_WARPS: usize = 8;
 /// Output rows per tensor-core matrix-vector block (the M of `mma.m16n8k16`).
 pub const QMATVEC_MMA_ROWS: usize = 16;
 /// Warps per tensor-core matrix-vector block, splitting the input groups (`QMMA_WARPS`).
-pub const QMATVEC_MMA_WARPS: usize = 4;
+pub const QMATVEC_MMA_WARPS: usize = 8;
 /// Most key splits the combine kernel merges (`QS_MAX_SPLIT`).
 pub const QSDPA_MAX_SPLIT: usize = 1024;
 /// Head dimensions the quantized attention kernels are instantiated for.

@@ -475,46 +475,21 @@ __device__ __forceinline__ void qmatvec_body(const QmatParams p, const T* __rest
 // threads together cover 16 k of one group per step, so every step lies inside one group.
 // A slots (2q, 2q+1) hold k (4s, 4s+1) and slots (2q+8, 2q+9) hold k (4s+2, 4s+3); B holds x at
 // the same k for activation row gq, i.e. 4 consecutive x elements (one 8-byte load).
-// 8-bit codes are split into nibbles: c = lo + 16 hi, two mma per step into the same sum.
+// 8-bit codes are split into nibbles, c = lo + 16 hi, with one mma and one sum per nibble.
 // ---------------------------------------------------------------------------------------------
-constexpr int QMMA_WARPS = 4;
+constexpr int QMMA_WARPS = 8;
 
 template <typename T> struct MmaMagic;
 template <> struct MmaMagic<__nv_bfloat16> {
-    static constexpr uint32_t MAGIC = 0x43004300u;   // 128.0 in both halves
-    static constexpr uint32_t ONES = 0x3F803F80u;    // 1.0
-    static constexpr uint32_t SIXTEEN = 0x41804180u; // 16.0
-    static constexpr uint32_t NEG_MAGIC16 = 0xC500C500u;  // -2048.0 = -16 * 128
+    static constexpr uint32_t MAGIC = 0x43004300u;  // 128.0 in both halves
+    static constexpr uint32_t ONES = 0x3F803F80u;   // 1.0
+    static constexpr float MAGIC_F = 128.f;
 };
 template <> struct MmaMagic<__half> {
-    static constexpr uint32_t MAGIC = 0x64006400u;   // 1024.0
+    static constexpr uint32_t MAGIC = 0x64006400u;  // 1024.0
     static constexpr uint32_t ONES = 0x3C003C00u;
-    static constexpr uint32_t SIXTEEN = 0x4C004C00u;
-    static constexpr uint32_t NEG_MAGIC16 = 0xF400F400u;  // -16384.0 = -16 * 1024
+    static constexpr float MAGIC_F = 1024.f;
 };
-
-template <typename T> __device__ __forceinline__ uint32_t h2_sub(uint32_t a, uint32_t b);
-template <> __device__ __forceinline__ uint32_t h2_sub<__nv_bfloat16>(uint32_t a, uint32_t b) {
-    uint32_t r;
-    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-template <> __device__ __forceinline__ uint32_t h2_sub<__half>(uint32_t a, uint32_t b) {
-    uint32_t r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-template <typename T> __device__ __forceinline__ uint32_t h2_fma(uint32_t a, uint32_t b, uint32_t c);
-template <> __device__ __forceinline__ uint32_t h2_fma<__nv_bfloat16>(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-template <> __device__ __forceinline__ uint32_t h2_fma<__half>(uint32_t a, uint32_t b, uint32_t c) {
-    uint32_t r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
 
 // c += A (16x16) * B (16x8), f32 accumulate.
 template <typename T>
@@ -534,17 +509,11 @@ __device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, const uin
     }
 }
 
-// Two 4-bit fields of `lo`/`hi` (selected by the byte_perm selector) as an exact code pair.
+// Two 4-bit fields of `lo`/`hi` (selected by the byte_perm selector) as the pair
+// (MAGIC + c0, MAGIC + c1), exact; the offset is taken out after the mma (see qmv_mma_body).
 template <typename T>
 __device__ __forceinline__ uint32_t code_pair(uint32_t lo, uint32_t hi, uint32_t sel) {
-    const uint32_t v = (__byte_perm(lo, hi, sel) & 0x000F000Fu) | MmaMagic<T>::MAGIC;
-    return h2_sub<T>(v, MmaMagic<T>::MAGIC);
-}
-// The same pair times 16 (the high nibbles of 8-bit codes), still exact.
-template <typename T>
-__device__ __forceinline__ uint32_t code_pair16(uint32_t w, uint32_t sel) {
-    const uint32_t v = (__byte_perm(w, 0u, sel) & 0x000F000Fu) | MmaMagic<T>::MAGIC;
-    return h2_fma<T>(v, MmaMagic<T>::SIXTEEN, MmaMagic<T>::NEG_MAGIC16);
+    return (__byte_perm(lo, hi, sel) & 0x000F000Fu) | MmaMagic<T>::MAGIC;
 }
 
 // Async 16-byte global -> shared copies (bypassing L1), committed and waited per warp.
@@ -573,12 +542,15 @@ template <int TW> __device__ __forceinline__ void lds_codes(const uint32_t* p, u
     }
 }
 
-// Weights stream through shared memory: each warp copies "units" of 16 rows x 128 bytes with
-// whole-line 16-byte async copies (QMMA_STAGES units in flight), then reads its fragments from
-// there. Row strides are padded so the fragment reads are free of bank conflicts.
-constexpr int QMMA_STAGES = 3;
-constexpr int QMMA_UNIT_WORDS = 32;
-template <int TW> struct QmmaStride { static constexpr int W = TW == 1 ? 36 : TW == 2 ? 40 : TW == 4 ? 48 : 36; };
+// Weights stream through shared memory: each warp copies "units" of 16 rows x 64 bytes (or one
+// group, if larger) with 16-byte async copies (2-3 units in flight), then reads its fragments
+// from there.
+template <int GW> struct QmmaUnit {
+    static constexpr int WORDS = GW > 16 ? GW : 16;  // per row, at least one group
+    static constexpr int STAGES = WORDS > 16 ? 2 : 3;
+    // Padded row stride (words): the quads' fragment reads hit distinct banks.
+    static constexpr int STRIDE = GW <= 4 ? 20 : GW == 8 ? 24 : GW == 16 ? 16 : 36;
+};
 
 template <typename T, typename S, int BITS, int G>
 __device__ __forceinline__ void qmv_mma_body(const QmatParams p, const T* __restrict__ x,
@@ -588,9 +560,12 @@ __device__ __forceinline__ void qmv_mma_body(const QmatParams p, const T* __rest
     constexpr int GW = G * BITS / 32;   // code words per row per group
     constexpr int TW = GW / 4;          // ... per thread
     constexpr int STEPS = G / 16;       // mma k-steps per group
-    constexpr int GPU = QMMA_UNIT_WORDS / GW;  // groups per unit
-    constexpr int RS = QmmaStride<TW>::W;      // padded row stride in words
-    __shared__ __align__(16) uint32_t stage[QMMA_WARPS][QMMA_STAGES][16 * RS];
+    constexpr int UW = QmmaUnit<GW>::WORDS;
+    constexpr int NST = QmmaUnit<GW>::STAGES;
+    constexpr int RS = QmmaUnit<GW>::STRIDE;
+    constexpr int GPU = UW / GW;            // groups per unit
+    constexpr int CHUNKS = 16 * UW / 4;     // 16-byte copies per unit
+    __shared__ __align__(16) uint32_t stage[QMMA_WARPS][NST][16 * RS];
     __shared__ float red[QMMA_WARPS][32][4];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gq = lane >> 2, q = lane & 3;
@@ -599,39 +574,55 @@ __device__ __forceinline__ void qmv_mma_body(const QmatParams p, const T* __rest
     const int ra = min(tile0 + gq, last), rb = min(tile0 + gq + 8, last);
     const int words = p.in_dim * BITS / 32;
     const int groups = p.in_dim / G;
-    const int units = (words + QMMA_UNIT_WORDS - 1) / QMMA_UNIT_WORDS;
+    const int units = (words + UW - 1) / UW;
     const int per = (units + QMMA_WARPS - 1) / QMMA_WARPS;
     const int u0 = warp * per, u1 = min(units, u0 + per);
     const bool xok = gq < (int)p.rows;
     const T* xr = x + (size_t)(xok ? gq : 0) * p.in_dim + q * (G / 4);
     const uint32_t ones[4] = {MmaMagic<T>::ONES, MmaMagic<T>::ONES, MmaMagic<T>::ONES,
                               MmaMagic<T>::ONES};
+    constexpr float M = MmaMagic<T>::MAGIC_F;
     uint32_t(*st)[16 * RS] = stage[warp];
 
-    // Unit u into stage slot u % QMMA_STAGES: 16 rows x 8 chunks of 16 bytes, 4 per lane.
     auto load_unit = [&](int u) {
-        uint32_t* dst = st[u % QMMA_STAGES];
+        uint32_t* dst = st[u % NST];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int c = i * 32 + lane, row = c >> 3, col = (c & 7) * 4;
-            const int wofs = u * QMMA_UNIT_WORDS + col;
+        for (int i = 0; i < CHUNKS / 32; ++i) {
+            const int c = i * 32 + lane, row = c / (UW / 4), col = (c % (UW / 4)) * 4;
+            const int wofs = u * UW + col;
             if (wofs < words)
                 cp_async16(dst + row * RS + col,
                            codes + (size_t)min(tile0 + row, last) * words + wofs);
         }
     };
 #pragma unroll
-    for (int i = 0; i < QMMA_STAGES - 1; ++i) {
+    for (int i = 0; i < NST - 1; ++i) {
         if (u0 + i < u1) load_unit(u0 + i);
         cp_async_commit();
     }
+    // Scales and biases (rows ra, rb) of a unit's groups, loaded one unit ahead of their use so
+    // their latency hides behind the current unit's work.
+    auto load_affine = [&](int u, S (*dst)[4]) {
+#pragma unroll
+        for (int gg = 0; gg < GPU; ++gg) {
+            const int gi = min(u * GPU + gg, groups - 1);
+            dst[gg][0] = scales[(size_t)ra * groups + gi];
+            dst[gg][1] = biases[(size_t)ra * groups + gi];
+            dst[gg][2] = scales[(size_t)rb * groups + gi];
+            dst[gg][3] = biases[(size_t)rb * groups + gi];
+        }
+    };
+    S aff[GPU][4];
+    if (u0 < u1) load_affine(u0, aff);
     float tot[4] = {0.f, 0.f, 0.f, 0.f};
     for (int u = u0; u < u1; ++u) {
-        if (u + QMMA_STAGES - 1 < u1) load_unit(u + QMMA_STAGES - 1);
+        S aff_next[GPU][4];
+        if (u + 1 < u1) load_affine(u + 1, aff_next);
+        if (u + NST - 1 < u1) load_unit(u + NST - 1);
         cp_async_commit();
-        cp_async_wait<QMMA_STAGES - 1>();
+        cp_async_wait<NST - 1>();
         __syncwarp();
-        const uint32_t* sa_row = st[u % QMMA_STAGES] + gq * RS + q * TW;
+        const uint32_t* sa_row = st[u % NST] + gq * RS + q * TW;
         const uint32_t* sb_row = sa_row + 8 * RS;
 #pragma unroll
         for (int gg = 0; gg < GPU; ++gg) {
@@ -640,7 +631,9 @@ __device__ __forceinline__ void qmv_mma_body(const QmatParams p, const T* __rest
             uint32_t wa[TW], wb[TW];
             lds_codes<TW>(sa_row + gg * GW, wa);
             lds_codes<TW>(sb_row + gg * GW, wb);
-            float c[4] = {0.f, 0.f, 0.f, 0.f}, cx[4] = {0.f, 0.f, 0.f, 0.f};
+            // c: sum (M + lo) x; ch (8-bit): sum (M + hi) x; cx: sum x.
+            float c[4] = {0.f, 0.f, 0.f, 0.f}, ch[4] = {0.f, 0.f, 0.f, 0.f};
+            float cx[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int s = 0; s < STEPS; ++s) {
                 uint32_t b[2] = {0u, 0u};
@@ -665,23 +658,32 @@ __device__ __forceinline__ void qmv_mma_body(const QmatParams p, const T* __rest
                     constexpr uint32_t s0 = 0x0100u, s1 = 0x0302u;
                     const uint32_t alo[4] = {code_pair<T>(xa, 0u, s0), code_pair<T>(xb, 0u, s0),
                                              code_pair<T>(xa, 0u, s1), code_pair<T>(xb, 0u, s1)};
-                    const uint32_t ahi[4] = {code_pair16<T>(ha, s0), code_pair16<T>(hb, s0),
-                                             code_pair16<T>(ha, s1), code_pair16<T>(hb, s1)};
+                    const uint32_t ahi[4] = {code_pair<T>(ha, 0u, s0), code_pair<T>(hb, 0u, s0),
+                                             code_pair<T>(ha, 0u, s1), code_pair<T>(hb, 0u, s1)};
                     mma_16816<T>(c, alo, b);
-                    mma_16816<T>(c, ahi, b);
+                    mma_16816<T>(ch, ahi, b);
                 }
                 mma_16816<T>(cx, ones, b);
             }
-            const float sa = to_f(scales[(size_t)ra * groups + gi]);
-            const float ba = to_f(biases[(size_t)ra * groups + gi]);
-            const float sb = to_f(scales[(size_t)rb * groups + gi]);
-            const float bb = to_f(biases[(size_t)rb * groups + gi]);
-            tot[0] = fmaf(sa, c[0], fmaf(ba, cx[0], tot[0]));
-            tot[1] = fmaf(sa, c[1], fmaf(ba, cx[1], tot[1]));
-            tot[2] = fmaf(sb, c[2], fmaf(bb, cx[2], tot[2]));
-            tot[3] = fmaf(sb, c[3], fmaf(bb, cx[3], tot[3]));
+            // sum W x = s * (sum c x) + b * X, with sum c x = c - M X (+ 16 (ch - M X) for 8 bits).
+            const float sa = to_f(aff[gg][0]), ba = to_f(aff[gg][1]);
+            const float sb = to_f(aff[gg][2]), bb = to_f(aff[gg][3]);
+            const float off = BITS == 4 ? M : 17.f * M;
+            const float oa = fmaf(-off, sa, ba), ob = fmaf(-off, sb, bb);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float d = BITS == 4 ? c[i] : fmaf(16.f, ch[i], c[i]);
+                tot[i] = fmaf(i < 2 ? sa : sb, d, fmaf(i < 2 ? oa : ob, cx[i], tot[i]));
+            }
         }
         __syncwarp();  // the slot is refilled next iteration
+        if (u + 1 < u1) {
+#pragma unroll
+            for (int gg = 0; gg < GPU; ++gg) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) aff[gg][i] = aff_next[gg][i];
+            }
+        }
     }
     cp_async_wait<0>();
 #pragma unroll
