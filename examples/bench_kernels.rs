@@ -63,10 +63,10 @@ fn main() -> Result<()> {
     // `--matmul-only`: skip the attention benches (the matvec kernels alone).
     let attention = !std::env::args().any(|a| a == "--matmul-only");
     // Which matvec kernel `qmatmul` takes for bf16 activations (see `qmatvec` in the launcher:
-    // one 8-bit row stays on the SIMT kernel).
+    // one row of 8-bit or group-32 codes stays on the SIMT kernel).
     let force_simt = std::env::var("CANDLE_GEMMA_QMV_SIMT").is_ok_and(|v| v == "1");
-    let matvec_kernel = |rows: usize, bits: usize| {
-        if force_simt || (rows == 1 && bits == 8) {
+    let matvec_kernel = |rows: usize, bits: usize, group: usize| {
+        if force_simt || (rows == 1 && (bits == 8 || group == 32)) {
             "simt"
         } else if rows <= 8 {
             "tensor_core"
@@ -209,7 +209,7 @@ fn main() -> Result<()> {
                 let gbs = bytes as f64 / t / 1e9;
                 println!(
                     "{{\"bench\":\"qmatmul\",\"kernel\":\"{}\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"bits\":{bits},\"group\":{group},\"seconds\":{t:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3}}}",
-                    matvec_kernel(rows, bits),
+                    matvec_kernel(rows, bits, group),
                     t_bf16 / t,
                     dense_bytes as f64 / t_bf16 / 1e9,
                     gbs / copy_gbs

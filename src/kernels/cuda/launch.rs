@@ -63,7 +63,7 @@ pub(super) fn cuda_dev(t: &Tensor) -> candle_core::Result<CudaDevice> {
     }
 }
 
-pub(super) fn cuda_storage<'a>(s: &'a Storage) -> candle_core::Result<&'a CudaStorage> {
+pub(super) fn cuda_storage(s: &Storage) -> candle_core::Result<&CudaStorage> {
     match s {
         Storage::Cuda(c) => Ok(c),
         _ => candle_core::bail!("expected CUDA storage"),
@@ -500,10 +500,11 @@ fn attend_fused(
 }
 
 /// Whether [`qmatvec`] takes the tensor-core kernel: f16/bf16 activations, MLX group sizes, and
-/// not a single 8-bit row. Measured on an H100 (`bench_kernels --matmul-only`, 31B shapes): the
-/// tensor-core kernel is 1.9-5x faster at 8 rows and up to 1.2x faster for one 4-bit row, but
-/// the SIMT kernel is faster for one 8-bit row. f32 activations keep the SIMT kernel, whose
-/// products stay in f32. `CANDLE_GEMMA_QMV_SIMT=1` forces the SIMT kernel, for comparison.
+/// not a single row of 8-bit or group-32 codes. Measured on an H100 (`bench_kernels
+/// --matmul-only`, 31B shapes): the tensor-core kernel is 2.5-6x faster at 8 rows and up to
+/// 1.35x faster for one 4-bit row at groups 64/128, but the SIMT kernel is faster for one 8-bit
+/// row and for one 4-bit row at group 32. f32 activations keep the SIMT kernel, whose products
+/// stay in f32. `CANDLE_GEMMA_QMV_SIMT=1` forces the SIMT kernel, for comparison.
 fn uses_tensor_core_matvec(
     x_dtype: DType,
     rows: usize,
@@ -517,7 +518,7 @@ fn uses_tensor_core_matvec(
     matches!(x_dtype, DType::BF16 | DType::F16)
         && matches!(group_size, 32 | 64 | 128)
         && in_dim % group_size == 0
-        && (bits == 4 || rows > 1)
+        && (rows > 1 || (bits == 4 && group_size > 32))
         && !force_simt
 }
 
