@@ -550,22 +550,23 @@ pub(crate) fn qmatvec(
         in_dim: in_dim as u32,
         group_size: group_size as u32,
     };
-    let (func, cfg) = if uses_tensor_core_matvec(x.dtype(), rows, bits, group_size, in_dim) {
-        let name = format!("qmv_mma_{tn}_{sn}_{bits}_{group_size}");
-        let cfg = LaunchConfig {
-            grid_dim: (out_dim.div_ceil(QMATVEC_MMA_ROWS) as u32, 1, 1),
-            block_dim: ((QMATVEC_MMA_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
+    // Tensor-core kernel: 16 output rows a block; SIMT kernel: one warp per output row.
+    let (name, rows_per_block, warps) =
+        if uses_tensor_core_matvec(x.dtype(), rows, bits, group_size, in_dim) {
+            let name = format!("qmv_mma_{tn}_{sn}_{bits}_{group_size}");
+            (name, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS)
+        } else {
+            (
+                format!("qmatvec_{tn}_{sn}_{bits}_{r}"),
+                QMATVEC_WARPS,
+                QMATVEC_WARPS,
+            )
         };
-        (dev.get_or_load_custom_func(&name, MODULE, PTX)?, cfg)
-    } else {
-        let name = format!("qmatvec_{tn}_{sn}_{bits}_{r}");
-        let cfg = LaunchConfig {
-            grid_dim: (out_dim.div_ceil(QMATVEC_WARPS) as u32, 1, 1),
-            block_dim: ((QMATVEC_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        (dev.get_or_load_custom_func(&name, MODULE, PTX)?, cfg)
+    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let cfg = LaunchConfig {
+        grid_dim: (out_dim.div_ceil(rows_per_block) as u32, 1, 1),
+        block_dim: ((warps * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
     };
     let x = x.contiguous()?;
     let (codes, scales, biases) = (
