@@ -62,6 +62,8 @@ fn main() -> Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     // `--matmul-only`: skip the attention benches (the matvec kernels alone).
     let attention = !std::env::args().any(|a| a == "--matmul-only");
+    // `--dense-only`: only the dense bf16 matvec (tensor-core kernel vs cuBLAS).
+    let dense_only = std::env::args().any(|a| a == "--dense-only");
     // Which matvec kernel `qmatmul` takes for bf16 activations (see `qmatvec` in the launcher:
     // one row of 8-bit or group-32 codes stays on the SIMT kernel).
     let force_simt = std::env::var("CANDLE_GEMMA_QMV_SIMT").is_ok_and(|v| v == "1");
@@ -95,6 +97,10 @@ fn main() -> Result<()> {
         "{{\"bench\":\"copy\",\"bytes\":{},\"seconds\":{t_copy:.6e},\"gb_per_s\":{copy_gbs:.1}}}",
         2u64 << 30
     );
+
+    if dense_only {
+        return bench_dense_matvec(&dev, copy_gbs);
+    }
 
     // Quantized attention vs dense bf16.
     let shapes: [(&str, usize, usize, usize); 4] = [
@@ -215,6 +221,53 @@ fn main() -> Result<()> {
                     gbs / copy_gbs
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// Dense bf16 decode products: the crate's tensor-core matvec against cuBLAS (candle's
+/// matmul), 1 and 8 rows, on the 31B and E4B projection and head shapes, with GB/s against the
+/// copy bandwidth.
+fn bench_dense_matvec(dev: &Device, copy_gbs: f64) -> Result<()> {
+    use candle_gemma::kernels::cuda::fused::dense_matvec;
+    let shapes: [(&str, usize, usize); 8] = [
+        ("31b_q_proj", 8192, 5376),
+        ("31b_gate_up", 43008, 5376),
+        ("31b_down", 5376, 21504),
+        ("31b_head", 262144, 5376),
+        ("e4b_qkv", 3072, 2560),
+        ("e4b_gate_up", 20480, 2560),
+        ("e4b_down", 2560, 10240),
+        ("e4b_head", 262144, 2560),
+    ];
+    for &(name, out, inp) in &shapes {
+        // Enough weight copies that L2 (50 MB) cannot hold the rotation.
+        let rot = (200_000_000 / (out * inp * 2)).clamp(2, 8);
+        let ws: Vec<Tensor> = (0..rot)
+            .map(|_| Ok(Tensor::randn(0f32, 0.02, (out, inp), dev)?.to_dtype(DType::BF16)?))
+            .collect::<Result<_>>()?;
+        let bytes = (out * inp * 2) as f64;
+        for rows in [1usize, 8] {
+            let x = Tensor::randn(0f32, 1.0, (rows, inp), dev)?.to_dtype(DType::BF16)?;
+            let mut i = 0;
+            let t_cublas = time(dev, 40, || {
+                i += 1;
+                x.matmul(&ws[i % rot].t()?)?;
+                Ok(())
+            })?;
+            let mut i = 0;
+            let t_mma = time(dev, 40, || {
+                i += 1;
+                dense_matvec(&x, &ws[i % rot])?.ok_or_else(|| anyhow::anyhow!("not applicable"))?;
+                Ok(())
+            })?;
+            println!(
+                "{{\"bench\":\"dense_matvec\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"seconds\":{t_mma:.6e},\"cublas_seconds\":{t_cublas:.6e},\"speedup\":{:.3},\"fraction_of_copy\":{:.3},\"cublas_fraction_of_copy\":{:.3},\"copy_gb_per_s\":{copy_gbs:.1}}}",
+                t_cublas / t_mma,
+                bytes / t_mma / 1e9 / copy_gbs,
+                bytes / t_cublas / 1e9 / copy_gbs,
+            );
         }
     }
     Ok(())

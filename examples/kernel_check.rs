@@ -459,6 +459,38 @@ fn check_qmatmul(
     Ok(pass && pass_e)
 }
 
+/// The tensor-core dense matvec against the CPU matmul (f32 there), in one activation dtype.
+fn check_dense_matvec(
+    out_dim: usize,
+    in_dim: usize,
+    rows: usize,
+    dtype: DType,
+    gpu: &Device,
+    stats: &mut BTreeMap<String, f32>,
+) -> Result<bool> {
+    use candle_gemma::kernels::cuda::fused::dense_matvec;
+    let w = rnd(&[out_dim, in_dim], dtype)?;
+    let x = rnd(&[rows, in_dim], dtype)?;
+    let want = x
+        .to_dtype(DType::F32)?
+        .matmul(&w.to_dtype(DType::F32)?.t()?)?;
+    let got = dense_matvec(&x.to_device(gpu)?, &w.to_device(gpu)?)?
+        .ok_or_else(|| anyhow::anyhow!("dense_matvec declined {dtype:?} [{out_dim}x{in_dim}]"))?;
+    // Outputs ~ sqrt(in); the kernel rounds once to the activation type.
+    let mag = (in_dim as f32).sqrt();
+    let err = max_abs(&got.to_dtype(DType::F32)?, &want)?;
+    let pass = err <= tol(dtype) * mag * 2.0;
+    let e = stats
+        .entry(format!("dense_matvec {dtype:?}"))
+        .or_insert(0.0);
+    *e = e.max(err);
+    println!(
+        "dense_matvec dtype={dtype:?} [{out_dim}x{in_dim}] rows={rows} max_abs={err:.3e} {}",
+        if pass { "PASS" } else { "FAIL" }
+    );
+    Ok(pass)
+}
+
 fn main() -> Result<()> {
     let gpu = Device::new_cuda(0)?;
     let mut stats = BTreeMap::new();
@@ -628,6 +660,15 @@ fn main() -> Result<()> {
         &gpu,
         &mut stats,
     )?;
+    // Tile tails (outputs not a multiple of 16/32, inputs not a multiple of 32), both tile
+    // counts (the two-tile kernel from 32 * 2 * SMs outputs), 1..=8 rows.
+    for dtype in [DType::BF16, DType::F16] {
+        for (out_dim, in_dim) in [(384, 512), (200, 1032), (9000, 264), (40, 2568)] {
+            for rows in [1, 3, 8] {
+                all_ok &= check_dense_matvec(out_dim, in_dim, rows, dtype, &gpu, &mut stats)?;
+            }
+        }
+    }
     println!("\nsummary (max abs error over all cases):");
     for (k, v) in &stats {
         println!("  {k:<28} {v:.3e}");

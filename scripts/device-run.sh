@@ -121,6 +121,31 @@ for l in open(sys.argv[1]):
               f'{j["speedup"]:.2f}x bf16')
 PY
       ;;
+    dense)
+      .device/bench_kernels --dense-only > "$OUT/dense-matvec.jsonl" 2>&1
+      python3 - "$OUT/dense-matvec.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    if not l.startswith("{"):
+        print(l.rstrip()); continue
+    j = json.loads(l)
+    if j["bench"] == "copy":
+        print("copy GB/s", j["gb_per_s"])
+    else:
+        print(f'{j["shape"]:12s} rows={j["rows"]} mma {j["seconds"]*1e6:8.1f}us ({j["fraction_of_copy"]:.3f} of copy) '
+              f'cublas {j["cublas_seconds"]*1e6:8.1f}us ({j["cublas_fraction_of_copy"]:.3f}) speedup {j["speedup"]:.2f}x')
+PY
+      ;;
+    ab)
+      # Decode A/B in one process order: default, cuBLAS products, cudarc event tracking kept.
+      for m in ${AB_MODELS:-e2b e4b 26b-a4b 31b}; do
+        for v in default CANDLE_GEMMA_DENSE_MV=cublas CANDLE_GEMMA_EVENT_TRACKING=1 default; do
+          echo "== $m $v"
+          env $([ $v = default ] || echo $v) $B --config $C/$m-config.json --prefill 0 --batch ${AB_BATCH:-1,8} --context 128 --steps 16 \
+            2>>"$OUT/bench.err" | sed "s/^{/{\"variant\":\"$v\",/" | tee -a "$OUT/ab.jsonl" | grep decode | cut -c1-200
+        done
+      done
+      ;;
     kernels)
       .device/bench_kernels > "$OUT/bench-kernels.txt" 2>&1; tail -40 "$OUT/bench-kernels.txt"
       ;;

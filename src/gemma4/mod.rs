@@ -52,10 +52,30 @@ impl Linear {
     /// Shape mismatch.
     pub fn forward(&self, x: &Tensor) -> crate::Result<Tensor> {
         match self {
-            Linear::Dense(l) => Ok(l.forward(x)?),
+            Linear::Dense(l) => match dense_decode_product(x, l.weight())? {
+                Some(y) => Ok(y),
+                None => Ok(l.forward(x)?),
+            },
             Linear::Packed(p) => crate::kernels::qmatmul::qmatmul(x, p),
         }
     }
+}
+
+/// `x · Wᵀ` through the tensor-core matrix-vector kernel when `x` has few rows (decode) on
+/// CUDA with f16/bf16 weights; `None` where the general matmul applies. It replaces cuBLAS
+/// there because it reads the weight closer to the copy bandwidth (README, Performance).
+#[cfg(feature = "cuda")]
+fn dense_decode_product(x: &Tensor, w: &Tensor) -> crate::Result<Option<Tensor>> {
+    use crate::kernels::cuda::fused;
+    if !crate::kernels::fused_enabled(x.device()) || !fused::dense_matvec_enabled() {
+        return Ok(None);
+    }
+    Ok(fused::dense_matvec(x, w)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn dense_decode_product(_x: &Tensor, _w: &Tensor) -> crate::Result<Option<Tensor>> {
+    Ok(None)
 }
 
 impl Linear {
@@ -137,7 +157,10 @@ impl Embedding {
     /// Shape mismatch.
     pub fn as_head(&self, x: &Tensor) -> crate::Result<Tensor> {
         match self {
-            Embedding::Dense(t) => Ok(x.broadcast_matmul(&t.t()?)?),
+            Embedding::Dense(t) => match dense_decode_product(x, t)? {
+                Some(y) => Ok(y),
+                None => Ok(x.broadcast_matmul(&t.t()?)?),
+            },
             Embedding::Packed(p) => crate::kernels::qmatmul::qmatmul(x, p),
         }
     }

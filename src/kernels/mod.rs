@@ -36,6 +36,7 @@ pub(crate) fn fused_enabled(device: &Device) -> bool {
             if let Device::Cuda(d) = device {
                 // Best effort: without it the pool only regrows more often.
                 let _ = cuda::launch::retain_pool_memory(d);
+                cuda::launch::skip_event_tracking(d);
             }
         });
     }

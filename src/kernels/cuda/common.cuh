@@ -1,10 +1,13 @@
 // Helpers shared by `qkernels.cu` and `fused.cu`: element conversions, the 8-wide activation
-// load, and the (value, index) warp reduction of the argmax kernels.
+// load, the streaming weight load, the m16n8k16 tensor-core product, and the (value, index)
+// warp reduction of the argmax kernels.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
@@ -60,5 +63,32 @@ __device__ __forceinline__ void warp_argmax(float& bv, I& bi) {
         const float ov = __shfl_xor_sync(0xffffffffu, bv, off);
         const I oi = __shfl_xor_sync(0xffffffffu, bi, off);
         argmax_step(bv, bi, ov, oi);
+    }
+}
+
+// Streaming 16-byte load that does not allocate in L1 (keeps the small activation there).
+__device__ __forceinline__ uint4 ld_stream4(const uint32_t* p) {
+    uint4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p));
+    return r;
+}
+
+// c += A (16x16) * B (16x8), f32 accumulate.
+template <typename T>
+__device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, const uint32_t* b) {
+    if constexpr (std::is_same<T, __half>::value) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     }
 }

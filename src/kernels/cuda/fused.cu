@@ -408,3 +408,98 @@ extern "C" __global__ void __launch_bounds__(1024)
 FUSED_INST(f32, float)
 FUSED_INST(f16, __half)
 FUSED_INST(bf16, __nv_bfloat16)
+
+struct DenseMvParams {
+    uint32_t rows, out_dim, in_dim, pad_;
+};
+
+constexpr int DMV_WARPS = 8;
+constexpr int DMV_UNROLL = 4;
+
+// Dense y = x · Wᵀ for at most 8 activation rows (decode) on the tensor cores: a block owns
+// 16 * MT output rows (MT m16n8k16 tiles sharing one x fragment) and its DMV_WARPS warps split
+// the input dimension into contiguous runs of 32-element chunks; the N = 8 columns are the
+// activation rows. The sum over k does not care about its order, so a thread's A and B slots
+// take the same permuted k's: thread q of a quad reads 8 consecutive elements (one 16-byte load)
+// of its W rows and of its x row per chunk, the first 4 for the first mma, the rest for the
+// second. W is streamed past L1; in_dim must be a multiple of 8 (16-byte aligned rows).
+template <typename T, int MT>
+__device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __restrict__ x,
+                                              const T* __restrict__ w, T* __restrict__ y) {
+    __shared__ float red[DMV_WARPS][32][4 * MT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gq = lane >> 2, q = lane & 3;
+    const int tile0 = blockIdx.x * 16 * MT;
+    const int last = (int)p.out_dim - 1;
+    const int in_dim = (int)p.in_dim;
+    const int chunks = (in_dim + 31) / 32;
+    const int per = (chunks + DMV_WARPS - 1) / DMV_WARPS;
+    const int c0 = warp * per, c1 = min(chunks, c0 + per);
+    const bool xok = gq < (int)p.rows;
+    const T* rowp[2 * MT];
+#pragma unroll
+    for (int m = 0; m < 2 * MT; ++m)
+        rowp[m] = w + (size_t)min(tile0 + 8 * m + gq, last) * in_dim + 8 * q;
+    const T* xr = x + (size_t)(xok ? gq : 0) * in_dim + 8 * q;
+    float acc[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+    for (int c = c0; c < c1; c += DMV_UNROLL) {
+        uint4 a[DMV_UNROLL][2 * MT], xv[DMV_UNROLL];
+        // All loads of the unrolled chunks first, so they are in flight together.
+#pragma unroll
+        for (int i = 0; i < DMV_UNROLL; ++i) {
+            const int k = (c + i) * 32;
+            const bool ok = c + i < c1 && k + 8 * q < in_dim;
+#pragma unroll
+            for (int m = 0; m < 2 * MT; ++m)
+                a[i][m] = ok ? ld_stream4(reinterpret_cast<const uint32_t*>(rowp[m] + k))
+                             : make_uint4(0u, 0u, 0u, 0u);
+            xv[i] = ok && xok ? *reinterpret_cast<const uint4*>(xr + k) : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int i = 0; i < DMV_UNROLL; ++i) {
+            const uint32_t b0[2] = {xv[i].x, xv[i].y}, b1[2] = {xv[i].z, xv[i].w};
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                const uint4 ra = a[i][2 * m], rb = a[i][2 * m + 1];
+                const uint32_t f0[4] = {ra.x, rb.x, ra.y, rb.y}, f1[4] = {ra.z, rb.z, ra.w, rb.w};
+                mma_16816<T>(acc[m], f0, b0);
+                mma_16816<T>(acc[m], f1, b1);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[warp][lane][4 * m + i] = acc[m][i];
+    }
+    __syncthreads();
+    // Warp m-tile reduction: each of the first MT warps sums one tile over the block's warps.
+    if (warp < MT) {
+        const int m = warp;
+        float t[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int v = 0; v < DMV_WARPS; ++v) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) t[i] += red[v][lane][4 * m + i];
+        }
+        // C fragment: (row gq, cols 2q, 2q+1) and (row gq + 8, same cols); cols = activation rows.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = tile0 + 16 * m + gq + (i >= 2 ? 8 : 0);
+            const int col = 2 * q + (i & 1);
+            if (row <= last && col < (int)p.rows) y[(size_t)col * p.out_dim + row] = from_f<T>(t[i]);
+        }
+    }
+}
+
+#define DMV_INST(TN, T, MT)                                                                    \
+    extern "C" __global__ void __launch_bounds__(DMV_WARPS * 32)                               \
+        dense_mv_##TN##_##MT(const DenseMvParams p, const T* x, const T* w, T* y) {            \
+        dense_mv_body<T, MT>(p, x, w, y);                                                      \
+    }
+DMV_INST(f16, __half, 1)
+DMV_INST(f16, __half, 2)
+DMV_INST(bf16, __nv_bfloat16, 1)
+DMV_INST(bf16, __nv_bfloat16, 2)

@@ -7,7 +7,7 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
 
-use super::launch::{cuda_dev, cuda_storage, kname, view, wrap};
+use super::launch::{cuda_dev, cuda_storage, kname, sm_count, view, wrap};
 
 /// The kernels' PTX, built by `build.rs` from `fused.cu`.
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
@@ -17,6 +17,10 @@ const MODULE: &str = "candle_gemma_fused";
 const NORM_THREADS: u32 = 256;
 /// Threads of the residual add + norm kernel (`ADD_NORM_THREADS`).
 const ADD_NORM_THREADS: u32 = 1024;
+/// Warps of a dense matvec block (`DMV_WARPS`).
+const DMV_WARPS: u32 = 8;
+/// Activation rows the dense matvec kernel takes (the mma's N).
+pub const DENSE_MV_MAX_ROWS: usize = 8;
 /// Output rows per grouped-matvec block (`GMV_WARPS`).
 const GMV_WARPS: usize = 8;
 /// Experts per lane of the router kernel (`ROUTE_MAX_PER_LANE`): at most 512 experts.
@@ -73,6 +77,16 @@ struct QkvPrepParams {
     pad_: u32,
 }
 
+/// `struct DenseMvParams` in `fused.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct DenseMvParams {
+    rows: u32,
+    out_dim: u32,
+    in_dim: u32,
+    pad_: u32,
+}
+
 /// `struct RouteParams` in `fused.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -102,6 +116,7 @@ unsafe impl DeviceRepr for AddNormParams {}
 unsafe impl DeviceRepr for GeluMulParams {}
 unsafe impl DeviceRepr for QkvPrepParams {}
 unsafe impl DeviceRepr for RouteParams {}
+unsafe impl DeviceRepr for DenseMvParams {}
 unsafe impl DeviceRepr for GroupedMvParams {}
 
 fn u32_of(x: usize, what: &str) -> Result<u32> {
@@ -762,4 +777,79 @@ pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
         unsafe { b.launch(cfg) }.w()?;
     }
     Ok(wrap(out, &dev, &[rows]))
+}
+
+/// Whether decode products with dense f16/bf16 weights take [`dense_matvec`] (the default) or
+/// cuBLAS (`CANDLE_GEMMA_DENSE_MV=cublas`, for comparison).
+pub fn dense_matvec_enabled() -> bool {
+    static CUBLAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*CUBLAS.get_or_init(|| std::env::var("CANDLE_GEMMA_DENSE_MV").is_ok_and(|v| v == "cublas"))
+}
+
+/// `x · Wᵀ` for a dense `[out, in]` f16/bf16 weight and at most [`DENSE_MV_MAX_ROWS`] rows of
+/// `x` (`[.., in]`), on the tensor cores, returning `[.., out]`; `None` when the kernel does
+/// not apply (another dtype, more rows, `in` not a multiple of 8, a weight view that is not
+/// 16-byte aligned), so the caller falls back to the general matmul.
+///
+/// # Errors
+/// CUDA errors.
+pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    let (out_dim, in_dim) = w.dims2()?;
+    let dtype = x.dtype();
+    let rows = x.elem_count() / in_dim.max(1);
+    let aligned = |t: &Tensor| t.layout().start_offset() % 8 == 0;
+    if !matches!(dtype, DType::BF16 | DType::F16)
+        || w.dtype() != dtype
+        || x.dims().last() != Some(&in_dim)
+        || rows == 0
+        || rows > DENSE_MV_MAX_ROWS
+        || in_dim % 8 != 0
+        || out_dim == 0
+        || !w.is_contiguous()
+        || !aligned(w)
+    {
+        return Ok(None);
+    }
+    let dev = cuda_dev(x)?;
+    let xc = x.contiguous()?;
+    let xc = if aligned(&xc) { xc } else { xc.copy()? };
+    let params = DenseMvParams {
+        rows: rows as u32,
+        out_dim: u32_of(out_dim, "output width")?,
+        in_dim: u32_of(in_dim, "input width")?,
+        pad_: 0,
+    };
+    // Two 16-row tiles a block share each x fragment (half the activation traffic) once there
+    // are enough rows to keep two waves of blocks on the device.
+    let tiles = if out_dim >= 32 * 2 * sm_count(&dev) { 2 } else { 1 };
+    let func = dev.get_or_load_custom_func(
+        &format!("dense_mv_{}_{tiles}", tn(dtype)?),
+        MODULE,
+        PTX,
+    )?;
+    let cfg = LaunchConfig {
+        grid_dim: (u32_of(out_dim.div_ceil(16 * tiles), "blocks")?, 1, 1),
+        block_dim: (DMV_WARPS * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut shape = x.dims().to_vec();
+    if let Some(l) = shape.last_mut() {
+        *l = out_dim;
+    }
+    by_dtype!(dtype, E, {
+        // SAFETY: every (row, output) pair is written by the block owning the output.
+        let mut y = unsafe { dev.alloc::<E>(rows * out_dim)? };
+        {
+            bind!(xv, xc, E);
+            bind!(wv, w, E);
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&xv);
+            b.arg(&wv);
+            b.arg(&mut y);
+            // SAFETY: arguments match the kernel's signature; rows and widths checked above.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(Some(wrap(y, &dev, &shape)))
+    })
 }

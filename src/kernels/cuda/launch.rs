@@ -85,7 +85,7 @@ pub(super) fn wrap<T: CudaDType>(slice: CudaSlice<T>, dev: &CudaDevice, shape: &
 }
 
 /// Multiprocessors of the device (132 on an H100 SXM), read once per process.
-fn sm_count(dev: &CudaDevice) -> usize {
+pub(super) fn sm_count(dev: &CudaDevice) -> usize {
     static SMS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *SMS.get_or_init(|| {
         dev.cuda_stream()
@@ -816,6 +816,23 @@ pub fn retain_pool_memory(dev: &CudaDevice) -> candle_core::Result<()> {
     }
     .result()
     .map_err(candle_core::Error::wrap)
+}
+
+/// Stops cudarc from creating two CUDA events for every buffer allocated from now on, unless
+/// the context already runs several streams or `CANDLE_GEMMA_EVENT_TRACKING=1` is set.
+///
+/// cudarc only consults those events to order work across streams; candle and this crate use one
+/// stream per device, so on a single-stream context they are pure host cost: an event create and
+/// destroy pair per buffer, paid on every op of every decode step. Buffers allocated after this
+/// call carry no events, so an application that later moves them to another stream of the same
+/// context must synchronise that stream itself.
+pub fn skip_event_tracking(dev: &CudaDevice) {
+    let keep = std::env::var("CANDLE_GEMMA_EVENT_TRACKING").is_ok_and(|v| v == "1");
+    let ctx = dev.cuda_stream().context().clone();
+    if !keep && !ctx.is_in_multi_stream_mode() {
+        // SAFETY: with a single stream the events are never waited on (see above).
+        unsafe { dev.disable_event_tracking() };
+    }
 }
 
 /// Returns the pool's unused blocks to the driver (so a memory reading counts live tensors).

@@ -30,15 +30,6 @@ struct QmatParams {
     uint32_t rows, out_dim, in_dim, group_size;
 };
 
-// Streaming 16-byte load that does not allocate in L1 (keeps the small activation there).
-__device__ __forceinline__ uint4 ld_stream4(const uint32_t* p) {
-    uint4 r;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-                 : "l"(p));
-    return r;
-}
-
 // Loads N consecutive u32 words (N = 1, 2 or a multiple of 4; the address is
 // min(N, 4)*4-byte aligned).
 template <int N> __device__ __forceinline__ void load_words(const uint32_t* p, uint32_t* w) {
@@ -490,24 +481,6 @@ template <> struct MmaMagic<__half> {
     static constexpr uint32_t ONES = 0x3C003C00u;
     static constexpr float MAGIC_F = 1024.f;
 };
-
-// c += A (16x16) * B (16x8), f32 accumulate.
-template <typename T>
-__device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, const uint32_t* b) {
-    if constexpr (std::is_same<T, __half>::value) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-            "{%8,%9}, {%0,%1,%2,%3};"
-            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-}
 
 // Two 4-bit fields of `lo`/`hi` (selected by the byte_perm selector) as the pair
 // (MAGIC + c0, MAGIC + c1), exact; the offset is taken out after the mma (see qmv_mma_body).
