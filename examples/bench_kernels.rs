@@ -231,7 +231,7 @@ fn main() -> Result<()> {
 /// copy bandwidth.
 fn bench_dense_matvec(dev: &Device, copy_gbs: f64) -> Result<()> {
     use candle_gemma::kernels::cuda::fused::dense_matvec;
-    let shapes: [(&str, usize, usize); 8] = [
+    let shapes: [(&str, usize, usize); 14] = [
         ("31b_q_proj", 8192, 5376),
         ("31b_gate_up", 43008, 5376),
         ("31b_down", 5376, 21504),
@@ -240,6 +240,12 @@ fn bench_dense_matvec(dev: &Device, copy_gbs: f64) -> Result<()> {
         ("e4b_gate_up", 20480, 2560),
         ("e4b_down", 2560, 10240),
         ("e4b_head", 262144, 2560),
+        ("e2b_qkv", 2560, 1536),
+        ("e2b_gate_up", 12288, 1536),
+        ("e2b_down", 1536, 6144),
+        ("26b_qkv", 8192, 2816),
+        ("26b_o", 2816, 4096),
+        ("26b_down", 2816, 2112),
     ];
     for &(name, out, inp) in &shapes {
         // Enough weight copies that L2 (50 MB) cannot hold the rotation.

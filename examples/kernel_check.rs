@@ -248,10 +248,13 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
         Some(&g(&w2)?),
     )?;
     report("add_norm", max_abs(&got, &want)?, lim);
+    // The next norm sees the sum after its rounding to the activation type in both paths, but
+    // its outputs (normalised values times unit-normal weights) reach ~16, where one bf16 ulp is
+    // 0.0625: allow two ulps there.
     report(
         "add_norm next",
         max_abs(&got2.expect("requested"), &want2)?,
-        lim,
+        2.0 * lim,
     );
 
     // GeGLU over the two halves of a stacked product.
@@ -663,7 +666,13 @@ fn main() -> Result<()> {
     // Tile tails (outputs not a multiple of 16/32, inputs not a multiple of 32), both tile
     // counts (the two-tile kernel from 32 * 2 * SMs outputs), 1..=8 rows.
     for dtype in [DType::BF16, DType::F16] {
-        for (out_dim, in_dim) in [(384, 512), (200, 1032), (9000, 264), (40, 2568)] {
+        for (out_dim, in_dim) in [
+            (384, 512),
+            (200, 1032),
+            (9000, 264),
+            (5000, 264),
+            (40, 2568),
+        ] {
             for rows in [1, 3, 8] {
                 all_ok &= check_dense_matvec(out_dim, in_dim, rows, dtype, &gpu, &mut stats)?;
             }

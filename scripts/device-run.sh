@@ -137,14 +137,24 @@ for l in open(sys.argv[1]):
 PY
       ;;
     ab)
-      # Decode A/B in one process order: default, cuBLAS products, cudarc event tracking kept.
+      # Decode A/B, one process each: default, cuBLAS products, cudarc
+      # event tracking kept, default again.
       for m in ${AB_MODELS:-e2b e4b 26b-a4b 31b}; do
-        for v in default CANDLE_GEMMA_DENSE_MV=cublas CANDLE_GEMMA_EVENT_TRACKING=1 default; do
+        for v in ${AB_VARIANTS:-default CANDLE_GEMMA_DENSE_MV=cublas CANDLE_GEMMA_EVENT_TRACKING=1 default}; do
           echo "== $m $v"
           env $([ $v = default ] || echo $v) $B --config $C/$m-config.json --prefill 0 --batch ${AB_BATCH:-1,8} --context 128 --steps 16 \
             2>>"$OUT/bench.err" | sed "s/^{/{\"variant\":\"$v\",/" | tee -a "$OUT/ab.jsonl" | grep decode | cut -c1-200
         done
       done
+      ;;
+    profile8)
+      # One 31B decode step at batch 8 under ncu, against its wall time.
+      NCU="ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv"
+      $B --config $C/31b-config.json --prefill 0 --batch 8 --context 128 --steps 16 2>>"$OUT/bench.err" | tee "$OUT/b8-wall.jsonl" | grep decode | cut -c1-160
+      $NCU --log-file "$OUT/ncu-31b-decode-b8.csv" $B --config $C/31b-config.json --prefill 0 --batch 8 --context 128 --steps 8 --profile \
+        > "$OUT/prof-31b-decode-b8.jsonl" 2>>"$OUT/bench.err"
+      wall=$(python3 -c "import json,sys; print([json.loads(l)['step_ms'] for l in open(sys.argv[1]) if 'decode' in l][0])" "$OUT/b8-wall.jsonl")
+      python3 scripts/profile_summary.py "$OUT/ncu-31b-decode-b8.csv" --wall-ms "$wall" --label "31b decode b=8 ctx=128" --top 15
       ;;
     kernels)
       .device/bench_kernels > "$OUT/bench-kernels.txt" 2>&1; tail -40 "$OUT/bench-kernels.txt"

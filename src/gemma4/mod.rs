@@ -62,12 +62,13 @@ impl Linear {
 }
 
 /// `x · Wᵀ` through the tensor-core matrix-vector kernel when `x` has few rows (decode) on
-/// CUDA with f16/bf16 weights; `None` where the general matmul applies. It replaces cuBLAS
-/// there because it reads the weight closer to the copy bandwidth (README, Performance).
+/// CUDA with a small f16/bf16 weight; `None` where the general matmul applies. On small weights
+/// it finishes sooner than cuBLAS; on large ones cuBLAS is faster (see
+/// [`crate::kernels::cuda::fused::DENSE_MV_MAX_BYTES`]).
 #[cfg(feature = "cuda")]
 fn dense_decode_product(x: &Tensor, w: &Tensor) -> crate::Result<Option<Tensor>> {
     use crate::kernels::cuda::fused;
-    if !crate::kernels::fused_enabled(x.device()) || !fused::dense_matvec_enabled() {
+    if !crate::kernels::fused_enabled(x.device()) || !fused::dense_matvec_wanted(tensor_bytes(w)) {
         return Ok(None);
     }
     Ok(fused::dense_matvec(x, w)?)

@@ -413,27 +413,26 @@ struct DenseMvParams {
     uint32_t rows, out_dim, in_dim, pad_;
 };
 
-constexpr int DMV_WARPS = 8;
 constexpr int DMV_UNROLL = 4;
 
 // Dense y = x · Wᵀ for at most 8 activation rows (decode) on the tensor cores: a block owns
-// 16 * MT output rows (MT m16n8k16 tiles sharing one x fragment) and its DMV_WARPS warps split
+// 16 * MT output rows (MT m16n8k16 tiles sharing one x fragment) and its WARPS warps split
 // the input dimension into contiguous runs of 32-element chunks; the N = 8 columns are the
 // activation rows. The sum over k does not care about its order, so a thread's A and B slots
 // take the same permuted k's: thread q of a quad reads 8 consecutive elements (one 16-byte load)
 // of its W rows and of its x row per chunk, the first 4 for the first mma, the rest for the
 // second. W is streamed past L1; in_dim must be a multiple of 8 (16-byte aligned rows).
-template <typename T, int MT>
+template <typename T, int MT, int WARPS>
 __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __restrict__ x,
                                               const T* __restrict__ w, T* __restrict__ y) {
-    __shared__ float red[DMV_WARPS][32][4 * MT];
+    __shared__ float red[WARPS][32][4 * MT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gq = lane >> 2, q = lane & 3;
     const int tile0 = blockIdx.x * 16 * MT;
     const int last = (int)p.out_dim - 1;
     const int in_dim = (int)p.in_dim;
     const int chunks = (in_dim + 31) / 32;
-    const int per = (chunks + DMV_WARPS - 1) / DMV_WARPS;
+    const int per = (chunks + WARPS - 1) / WARPS;
     const int c0 = warp * per, c1 = min(chunks, c0 + per);
     const bool xok = gq < (int)p.rows;
     const T* rowp[2 * MT];
@@ -480,7 +479,7 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
         const int m = warp;
         float t[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int v = 0; v < DMV_WARPS; ++v) {
+        for (int v = 0; v < WARPS; ++v) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) t[i] += red[v][lane][4 * m + i];
         }
@@ -494,12 +493,16 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
     }
 }
 
-#define DMV_INST(TN, T, MT)                                                                    \
-    extern "C" __global__ void __launch_bounds__(DMV_WARPS * 32)                               \
-        dense_mv_##TN##_##MT(const DenseMvParams p, const T* x, const T* w, T* y) {            \
-        dense_mv_body<T, MT>(p, x, w, y);                                                      \
+// Kernels dense_mv_{T}_{MT}_{WARPS}: more warps per block for few output tiles (more loads in
+// flight per multiprocessor), two tiles per block for many.
+#define DMV_INST(TN, T, MT, WARPS)                                                             \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+        dense_mv_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* w, T* y) {  \
+        dense_mv_body<T, MT, WARPS>(p, x, w, y);                                               \
     }
-DMV_INST(f16, __half, 1)
-DMV_INST(f16, __half, 2)
-DMV_INST(bf16, __nv_bfloat16, 1)
-DMV_INST(bf16, __nv_bfloat16, 2)
+#define DMV_INST_T(TN, T)     \
+    DMV_INST(TN, T, 1, 16)    \
+    DMV_INST(TN, T, 1, 8)     \
+    DMV_INST(TN, T, 2, 8)
+DMV_INST_T(f16, __half)
+DMV_INST_T(bf16, __nv_bfloat16)

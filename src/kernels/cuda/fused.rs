@@ -17,8 +17,6 @@ const MODULE: &str = "candle_gemma_fused";
 const NORM_THREADS: u32 = 256;
 /// Threads of the residual add + norm kernel (`ADD_NORM_THREADS`).
 const ADD_NORM_THREADS: u32 = 1024;
-/// Warps of a dense matvec block (`DMV_WARPS`).
-const DMV_WARPS: u32 = 8;
 /// Activation rows the dense matvec kernel takes (the mma's N).
 pub const DENSE_MV_MAX_ROWS: usize = 8;
 /// Output rows per grouped-matvec block (`GMV_WARPS`).
@@ -779,11 +777,23 @@ pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
     Ok(wrap(out, &dev, &[rows]))
 }
 
-/// Whether decode products with dense f16/bf16 weights take [`dense_matvec`] (the default) or
-/// cuBLAS (`CANDLE_GEMMA_DENSE_MV=cublas`, for comparison).
-pub fn dense_matvec_enabled() -> bool {
-    static CUBLAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*CUBLAS.get_or_init(|| std::env::var("CANDLE_GEMMA_DENSE_MV").is_ok_and(|v| v == "cublas"))
+/// Weights up to this size take [`dense_matvec`] for decode products; larger ones stay on
+/// cuBLAS. Measured on an H100 (`bench_kernels --dense-only`): the kernel is 1.5x faster than
+/// cuBLAS on E4B's 16 MB q/k/v weight, but cuBLAS streams weights of 50 MB and more at 85-95%
+/// of the copy bandwidth against the kernel's 61-80%.
+pub const DENSE_MV_MAX_BYTES: usize = 24 << 20;
+
+/// Whether a decode product with a dense f16/bf16 `[out, in]` weight of `bytes` takes
+/// [`dense_matvec`]: under [`DENSE_MV_MAX_BYTES`] by default; `CANDLE_GEMMA_DENSE_MV=cublas`
+/// never, `=all` always (for comparison).
+pub fn dense_matvec_wanted(bytes: usize) -> bool {
+    static MODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    let mode = *MODE.get_or_init(|| match std::env::var("CANDLE_GEMMA_DENSE_MV").as_deref() {
+        Ok("cublas") => Some(false),
+        Ok("all") => Some(true),
+        _ => None,
+    });
+    mode.unwrap_or(bytes <= DENSE_MV_MAX_BYTES)
 }
 
 /// `x · Wᵀ` for a dense `[out, in]` f16/bf16 weight and at most [`DENSE_MV_MAX_ROWS`] rows of
@@ -820,16 +830,24 @@ pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
         pad_: 0,
     };
     // Two 16-row tiles a block share each x fragment (half the activation traffic) once there
-    // are enough rows to keep two waves of blocks on the device.
-    let tiles = if out_dim >= 32 * 2 * sm_count(&dev) { 2 } else { 1 };
+    // are enough rows to keep two waves of blocks on the device; below one such wave, 16 warps
+    // split each tile's input instead of 8 (more loads in flight).
+    let sms = sm_count(&dev);
+    let (tiles, warps) = if out_dim >= 32 * 2 * sms {
+        (2, 8)
+    } else if out_dim >= 16 * 2 * sms {
+        (1, 8)
+    } else {
+        (1, 16)
+    };
     let func = dev.get_or_load_custom_func(
-        &format!("dense_mv_{}_{tiles}", tn(dtype)?),
+        &format!("dense_mv_{}_{tiles}_{warps}", tn(dtype)?),
         MODULE,
         PTX,
     )?;
     let cfg = LaunchConfig {
         grid_dim: (u32_of(out_dim.div_ceil(16 * tiles), "blocks")?, 1, 1),
-        block_dim: (DMV_WARPS * 32, 1, 1),
+        block_dim: (warps * 32, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut shape = x.dims().to_vec();
