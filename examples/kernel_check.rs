@@ -162,6 +162,96 @@ fn check_qsdpa(c: &Case, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Res
     Ok(ok)
 }
 
+/// Batched attention (one launch for every sequence of a batch view) against attending each
+/// sequence alone on the GPU (same kernel body and split plan: equal bit for bit) and against
+/// the CPU: sequences of different lengths (one split and several), position layouts and
+/// query offsets, dense or packed K/V.
+fn check_batched(
+    dtype: DType,
+    packed: Option<usize>,
+    hd: usize,
+    gpu: &Device,
+    stats: &mut BTreeMap<String, f32>,
+) -> Result<bool> {
+    let (n_heads, kv_heads, q_len) = (8, 2, 1);
+    let lens = [(37, Pos::Linear), (700, Pos::Ring), (3000, Pos::Shuffled)];
+    let q = rnd(&[lens.len(), n_heads, q_len, hd], dtype)?;
+    let mut cpu_views = Vec::new();
+    let mut gpu_views = Vec::new();
+    let mut offsets = Vec::new();
+    for (i, &(keys, pos)) in lens.iter().enumerate() {
+        let k = rnd(&[1, kv_heads, keys, hd], dtype)?;
+        let v = rnd(&[1, kv_heads, keys, hd], dtype)?;
+        let positions = positions(keys, pos, 7 + i as u64);
+        let (cpu_data, gpu_data) = match packed {
+            Some(bits) => {
+                let bits = QuantBits::from_bits(bits)?;
+                let (kp, vp) = (quantize(&k, bits, 64)?, quantize(&v, bits, 64)?);
+                let gpu_data = KvData::Packed {
+                    k: to_dev(&kp, gpu)?,
+                    v: to_dev(&vp, gpu)?,
+                };
+                (KvData::Packed { k: kp, v: vp }, gpu_data)
+            }
+            None => (
+                KvData::Dense {
+                    k: k.clone(),
+                    v: v.clone(),
+                },
+                KvData::Dense {
+                    k: k.to_device(gpu)?,
+                    v: v.to_device(gpu)?,
+                },
+            ),
+        };
+        cpu_views.push(KvView::Single {
+            data: cpu_data,
+            positions: positions.clone(),
+        });
+        gpu_views.push(KvView::Single {
+            data: gpu_data,
+            positions,
+        });
+        offsets.push(keys - q_len);
+    }
+    let window = Some(512);
+    let scale = 1.0 / (hd as f64).sqrt();
+    let qg = q.to_device(gpu)?;
+    let got = attend(
+        &qg,
+        &KvView::Batch(gpu_views.clone()),
+        &offsets,
+        window,
+        scale,
+    )?;
+    let mut alone = Vec::new();
+    for (b, view) in gpu_views.iter().enumerate() {
+        alone.push(attend(
+            &qg.narrow(0, b, 1)?,
+            view,
+            &offsets[b..=b],
+            window,
+            scale,
+        )?);
+    }
+    let alone = Tensor::cat(&alone, 0)?;
+    let want = attend(&q, &KvView::Batch(cpu_views), &offsets, window, scale)?;
+    let diff_alone = max_abs(&got, &alone)?;
+    let err = max_abs(&got, &want)?;
+    let pass = diff_alone == 0.0 && err <= tol(dtype);
+    let e = stats
+        .entry(format!("batched attention {dtype:?}"))
+        .or_insert(0.0);
+    *e = e.max(err);
+    println!(
+        "batched-attention dtype={dtype:?} kv={} hd={hd} lens={:?} vs-alone={diff_alone:.3e} max_abs={err:.3e} {}",
+        packed.map_or("dense".to_string(), |b| format!("{b}-bit")),
+        lens.map(|l| l.0),
+        if pass { "PASS" } else { "FAIL" }
+    );
+    Ok(pass)
+}
+
 /// The KV cache's quantization on the GPU against the CPU reference: codes, scales and biases
 /// must be identical.
 fn check_quantize(dtype: DType, gpu: &Device) -> Result<bool> {
@@ -619,6 +709,13 @@ fn main() -> Result<()> {
     }
     for c in &cases {
         all_ok &= check_qsdpa(c, &gpu, &mut stats)?;
+    }
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for packed in [None, Some(4), Some(8)] {
+            for hd in [256, 512] {
+                all_ok &= check_batched(dtype, packed, hd, &gpu, &mut stats)?;
+            }
+        }
     }
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         all_ok &= check_fused(dtype, &gpu, &mut stats)?;

@@ -118,6 +118,13 @@ pub fn attend(
                     found: batch,
                 });
             }
+            #[cfg(feature = "cuda")]
+            if q.device().is_cuda() {
+                if let Some(out) = cuda::batched::attend_batch(q, views, q_offsets, window, scale)?
+                {
+                    return Ok(out);
+                }
+            }
             let mut outs = Vec::with_capacity(batch);
             for (b, (v, &off)) in views.iter().zip(q_offsets).enumerate() {
                 let qb = q.narrow(0, b, 1)?;
@@ -136,6 +143,45 @@ fn attend_one(
     plan: &QueryPlan,
 ) -> Result<Tensor, CacheError> {
     let (_, n_heads, _, head_dim) = q.dims4()?;
+    check_view(n_heads, head_dim, data, positions)?;
+    match data {
+        KvData::Dense { k, v } => {
+            #[cfg(feature = "cuda")]
+            if q.device().is_cuda()
+                && q.dim(2)? <= cuda::launch::FUSED_MAX_Q_LEN
+                && k.dtype() == q.dtype()
+                && v.dtype() == q.dtype()
+                && cuda::params::QSDPA_HEAD_DIMS.contains(&head_dim)
+            {
+                return cuda::launch::attend_dense_fused(q, k, v, positions, plan);
+            }
+            dense::attend_dense(q, k, v, positions, plan)
+        }
+        KvData::Packed { k, v } => match q.device() {
+            Device::Cpu => cpu::attend_packed(q, k, v, positions, plan),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => {
+                cuda::launch::attend_packed(q, k, v, positions, plan, cuda::QsdpaPath::Auto)
+            }
+            #[cfg(feature = "metal")]
+            Device::Metal(_) => metal::attend_packed(q, k, v, positions, plan),
+            _ => {
+                let (kd, vd) = (dequantize(k)?, dequantize(v)?);
+                dense::attend_dense(q, &kd, &vd, positions, plan)
+            }
+        },
+    }
+}
+
+/// Checks one sequence's view against queries of `n_heads` heads of `head_dim`: K/V
+/// `[1, kv_heads dividing n_heads, positions.len(), head_dim]`, and for packed K/V a group
+/// size dividing the head dimension with scales/biases of the matching shape.
+pub(crate) fn check_view(
+    n_heads: usize,
+    head_dim: usize,
+    data: &KvData,
+    positions: &[usize],
+) -> Result<(), CacheError> {
     let (k_dims, v_dims) = match data {
         KvData::Dense { k, v } => (k.dims().to_vec(), v.dims().to_vec()),
         KvData::Packed { k, v } => {
@@ -166,51 +212,25 @@ fn attend_one(
             found: k_dims,
         });
     }
-    match data {
-        KvData::Dense { k, v } => {
-            #[cfg(feature = "cuda")]
-            if q.device().is_cuda()
-                && q.dim(2)? <= cuda::launch::FUSED_MAX_Q_LEN
-                && k.dtype() == q.dtype()
-                && v.dtype() == q.dtype()
-                && cuda::params::QSDPA_HEAD_DIMS.contains(&head_dim)
-            {
-                return cuda::launch::attend_dense_fused(q, k, v, positions, plan);
+    if let KvData::Packed { k, v } = data {
+        for p in [k, v] {
+            if p.group_size == 0 || head_dim % p.group_size != 0 {
+                return Err(CacheError::BadGroupSize {
+                    group_size: p.group_size,
+                    head_dim,
+                });
             }
-            dense::attend_dense(q, k, v, positions, plan)
-        }
-        KvData::Packed { k, v } => {
-            for p in [k, v] {
-                if p.group_size == 0 || head_dim % p.group_size != 0 {
-                    return Err(CacheError::BadGroupSize {
-                        group_size: p.group_size,
-                        head_dim,
-                    });
-                }
-                let groups = [1, k_dims[1], k_dims[2], head_dim / p.group_size];
-                if p.scales.dims() != groups || p.biases.dims() != groups {
-                    return Err(CacheError::Shape {
-                        what: "packed scales/biases",
-                        expected: format!("{groups:?}"),
-                        found: p.scales.dims().to_vec(),
-                    });
-                }
-            }
-            match q.device() {
-                Device::Cpu => cpu::attend_packed(q, k, v, positions, plan),
-                #[cfg(feature = "cuda")]
-                Device::Cuda(_) => {
-                    cuda::launch::attend_packed(q, k, v, positions, plan, cuda::QsdpaPath::Auto)
-                }
-                #[cfg(feature = "metal")]
-                Device::Metal(_) => metal::attend_packed(q, k, v, positions, plan),
-                _ => {
-                    let (kd, vd) = (dequantize(k)?, dequantize(v)?);
-                    dense::attend_dense(q, &kd, &vd, positions, plan)
-                }
+            let groups = [1, k_dims[1], k_dims[2], head_dim / p.group_size];
+            if p.scales.dims() != groups || p.biases.dims() != groups {
+                return Err(CacheError::Shape {
+                    what: "packed scales/biases",
+                    expected: format!("{groups:?}"),
+                    found: p.scales.dims().to_vec(),
+                });
             }
         }
     }
+    Ok(())
 }
 
 #[cfg(test)]

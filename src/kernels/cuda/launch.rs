@@ -18,9 +18,9 @@ use crate::kernels::{dense, QueryPlan};
 use crate::kv::{CacheError, PackedKv};
 
 /// The kernels' PTX, built by `build.rs` from `qkernels.cu`.
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qkernels.ptx"));
+pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qkernels.ptx"));
 /// Module name under which candle caches the loaded PTX.
-const MODULE: &str = "candle_gemma_qkernels";
+pub(super) const MODULE: &str = "candle_gemma_qkernels";
 
 // SAFETY: both structs are `#[repr(C)]`, plain integers and floats, passed by value and read
 // by the kernels with the same field layout.
@@ -224,17 +224,17 @@ impl KvOperand<'_> {
 
 /// One side (K or V) ready for the kernel: the word tensor with its head/key strides in words,
 /// and scales/biases with theirs (the word tensor again for dense operands, never read).
-struct KernelSide {
-    words: Tensor,
+pub(super) struct KernelSide {
+    pub(super) words: Tensor,
     words_sh: u64,
     words_sk: u64,
-    scales: Tensor,
-    biases: Tensor,
+    pub(super) scales: Tensor,
+    pub(super) biases: Tensor,
     sc_sh: u64,
     sc_sk: u64,
 }
 
-fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Result<KernelSide> {
+pub(super) fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Result<KernelSide> {
     let cast = |t: &Tensor| -> candle_core::Result<Tensor> {
         if t.dtype() == dtype {
             Ok(t.clone())
@@ -302,17 +302,38 @@ pub(crate) fn attend_dense_fused(
     attend_fused(q, KvOperand::Dense(k), KvOperand::Dense(v), positions, plan)
 }
 
-fn attend_fused(
-    q: &Tensor,
+/// One sequence's attention launch, planned on the host: kernel parameters (split included),
+/// the K/V operands as the kernel reads them, and the position table when positions do not
+/// run in one or two ascending runs.
+pub(super) struct SeqPlan {
+    pub(super) params: QsdpaParams,
+    pub(super) ks: KernelSide,
+    pub(super) vs: KernelSide,
+    pub(super) table: Vec<u32>,
+    /// Query rows per block.
+    pub(super) nq: usize,
+    pub(super) row_blocks: usize,
+    pub(super) n_split: usize,
+    /// Bits per K/V element as the kernel names them (4/8 packed, 16/32 dense).
+    pub(super) bits: usize,
+    pub(super) dense: bool,
+}
+
+/// Plans one sequence: `q` is `[.., n_heads, q_len, head_dim]` in `dtype`.
+#[allow(clippy::too_many_arguments)] // the query's shape and dtype, the view, the plan
+pub(super) fn plan_seq(
+    n_heads: usize,
+    q_len: usize,
+    head_dim: usize,
+    dtype: DType,
     k: KvOperand<'_>,
     v: KvOperand<'_>,
     positions: &[usize],
     plan: &QueryPlan,
-) -> Result<Tensor, CacheError> {
-    let (_, n_heads, q_len, head_dim) = q.dims4()?;
+    sms: usize,
+) -> Result<SeqPlan, CacheError> {
     let (kv_heads, keys) = k.dims()?;
-    let dtype = q.dtype();
-    let tn = kname(dtype)?;
+    kname(dtype)?;
     let bits = k.bits(dtype);
     if !QSDPA_HEAD_DIMS.contains(&head_dim)
         || bits != v.bits(dtype)
@@ -332,8 +353,6 @@ fn attend_fused(
             ],
         });
     }
-    let dev = cuda_dev(q)?;
-    let q = q.contiguous()?;
     let ks = kernel_side(k, dtype)?;
     let vs = kernel_side(v, dtype)?;
     let too_big = || CacheError::Shape {
@@ -378,10 +397,58 @@ fn attend_fused(
         QSDPA_ROWS
     };
     let row_blocks = rows.div_ceil(nq);
-    let (n_split, per) = split_keys(keys.max(1), row_blocks * kv_heads, sm_count(&dev));
+    let (n_split, per) = split_keys(keys.max(1), row_blocks * kv_heads, sms);
     params.n_split = u32_of(n_split)?;
     params.keys_per_split = u32_of(per)?;
 
+    Ok(SeqPlan {
+        params,
+        ks,
+        vs,
+        table,
+        nq,
+        row_blocks,
+        n_split,
+        bits,
+        dense: matches!(k, KvOperand::Dense(_)),
+    })
+}
+
+fn attend_fused(
+    q: &Tensor,
+    k: KvOperand<'_>,
+    v: KvOperand<'_>,
+    positions: &[usize],
+    plan: &QueryPlan,
+) -> Result<Tensor, CacheError> {
+    let (_, n_heads, q_len, head_dim) = q.dims4()?;
+    let dtype = q.dtype();
+    let tn = kname(dtype)?;
+    let dev = cuda_dev(q)?;
+    let q = q.contiguous()?;
+    let SeqPlan {
+        params,
+        ks,
+        vs,
+        table,
+        nq,
+        row_blocks,
+        n_split,
+        bits,
+        dense,
+    } = plan_seq(
+        n_heads,
+        q_len,
+        head_dim,
+        dtype,
+        k,
+        v,
+        positions,
+        plan,
+        sm_count(&dev),
+    )?;
+    let kv_heads = params.kv_heads as usize;
+    let rows = n_heads / kv_heads * q_len;
     let out_len = n_heads * q_len * head_dim;
     let total_rows = kv_heads * rows;
     // Without a table or splits the kernel never touches these buffers: pass the K words
@@ -417,7 +484,6 @@ fn attend_fused(
     let name = format!("qsdpa_{tn}_{head_dim}_{bits}_{nq}");
     let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
     let comb = dev.get_or_load_custom_func(&format!("qsdpa_combine_{tn}"), MODULE, PTX)?;
-    let dense = matches!(k, KvOperand::Dense(_));
 
     macro_rules! go {
         ($t:ty) => {{

@@ -7,6 +7,8 @@
 pub mod params;
 
 #[cfg(feature = "cuda")]
+pub(crate) mod batched;
+#[cfg(feature = "cuda")]
 pub mod fused;
 #[cfg(feature = "cuda")]
 pub mod launch;

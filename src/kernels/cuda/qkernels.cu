@@ -26,6 +26,15 @@ struct QsdpaParams {
     uint32_t pad_;
 };
 
+// One sequence of a batched attention launch (`qsdpa_batch_*`): its parameters and the device
+// addresses of its K/V words, scales, biases and position table (queries and outputs are one
+// [batch, n_heads, q_len, head_dim] tensor each, partials one buffer with n_split_max splits a
+// sequence). Must match `QsdpaSeq` in `src/kernels/cuda/batched.rs`.
+struct QsdpaSeq {
+    QsdpaParams p;
+    uint64_t kc, ks, kb, vc, vs, vb, pos, pad_;
+};
+
 struct QmatParams {
     uint32_t rows, out_dim, in_dim, group_size;
 };
@@ -116,7 +125,7 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
                                            const T* __restrict__ vs, const T* __restrict__ vb,
                                            const uint32_t* __restrict__ positions,
                                            T* __restrict__ out, float* __restrict__ part_ml,
-                                           float* __restrict__ part_acc) {
+                                           float* __restrict__ part_acc, const int split) {
     // BITS 16/32: dense K/V in T's format, read as words ("codes") with no scales or biases.
     constexpr bool DENSE = BITS >= 16;
     constexpr int E = HD / 32;
@@ -133,7 +142,6 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
     const int group = p.n_heads / p.kv_heads;
     const int rows = group * p.q_len;
     const int row0 = blockIdx.x * NQ;
-    const int split = blockIdx.z;
 
     float qv[NQ][E], qsum[NQ], m[NQ], l[NQ], acc[NQ][E];
     uint32_t qpos[NQ];
@@ -353,7 +361,24 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
                                    const T* vb, const uint32_t* positions, T* out,              \
                                    float* part_ml, float* part_acc) {                          \
         qsdpa_body<T, HD, BITS, NQ>(p, q, kc, ks, kb, vc, vs, vb, positions, out, part_ml,      \
-                                    part_acc);                                                 \
+                                    part_acc, blockIdx.z);                                     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(QS_WARPS * 32)                                \
+        qsdpa_batch_##TN##_##HD##_##BITS##_##NQ(const QsdpaSeq* seqs, uint32_t n_split_max,     \
+                                                const T* q, T* out, float* part_ml,             \
+                                                float* part_acc) {                              \
+        const uint32_t seq = blockIdx.z / n_split_max, split = blockIdx.z % n_split_max;        \
+        const QsdpaSeq& s = seqs[seq];                                                         \
+        const QsdpaParams p = s.p;                                                             \
+        if (split >= p.n_split) return;                                                        \
+        const size_t qn = (size_t)p.n_heads * p.q_len * HD;                                    \
+        const size_t pr = (size_t)n_split_max * p.n_heads * p.q_len;                           \
+        qsdpa_body<T, HD, BITS, NQ>(                                                           \
+            p, q + seq * qn, reinterpret_cast<const uint32_t*>(s.kc),                          \
+            reinterpret_cast<const T*>(s.ks), reinterpret_cast<const T*>(s.kb),                \
+            reinterpret_cast<const uint32_t*>(s.vc), reinterpret_cast<const T*>(s.vs),         \
+            reinterpret_cast<const T*>(s.vb), reinterpret_cast<const uint32_t*>(s.pos),        \
+            out + seq * qn, part_ml + seq * pr * 2, part_acc + seq * pr * HD, split);          \
     }
 
 #define QSDPA_INST(TN, T, HD, BITS)      \
@@ -373,6 +398,17 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
     extern "C" __global__ void qsdpa_combine_##TN(const QsdpaParams p, const float* part_ml,    \
                                                   const float* part_acc, T* out) {             \
         qsdpa_combine_body<T>(p, part_ml, part_acc, out);                                      \
+    }                                                                                          \
+    extern "C" __global__ void qsdpa_combine_batch_##TN(const QsdpaSeq* seqs,                   \
+                                                        uint32_t n_split_max, T* out,           \
+                                                        const float* part_ml,                   \
+                                                        const float* part_acc) {                \
+        const QsdpaParams p = seqs[blockIdx.y].p;                                              \
+        if (p.n_split <= 1) return;                                                            \
+        const size_t qn = (size_t)p.n_heads * p.q_len * p.head_dim;                            \
+        const size_t pr = (size_t)n_split_max * p.n_heads * p.q_len;                           \
+        qsdpa_combine_body<T>(p, part_ml + blockIdx.y * pr * 2,                                \
+                              part_acc + blockIdx.y * pr * p.head_dim, out + blockIdx.y * qn);  \
     }
 
 QSDPA_INST_T(f32, float)

@@ -1,0 +1,261 @@
+//! Batched decode attention on CUDA: every sequence of a [`KvView::Batch`] attended by one
+//! launch of the fused kernel (and one of its split combine), instead of one or two launches
+//! per sequence and a concatenation of their outputs.
+//!
+//! Each sequence keeps its own K/V storage (see [`crate::kv::BatchCache`]): the launch reads a
+//! table of per-sequence descriptors (kernel parameters and device addresses of its K/V), so
+//! sequences of different lengths, positions and storage batch without padding.
+
+use candle_core::cuda_backend::cudarc::driver::{
+    DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::{DType, Tensor};
+
+use super::launch::{
+    cuda_dev, cuda_storage, kname, plan_seq, sm_count, view, wrap, KvOperand, SeqPlan,
+    FUSED_MAX_Q_LEN,
+};
+use super::params::{QsdpaParams, QSDPA_HEAD_DIMS, QSDPA_WARPS};
+use crate::kernels::{check_view, QueryPlan};
+use crate::kv::{CacheError, KvData, KvView};
+
+/// `struct QsdpaSeq` in `qkernels.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct QsdpaSeq {
+    p: QsdpaParams,
+    kc: u64,
+    ks: u64,
+    kb: u64,
+    vc: u64,
+    vs: u64,
+    vb: u64,
+    pos: u64,
+    pad_: u64,
+}
+
+// SAFETY: `#[repr(C)]` plain integers and floats, read by the kernel with the same layout.
+unsafe impl DeviceRepr for QsdpaSeq {}
+
+/// Whether batches take the one-launch path (`CANDLE_GEMMA_BATCH_ATTENTION=per-sequence`
+/// keeps one launch per sequence, for comparison).
+fn enabled() -> bool {
+    static PER_SEQ: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*PER_SEQ.get_or_init(|| {
+        std::env::var("CANDLE_GEMMA_BATCH_ATTENTION").is_ok_and(|v| v == "per-sequence")
+    })
+}
+
+/// Device address of `t`'s first element.
+fn address(t: &Tensor, dev: &CudaDevice) -> candle_core::Result<u64> {
+    let (s, l) = t.storage_and_layout();
+    let cs = cuda_storage(&s)?;
+    let stream = dev.cuda_stream();
+    let base = match t.dtype() {
+        DType::U32 => view::<u32>(cs, l)?.device_ptr(&stream).0,
+        DType::F32 => view::<f32>(cs, l)?.device_ptr(&stream).0,
+        DType::F16 => view::<half::f16>(cs, l)?.device_ptr(&stream).0,
+        DType::BF16 => view::<half::bf16>(cs, l)?.device_ptr(&stream).0,
+        other => candle_core::bail!("no device address for {other:?} tensors"),
+    };
+    Ok(base)
+}
+
+/// Attends every sequence of `views` in one launch: `q` `[batch, n_heads, q_len, head_dim]`,
+/// one view per sequence. Returns `None` (the caller attends sequence by sequence) when the
+/// path does not apply: a view that is itself a batch, dense and packed views mixed, packed
+/// views with different bits or group sizes, dense K/V in another dtype than `q`, long query
+/// blocks, head dims the kernel lacks, or the path switched off.
+///
+/// # Errors
+/// [`CacheError::Shape`] for views that do not fit the queries, candle/CUDA errors.
+pub(crate) fn attend_batch(
+    q: &Tensor,
+    views: &[KvView],
+    q_offsets: &[usize],
+    window: Option<usize>,
+    scale: f64,
+) -> Result<Option<Tensor>, CacheError> {
+    let (batch, n_heads, q_len, head_dim) = q.dims4()?;
+    let dtype = q.dtype();
+    if !enabled()
+        || batch < 2
+        || q_len > FUSED_MAX_Q_LEN
+        || !QSDPA_HEAD_DIMS.contains(&head_dim)
+        || kname(dtype).is_err()
+    {
+        return Ok(None);
+    }
+    let mut seqs = Vec::with_capacity(batch);
+    for (view, &q_offset) in views.iter().zip(q_offsets) {
+        let KvView::Single { data, positions } = view else {
+            return Ok(None);
+        };
+        check_view(n_heads, head_dim, data, positions)?;
+        let (k, v) = match data {
+            KvData::Dense { k, v } if k.dtype() == dtype && v.dtype() == dtype => {
+                (KvOperand::Dense(k), KvOperand::Dense(v))
+            }
+            KvData::Dense { .. } => return Ok(None),
+            KvData::Packed { k, v } => (KvOperand::Packed(k), KvOperand::Packed(v)),
+        };
+        seqs.push((k, v, positions.as_slice(), q_offset));
+    }
+    let dev = cuda_dev(q)?;
+    let sms = sm_count(&dev);
+    let mut plans: Vec<SeqPlan> = Vec::with_capacity(batch);
+    for &(k, v, positions, q_offset) in &seqs {
+        let plan = QueryPlan {
+            q_offset,
+            window,
+            scale,
+        };
+        plans.push(plan_seq(
+            n_heads, q_len, head_dim, dtype, k, v, positions, &plan, sms,
+        )?);
+    }
+    let first = &plans[0];
+    let same_kernel = plans.iter().all(|p| {
+        p.bits == first.bits
+            && p.dense == first.dense
+            && p.nq == first.nq
+            && p.params.kv_heads == first.params.kv_heads
+            && p.params.group_size == first.params.group_size
+    });
+    let n_split_max = plans.iter().map(|p| p.n_split).max().unwrap_or(1);
+    if !same_kernel || batch * n_split_max > u16::MAX as usize {
+        return Ok(None);
+    }
+    let (nq, bits, row_blocks) = (first.nq, first.bits, first.row_blocks);
+    let kv_heads = first.params.kv_heads as usize;
+    let total_rows = n_heads * q_len;
+
+    // Position tables of all sequences in one buffer.
+    let mut tables = Vec::new();
+    let mut table_at = Vec::with_capacity(batch);
+    for p in &plans {
+        table_at.push(tables.len());
+        tables.extend_from_slice(&p.table);
+    }
+    let tables = if tables.is_empty() {
+        None
+    } else {
+        Some(dev.clone_htod(&tables)?)
+    };
+    let tables_base = match &tables {
+        Some(t) => t.device_ptr(&dev.cuda_stream()).0,
+        None => 0,
+    };
+    let mut descs = Vec::with_capacity(batch);
+    for (p, &at) in plans.iter().zip(&table_at) {
+        let kc = address(&p.ks.words, &dev)?;
+        descs.push(QsdpaSeq {
+            p: p.params,
+            kc,
+            ks: address(&p.ks.scales, &dev)?,
+            kb: address(&p.ks.biases, &dev)?,
+            vc: address(&p.vs.words, &dev)?,
+            vs: address(&p.vs.scales, &dev)?,
+            vb: address(&p.vs.biases, &dev)?,
+            // Read only by sequences with a table (position mode 2).
+            pos: if p.table.is_empty() {
+                kc
+            } else {
+                tables_base + 4 * at as u64
+            },
+            pad_: 0,
+        });
+    }
+    let descs = dev.clone_htod(&descs)?;
+
+    let tn = kname(dtype)?;
+    let func = dev.get_or_load_custom_func(
+        &format!("qsdpa_batch_{tn}_{head_dim}_{bits}_{nq}"),
+        super::launch::MODULE,
+        super::launch::PTX,
+    )?;
+    let comb = dev.get_or_load_custom_func(
+        &format!("qsdpa_combine_batch_{tn}"),
+        super::launch::MODULE,
+        super::launch::PTX,
+    )?;
+    let main_cfg = LaunchConfig {
+        grid_dim: (
+            row_blocks as u32,
+            kv_heads as u32,
+            (batch * n_split_max) as u32,
+        ),
+        block_dim: ((QSDPA_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let comb_cfg = LaunchConfig {
+        grid_dim: (total_rows as u32, batch as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let q = q.contiguous()?;
+    let n_split_max32 = n_split_max as u32;
+    let out_len = batch * total_rows * head_dim;
+    let part_rows = batch * n_split_max * total_rows;
+
+    macro_rules! go {
+        ($t:ty) => {{
+            // SAFETY: every output row is written, by the main kernel (one split) or the
+            // combine; every partial that is read is written first by its split's block.
+            let mut out = unsafe { dev.alloc::<$t>(out_len)? };
+            let parts = if n_split_max > 1 {
+                // SAFETY: as above.
+                unsafe {
+                    Some((
+                        dev.alloc::<f32>(part_rows * 2)?,
+                        dev.alloc::<f32>(part_rows * head_dim)?,
+                    ))
+                }
+            } else {
+                None
+            };
+            {
+                let (q_s, q_l) = q.storage_and_layout();
+                let qv = view::<$t>(cuda_storage(&q_s)?, q_l)?;
+                let mut b = func.builder();
+                b.arg(&descs);
+                b.arg(&n_split_max32);
+                b.arg(&qv);
+                b.arg(&mut out);
+                match &parts {
+                    Some((ml, acc)) => {
+                        b.arg(ml);
+                        b.arg(acc);
+                    }
+                    None => {
+                        b.arg(&descs);
+                        b.arg(&descs);
+                    }
+                }
+                // SAFETY: argument list and types match the kernel's signature; every
+                // descriptor addresses live tensors held by `plans` until after the launches,
+                // with strides and key counts planned from their layouts.
+                unsafe { b.launch(main_cfg) }.w()?;
+            }
+            if let Some((ml, acc)) = &parts {
+                let mut b = comb.builder();
+                b.arg(&descs);
+                b.arg(&n_split_max32);
+                b.arg(&mut out);
+                b.arg(ml);
+                b.arg(acc);
+                // SAFETY: as above; sequences with one split return at once.
+                unsafe { b.launch(comb_cfg) }.w()?;
+            }
+            wrap(out, &dev, &[batch, n_heads, q_len, head_dim])
+        }};
+    }
+    let out = match dtype {
+        DType::F32 => go!(f32),
+        DType::F16 => go!(half::f16),
+        _ => go!(half::bf16),
+    };
+    drop(plans);
+    Ok(Some(out))
+}
