@@ -106,7 +106,7 @@ PY
     matvec)
       # Quantized matvec only: the tensor-core kernel, then the SIMT one, same process layout.
       .device/bench_kernels --matmul-only > "$OUT/matvec.jsonl" 2>&1
-      CANDLE_GEMMA_QMV_SIMT=1 .device/bench_kernels --matmul-only >> "$OUT/matvec.jsonl" 2>&1
+      CANDLE_GEMMA_QMV=old .device/bench_kernels --matmul-only >> "$OUT/matvec.jsonl" 2>&1
       python3 - "$OUT/matvec.jsonl" <<'PY'
 import json, sys
 for l in open(sys.argv[1]):
@@ -155,6 +155,18 @@ PY
         > "$OUT/prof-31b-decode-b8.jsonl" 2>>"$OUT/bench.err"
       wall=$(python3 -c "import json,sys; print([json.loads(l)['step_ms'] for l in open(sys.argv[1]) if 'decode' in l][0])" "$OUT/b8-wall.jsonl")
       python3 scripts/profile_summary.py "$OUT/ncu-31b-decode-b8.csv" --wall-ms "$wall" --label "31b decode b=8 ctx=128" --top 15
+      ;;
+    qtc)
+      # The 4-bit dequantize-then-mma matvec, uncapped registers and capped for 4 blocks an SM.
+      for v in 1 4; do
+        CANDLE_GEMMA_QTC_BLOCKS=$v .device/bench_kernels --matmul-only 2>&1 | grep '"bits":4' | grep -v '"rows":512' | sed "s/^{/{\"variant\":\"$v\",/" >> "$OUT/qtc.jsonl"
+      done
+      python3 - "$OUT/qtc.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    j = json.loads(l)
+    print(f'{j["variant"]} {j["shape"]:15s} rows={j["rows"]} g{j["group"]:<3d} {j["seconds"]*1e6:6.1f}us {j["fraction_of_copy"]:.3f}')
+PY
       ;;
     kernels)
       .device/bench_kernels > "$OUT/bench-kernels.txt" 2>&1; tail -40 "$OUT/bench-kernels.txt"

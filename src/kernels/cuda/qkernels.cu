@@ -734,6 +734,161 @@ __device__ __forceinline__ void qmv_mma_body(const QmatParams p, const T* __rest
 QMMA_INST_T(f16, __half)
 QMMA_INST_T(bf16, __nv_bfloat16)
 
+// ---------------------------------------------------------------------------------------------
+// Tensor-core 4-bit matrix-vector product with dequantization before the mma, for f16/bf16
+// activations whose scales and biases have the activation's type (rows <= 8, group >= 32).
+//
+// Each thread dequantizes its codes to the activation type in registers: the magic-number pair
+// (128 + c as bf16, 1024 + c as f16) minus the magic is the exact code, and one fused multiply-add
+// with the group's scale and bias rounds the weight once, as dequantizing W to that type would.
+// The mma then accumulates whole rows in f32: no per-group flush, no sums of x.
+//
+// One block = 16 output rows x QMMA_WARPS warps splitting the input into contiguous runs of
+// 128-element chunks. In a chunk, thread q of a quad takes 32 consecutive codes (one 16-byte
+// load per row, always inside one group) for rows gq and gq + 8. The sum over k does not care
+// about its order, so A and B slots take the same permuted k's: the pair (nibble p, nibble
+// p + 4) of a word sits in one 32-bit slot, and x is permuted to match with byte_perm.
+// ---------------------------------------------------------------------------------------------
+template <typename T> struct Half2Of;
+template <> struct Half2Of<__nv_bfloat16> { using type = __nv_bfloat162; };
+template <> struct Half2Of<__half> { using type = __half2; };
+
+template <typename T>
+__device__ __forceinline__ uint32_t dequant_pair(uint32_t magic_pair, uint32_t scale2,
+                                                 uint32_t bias2) {
+    using T2 = typename Half2Of<T>::type;
+    const uint32_t magic = MmaMagic<T>::MAGIC;
+    T2 v = *reinterpret_cast<const T2*>(&magic_pair);
+    const T2 m = *reinterpret_cast<const T2*>(&magic);
+    const T2 s = *reinterpret_cast<const T2*>(&scale2);
+    const T2 b = *reinterpret_cast<const T2*>(&bias2);
+    v = __hfma2(__hsub2(v, m), s, b);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t splat(T v) {
+    const uint16_t h = *reinterpret_cast<const uint16_t*>(&v);
+    return (uint32_t)h | ((uint32_t)h << 16);
+}
+
+template <typename T, int MT, int U>
+__device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __restrict__ x,
+                                             const uint32_t* __restrict__ codes,
+                                             const T* __restrict__ scales,
+                                             const T* __restrict__ biases, T* __restrict__ y) {
+    __shared__ float red[QMMA_WARPS][32][4 * MT];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gq = lane >> 2, q = lane & 3;
+    const int tile0 = blockIdx.x * 16 * MT;
+    const int last = (int)p.out_dim - 1;
+    const int in_dim = (int)p.in_dim;
+    const int words = in_dim / 8;
+    const int groups = in_dim / (int)p.group_size;
+    const int chunks = (in_dim + 127) / 128;
+    const int per = (chunks + QMMA_WARPS - 1) / QMMA_WARPS;
+    const int c0 = warp * per, c1 = min(chunks, c0 + per);
+    const bool xok = gq < (int)p.rows;
+    // Rows of this thread: gq + 8 m for m < 2 MT (tile m / 2, half m % 2).
+    int row[2 * MT];
+    const uint32_t* wr[2 * MT];
+#pragma unroll
+    for (int m = 0; m < 2 * MT; ++m) {
+        row[m] = min(tile0 + gq + 8 * m, last);
+        wr[m] = codes + (size_t)row[m] * words + 4 * q;
+    }
+    const T* xr = x + (size_t)(xok ? gq : 0) * in_dim + 32 * q;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    float acc[MT][4];
+#pragma unroll
+    for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    for (int c = c0; c < c1; c += U) {
+        uint4 W[U][2 * MT], X[U][4];
+        uint32_t sc[U][2 * MT], bi[U][2 * MT];
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int k = (c + i) * 128 + 32 * q;
+            const bool ok = c + i < c1 && k < in_dim;
+            const int g = ok ? k / (int)p.group_size : 0;
+#pragma unroll
+            for (int m = 0; m < 2 * MT; ++m) {
+                W[i][m] = ok ? ld_stream4(wr[m] + (c + i) * 16) : zero;
+                sc[i][m] = splat(scales[(size_t)row[m] * groups + g]);
+                bi[i][m] = splat(biases[(size_t)row[m] * groups + g]);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                X[i][j] = ok && xok ? *reinterpret_cast<const uint4*>(xr + (c + i) * 128 + 8 * j)
+                                    : zero;
+        }
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint4 r = X[i][j];
+                // (x_p, x_{p+4}) for p = 0..3: the order the code pairs come in.
+                const uint32_t b0[2] = {__byte_perm(r.x, r.z, 0x5410), __byte_perm(r.x, r.z, 0x7632)};
+                const uint32_t b1[2] = {__byte_perm(r.y, r.w, 0x5410), __byte_perm(r.y, r.w, 0x7632)};
+#pragma unroll
+                for (int t = 0; t < MT; ++t) {
+                    uint32_t d[2][4];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const uint4 w4 = W[i][2 * t + h];
+                        const uint32_t wj = j == 0 ? w4.x : j == 1 ? w4.y : j == 2 ? w4.z : w4.w;
+#pragma unroll
+                        for (int pp = 0; pp < 4; ++pp)
+                            d[h][pp] = dequant_pair<T>(
+                                ((wj >> (4 * pp)) & 0x000F000Fu) | MmaMagic<T>::MAGIC,
+                                sc[i][2 * t + h], bi[i][2 * t + h]);
+                    }
+                    const uint32_t f0[4] = {d[0][0], d[1][0], d[0][1], d[1][1]};
+                    const uint32_t f1[4] = {d[0][2], d[1][2], d[0][3], d[1][3]};
+                    mma_16816<T>(acc[t], f0, b0);
+                    mma_16816<T>(acc[t], f1, b1);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < MT; ++t) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) red[warp][lane][4 * t + i] = acc[t][i];
+    }
+    __syncthreads();
+    // The first MT warps each sum one tile over the block's warps and write it.
+    if (warp < MT) {
+        const int t = warp;
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int w = 0; w < QMMA_WARPS; ++w) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[i] += red[w][lane][4 * t + i];
+        }
+        // C fragment: (row gq, cols 2q, 2q+1) and (row gq + 8, same cols); cols = activation rows.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = tile0 + 16 * t + gq + (i >= 2 ? 8 : 0);
+            const int col = 2 * q + (i & 1);
+            if (r <= last && col < (int)p.rows) y[(size_t)col * p.out_dim + r] = from_f<T>(s[i]);
+        }
+    }
+}
+
+// qmv_tc4_{T}_{MT}x{U}_b{B}: MT tiles of 16 rows a block, U chunks in flight a step, registers
+// capped for B resident blocks a multiprocessor.
+#define QTC4_INST(TN, T, MT, U, B)                                                             \
+    extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32, B)                            \
+        qmv_tc4_##TN##_##MT##x##U##_b##B(const QmatParams p, const T* x, const uint32_t* c,     \
+                                         const T* s, const T* b, T* y) {                       \
+        qmv_tc4_body<T, MT, U>(p, x, c, s, b, y);                                              \
+    }
+#define QTC4_INST_T(TN, T)    \
+    QTC4_INST(TN, T, 1, 2, 1) \
+    QTC4_INST(TN, T, 1, 2, 4)
+QTC4_INST_T(f16, __half)
+QTC4_INST_T(bf16, __nv_bfloat16)
+
 // Dequantizes rows of W into out [n, in] (out row i = W row `idx[i]`, or row i when idx is
 // null): one thread per u32 word.
 template <typename T, typename S, int BITS>
