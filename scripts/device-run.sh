@@ -90,6 +90,13 @@ PY
       CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=0 python3 scripts/gpu_tokens_check.py .device/generate > "$OUT/tokens-f32-moe-sorted.txt" 2>&1
       echo "tokens (MoE sorted path) exit $?"; tail -1 "$OUT/tokens-f32-moe-sorted.txt"
       ;;
+    compare)
+      # GPU against CPU and GPU batch against GPU alone, same binary, f32 then bf16.
+      python3 scripts/gpu_tokens_compare.py .device/generate f32 > "$OUT/tokens-compare-f32.txt" 2>&1
+      echo "compare f32 exit $?"; tail -1 "$OUT/tokens-compare-f32.txt"
+      python3 scripts/gpu_tokens_compare.py .device/generate bf16 > "$OUT/tokens-compare-bf16.txt" 2>&1
+      echo "compare bf16 exit $?"; tail -1 "$OUT/tokens-compare-bf16.txt"
+      ;;
     moe)
       $B --config $C/26b-a4b-config.json --prefill 512,4096 --batch 1,32 --context 128 --steps 8 \
         2>>"$OUT/bench.err" | tee -a "$OUT/bench-moe.jsonl" | cut -c1-160
