@@ -14,6 +14,8 @@ template <typename T> __device__ __forceinline__ float rnd(float x) { return to_
 constexpr int NORM_THREADS = 256;
 // The residual add + norm runs one row per block at decode: more threads, shorter serial loops.
 constexpr int ADD_NORM_THREADS = 1024;
+// Rows up to ADD_NORM_PER_THREAD * ADD_NORM_THREADS wide keep their elements in registers.
+constexpr int ADD_NORM_PER_THREAD = 8;
 
 // Sum over the block (THREADS threads); `red` holds THREADS / 32 floats.
 template <int THREADS = NORM_THREADS>
@@ -48,6 +50,45 @@ __device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __
     extern __shared__ float row[];
     __shared__ float red[ADD_NORM_THREADS / 32];
     const size_t base = (size_t)blockIdx.x * p.dim;
+    if (p.dim <= ADD_NORM_PER_THREAD * ADD_NORM_THREADS) {
+        // Every load issued up front, so the kernel waits on memory once, not once per phase.
+        float yv[ADD_NORM_PER_THREAD], rv[ADD_NORM_PER_THREAD], wv[ADD_NORM_PER_THREAD],
+            w2v[ADD_NORM_PER_THREAD];
+        const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
+            const int i = threadIdx.x + k * ADD_NORM_THREADS;
+            const bool in = i < (int)p.dim;
+            yv[k] = in ? to_f(y[base + i]) : 0.f;
+            rv[k] = in ? to_f(res[base + i]) : 0.f;
+            wv[k] = in ? to_f(w[i]) : 0.f;
+            w2v[k] = in && (p.flags & 2) ? to_f(w2[i]) : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) ss += yv[k] * yv[k];
+        const float inv = rsqrtf(block_sum<ADD_NORM_THREADS>(ss, red) / p.dim + p.eps);
+        float ss2 = 0.f;
+#pragma unroll
+        for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
+            const int i = threadIdx.x + k * ADD_NORM_THREADS;
+            if (i >= (int)p.dim) continue;
+            const float normed = rnd<T>(yv[k] * inv * wv[k]);
+            float o = rnd<T>(rv[k] + normed);
+            if (p.flags & 1) o = rnd<T>(o * s);
+            out[base + i] = from_f<T>(o);
+            yv[k] = o;
+            ss2 += o * o;
+        }
+        if (!(p.flags & 2)) return;
+        const float inv2 = rsqrtf(block_sum<ADD_NORM_THREADS>(ss2, red) / p.dim + p.eps);
+#pragma unroll
+        for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
+            const int i = threadIdx.x + k * ADD_NORM_THREADS;
+            if (i < (int)p.dim) out2[base + i] = from_f<T>(yv[k] * inv2 * w2v[k]);
+        }
+        return;
+    }
     float ss = 0.f;
     for (int i = threadIdx.x; i < (int)p.dim; i += ADD_NORM_THREADS) {
         const float v = to_f(y[base + i]);
