@@ -298,6 +298,7 @@ fn rnd(shape: &[usize], dtype: DType) -> Result<Tensor> {
 fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Result<bool> {
     use candle_gemma::kernels::cuda::fused::{
         add_norm, gelu_mul, grouped_matvec, moe_mix, moe_route, qkv_prep, QkvSources,
+        ADD_NORM_MAX_WIDTH,
     };
     use candle_nn::ops::rms_norm;
     let g = |t: &Tensor| t.to_device(gpu);
@@ -338,6 +339,15 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
         Some(&g(&w2)?),
     )?;
     report("add_norm", max_abs(&got, &want)?, lim);
+    // Rows wider than the kernel keeps in registers are refused (the model takes candle's ops).
+    let wide = rnd(&[1, ADD_NORM_MAX_WIDTH + 8], dtype)?.to_device(gpu)?;
+    let wide_w = rnd(&[ADD_NORM_MAX_WIDTH + 8], dtype)?.to_device(gpu)?;
+    let refused = add_norm(&wide, &wide, &wide_w, eps, None, None).is_err();
+    report(
+        "add_norm refuses wide rows",
+        if refused { 0.0 } else { f32::INFINITY },
+        0.0,
+    );
     // The next norm sees the sum after its rounding to the activation type in both paths, but
     // its outputs (normalised values times unit-normal weights) reach ~16, where one bf16 ulp is
     // 0.0625: allow two ulps there.

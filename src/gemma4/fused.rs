@@ -23,7 +23,10 @@ pub(crate) fn add_norm(
     next: Option<&RmsNorm>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     #[cfg(feature = "cuda")]
-    if crate::kernels::fused_enabled(res.device()) && norm.weight().dtype() == res.dtype() {
+    if crate::kernels::fused_enabled(res.device())
+        && norm.weight().dtype() == res.dtype()
+        && norm.weight().elem_count() <= crate::kernels::cuda::fused::ADD_NORM_MAX_WIDTH
+    {
         return Ok(crate::kernels::cuda::fused::add_norm(
             res,
             y,

@@ -92,3 +92,33 @@ __device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, const uin
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     }
 }
+
+// Epilogue of the block-split tensor-core matvecs: each warp holds MT m16n8 accumulator tiles
+// (flat, 4 floats a tile) over its share of the input; they are summed over the block's WARPS
+// warps through `red` and the first MT warps write one tile each. Tile t covers output rows
+// tile0 + 16 t ..; its C fragment is (row gq, cols 2q, 2q + 1) and (row gq + 8, same cols),
+// the columns being activation rows (`rows` of them, y is [rows, out_dim]).
+template <typename T, int MT, int WARPS>
+__device__ __forceinline__ void store_mma_tiles(const float* acc, float (*red)[32][4 * MT],
+                                                int tile0, int last, int rows, int out_dim,
+                                                T* __restrict__ y) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gq = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4 * MT; ++i) red[warp][lane][i] = acc[i];
+    __syncthreads();
+    if (warp >= MT) return;
+    const int t = warp;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[i] += red[w][lane][4 * t + i];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int row = tile0 + 16 * t + gq + (i >= 2 ? 8 : 0);
+        const int col = 2 * q + (i & 1);
+        if (row <= last && col < rows) y[(size_t)col * out_dim + row] = from_f<T>(s[i]);
+    }
+}

@@ -14,7 +14,7 @@ template <typename T> __device__ __forceinline__ float rnd(float x) { return to_
 constexpr int NORM_THREADS = 256;
 // The residual add + norm runs one row per block at decode: more threads, shorter serial loops.
 constexpr int ADD_NORM_THREADS = 1024;
-// Rows up to ADD_NORM_PER_THREAD * ADD_NORM_THREADS wide keep their elements in registers.
+// Widest row of the residual add + norm: its elements stay in registers (host: ADD_NORM_MAX_WIDTH).
 constexpr int ADD_NORM_PER_THREAD = 8;
 
 // Sum over the block (THREADS threads); `red` holds THREADS / 32 floats.
@@ -39,77 +39,52 @@ struct AddNormParams {
     uint32_t flags;
 };
 
-// out = (res + rms(y) * w) [* scalar]; out2 = rms(out) * w2. One block per row; the row of
-// `out` is staged in shared memory (dim floats) for the second norm.
+// out = (res + rms(y) * w) [* scalar]; out2 = rms(out) * w2. One block per row of at most
+// ADD_NORM_PER_THREAD * ADD_NORM_THREADS elements, kept in registers: every load is issued before
+// the first reduction, so the kernel waits on memory once.
 template <typename T>
 __device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __restrict__ res,
                                               const T* __restrict__ y, const T* __restrict__ w,
                                               const T* __restrict__ scalar,
                                               const T* __restrict__ w2, T* __restrict__ out,
                                               T* __restrict__ out2) {
-    extern __shared__ float row[];
     __shared__ float red[ADD_NORM_THREADS / 32];
     const size_t base = (size_t)blockIdx.x * p.dim;
-    if (p.dim <= ADD_NORM_PER_THREAD * ADD_NORM_THREADS) {
-        // Every load issued up front, so the kernel waits on memory once, not once per phase.
-        float yv[ADD_NORM_PER_THREAD], rv[ADD_NORM_PER_THREAD], wv[ADD_NORM_PER_THREAD],
-            w2v[ADD_NORM_PER_THREAD];
-        const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
-        float ss = 0.f;
+    float yv[ADD_NORM_PER_THREAD], rv[ADD_NORM_PER_THREAD], wv[ADD_NORM_PER_THREAD],
+        w2v[ADD_NORM_PER_THREAD];
+    const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
 #pragma unroll
-        for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
-            const int i = threadIdx.x + k * ADD_NORM_THREADS;
-            const bool in = i < (int)p.dim;
-            yv[k] = in ? to_f(y[base + i]) : 0.f;
-            rv[k] = in ? to_f(res[base + i]) : 0.f;
-            wv[k] = in ? to_f(w[i]) : 0.f;
-            w2v[k] = in && (p.flags & 2) ? to_f(w2[i]) : 0.f;
-        }
-#pragma unroll
-        for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) ss += yv[k] * yv[k];
-        const float inv = rsqrtf(block_sum<ADD_NORM_THREADS>(ss, red) / p.dim + p.eps);
-        float ss2 = 0.f;
-#pragma unroll
-        for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
-            const int i = threadIdx.x + k * ADD_NORM_THREADS;
-            if (i >= (int)p.dim) continue;
-            const float normed = rnd<T>(yv[k] * inv * wv[k]);
-            float o = rnd<T>(rv[k] + normed);
-            if (p.flags & 1) o = rnd<T>(o * s);
-            out[base + i] = from_f<T>(o);
-            yv[k] = o;
-            ss2 += o * o;
-        }
-        if (!(p.flags & 2)) return;
-        const float inv2 = rsqrtf(block_sum<ADD_NORM_THREADS>(ss2, red) / p.dim + p.eps);
-#pragma unroll
-        for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
-            const int i = threadIdx.x + k * ADD_NORM_THREADS;
-            if (i < (int)p.dim) out2[base + i] = from_f<T>(yv[k] * inv2 * w2v[k]);
-        }
-        return;
+    for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * ADD_NORM_THREADS;
+        const bool in = i < (int)p.dim;
+        yv[k] = in ? to_f(y[base + i]) : 0.f;
+        rv[k] = in ? to_f(res[base + i]) : 0.f;
+        wv[k] = in ? to_f(w[i]) : 0.f;
+        w2v[k] = in && (p.flags & 2) ? to_f(w2[i]) : 0.f;
     }
     float ss = 0.f;
-    for (int i = threadIdx.x; i < (int)p.dim; i += ADD_NORM_THREADS) {
-        const float v = to_f(y[base + i]);
-        row[i] = v;
-        ss += v * v;
-    }
+#pragma unroll
+    for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) ss += yv[k] * yv[k];
     const float inv = rsqrtf(block_sum<ADD_NORM_THREADS>(ss, red) / p.dim + p.eps);
-    const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
     float ss2 = 0.f;
-    for (int i = threadIdx.x; i < (int)p.dim; i += ADD_NORM_THREADS) {
-        const float normed = rnd<T>(row[i] * inv * to_f(w[i]));
-        float o = rnd<T>(to_f(res[base + i]) + normed);
+#pragma unroll
+    for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * ADD_NORM_THREADS;
+        if (i >= (int)p.dim) continue;
+        const float normed = rnd<T>(yv[k] * inv * wv[k]);
+        float o = rnd<T>(rv[k] + normed);
         if (p.flags & 1) o = rnd<T>(o * s);
         out[base + i] = from_f<T>(o);
-        row[i] = o;
+        yv[k] = o;
         ss2 += o * o;
     }
     if (!(p.flags & 2)) return;
     const float inv2 = rsqrtf(block_sum<ADD_NORM_THREADS>(ss2, red) / p.dim + p.eps);
-    for (int i = threadIdx.x; i < (int)p.dim; i += ADD_NORM_THREADS)
-        out2[base + i] = from_f<T>(row[i] * inv2 * to_f(w2[i]));
+#pragma unroll
+    for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
+        const int i = threadIdx.x + k * ADD_NORM_THREADS;
+        if (i < (int)p.dim) out2[base + i] = from_f<T>(yv[k] * inv2 * w2v[k]);
+    }
 }
 
 struct GeluMulParams {
@@ -509,29 +484,8 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
             }
         }
     }
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp][lane][4 * m + i] = acc[m][i];
-    }
-    __syncthreads();
-    // Warp m-tile reduction: each of the first MT warps sums one tile over the block's warps.
-    if (warp < MT) {
-        const int m = warp;
-        float t[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int v = 0; v < WARPS; ++v) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) t[i] += red[v][lane][4 * m + i];
-        }
-        // C fragment: (row gq, cols 2q, 2q+1) and (row gq + 8, same cols); cols = activation rows.
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int row = tile0 + 16 * m + gq + (i >= 2 ? 8 : 0);
-            const int col = 2 * q + (i & 1);
-            if (row <= last && col < (int)p.rows) y[(size_t)col * p.out_dim + row] = from_f<T>(t[i]);
-        }
-    }
+    store_mma_tiles<T, MT, WARPS>(&acc[0][0], red, tile0, last, (int)p.rows, (int)p.out_dim,
+                                  y);
 }
 
 // Kernels dense_mv_{T}_{MT}_{WARPS}: more warps per block for few output tiles (more loads in

@@ -17,6 +17,9 @@ const MODULE: &str = "candle_gemma_fused";
 const NORM_THREADS: u32 = 256;
 /// Threads of the residual add + norm kernel (`ADD_NORM_THREADS`).
 const ADD_NORM_THREADS: u32 = 1024;
+/// Widest row [`add_norm`] takes (`ADD_NORM_PER_THREAD * ADD_NORM_THREADS`: each thread keeps its
+/// elements in registers); wider rows take the candle ops.
+pub const ADD_NORM_MAX_WIDTH: usize = 8 * ADD_NORM_THREADS as usize;
 /// Activation rows the dense matvec kernel takes (the mma's N).
 pub const DENSE_MV_MAX_ROWS: usize = 8;
 /// Output rows per grouped-matvec block (`GMV_WARPS`).
@@ -189,10 +192,11 @@ fn check_dtype(ts: &[&Tensor], dtype: DType) -> Result<()> {
 }
 
 /// `out = (res + rms_norm(y) * w) [* scalar]`, and with `next` also `rms_norm(out) * next`.
-/// `res` and `y` have the same shape, last axis `w.len()`; `scalar` is a one-element tensor.
+/// `res` and `y` have the same shape, last axis `w.len()` (at most [`ADD_NORM_MAX_WIDTH`]);
+/// `scalar` is a one-element tensor.
 ///
 /// # Errors
-/// Shapes or dtypes that disagree, CUDA errors.
+/// Shapes or dtypes that disagree, rows wider than [`ADD_NORM_MAX_WIDTH`], CUDA errors.
 pub fn add_norm(
     res: &Tensor,
     y: &Tensor,
@@ -214,6 +218,9 @@ pub fn add_norm(
     ts.extend(scalar);
     ts.extend(next);
     check_dtype(&ts, dtype)?;
+    if dim > ADD_NORM_MAX_WIDTH {
+        candle_core::bail!("add_norm: width {dim} above {ADD_NORM_MAX_WIDTH}");
+    }
     let rows = res.elem_count() / dim.max(1);
     let dev = cuda_dev(res)?;
     let (res, y, w) = (res.contiguous()?, y.contiguous()?, w.contiguous()?);
@@ -227,7 +234,7 @@ pub fn add_norm(
     let cfg = LaunchConfig {
         grid_dim: (params.rows, 1, 1),
         block_dim: (ADD_NORM_THREADS, 1, 1),
-        shared_mem_bytes: (dim * 4) as u32,
+        shared_mem_bytes: 0,
     };
     let shape = res.dims().to_vec();
     by_dtype!(dtype, E, {

@@ -663,7 +663,7 @@ pub(crate) fn qmatvec(
         in_dim,
     ) {
         (
-            format!("qmv_tc4_{tn}_1x2_b{}", tc4_blocks()),
+            format!("qmv_tc4_{tn}_b{}", tc4_blocks()),
             QMATVEC_MMA_ROWS,
             QMATVEC_MMA_WARPS,
         )

@@ -695,23 +695,7 @@ __device__ __forceinline__ void qmv_mma_body(const QmatParams p, const T* __rest
         }
     }
     cp_async_wait<0>();
-#pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][lane][i] = tot[i];
-    __syncthreads();
-    if (warp == 0) {
-#pragma unroll
-        for (int w = 1; w < QMMA_WARPS; ++w) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) tot[i] += red[w][lane][i];
-        }
-        // C fragment: (row gq, cols 2q, 2q+1) and (row gq + 8, same cols); cols = activation rows.
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int row = tile0 + gq + (i >= 2 ? 8 : 0);
-            const int col = 2 * q + (i & 1);
-            if (row <= last && col < (int)p.rows) y[(size_t)col * p.out_dim + row] = from_f<T>(tot[i]);
-        }
-    }
+    store_mma_tiles<T, 1, QMMA_WARPS>(tot, red, tile0, last, (int)p.rows, (int)p.out_dim, y);
 }
 
 #define QMMA_INST(TN, T, SN, S, BITS, G)                                                        \
@@ -772,15 +756,19 @@ __device__ __forceinline__ uint32_t splat(T v) {
     return (uint32_t)h | ((uint32_t)h << 16);
 }
 
-template <typename T, int MT, int U>
+// One 16-row tile a block, two chunks in flight a step: measured best of 1 or 2 tiles and 2 or 4
+// chunks on the 31B projections (2 tiles helped q_proj but cost down_proj, with half the blocks).
+constexpr int QTC_TILES = 1, QTC_UNROLL = 2;
+
+template <typename T>
 __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __restrict__ x,
                                              const uint32_t* __restrict__ codes,
                                              const T* __restrict__ scales,
                                              const T* __restrict__ biases, T* __restrict__ y) {
-    __shared__ float red[QMMA_WARPS][32][4 * MT];
+    __shared__ float red[QMMA_WARPS][32][4 * QTC_TILES];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gq = lane >> 2, q = lane & 3;
-    const int tile0 = blockIdx.x * 16 * MT;
+    const int tile0 = blockIdx.x * 16 * QTC_TILES;
     const int last = (int)p.out_dim - 1;
     const int in_dim = (int)p.in_dim;
     const int words = in_dim / 8;
@@ -789,29 +777,29 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
     const int per = (chunks + QMMA_WARPS - 1) / QMMA_WARPS;
     const int c0 = warp * per, c1 = min(chunks, c0 + per);
     const bool xok = gq < (int)p.rows;
-    // Rows of this thread: gq + 8 m for m < 2 MT (tile m / 2, half m % 2).
-    int row[2 * MT];
-    const uint32_t* wr[2 * MT];
+    // Rows of this thread: gq + 8 m for m < 2 QTC_TILES (tile m / 2, half m % 2).
+    int row[2 * QTC_TILES];
+    const uint32_t* wr[2 * QTC_TILES];
 #pragma unroll
-    for (int m = 0; m < 2 * MT; ++m) {
+    for (int m = 0; m < 2 * QTC_TILES; ++m) {
         row[m] = min(tile0 + gq + 8 * m, last);
         wr[m] = codes + (size_t)row[m] * words + 4 * q;
     }
     const T* xr = x + (size_t)(xok ? gq : 0) * in_dim + 32 * q;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    float acc[MT][4];
+    float acc[QTC_TILES][4];
 #pragma unroll
-    for (int t = 0; t < MT; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
-    for (int c = c0; c < c1; c += U) {
-        uint4 W[U][2 * MT], X[U][4];
-        uint32_t sc[U][2 * MT], bi[U][2 * MT];
+    for (int t = 0; t < QTC_TILES; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    for (int c = c0; c < c1; c += QTC_UNROLL) {
+        uint4 W[QTC_UNROLL][2 * QTC_TILES], X[QTC_UNROLL][4];
+        uint32_t sc[QTC_UNROLL][2 * QTC_TILES], bi[QTC_UNROLL][2 * QTC_TILES];
 #pragma unroll
-        for (int i = 0; i < U; ++i) {
+        for (int i = 0; i < QTC_UNROLL; ++i) {
             const int k = (c + i) * 128 + 32 * q;
             const bool ok = c + i < c1 && k < in_dim;
             const int g = ok ? k / (int)p.group_size : 0;
 #pragma unroll
-            for (int m = 0; m < 2 * MT; ++m) {
+            for (int m = 0; m < 2 * QTC_TILES; ++m) {
                 W[i][m] = ok ? ld_stream4(wr[m] + (c + i) * 16) : zero;
                 sc[i][m] = splat(scales[(size_t)row[m] * groups + g]);
                 bi[i][m] = splat(biases[(size_t)row[m] * groups + g]);
@@ -822,7 +810,7 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
                                     : zero;
         }
 #pragma unroll
-        for (int i = 0; i < U; ++i) {
+        for (int i = 0; i < QTC_UNROLL; ++i) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 const uint4 r = X[i][j];
@@ -830,7 +818,7 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
                 const uint32_t b0[2] = {__byte_perm(r.x, r.z, 0x5410), __byte_perm(r.x, r.z, 0x7632)};
                 const uint32_t b1[2] = {__byte_perm(r.y, r.w, 0x5410), __byte_perm(r.y, r.w, 0x7632)};
 #pragma unroll
-                for (int t = 0; t < MT; ++t) {
+                for (int t = 0; t < QTC_TILES; ++t) {
                     uint32_t d[2][4];
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
@@ -850,42 +838,20 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
             }
         }
     }
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp][lane][4 * t + i] = acc[t][i];
-    }
-    __syncthreads();
-    // The first MT warps each sum one tile over the block's warps and write it.
-    if (warp < MT) {
-        const int t = warp;
-        float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int w = 0; w < QMMA_WARPS; ++w) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) s[i] += red[w][lane][4 * t + i];
-        }
-        // C fragment: (row gq, cols 2q, 2q+1) and (row gq + 8, same cols); cols = activation rows.
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = tile0 + 16 * t + gq + (i >= 2 ? 8 : 0);
-            const int col = 2 * q + (i & 1);
-            if (r <= last && col < (int)p.rows) y[(size_t)col * p.out_dim + r] = from_f<T>(s[i]);
-        }
-    }
+    store_mma_tiles<T, QTC_TILES, QMMA_WARPS>(&acc[0][0], red, tile0, last, (int)p.rows,
+                                       (int)p.out_dim, y);
 }
 
-// qmv_tc4_{T}_{MT}x{U}_b{B}: MT tiles of 16 rows a block, U chunks in flight a step, registers
-// capped for B resident blocks a multiprocessor.
-#define QTC4_INST(TN, T, MT, U, B)                                                             \
+// qmv_tc4_{T}_b{B}: registers capped for B resident blocks a multiprocessor.
+#define QTC4_INST(TN, T, B)                                                                    \
     extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32, B)                            \
-        qmv_tc4_##TN##_##MT##x##U##_b##B(const QmatParams p, const T* x, const uint32_t* c,     \
-                                         const T* s, const T* b, T* y) {                       \
-        qmv_tc4_body<T, MT, U>(p, x, c, s, b, y);                                              \
+        qmv_tc4_##TN##_b##B(const QmatParams p, const T* x, const uint32_t* c, const T* s,      \
+                            const T* b, T* y) {                                                \
+        qmv_tc4_body<T>(p, x, c, s, b, y);                                                     \
     }
-#define QTC4_INST_T(TN, T)    \
-    QTC4_INST(TN, T, 1, 2, 1) \
-    QTC4_INST(TN, T, 1, 2, 4)
+#define QTC4_INST_T(TN, T) \
+    QTC4_INST(TN, T, 1)    \
+    QTC4_INST(TN, T, 4)
 QTC4_INST_T(f16, __half)
 QTC4_INST_T(bf16, __nv_bfloat16)
 
