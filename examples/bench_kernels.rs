@@ -105,6 +105,9 @@ fn main() -> Result<()> {
     if dense_only {
         return bench_dense_matvec(&dev, copy_gbs);
     }
+    if std::env::args().any(|a| a == "--launch-floor") {
+        return bench_launch_floor(&dev);
+    }
 
     // Quantized attention vs dense bf16.
     let shapes: [(&str, usize, usize, usize); 4] = [
@@ -280,5 +283,53 @@ fn bench_dense_matvec(dev: &Device, copy_gbs: f64) -> Result<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// The fixed cost of one small kernel, on the host (time to enqueue) and on the GPU (time per
+/// launch of a long run of them, the host far ahead): what a decode step of a small model pays
+/// per launch whatever the kernel does.
+fn bench_launch_floor(dev: &Device) -> Result<()> {
+    use candle_gemma::kernels::cuda::fused::{add_norm, gelu_mul};
+    let x = Tensor::rand(-1f32, 1.0, (1, 1, 2560), dev)?.to_dtype(DType::BF16)?;
+    let y = Tensor::rand(-1f32, 1.0, (1, 1, 2560), dev)?.to_dtype(DType::BF16)?;
+    let w = Tensor::rand(0.5f32, 1.5, 2560, dev)?.to_dtype(DType::BF16)?;
+    let n = 4000;
+    // As the model runs: without cudarc's per-buffer events (single stream).
+    if let Device::Cuda(c) = dev {
+        candle_gemma::kernels::cuda::launch::skip_event_tracking(c);
+    }
+    for (what, us) in candle_gemma::kernels::cuda::fused::probe_host_costs(&x, n)? {
+        println!("{{\"bench\":\"host_cost\",\"what\":\"{what}\",\"host_us\":{us:.3}}}");
+    }
+    let run = |name: &str, f: &dyn Fn() -> Result<Tensor>| -> Result<()> {
+        for _ in 0..50 {
+            f()?;
+        }
+        dev.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..n {
+            f()?;
+        }
+        let host = t.elapsed().as_secs_f64() / n as f64;
+        dev.synchronize()?;
+        let total = t.elapsed().as_secs_f64() / n as f64;
+        println!(
+            "{{\"bench\":\"launch_floor\",\"kernel\":\"{name}\",\"elements\":2560,\"host_us\":{:.3},\"per_launch_us\":{:.3}}}",
+            host * 1e6,
+            total * 1e6
+        );
+        Ok(())
+    };
+    run("candle_affine", &|| Ok(x.affine(1.5, 0.25)?))?;
+    run("candle_add", &|| Ok((&x + &y)?))?;
+    run("gelu_mul", &|| Ok(gelu_mul(&x, &y)?))?;
+    run(
+        "add_norm",
+        &|| Ok(add_norm(&x, &y, &w, 1e-6, None, None)?.0),
+    )?;
+    run("add_norm_next", &|| {
+        Ok(add_norm(&x, &y, &w, 1e-6, None, Some(&w))?.0)
+    })?;
     Ok(())
 }

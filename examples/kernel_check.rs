@@ -297,8 +297,8 @@ fn rnd(shape: &[usize], dtype: DType) -> Result<Tensor> {
 /// The fused decoder-layer kernels against the candle op chains they replace (run on the CPU).
 fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Result<bool> {
     use candle_gemma::kernels::cuda::fused::{
-        add_norm, gelu_mul, grouped_matvec, moe_mix, moe_route, qkv_prep, QkvSources,
-        ADD_NORM_MAX_WIDTH,
+        add_norm, add_norm_ext, gelu_mul, grouped_matvec, moe_mix, moe_route, qkv_prep,
+        AddNormExtra, QkvSources, ADD_NORM_MAX_WIDTH,
     };
     use candle_nn::ops::rms_norm;
     let g = |t: &Tensor| t.to_device(gpu);
@@ -355,6 +355,50 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
         "add_norm next",
         max_abs(&got2.expect("requested"), &want2)?,
         2.0 * lim,
+    );
+
+    // Two norms of the sum (26B-A4B: both feed-forward inputs), no scalar.
+    let w3 = rnd(&[h], dtype)?;
+    let sum = (&res + rms_norm(&y, &w, eps as f32)?)?;
+    let extra = AddNormExtra {
+        next: Some(&g(&w2)?),
+        next2: Some(&g(&w3)?),
+        ..Default::default()
+    };
+    let (got, n1, n2) = add_norm_ext(&g(&res)?, &g(&y)?, &g(&w)?, eps, &extra)?;
+    report("add_norm two next: sum", max_abs(&got, &sum)?, lim);
+    report(
+        "add_norm two next: first",
+        max_abs(&n1.expect("requested"), &rms_norm(&sum, &w2, eps as f32)?)?,
+        2.0 * lim,
+    );
+    report(
+        "add_norm two next: second",
+        max_abs(&n2.expect("requested"), &rms_norm(&sum, &w3, eps as f32)?)?,
+        2.0 * lim,
+    );
+    // The two-branch end of a 26B-A4B layer: res + norm(norm_a(a) + norm_b(b)), scalar, next.
+    let (bb, wa, wb) = (rnd(&[3, h], dtype)?, rnd(&[h], dtype)?, rnd(&[h], dtype)?);
+    let branch = (rms_norm(&y, &wa, eps as f32)? + rms_norm(&bb, &wb, eps as f32)?)?;
+    let want = (&res + rms_norm(&branch, &w, eps as f32)?)?.broadcast_mul(&s)?;
+    let want2 = rms_norm(&want, &w2, eps as f32)?;
+    let (gbb, gwa, gwb) = (g(&bb)?, g(&wa)?, g(&wb)?);
+    let extra = AddNormExtra {
+        scalar: Some(&g(&s)?),
+        next: Some(&g(&w2)?),
+        second_branch: Some((&gbb, &gwa, &gwb)),
+        ..Default::default()
+    };
+    let (got, n1, _) = add_norm_ext(&g(&res)?, &g(&y)?, &g(&w)?, eps, &extra)?;
+    report(
+        "add_norm two branches: sum",
+        max_abs(&got, &want)?,
+        2.0 * lim,
+    );
+    report(
+        "add_norm two branches: next",
+        max_abs(&n1.expect("requested"), &want2)?,
+        4.0 * lim,
     );
 
     // GeGLU over the two halves of a stacked product.
@@ -481,6 +525,21 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
     let got = moe_mix(&y, &g(&mix)?)?;
     report("grouped_matvec + moe_mix", max_abs(&got, &want)?, lim);
 
+    // Fewer pairs than experts (the decode grid, one block column per pair slot), with experts
+    // picked twice: each must still be computed once for both of its pairs.
+    let slot_idx: Vec<u32> = vec![3, 1, 3, 7, 1, 0];
+    let (st, sk) = (2, 3);
+    let sx = rnd(&[st, inp], dtype)?;
+    let mut rows = Vec::new();
+    for (p, &ex) in slot_idx.iter().enumerate() {
+        let xr = sx.get(p / sk)?.unsqueeze(0)?.to_dtype(DType::F32)?;
+        rows.push(xr.matmul(&wts.get(ex as usize)?.to_dtype(DType::F32)?.t()?)?);
+    }
+    let want = Tensor::cat(&rows, 0)?;
+    let sidx = Tensor::from_vec(slot_idx.clone(), (st, sk), &Device::Cpu)?;
+    let got = grouped_matvec(&g(&wts)?, &g(&sidx)?, &g(&sx)?, true)?;
+    report("grouped_matvec by slot", max_abs(&got, &want)?, lim);
+
     // Greedy pick over a vocabulary-sized row, with a planted tie (the lower index wins).
     if dtype == DType::F32 {
         let mut rows = rnd(&[3, 262_144], DType::F32)?.to_vec2::<f32>()?;
@@ -571,7 +630,7 @@ fn check_dense_matvec(
     gpu: &Device,
     stats: &mut BTreeMap<String, f32>,
 ) -> Result<bool> {
-    use candle_gemma::kernels::cuda::fused::dense_matvec;
+    use candle_gemma::kernels::cuda::fused::{dense_matvec, dense_matvec_gated};
     let w = rnd(&[out_dim, in_dim], dtype)?;
     let x = rnd(&[rows, in_dim], dtype)?;
     let want = x
@@ -591,7 +650,35 @@ fn check_dense_matvec(
         "dense_matvec dtype={dtype:?} [{out_dim}x{in_dim}] rows={rows} max_abs={err:.3e} {}",
         if pass { "PASS" } else { "FAIL" }
     );
-    Ok(pass)
+
+    // The gated product, its two inputs the strided halves of one stacked tensor (as the MLP's
+    // gate/up output), against gelu_tanh(a) * b rounded to the activation type, then the matmul.
+    let stacked = rnd(&[rows, 2 * in_dim], dtype)?;
+    let (a, b) = (
+        stacked.narrow(1, 0, in_dim)?,
+        stacked.narrow(1, in_dim, in_dim)?,
+    );
+    let want = (a.gelu()? * &b)?
+        .to_dtype(DType::F32)?
+        .matmul(&w.to_dtype(DType::F32)?.t()?)?;
+    let sg = stacked.to_device(gpu)?;
+    let got = dense_matvec_gated(
+        &sg.narrow(1, 0, in_dim)?,
+        &sg.narrow(1, in_dim, in_dim)?,
+        &w.to_device(gpu)?,
+    )?
+    .ok_or_else(|| anyhow::anyhow!("dense_matvec_gated declined {dtype:?}"))?;
+    let err_g = max_abs(&got.to_dtype(DType::F32)?, &want)?;
+    let pass_g = err_g <= tol(dtype) * mag * 2.0;
+    let e = stats
+        .entry(format!("dense_matvec_gated {dtype:?}"))
+        .or_insert(0.0);
+    *e = e.max(err_g);
+    println!(
+        "dense_matvec_gated dtype={dtype:?} [{out_dim}x{in_dim}] rows={rows} max_abs={err_g:.3e} {}",
+        if pass_g { "PASS" } else { "FAIL" }
+    );
+    Ok(pass && pass_g)
 }
 
 fn main() -> Result<()> {

@@ -50,7 +50,7 @@ for phase in "$@"; do
       done
       ;;
     profile)
-      NCU="ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv"
+      NCU="ncu --profile-from-start off --clock-control none --cache-control ${NCU_CACHE:-none} --metrics gpu__time_duration.sum --csv"
       for m in e2b e4b 26b-a4b 31b; do
         $B --config $C/$m-config.json --prefill 0 --batch 1 --context 128 --steps 16 2>>"$OUT/bench.err" >> "$OUT/bench.jsonl"
         $NCU --log-file "$OUT/ncu-$m-decode.csv" $B --config $C/$m-config.json --prefill 0 --batch 1 --context 128 --steps 8 --profile \
@@ -156,7 +156,7 @@ PY
       ;;
     profile8)
       # One 31B decode step at batch 8 under ncu, against its wall time.
-      NCU="ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv"
+      NCU="ncu --profile-from-start off --clock-control none --cache-control ${NCU_CACHE:-none} --metrics gpu__time_duration.sum --csv"
       $B --config $C/31b-config.json --prefill 0 --batch 8 --context 128 --steps 16 2>>"$OUT/bench.err" | tee "$OUT/b8-wall.jsonl" | grep decode | cut -c1-160
       $NCU --log-file "$OUT/ncu-31b-decode-b8.csv" $B --config $C/31b-config.json --prefill 0 --batch 8 --context 128 --steps 8 --profile \
         > "$OUT/prof-31b-decode-b8.jsonl" 2>>"$OUT/bench.err"
@@ -174,6 +174,10 @@ for l in open(sys.argv[1]):
     j = json.loads(l)
     print(f'{j["variant"]} {j["shape"]:15s} rows={j["rows"]} g{j["group"]:<3d} {j["seconds"]*1e6:6.1f}us {j["fraction_of_copy"]:.3f}')
 PY
+      ;;
+    floor)
+      # Fixed cost of one small kernel: host enqueue and GPU time per launch (2560 bf16 elements).
+      .device/bench_kernels --launch-floor 2>&1 | tee "$OUT/launch-floor.jsonl"
       ;;
     kernels)
       .device/bench_kernels > "$OUT/bench-kernels.txt" 2>&1; tail -40 "$OUT/bench-kernels.txt"

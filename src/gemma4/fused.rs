@@ -47,6 +47,70 @@ pub(crate) fn add_norm(
     Ok((x, n))
 }
 
+/// `res + norm(y)` and two norms of the result (`next`, `next2`), in one launch on CUDA.
+///
+/// # Errors
+/// Shape mismatch.
+pub(crate) fn add_norm_two_next(
+    res: &Tensor,
+    y: &Tensor,
+    norm: &RmsNorm,
+    next: &RmsNorm,
+    next2: &RmsNorm,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if crate::kernels::fused_enabled(res.device())
+        && norm.weight().dtype() == res.dtype()
+        && norm.weight().elem_count() <= crate::kernels::cuda::fused::ADD_NORM_MAX_WIDTH
+    {
+        let extra = crate::kernels::cuda::fused::AddNormExtra {
+            next: Some(next.weight()),
+            next2: Some(next2.weight()),
+            ..Default::default()
+        };
+        let (x, n1, n2) =
+            crate::kernels::cuda::fused::add_norm_ext(res, y, norm.weight(), norm.eps(), &extra)?;
+        if let (Some(n1), Some(n2)) = (n1, n2) {
+            return Ok((x, n1, n2));
+        }
+    }
+    let x = (res + norm.forward(y)?)?;
+    let (n1, n2) = (next.forward(&x)?, next2.forward(&x)?);
+    Ok((x, n1, n2))
+}
+
+/// The 26B-A4B layer end: `res + norm(norm_a(a) + norm_b(b))`, times `scalar` when given, with
+/// `next(result)` when asked, in one launch on CUDA.
+///
+/// # Errors
+/// Shape mismatch.
+pub(crate) fn add_two_branch_norm(
+    res: &Tensor,
+    (a, norm_a): (&Tensor, &RmsNorm),
+    (b, norm_b): (&Tensor, &RmsNorm),
+    norm: &RmsNorm,
+    scalar: Option<&Tensor>,
+    next: Option<&RmsNorm>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    #[cfg(feature = "cuda")]
+    if crate::kernels::fused_enabled(res.device())
+        && norm.weight().dtype() == res.dtype()
+        && norm.weight().elem_count() <= crate::kernels::cuda::fused::MOE_ADD_NORM_MAX_WIDTH
+    {
+        let extra = crate::kernels::cuda::fused::AddNormExtra {
+            scalar,
+            next: next.map(RmsNorm::weight),
+            second_branch: Some((b, norm_a.weight(), norm_b.weight())),
+            ..Default::default()
+        };
+        let (x, n1, _) =
+            crate::kernels::cuda::fused::add_norm_ext(res, a, norm.weight(), norm.eps(), &extra)?;
+        return Ok((x, n1));
+    }
+    let y = (norm_a.forward(a)? + norm_b.forward(b)?)?;
+    add_norm(res, &y, norm, scalar, next)
+}
+
 /// `gelu_tanh(a) * b` for `a`, `b` of one shape (`[.., width]`; rows may be strided).
 ///
 /// # Errors

@@ -162,26 +162,6 @@ impl DecoderLayer {
             None => self.input_layernorm.forward(x)?,
         };
         let (attn, view) = self.self_attn.forward(&normed_in, step, kv)?;
-        let (x, normed) = fused::add_norm(
-            x,
-            &attn,
-            &self.post_attention_layernorm,
-            None,
-            Some(&self.pre_feedforward_layernorm),
-        )?;
-        let normed = normed.ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
-
-        let dense = self.mlp.forward(&normed)?;
-        let ff = match &self.moe {
-            None => dense,
-            Some(m) => {
-                let dense = m.post_feedforward_layernorm_1.forward(&dense)?;
-                let experts = m
-                    .block
-                    .forward(&x, &m.pre_feedforward_layernorm_2.forward(&x)?)?;
-                (dense + m.post_feedforward_layernorm_2.forward(&experts)?)?
-            }
-        };
         // The layer scalar multiplies the whole residual at the end of the layer: fold it into
         // the last residual add.
         let ple = self.ple.as_ref().zip(ple);
@@ -190,18 +170,78 @@ impl DecoderLayer {
         } else {
             None
         };
+        if let Some(m) = &self.moe {
+            // Both feed-forward inputs are norms of the same residual, computed in one pass; the
+            // two branch outputs meet in the layer's last residual add.
+            let (x, normed, normed_2) = fused::add_norm_two_next(
+                x,
+                &attn,
+                &self.post_attention_layernorm,
+                &self.pre_feedforward_layernorm,
+                &m.pre_feedforward_layernorm_2,
+            )?;
+            let dense = self.mlp.forward(&normed)?;
+            let experts = m.block.forward(&x, &normed_2)?;
+            if ple.is_none() {
+                let (x, next_normed) = fused::add_two_branch_norm(
+                    &x,
+                    (&dense, &m.post_feedforward_layernorm_1),
+                    (&experts, &m.post_feedforward_layernorm_2),
+                    &self.post_feedforward_layernorm,
+                    scalar,
+                    next_norm,
+                )?;
+                return Ok(LayerOutput {
+                    x,
+                    next_normed,
+                    view,
+                });
+            }
+            let ff = (m.post_feedforward_layernorm_1.forward(&dense)?
+                + m.post_feedforward_layernorm_2.forward(&experts)?)?;
+            return self.finish_ple(x, &ff, ple, next_norm, view);
+        }
+        let (x, normed) = fused::add_norm(
+            x,
+            &attn,
+            &self.post_attention_layernorm,
+            None,
+            Some(&self.pre_feedforward_layernorm),
+        )?;
+        let normed = normed.ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
+        let ff = self.mlp.forward(&normed)?;
+        self.finish_ple(x, &ff, ple, next_norm, view)
+    }
+
+    /// The layer after its feed-forward output `ff`: the residual add, then the PLE gate when
+    /// the model has one, with the layer scalar and the next layer's input norm folded into the
+    /// last add.
+    fn finish_ple(
+        &self,
+        x: Tensor,
+        ff: &Tensor,
+        ple: Option<(&PleGate, &Tensor)>,
+        next_norm: Option<&RmsNorm>,
+        view: Option<KvView>,
+    ) -> Result<LayerOutput> {
         let Some((g, ple)) = ple else {
-            let (x, next_normed) =
-                fused::add_norm(&x, &ff, &self.post_feedforward_layernorm, scalar, next_norm)?;
+            let (x, next_normed) = fused::add_norm(
+                &x,
+                ff,
+                &self.post_feedforward_layernorm,
+                Some(&self.layer_scalar),
+                next_norm,
+            )?;
             return Ok(LayerOutput {
                 x,
                 next_normed,
                 view,
             });
         };
-        let (x, _) = fused::add_norm(&x, &ff, &self.post_feedforward_layernorm, scalar, None)?;
-        let gate = fused::gelu_mul(&g.per_layer_input_gate.forward(&x)?, ple)?;
-        let gate = g.per_layer_projection.forward(&gate)?;
+        let (x, _) = fused::add_norm(&x, ff, &self.post_feedforward_layernorm, None, None)?;
+        let gate = g
+            .per_layer_projection
+            .forward_gated(&g.per_layer_input_gate.forward(&x)?, ple)?;
         let (x, next_normed) = fused::add_norm(
             &x,
             &gate,

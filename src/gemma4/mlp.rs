@@ -2,7 +2,7 @@
 
 use candle_core::Tensor;
 
-use super::{fused, Linear};
+use super::Linear;
 use crate::error::Result;
 use crate::weights::WeightStore;
 
@@ -65,18 +65,19 @@ impl Mlp {
     /// # Errors
     /// Shape mismatch.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let hidden = match &self.gate_up {
+        match &self.gate_up {
             GateUp::Stacked { weight, width } => {
                 let y = weight.forward(x)?;
                 let last = y.rank() - 1;
-                fused::gelu_mul(
+                self.down_proj.forward_gated(
                     &y.narrow(last, 0, *width)?,
                     &y.narrow(last, *width, *width)?,
-                )?
+                )
             }
-            GateUp::Split { gate, up } => fused::gelu_mul(&gate.forward(x)?, &up.forward(x)?)?,
-        };
-        self.down_proj.forward(&hidden)
+            GateUp::Split { gate, up } => self
+                .down_proj
+                .forward_gated(&gate.forward(x)?, &up.forward(x)?),
+        }
     }
 }
 

@@ -61,6 +61,38 @@ impl Linear {
     }
 }
 
+impl Linear {
+    /// `(gelu_tanh(a) * b) · Wᵀ` for `a`, `b` of one shape: the gated input of the MLP's down
+    /// projection and of the PLE projection. On CUDA decode with a dense weight the gate is
+    /// computed inside the product (one launch instead of two, or three with cuBLAS's split-K
+    /// reduce); elsewhere it is [`fused::gelu_mul`] then [`Linear::forward`].
+    ///
+    /// # Errors
+    /// Shape mismatch.
+    pub fn forward_gated(&self, a: &Tensor, b: &Tensor) -> crate::Result<Tensor> {
+        if let Linear::Dense(l) = self {
+            if let Some(y) = gated_decode_product(a, b, l.weight())? {
+                return Ok(y);
+            }
+        }
+        self.forward(&fused::gelu_mul(a, b)?)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn gated_decode_product(a: &Tensor, b: &Tensor, w: &Tensor) -> crate::Result<Option<Tensor>> {
+    use crate::kernels::cuda::fused;
+    if !crate::kernels::fused_enabled(a.device()) || !fused::gated_matvec_wanted(tensor_bytes(w)) {
+        return Ok(None);
+    }
+    Ok(fused::dense_matvec_gated(a, b, w)?)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gated_decode_product(_a: &Tensor, _b: &Tensor, _w: &Tensor) -> crate::Result<Option<Tensor>> {
+    Ok(None)
+}
+
 /// `x · Wᵀ` through the tensor-core matrix-vector kernel when `x` has few rows (decode) on
 /// CUDA with a small f16/bf16 weight; `None` where the general matmul applies. On small weights
 /// it finishes sooner than cuBLAS; on large ones cuBLAS is faster (see

@@ -12,6 +12,7 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Tensor};
 
+use super::kernel_cache::load_kernel;
 use super::launch::{
     cuda_dev, cuda_storage, kname, plan_seq, sm_count, view, wrap, KvOperand, SeqPlan,
     FUSED_MAX_Q_LEN,
@@ -170,12 +171,14 @@ pub(crate) fn attend_batch(
     let descs = dev.clone_htod(&descs)?;
 
     let tn = kname(dtype)?;
-    let func = dev.get_or_load_custom_func(
+    let func = load_kernel(
+        &dev,
         &format!("qsdpa_batch_{tn}_{head_dim}_{bits}_{nq}"),
         super::launch::MODULE,
         super::launch::PTX,
     )?;
-    let comb = dev.get_or_load_custom_func(
+    let comb = load_kernel(
+        &dev,
         &format!("qsdpa_combine_batch_{tn}"),
         super::launch::MODULE,
         super::launch::PTX,

@@ -35,40 +35,68 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 struct AddNormParams {
     uint32_t rows, dim;
     float eps;
-    // 1: multiply the sum by scalar[0]; 2: also write norm2(out) * w2 to out2.
+    // 1: multiply the sum by scalar[0]; 2: also write norm2(out) * w2 to out2; 4: also
+    // norm2(out) * w3 to out3 (with 2).
     uint32_t flags;
 };
 
-// out = (res + rms(y) * w) [* scalar]; out2 = rms(out) * w2. One block per row of at most
-// ADD_NORM_PER_THREAD * ADD_NORM_THREADS elements, kept in registers: every load is issued before
-// the first reduction, so the kernel waits on memory once.
-template <typename T>
+// Widest row of the two-branch residual add + norm (moe_add_norm): more values per element
+// stay in registers there, so fewer of them per thread fit.
+constexpr int MOE_ADD_NORM_PER_THREAD = 4;
+
+// out = (res + rms(y) * w) [* scalar]; out2 = rms(out) * w2 [; out3 = rms(out) * w3]. One block
+// per row of at most PT * ADD_NORM_THREADS elements, kept in registers: every load but w3's is
+// issued before the first reduction, so the kernel waits on memory once. With TWO the branch is
+// itself y = rms(a) * wa + rms(b) * wb (the 26B-A4B dense and expert outputs, each with its own
+// post-norm), every step rounded to T as the unfused ops round it.
+template <typename T, int PT, bool TWO>
 __device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __restrict__ res,
                                               const T* __restrict__ y, const T* __restrict__ w,
                                               const T* __restrict__ scalar,
                                               const T* __restrict__ w2, T* __restrict__ out,
-                                              T* __restrict__ out2) {
+                                              T* __restrict__ out2, const T* __restrict__ w3,
+                                              T* __restrict__ out3, const T* __restrict__ b,
+                                              const T* __restrict__ wa,
+                                              const T* __restrict__ wb) {
     __shared__ float red[ADD_NORM_THREADS / 32];
     const size_t base = (size_t)blockIdx.x * p.dim;
-    float yv[ADD_NORM_PER_THREAD], rv[ADD_NORM_PER_THREAD], wv[ADD_NORM_PER_THREAD],
-        w2v[ADD_NORM_PER_THREAD];
+    float yv[PT], rv[PT], wv[PT], w2v[PT];
+    float bv[TWO ? PT : 1], wav[TWO ? PT : 1], wbv[TWO ? PT : 1];
     const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
 #pragma unroll
-    for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
+    for (int k = 0; k < PT; ++k) {
         const int i = threadIdx.x + k * ADD_NORM_THREADS;
         const bool in = i < (int)p.dim;
         yv[k] = in ? to_f(y[base + i]) : 0.f;
         rv[k] = in ? to_f(res[base + i]) : 0.f;
         wv[k] = in ? to_f(w[i]) : 0.f;
         w2v[k] = in && (p.flags & 2) ? to_f(w2[i]) : 0.f;
+        if constexpr (TWO) {
+            bv[k] = in ? to_f(b[base + i]) : 0.f;
+            wav[k] = in ? to_f(wa[i]) : 0.f;
+            wbv[k] = in ? to_f(wb[i]) : 0.f;
+        }
+    }
+    if constexpr (TWO) {
+        float sa = 0.f, sb = 0.f;
+#pragma unroll
+        for (int k = 0; k < PT; ++k) {
+            sa += yv[k] * yv[k];
+            sb += bv[k] * bv[k];
+        }
+        const float ia = rsqrtf(block_sum<ADD_NORM_THREADS>(sa, red) / p.dim + p.eps);
+        const float ib = rsqrtf(block_sum<ADD_NORM_THREADS>(sb, red) / p.dim + p.eps);
+#pragma unroll
+        for (int k = 0; k < PT; ++k)
+            yv[k] = rnd<T>(rnd<T>(yv[k] * ia * wav[k]) + rnd<T>(bv[k] * ib * wbv[k]));
     }
     float ss = 0.f;
 #pragma unroll
-    for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) ss += yv[k] * yv[k];
+    for (int k = 0; k < PT; ++k) ss += yv[k] * yv[k];
     const float inv = rsqrtf(block_sum<ADD_NORM_THREADS>(ss, red) / p.dim + p.eps);
     float ss2 = 0.f;
 #pragma unroll
-    for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
+    for (int k = 0; k < PT; ++k) {
         const int i = threadIdx.x + k * ADD_NORM_THREADS;
         if (i >= (int)p.dim) continue;
         const float normed = rnd<T>(yv[k] * inv * wv[k]);
@@ -81,9 +109,11 @@ __device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __
     if (!(p.flags & 2)) return;
     const float inv2 = rsqrtf(block_sum<ADD_NORM_THREADS>(ss2, red) / p.dim + p.eps);
 #pragma unroll
-    for (int k = 0; k < ADD_NORM_PER_THREAD; ++k) {
+    for (int k = 0; k < PT; ++k) {
         const int i = threadIdx.x + k * ADD_NORM_THREADS;
-        if (i < (int)p.dim) out2[base + i] = from_f<T>(yv[k] * inv2 * w2v[k]);
+        if (i >= (int)p.dim) continue;
+        out2[base + i] = from_f<T>(yv[k] * inv2 * w2v[k]);
+        if (p.flags & 4) out3[base + i] = from_f<T>(yv[k] * inv2 * to_f(w3[i]));
     }
 }
 
@@ -93,6 +123,10 @@ struct GeluMulParams {
     uint32_t a_stride, b_stride;
 };
 
+__device__ __forceinline__ float gelu_tanh(const float x) {
+    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
 // out = gelu_tanh(a) * b, with gelu's output rounded to T as an unfused op would.
 template <typename T>
 __device__ __forceinline__ void gelu_mul_body(const GeluMulParams p, const T* __restrict__ a,
@@ -101,8 +135,7 @@ __device__ __forceinline__ void gelu_mul_body(const GeluMulParams p, const T* __
     for (size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x; t < n;
          t += (size_t)gridDim.x * blockDim.x) {
         const size_t r = t / p.width, i = t % p.width;
-        const float x = to_f(a[r * p.a_stride + i]);
-        const float g = 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+        const float g = gelu_tanh(to_f(a[r * p.a_stride + i]));
         out[t] = from_f<T>(rnd<T>(g) * to_f(b[r * p.b_stride + i]));
     }
 }
@@ -225,7 +258,10 @@ struct GroupedMvParams {
     // x_per_token, else p.
     uint32_t pairs, top_k, out_dim, in_dim;
     uint64_t expert_stride;
-    uint32_t x_per_token, pad_;
+    // by_slot: block x is pair slot x and takes expert idx[x] unless an earlier slot holds the
+    // same expert (a grid of `pairs` blocks when fewer pairs than experts); else block x is
+    // expert x.
+    uint32_t x_per_token, experts, by_slot, pad_;
 };
 
 constexpr int GMV_WARPS = 8;
@@ -259,15 +295,20 @@ __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const T
                                                 const uint32_t* __restrict__ idx,
                                                 const T* __restrict__ x, T* __restrict__ y) {
     __shared__ uint32_t mine[GMV_MAX_PAIRS];
-    __shared__ uint32_t count;
-    const int e = blockIdx.x;
-    if (threadIdx.x == 0) count = 0;
+    __shared__ uint32_t count, taken;
+    const uint32_t e = p.by_slot ? idx[blockIdx.x] : blockIdx.x;
+    if (e >= p.experts) return;  // uniform across the block
+    if (threadIdx.x == 0) count = taken = 0;
     __syncthreads();
-    for (uint32_t q = threadIdx.x; q < p.pairs; q += blockDim.x)
-        if (idx[q] == (uint32_t)e) mine[atomicAdd(&count, 1u)] = q;
+    for (uint32_t q = threadIdx.x; q < p.pairs; q += blockDim.x) {
+        if (idx[q] == e) {
+            mine[atomicAdd(&count, 1u)] = q;
+            if (p.by_slot && q < blockIdx.x) taken = 1;
+        }
+    }
     __syncthreads();
     const uint32_t n = count;
-    if (n == 0) return;
+    if (n == 0 || taken) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int o = blockIdx.y * GMV_WARPS + warp;
     if (o >= (int)p.out_dim) return;
@@ -390,8 +431,16 @@ extern "C" __global__ void __launch_bounds__(1024)
 #define FUSED_INST(TN, T)                                                                      \
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                             \
         add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,             \
-                      const T* scalar, const T* w2, T* out, T* out2) {                         \
-        add_norm_body<T>(p, res, y, w, scalar, w2, out, out2);                                 \
+                      const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3) {   \
+        add_norm_body<T, ADD_NORM_PER_THREAD, false>(p, res, y, w, scalar, w2, out, out2, w3,  \
+                                                     out3, y, w, w);                           \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                             \
+        moe_add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,         \
+                          const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3, \
+                          const T* b, const T* wa, const T* wb) {                              \
+        add_norm_body<T, MOE_ADD_NORM_PER_THREAD, true>(p, res, y, w, scalar, w2, out, out2,   \
+                                                        w3, out3, b, wa, wb);                  \
     }                                                                                          \
     extern "C" __global__ void gelu_mul_##TN(const GeluMulParams p, const T* a, const T* b,    \
                                              T* out) {                                         \
@@ -426,8 +475,22 @@ FUSED_INST(f16, __half)
 FUSED_INST(bf16, __nv_bfloat16)
 
 struct DenseMvParams {
-    uint32_t rows, out_dim, in_dim, pad_;
+    uint32_t rows, out_dim, in_dim;
+    // Row strides (elements) of x and, in the gated kernels, of the second input.
+    uint32_t x_stride, b_stride, pad_;
 };
+
+// gelu_tanh(a) * b on eight packed elements, rounded as gelu_mul rounds.
+template <typename T>
+__device__ __forceinline__ uint4 gate8(const uint4 a, const uint4 b) {
+    const T* pa = reinterpret_cast<const T*>(&a);
+    const T* pb = reinterpret_cast<const T*>(&b);
+    uint4 r;
+    T* pr = reinterpret_cast<T*>(&r);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) pr[i] = from_f<T>(rnd<T>(gelu_tanh(to_f(pa[i]))) * to_f(pb[i]));
+    return r;
+}
 
 constexpr int DMV_UNROLL = 4;
 
@@ -438,8 +501,12 @@ constexpr int DMV_UNROLL = 4;
 // take the same permuted k's: thread q of a quad reads 8 consecutive elements (one 16-byte load)
 // of its W rows and of its x row per chunk, the first 4 for the first mma, the rest for the
 // second. W is streamed past L1; in_dim must be a multiple of 8 (16-byte aligned rows).
-template <typename T, int MT, int WARPS>
+//
+// GATED: x is gelu_tanh(x) * xb elementwise (the MLP's or PLE's gate feeding this product),
+// computed as the chunks arrive instead of in a launch of its own.
+template <typename T, int MT, int WARPS, bool GATED>
 __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __restrict__ x,
+                                              const T* __restrict__ xb,
                                               const T* __restrict__ w, T* __restrict__ y) {
     __shared__ float red[WARPS][32][4 * MT];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -455,12 +522,13 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
 #pragma unroll
     for (int m = 0; m < 2 * MT; ++m)
         rowp[m] = w + (size_t)min(tile0 + 8 * m + gq, last) * in_dim + 8 * q;
-    const T* xr = x + (size_t)(xok ? gq : 0) * in_dim + 8 * q;
+    const T* xr = x + (size_t)(xok ? gq : 0) * p.x_stride + 8 * q;
+    const T* xbr = xb + (size_t)(xok ? gq : 0) * p.b_stride + 8 * q;
     float acc[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
     for (int c = c0; c < c1; c += DMV_UNROLL) {
-        uint4 a[DMV_UNROLL][2 * MT], xv[DMV_UNROLL];
+        uint4 a[DMV_UNROLL][2 * MT], xv[DMV_UNROLL], xg[GATED ? DMV_UNROLL : 1];
         // All loads of the unrolled chunks first, so they are in flight together.
 #pragma unroll
         for (int i = 0; i < DMV_UNROLL; ++i) {
@@ -471,9 +539,13 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
                 a[i][m] = ok ? ld_stream4(reinterpret_cast<const uint32_t*>(rowp[m] + k))
                              : make_uint4(0u, 0u, 0u, 0u);
             xv[i] = ok && xok ? *reinterpret_cast<const uint4*>(xr + k) : make_uint4(0u, 0u, 0u, 0u);
+            if constexpr (GATED)
+                xg[i] = ok && xok ? *reinterpret_cast<const uint4*>(xbr + k)
+                                  : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
         for (int i = 0; i < DMV_UNROLL; ++i) {
+            if constexpr (GATED) xv[i] = gate8<T>(xv[i], xg[i]);
             const uint32_t b0[2] = {xv[i].x, xv[i].y}, b1[2] = {xv[i].z, xv[i].w};
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
@@ -493,7 +565,12 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
 #define DMV_INST(TN, T, MT, WARPS)                                                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
         dense_mv_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* w, T* y) {  \
-        dense_mv_body<T, MT, WARPS>(p, x, w, y);                                               \
+        dense_mv_body<T, MT, WARPS, false>(p, x, x, w, y);                                     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+        dense_mv_gated_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* xb,   \
+                                             const T* w, T* y) {                               \
+        dense_mv_body<T, MT, WARPS, true>(p, x, xb, w, y);                                     \
     }
 #define DMV_INST_T(TN, T)     \
     DMV_INST(TN, T, 1, 16)    \

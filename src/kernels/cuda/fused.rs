@@ -7,6 +7,7 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKe
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
 
+use super::kernel_cache::load_kernel;
 use super::launch::{cuda_dev, cuda_storage, kname, sm_count, view, wrap};
 
 /// The kernels' PTX, built by `build.rs` from `fused.cu`.
@@ -85,6 +86,8 @@ struct DenseMvParams {
     rows: u32,
     out_dim: u32,
     in_dim: u32,
+    x_stride: u32,
+    b_stride: u32,
     pad_: u32,
 }
 
@@ -108,6 +111,8 @@ struct GroupedMvParams {
     in_dim: u32,
     expert_stride: u64,
     x_per_token: u32,
+    experts: u32,
+    by_slot: u32,
     pad_: u32,
 }
 
@@ -205,32 +210,98 @@ pub fn add_norm(
     scalar: Option<&Tensor>,
     next: Option<&Tensor>,
 ) -> Result<(Tensor, Option<Tensor>)> {
+    let extra = AddNormExtra {
+        scalar,
+        next,
+        ..Default::default()
+    };
+    let (out, n1, _) = add_norm_ext(res, y, w, eps, &extra)?;
+    Ok((out, n1))
+}
+
+/// What [`add_norm_ext`] computes besides `res + rms_norm(y) * w`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct AddNormExtra<'a> {
+    /// Multiplies the sum (one element).
+    pub scalar: Option<&'a Tensor>,
+    /// Weight of a norm of the result, returned second.
+    pub next: Option<&'a Tensor>,
+    /// Weight of another norm of the result (needs `next`), returned third.
+    pub next2: Option<&'a Tensor>,
+    /// `(b, wa, wb)`: the branch becomes `rms_norm(y) * wa + rms_norm(b) * wb` (rows of at most
+    /// [`MOE_ADD_NORM_MAX_WIDTH`]).
+    pub second_branch: Option<(&'a Tensor, &'a Tensor, &'a Tensor)>,
+}
+
+/// Widest row of [`add_norm_ext`] with a second branch (`MOE_ADD_NORM_PER_THREAD * 1024`).
+pub const MOE_ADD_NORM_MAX_WIDTH: usize = 4 * ADD_NORM_THREADS as usize;
+
+/// [`add_norm`] with the extras of [`AddNormExtra`], in one launch. Returns the sum and the
+/// norms asked for.
+///
+/// # Errors
+/// Shapes or dtypes that disagree, rows wider than the kernel takes, `next2` without `next`,
+/// CUDA errors.
+pub fn add_norm_ext(
+    res: &Tensor,
+    y: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    extra: &AddNormExtra<'_>,
+) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
     let dtype = res.dtype();
     let dim = w.dim(0)?;
-    if res.dims() != y.dims() || res.dims().last() != Some(&dim) {
+    let branch_ok = extra.second_branch.map_or(true, |(b, wa, wb)| {
+        b.dims() == y.dims() && wa.dims() == [dim] && wb.dims() == [dim]
+    });
+    if res.dims() != y.dims() || res.dims().last() != Some(&dim) || !branch_ok {
         candle_core::bail!(
-            "add_norm: residual {:?}, branch {:?}, weight [{dim}]",
+            "add_norm: residual {:?}, branch {:?}, weight [{dim}], second branch {:?}",
             res.dims(),
-            y.dims()
+            y.dims(),
+            extra.second_branch.map(|(b, _, _)| b.dims().to_vec())
         );
     }
+    if extra.next2.is_some() && extra.next.is_none() {
+        candle_core::bail!("add_norm: a second next norm needs the first");
+    }
     let mut ts = vec![res, y, w];
-    ts.extend(scalar);
-    ts.extend(next);
+    ts.extend(extra.scalar);
+    ts.extend(extra.next);
+    ts.extend(extra.next2);
+    if let Some((b, wa, wb)) = extra.second_branch {
+        ts.extend([b, wa, wb]);
+    }
     check_dtype(&ts, dtype)?;
-    if dim > ADD_NORM_MAX_WIDTH {
-        candle_core::bail!("add_norm: width {dim} above {ADD_NORM_MAX_WIDTH}");
+    let max = if extra.second_branch.is_some() {
+        MOE_ADD_NORM_MAX_WIDTH
+    } else {
+        ADD_NORM_MAX_WIDTH
+    };
+    if dim > max {
+        candle_core::bail!("add_norm: width {dim} above {max}");
     }
     let rows = res.elem_count() / dim.max(1);
     let dev = cuda_dev(res)?;
     let (res, y, w) = (res.contiguous()?, y.contiguous()?, w.contiguous()?);
+    let branch = match extra.second_branch {
+        Some((b, wa, wb)) => Some((b.contiguous()?, wa.contiguous()?, wb.contiguous()?)),
+        None => None,
+    };
     let params = AddNormParams {
         rows: u32_of(rows, "rows")?,
         dim: u32_of(dim, "width")?,
         eps: eps as f32,
-        flags: u32::from(scalar.is_some()) | (u32::from(next.is_some()) << 1),
+        flags: u32::from(extra.scalar.is_some())
+            | (u32::from(extra.next.is_some()) << 1)
+            | (u32::from(extra.next2.is_some()) << 2),
     };
-    let func = dev.get_or_load_custom_func(&format!("add_norm_{}", tn(dtype)?), MODULE, PTX)?;
+    let kernel = if branch.is_some() {
+        "moe_add_norm"
+    } else {
+        "add_norm"
+    };
+    let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (params.rows, 1, 1),
         block_dim: (ADD_NORM_THREADS, 1, 1),
@@ -240,8 +311,13 @@ pub fn add_norm(
     by_dtype!(dtype, E, {
         // SAFETY: every element is written by the kernel (one block per row, all columns).
         let mut out = unsafe { dev.alloc::<E>(rows * dim)? };
-        let mut out2 = match next {
-            // SAFETY: as above.
+        // SAFETY: as above, for each norm asked for.
+        let mut out2 = match extra.next {
+            Some(_) => Some(unsafe { dev.alloc::<E>(rows * dim)? }),
+            None => None,
+        };
+        // SAFETY: as above.
+        let mut out3 = match extra.next2 {
             Some(_) => Some(unsafe { dev.alloc::<E>(rows * dim)? }),
             None => None,
         };
@@ -249,10 +325,12 @@ pub fn add_norm(
             bind!(rv, res, E);
             bind!(yv, y, E);
             bind!(wv, w, E);
-            let sc = scalar.unwrap_or(&w);
+            let sc = extra.scalar.unwrap_or(&w);
             bind!(sv, sc, E);
-            let nx = next.unwrap_or(&w);
+            let nx = extra.next.unwrap_or(&w);
             bind!(nv, nx, E);
+            let nx2 = extra.next2.unwrap_or(&w);
+            bind!(n2v, nx2, E);
             let mut b = func.builder();
             b.arg(&params);
             b.arg(&rv);
@@ -265,10 +343,31 @@ pub fn add_norm(
                 Some(o2) => b.arg(o2),
                 None => b.arg(&rv),
             };
+            b.arg(&n2v);
+            match out3.as_mut() {
+                Some(o3) => b.arg(o3),
+                None => b.arg(&rv),
+            };
+            let (bt, wat, wbt) = match &branch {
+                Some((bb, wa, wb)) => (bb, wa, wb),
+                None => (&y, &w, &w),
+            };
+            bind!(bv, bt, E);
+            bind!(wav, wat, E);
+            bind!(wbv, wbt, E);
+            if branch.is_some() {
+                b.arg(&bv);
+                b.arg(&wav);
+                b.arg(&wbv);
+            }
             // SAFETY: arguments match the kernel's signature; one block per row of `dim`.
             unsafe { b.launch(cfg) }.w()?;
         }
-        Ok((wrap(out, &dev, &shape), out2.map(|o| wrap(o, &dev, &shape))))
+        Ok((
+            wrap(out, &dev, &shape),
+            out2.map(|o| wrap(o, &dev, &shape)),
+            out3.map(|o| wrap(o, &dev, &shape)),
+        ))
     })
 }
 
@@ -294,7 +393,7 @@ pub fn gelu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         b_stride: u32_of(sb, "stride")?,
     };
     let n = rows * width;
-    let func = dev.get_or_load_custom_func(&format!("gelu_mul_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("gelu_mul_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = grid_stride(n);
     by_dtype!(dtype, E, {
         // SAFETY: grid-stride loop writes every element.
@@ -394,7 +493,7 @@ pub fn qkv_prep(
         eps: eps as f32,
         pad_: 0,
     };
-    let func = dev.get_or_load_custom_func(&format!("qkv_prep_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("qkv_prep_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (
             params.batch * params.seq_len,
@@ -471,7 +570,7 @@ pub fn moe_route(logits: &Tensor, scale: &Tensor, top_k: usize) -> Result<(Tenso
         top_k: u32_of(top_k, "top_k")?,
         pad_: 0,
     };
-    let func = dev.get_or_load_custom_func(&format!("moe_route_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("moe_route_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (params.tokens.max(1), 1, 1),
         block_dim: (32, 1, 1),
@@ -538,6 +637,9 @@ pub fn grouped_matvec(
     }
     let dev = cuda_dev(x)?;
     let (weights, idx, x) = (weights.contiguous()?, idx.contiguous()?, x.contiguous()?);
+    // Fewer pairs than experts (decode): one block column per pair slot instead of one per
+    // expert, so the grid holds no blocks for experts nobody picked.
+    let by_slot = pairs < experts;
     let params = GroupedMvParams {
         pairs: u32_of(pairs, "pairs")?,
         top_k: u32_of(top_k, "top_k")?,
@@ -545,12 +647,14 @@ pub fn grouped_matvec(
         in_dim: u32_of(in_dim, "columns")?,
         expert_stride: (out_dim * in_dim) as u64,
         x_per_token: u32::from(x_per_token),
+        experts: u32_of(experts, "experts")?,
+        by_slot: u32::from(by_slot),
         pad_: 0,
     };
-    let func = dev.get_or_load_custom_func(&format!("grouped_mv_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("grouped_mv_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (
-            u32_of(experts, "experts")?,
+            u32_of(if by_slot { pairs } else { experts }, "experts")?,
             out_dim.div_ceil(GMV_WARPS) as u32,
             1,
         ),
@@ -600,10 +704,12 @@ pub fn moe_mix(y: &Tensor, mix: &Tensor) -> Result<Tensor> {
         in_dim: 0,
         expert_stride: 0,
         x_per_token: 0,
+        experts: 0,
+        by_slot: 0,
         pad_: 0,
     };
     let n = tokens * out_dim;
-    let func = dev.get_or_load_custom_func(&format!("moe_mix_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("moe_mix_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = grid_stride(n);
     by_dtype!(dtype, E, {
         // SAFETY: grid-stride loop writes every element.
@@ -688,8 +794,7 @@ pub fn masked_softmax(
         Some(t) => Some(dev.clone_htod(&t)?),
         None => None,
     };
-    let func =
-        dev.get_or_load_custom_func(&format!("masked_softmax_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("masked_softmax_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (params.rows.max(1), 1, 1),
         block_dim: (NORM_THREADS, 1, 1),
@@ -733,7 +838,7 @@ pub fn device_copy(src: &Tensor, dst: &Tensor) -> Result<()> {
         candle_core::bail!("device_copy: two contiguous f32 tensors of one size (x16 bytes)");
     }
     let dev = cuda_dev(src)?;
-    let func = dev.get_or_load_custom_func("copy_u4", MODULE, PTX)?;
+    let func = load_kernel(&dev, "copy_u4", MODULE, PTX)?;
     let n = (bytes / 16) as u64;
     let cfg = LaunchConfig {
         grid_dim: (132 * 16, 1, 1),
@@ -763,7 +868,7 @@ pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
     }
     let dev = cuda_dev(x)?;
     let x = x.contiguous()?;
-    let func = dev.get_or_load_custom_func("argmax_rows_f32", MODULE, PTX)?;
+    let func = load_kernel(&dev, "argmax_rows_f32", MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (u32_of(rows, "rows")?.max(1), 1, 1),
         block_dim: (1024, 1, 1),
@@ -790,17 +895,33 @@ pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
 /// of the copy bandwidth against the kernel's 61-80%.
 pub const DENSE_MV_MAX_BYTES: usize = 24 << 20;
 
+/// Weights up to this size take [`dense_matvec_gated`] for gated decode products. Larger than
+/// [`DENSE_MV_MAX_BYTES`] because the gated kernel also saves the gate's own launch (and
+/// cuBLAS's split-K reduce): on E4B's 52 MB down projection the plain kernel measured 25.1 us
+/// against cuBLAS's 24.6 us (`bench_kernels --dense-only`, H100), less than a launch apart.
+pub const GATED_MV_MAX_BYTES: usize = 64 << 20;
+
+fn dense_mv_mode() -> Option<bool> {
+    static MODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("CANDLE_GEMMA_DENSE_MV").as_deref() {
+        Ok("cublas") => Some(false),
+        Ok("all") => Some(true),
+        _ => None,
+    })
+}
+
+/// Whether a gated decode product with a dense weight of `bytes` takes [`dense_matvec_gated`]:
+/// under [`GATED_MV_MAX_BYTES`] by default; `CANDLE_GEMMA_DENSE_MV` as for [`dense_matvec_wanted`]
+/// (`cublas`: the gate runs on its own, then cuBLAS).
+pub fn gated_matvec_wanted(bytes: usize) -> bool {
+    dense_mv_mode().unwrap_or(bytes <= GATED_MV_MAX_BYTES)
+}
+
 /// Whether a decode product with a dense f16/bf16 `[out, in]` weight of `bytes` takes
 /// [`dense_matvec`]: under [`DENSE_MV_MAX_BYTES`] by default; `CANDLE_GEMMA_DENSE_MV=cublas`
 /// never, `=all` always (for comparison).
 pub fn dense_matvec_wanted(bytes: usize) -> bool {
-    static MODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-    let mode = *MODE.get_or_init(|| match std::env::var("CANDLE_GEMMA_DENSE_MV").as_deref() {
-        Ok("cublas") => Some(false),
-        Ok("all") => Some(true),
-        _ => None,
-    });
-    mode.unwrap_or(bytes <= DENSE_MV_MAX_BYTES)
+    dense_mv_mode().unwrap_or(bytes <= DENSE_MV_MAX_BYTES)
 }
 
 /// `x · Wᵀ` for a dense `[out, in]` f16/bf16 weight and at most [`DENSE_MV_MAX_ROWS`] rows of
@@ -811,12 +932,30 @@ pub fn dense_matvec_wanted(bytes: usize) -> bool {
 /// # Errors
 /// CUDA errors.
 pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    dense_mv(x, None, w)
+}
+
+/// `(gelu_tanh(a) * b) · Wᵀ`, the gate computed as the product reads its input (no launch of
+/// its own); `a` and `b` have one shape `[.., in]` and may have strided rows (the two halves of
+/// a stacked gate/up product). `None` where [`dense_matvec`] would not apply.
+///
+/// # Errors
+/// Shapes that disagree, CUDA errors.
+pub fn dense_matvec_gated(a: &Tensor, b: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    if a.dims() != b.dims() {
+        candle_core::bail!("dense_matvec_gated: {:?} vs {:?}", a.dims(), b.dims());
+    }
+    dense_mv(a, Some(b), w)
+}
+
+fn dense_mv(x: &Tensor, gate: Option<&Tensor>, w: &Tensor) -> Result<Option<Tensor>> {
     let (out_dim, in_dim) = w.dims2()?;
     let dtype = x.dtype();
     let rows = x.elem_count() / in_dim.max(1);
     let aligned = |t: &Tensor| t.layout().start_offset() % 8 == 0;
     if !matches!(dtype, DType::BF16 | DType::F16)
         || w.dtype() != dtype
+        || gate.is_some_and(|g| g.dtype() != dtype)
         || x.dims().last() != Some(&in_dim)
         || rows == 0
         || rows > DENSE_MV_MAX_ROWS
@@ -828,12 +967,25 @@ pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
         return Ok(None);
     }
     let dev = cuda_dev(x)?;
-    let xc = x.contiguous()?;
-    let xc = if aligned(&xc) { xc } else { xc.copy()? };
+    // Rows may be strided; each row must start 16-byte aligned, else the caller's general
+    // path runs.
+    let rows_of = |t: &Tensor| -> Result<Option<(Tensor, usize)>> {
+        let (t, _, _, stride) = as_rows(t)?;
+        Ok((aligned(&t) && stride % 8 == 0).then_some((t, stride)))
+    };
+    let Some((xc, x_stride)) = rows_of(x)? else {
+        return Ok(None);
+    };
+    let gc = match gate.map(rows_of).transpose()? {
+        Some(None) => return Ok(None),
+        g => g.flatten(),
+    };
     let params = DenseMvParams {
         rows: rows as u32,
         out_dim: u32_of(out_dim, "output width")?,
         in_dim: u32_of(in_dim, "input width")?,
+        x_stride: u32_of(x_stride, "row stride")?,
+        b_stride: u32_of(gc.as_ref().map_or(x_stride, |g| g.1), "row stride")?,
         pad_: 0,
     };
     // Two 16-row tiles a block share each x fragment (half the activation traffic) once there
@@ -847,8 +999,14 @@ pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     } else {
         (1, 16)
     };
-    let func = dev.get_or_load_custom_func(
-        &format!("dense_mv_{}_{tiles}_{warps}", tn(dtype)?),
+    let kind = if gc.is_some() {
+        "dense_mv_gated"
+    } else {
+        "dense_mv"
+    };
+    let func = load_kernel(
+        &dev,
+        &format!("{kind}_{}_{tiles}_{warps}", tn(dtype)?),
         MODULE,
         PTX,
     )?;
@@ -866,10 +1024,15 @@ pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
         let mut y = unsafe { dev.alloc::<E>(rows * out_dim)? };
         {
             bind!(xv, xc, E);
+            let gt = gc.as_ref().map_or(&xc, |g| &g.0);
+            bind!(gv, gt, E);
             bind!(wv, w, E);
             let mut b = func.builder();
             b.arg(&params);
             b.arg(&xv);
+            if gc.is_some() {
+                b.arg(&gv);
+            }
             b.arg(&wv);
             b.arg(&mut y);
             // SAFETY: arguments match the kernel's signature; rows and widths checked above.
@@ -877,4 +1040,69 @@ pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
         }
         Ok(Some(wrap(y, &dev, &shape)))
     })
+}
+
+/// Host microseconds per call of the pieces of one small-kernel launch, each timed over `n`
+/// calls (no synchronisation in the timed loops): `(what, microseconds)`. A diagnostic for
+/// `bench_kernels --launch-floor`, not part of the model's API.
+///
+/// # Errors
+/// CUDA errors, or a tensor not on a CUDA device.
+#[doc(hidden)]
+pub fn probe_host_costs(x: &Tensor, n: usize) -> Result<Vec<(&'static str, f64)>> {
+    let dev = cuda_dev(x)?;
+    let n = n.max(1);
+    let dtype = x.dtype();
+    let name = format!("gelu_mul_{}", tn(dtype)?);
+    let per = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e6 / n as f64;
+    let mut out = Vec::new();
+    let t = std::time::Instant::now();
+    for _ in 0..n {
+        // SAFETY: never read.
+        drop(unsafe { dev.alloc::<u16>(x.elem_count())? });
+    }
+    out.push(("alloc_and_free", per(t)));
+    let t = std::time::Instant::now();
+    for _ in 0..n {
+        dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    }
+    out.push(("function_lookup_candle", per(t)));
+    let t = std::time::Instant::now();
+    for _ in 0..n {
+        load_kernel(&dev, &name, MODULE, PTX)?;
+    }
+    out.push(("function_lookup_cached", per(t)));
+    let func = load_kernel(&dev, &name, MODULE, PTX)?;
+    let (xc, rows, width, stride) = as_rows(x)?;
+    let params = GeluMulParams {
+        rows: u32_of(rows, "rows")?,
+        width: u32_of(width, "width")?,
+        a_stride: u32_of(stride, "stride")?,
+        b_stride: u32_of(stride, "stride")?,
+    };
+    let cfg = grid_stride(rows * width);
+    by_dtype!(dtype, E, {
+        // SAFETY: written by every launch below before anything reads it (nothing does).
+        let mut y = unsafe { dev.alloc::<E>((rows * width).max(1))? };
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            bind!(av, xc, E);
+            let mut bl = func.builder();
+            bl.arg(&params);
+            bl.arg(&av);
+            bl.arg(&av);
+            bl.arg(&mut y);
+            // SAFETY: arguments match gelu_mul's signature.
+            unsafe { bl.launch(cfg) }.w()?;
+        }
+        out.push(("launch_preallocated", per(t)));
+        let t = std::time::Instant::now();
+        for _ in 0..n {
+            let _ = wrap(dev.alloc_zeros::<E>(1)?, &dev, &[1]);
+        }
+        out.push(("tensor_wrap_with_memset", per(t)));
+        Ok::<(), candle_core::Error>(())
+    })?;
+    candle_core::backend::BackendDevice::synchronize(&dev)?;
+    Ok(out)
 }

@@ -10,6 +10,7 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Storage, Tensor};
 
+use super::kernel_cache::load_kernel;
 use super::params::{
     split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS,
     QMATVEC_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_WARPS,
@@ -93,6 +94,21 @@ pub(super) fn sm_count(dev: &CudaDevice) -> usize {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_or(132, |n| n.max(1) as usize)
     })
+}
+
+/// The fewest keys a flash-decoding split takes. Fewer splits cost a longer loop per block but
+/// save the combine launch, which at batch 1 costs more host time than the GPU time the split
+/// saves (H100, context 128, E4B: 116-136 tok/s with 32 keys a split, 139 with 128). Head dim
+/// 512 steps through half as many keys a warp iteration, so its floor is halved.
+/// `CANDLE_GEMMA_SPLIT_MIN_KEYS` overrides it (A/B switch).
+fn split_min_keys(head_dim: usize) -> usize {
+    static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *MIN.get_or_init(|| {
+        std::env::var("CANDLE_GEMMA_SPLIT_MIN_KEYS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+    });
+    forced.unwrap_or(if head_dim >= 512 { 64 } else { 128 })
 }
 
 /// `[1, kvh, keys, last]` with a dense last axis, as `(tensor, head stride, key stride)`,
@@ -397,7 +413,12 @@ pub(super) fn plan_seq(
         QSDPA_ROWS
     };
     let row_blocks = rows.div_ceil(nq);
-    let (n_split, per) = split_keys(keys.max(1), row_blocks * kv_heads, sms);
+    let (n_split, per) = split_keys(
+        keys.max(1),
+        row_blocks * kv_heads,
+        sms,
+        split_min_keys(head_dim),
+    );
     params.n_split = u32_of(n_split)?;
     params.keys_per_split = u32_of(per)?;
 
@@ -482,8 +503,8 @@ fn attend_fused(
         shared_mem_bytes: 0,
     };
     let name = format!("qsdpa_{tn}_{head_dim}_{bits}_{nq}");
-    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-    let comb = dev.get_or_load_custom_func(&format!("qsdpa_combine_{tn}"), MODULE, PTX)?;
+    let func = load_kernel(&dev, &name, MODULE, PTX)?;
+    let comb = load_kernel(&dev, &format!("qsdpa_combine_{tn}"), MODULE, PTX)?;
 
     macro_rules! go {
         ($t:ty) => {{
@@ -677,7 +698,7 @@ pub(crate) fn qmatvec(
             QMATVEC_WARPS,
         )
     };
-    let func = dev.get_or_load_custom_func(&name, MODULE, PTX)?;
+    let func = load_kernel(&dev, &name, MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (out_dim.div_ceil(rows_per_block) as u32, 1, 1),
         block_dim: ((warps * 32) as u32, 1, 1),
@@ -759,7 +780,7 @@ pub(crate) fn dequant_rows(
         in_dim: in_dim as u32,
         group_size: group_size as u32,
     };
-    let func = dev.get_or_load_custom_func(&format!("dequant_{tn}_{sn}_{bits}"), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("dequant_{tn}_{sn}_{bits}"), MODULE, PTX)?;
     let total = m * words;
     let cfg = LaunchConfig {
         grid_dim: (total.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
@@ -844,7 +865,7 @@ pub(crate) fn quantize(
         in_dim: dim as u32,
         group_size: group_size as u32,
     };
-    let func = dev.get_or_load_custom_func(&format!("quantize_{tn}_{b}"), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("quantize_{tn}_{b}"), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (groups.div_ceil(128).max(1) as u32, 1, 1),
         block_dim: (128, 1, 1),

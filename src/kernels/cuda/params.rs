@@ -170,13 +170,19 @@ impl PositionCode {
 }
 
 /// Chooses the flash-decoding split: enough blocks to fill `sm_count` multiprocessors about
-/// four times over, each split keeping at least 32 keys. Returns `(n_split, keys_per_split)`.
-pub fn split_keys(keys: usize, base_blocks: usize, sm_count: usize) -> (usize, usize) {
+/// four times over, each split keeping at least `min_keys` keys. Returns
+/// `(n_split, keys_per_split)`.
+pub fn split_keys(
+    keys: usize,
+    base_blocks: usize,
+    sm_count: usize,
+    min_keys: usize,
+) -> (usize, usize) {
     let step = QSDPA_WARPS * QSDPA_UNROLL;
     let target = (4 * sm_count.max(1)).div_ceil(base_blocks.max(1));
-    // Short views split too (down to 32 keys a split): a decode over a few hundred keys
+    // Short views split too (down to `min_keys` a split): a decode over a few hundred keys
     // otherwise runs on a handful of blocks.
-    let max_split = keys.div_ceil(32).clamp(1, QSDPA_MAX_SPLIT);
+    let max_split = keys.div_ceil(min_keys.max(1)).clamp(1, QSDPA_MAX_SPLIT);
     let n = target.clamp(1, max_split);
     let per = keys.div_ceil(n).div_ceil(step).max(1) * step;
     (keys.div_ceil(per).max(1), per)
@@ -209,7 +215,7 @@ mod tests {
     #[test]
     fn splits_cover_every_key() {
         for keys in [1, 100, 1000, 32768, 131072] {
-            let (n, per) = split_keys(keys, 4, 132);
+            let (n, per) = split_keys(keys, 4, 132, 32);
             assert!(
                 n * per >= keys && (n - 1) * per < keys,
                 "{keys}: {n} x {per}"
