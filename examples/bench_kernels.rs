@@ -237,8 +237,8 @@ fn main() -> Result<()> {
 /// matmul), 1 and 8 rows, on the 31B and E4B projection and head shapes, with GB/s against the
 /// copy bandwidth.
 fn bench_dense_matvec(dev: &Device, copy_gbs: f64) -> Result<()> {
-    use candle_gemma::kernels::cuda::fused::dense_matvec;
-    let shapes: [(&str, usize, usize); 14] = [
+    use candle_gemma::kernels::cuda::fused::{dense_matvec, dense_matvec_gated, gelu_mul};
+    let shapes: [(&str, usize, usize); 16] = [
         ("31b_q_proj", 8192, 5376),
         ("31b_gate_up", 43008, 5376),
         ("31b_down", 5376, 21504),
@@ -253,6 +253,8 @@ fn bench_dense_matvec(dev: &Device, copy_gbs: f64) -> Result<()> {
         ("26b_qkv", 8192, 2816),
         ("26b_o", 2816, 4096),
         ("26b_down", 2816, 2112),
+        ("e2b_wide_down", 1536, 12288),
+        ("e4b_ple_down", 2560, 256),
     ];
     for &(name, out, inp) in &shapes {
         // Enough weight copies that L2 (50 MB) cannot hold the rotation.
@@ -280,6 +282,36 @@ fn bench_dense_matvec(dev: &Device, copy_gbs: f64) -> Result<()> {
                 t_cublas / t_mma,
                 bytes / t_mma / 1e9 / copy_gbs,
                 bytes / t_cublas / 1e9 / copy_gbs,
+            );
+            if !name.ends_with("down") {
+                continue;
+            }
+            // The gated product (gelu(a) * b computed in the kernel) against the separate gate
+            // launch followed by the plain kernel or cuBLAS.
+            let ab = Tensor::randn(0f32, 1.0, (rows, 2 * inp), dev)?.to_dtype(DType::BF16)?;
+            let (a, b) = (ab.narrow(1, 0, inp)?, ab.narrow(1, inp, inp)?);
+            let mut i = 0;
+            let t_gated = time(dev, 40, || {
+                i += 1;
+                dense_matvec_gated(&a, &b, &ws[i % rot])?;
+                Ok(())
+            })?;
+            let mut i = 0;
+            let t_split = time(dev, 40, || {
+                i += 1;
+                let g = gelu_mul(&a, &b)?;
+                dense_matvec(&g, &ws[i % rot])?;
+                Ok(())
+            })?;
+            let mut i = 0;
+            let t_split_cublas = time(dev, 40, || {
+                i += 1;
+                gelu_mul(&a, &b)?.matmul(&ws[i % rot].t()?)?;
+                Ok(())
+            })?;
+            println!(
+                "{{\"bench\":\"gated_matvec\",\"shape\":\"{name}\",\"rows\":{rows},\"gated_seconds\":{t_gated:.6e},\"gate_then_matvec_seconds\":{t_split:.6e},\"gate_then_cublas_seconds\":{t_split_cublas:.6e},\"gated_fraction_of_copy\":{:.3}}}",
+                bytes / t_gated / 1e9 / copy_gbs,
             );
         }
     }

@@ -51,7 +51,7 @@ for phase in "$@"; do
       ;;
     profile)
       NCU="ncu --profile-from-start off --clock-control none --cache-control ${NCU_CACHE:-none} --metrics gpu__time_duration.sum --csv"
-      for m in e2b e4b 26b-a4b 31b; do
+      for m in ${PROFILE_MODELS:-e2b e4b 26b-a4b 31b}; do
         $B --config $C/$m-config.json --prefill 0 --batch 1 --context 128 --steps 16 2>>"$OUT/bench.err" >> "$OUT/bench.jsonl"
         $NCU --log-file "$OUT/ncu-$m-decode.csv" $B --config $C/$m-config.json --prefill 0 --batch 1 --context 128 --steps 8 --profile \
           > "$OUT/prof-$m-decode.jsonl" 2>>"$OUT/bench.err"
@@ -73,6 +73,7 @@ PY
 )
         python3 scripts/profile_summary.py "$OUT/ncu-$m-decode.csv" --wall-ms "$wall" --label "$m decode b=1 ctx=128" --top 12
       done
+      [ -n "${PROFILE_PREFILL-1}" ] || continue
       $B --config $C/e4b-config.json --prefill 4096 --batch 0 2>>"$OUT/bench.err" | grep prefill > "$OUT/e4b-prefill-wall.jsonl"
       $NCU --log-file "$OUT/ncu-e4b-prefill.csv" $B --config $C/e4b-config.json --prefill 4096 --batch 0 --profile \
         > "$OUT/prof-e4b-prefill.jsonl" 2>>"$OUT/bench.err"
@@ -138,6 +139,9 @@ for l in open(sys.argv[1]):
     j = json.loads(l)
     if j["bench"] == "copy":
         print("copy GB/s", j["gb_per_s"])
+    elif j["bench"] == "gated_matvec":
+        print(f'  gated {j["shape"]:12s} rows={j["rows"]} {j["gated_seconds"]*1e6:8.1f}us ({j["gated_fraction_of_copy"]:.3f} of copy); '
+              f'gate then mma {j["gate_then_matvec_seconds"]*1e6:8.1f}us, gate then cublas {j["gate_then_cublas_seconds"]*1e6:8.1f}us')
     else:
         print(f'{j["shape"]:12s} rows={j["rows"]} mma {j["seconds"]*1e6:8.1f}us ({j["fraction_of_copy"]:.3f} of copy) '
               f'cublas {j["cublas_seconds"]*1e6:8.1f}us ({j["cublas_fraction_of_copy"]:.3f}) speedup {j["speedup"]:.2f}x')

@@ -229,8 +229,10 @@ __device__ __forceinline__ void moe_route_body(const RouteParams p, const T* __r
         const int e = i * 32 + lane;
         v[i] = e < (int)p.experts ? to_f(logits[(size_t)t * p.experts + e]) : -INFINITY;
     }
-    float top[32];
-    int pick[32];
+    // Pick j ends in lane j's registers (no per-thread arrays indexed at run time, which would
+    // live in local memory).
+    float mine = -INFINITY;
+    int mine_e = 0;
     for (int j = 0; j < (int)p.top_k && j < 32; ++j) {
         float bv = -INFINITY;
         int be = 0x7fffffff;
@@ -240,16 +242,22 @@ __device__ __forceinline__ void moe_route_body(const RouteParams p, const T* __r
             if (e < (int)p.experts) argmax_step(bv, be, v[i], e);
         }
         warp_argmax(bv, be);
-        top[j] = bv;
-        pick[j] = be;
-        if ((be & 31) == lane) v[be >> 5] = -INFINITY;
+        if (lane == j) {
+            mine = bv;
+            mine_e = be;
+        }
+#pragma unroll
+        for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i)
+            if (i * 32 + lane == be) v[i] = -INFINITY;
     }
-    if (lane != 0) return;
+    const float top0 = __shfl_sync(0xffffffffu, mine, 0);
+    const float w = (lane < (int)p.top_k) ? expf(mine - top0) : 0.f;
+    // The softmax sum in pick order, as a sequential loop would add it.
     float sum = 0.f;
-    for (int j = 0; j < (int)p.top_k; ++j) sum += expf(top[j] - top[0]);
-    for (int j = 0; j < (int)p.top_k; ++j) {
-        idx[(size_t)t * p.top_k + j] = (uint32_t)pick[j];
-        mix[(size_t)t * p.top_k + j] = expf(top[j] - top[0]) / sum * scale[pick[j]];
+    for (int j = 0; j < (int)p.top_k && j < 32; ++j) sum += __shfl_sync(0xffffffffu, w, j);
+    if (lane < (int)p.top_k) {
+        idx[(size_t)t * p.top_k + lane] = (uint32_t)mine_e;
+        mix[(size_t)t * p.top_k + lane] = w / sum * scale[mine_e];
     }
 }
 
@@ -503,7 +511,8 @@ constexpr int DMV_UNROLL = 4;
 // second. W is streamed past L1; in_dim must be a multiple of 8 (16-byte aligned rows).
 //
 // GATED: x is gelu_tanh(x) * xb elementwise (the MLP's or PLE's gate feeding this product),
-// computed as the chunks arrive instead of in a launch of its own.
+// computed by the block into dynamic shared memory (rows * in_dim elements) instead of in a
+// launch of its own.
 template <typename T, int MT, int WARPS, bool GATED>
 __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __restrict__ x,
                                               const T* __restrict__ xb,
@@ -523,13 +532,11 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
     for (int m = 0; m < 2 * MT; ++m)
         rowp[m] = w + (size_t)min(tile0 + 8 * m + gq, last) * in_dim + 8 * q;
     const T* xr = x + (size_t)(xok ? gq : 0) * p.x_stride + 8 * q;
-    const T* xbr = xb + (size_t)(xok ? gq : 0) * p.b_stride + 8 * q;
     float acc[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
-    for (int c = c0; c < c1; c += DMV_UNROLL) {
-        uint4 a[DMV_UNROLL][2 * MT], xv[DMV_UNROLL], xg[GATED ? DMV_UNROLL : 1];
-        // All loads of the unrolled chunks first, so they are in flight together.
+    uint4 a[DMV_UNROLL][2 * MT];
+    auto load_w = [&](const int c) {
 #pragma unroll
         for (int i = 0; i < DMV_UNROLL; ++i) {
             const int k = (c + i) * 32;
@@ -538,14 +545,41 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
             for (int m = 0; m < 2 * MT; ++m)
                 a[i][m] = ok ? ld_stream4(reinterpret_cast<const uint32_t*>(rowp[m] + k))
                              : make_uint4(0u, 0u, 0u, 0u);
-            xv[i] = ok && xok ? *reinterpret_cast<const uint4*>(xr + k) : make_uint4(0u, 0u, 0u, 0u);
+        }
+    };
+    // GATED: the block first writes gelu(x) * xb for all its rows to shared memory (each element
+    // once, not once per lane that reads it), with its first weight loads already in flight.
+    extern __shared__ __align__(16) unsigned char dmv_smem[];
+    T* sx = reinterpret_cast<T*>(dmv_smem);
+    bool loaded = false;
+    if constexpr (GATED) {
+        load_w(c0);
+        loaded = true;
+        const int n8 = (int)p.rows * in_dim / 8;
+        for (int t = threadIdx.x; t < n8; t += blockDim.x) {
+            const int e = t * 8, r = e / in_dim, c = e % in_dim;
+            const uint4 av = *reinterpret_cast<const uint4*>(x + (size_t)r * p.x_stride + c);
+            const uint4 bv = *reinterpret_cast<const uint4*>(xb + (size_t)r * p.b_stride + c);
+            *reinterpret_cast<uint4*>(sx + e) = gate8<T>(av, bv);
+        }
+        __syncthreads();
+    }
+    const T* sxr = sx + (size_t)(xok ? gq : 0) * in_dim + 8 * q;
+    for (int c = c0; c < c1; c += DMV_UNROLL) {
+        if (!loaded) load_w(c);
+        loaded = false;
+        uint4 xv[DMV_UNROLL];
+#pragma unroll
+        for (int i = 0; i < DMV_UNROLL; ++i) {
+            const int k = (c + i) * 32;
+            const bool ok = c + i < c1 && k + 8 * q < in_dim && xok;
             if constexpr (GATED)
-                xg[i] = ok && xok ? *reinterpret_cast<const uint4*>(xbr + k)
-                                  : make_uint4(0u, 0u, 0u, 0u);
+                xv[i] = ok ? *reinterpret_cast<const uint4*>(sxr + k) : make_uint4(0u, 0u, 0u, 0u);
+            else
+                xv[i] = ok ? *reinterpret_cast<const uint4*>(xr + k) : make_uint4(0u, 0u, 0u, 0u);
         }
 #pragma unroll
         for (int i = 0; i < DMV_UNROLL; ++i) {
-            if constexpr (GATED) xv[i] = gate8<T>(xv[i], xg[i]);
             const uint32_t b0[2] = {xv[i].x, xv[i].y}, b1[2] = {xv[i].z, xv[i].w};
 #pragma unroll
             for (int m = 0; m < MT; ++m) {

@@ -935,9 +935,14 @@ pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     dense_mv(x, None, w)
 }
 
-/// `(gelu_tanh(a) * b) · Wᵀ`, the gate computed as the product reads its input (no launch of
-/// its own); `a` and `b` have one shape `[.., in]` and may have strided rows (the two halves of
-/// a stacked gate/up product). `None` where [`dense_matvec`] would not apply.
+/// Most bytes of gated input rows [`dense_matvec_gated`] keeps in shared memory (rows times
+/// `in` elements): within the 48 KB a block gets without opting in, beside the epilogue's 8 KB.
+pub const GATED_MV_MAX_SMEM: usize = 40 << 10;
+
+/// `(gelu_tanh(a) * b) · Wᵀ`, the gate computed inside the product (no launch of its own);
+/// `a` and `b` have one shape `[.., in]` and may have strided rows (the two halves of a stacked
+/// gate/up product). `None` where [`dense_matvec`] would not apply or the gated rows exceed
+/// [`GATED_MV_MAX_SMEM`].
 ///
 /// # Errors
 /// Shapes that disagree, CUDA errors.
@@ -973,6 +978,11 @@ fn dense_mv(x: &Tensor, gate: Option<&Tensor>, w: &Tensor) -> Result<Option<Tens
         let (t, _, _, stride) = as_rows(t)?;
         Ok((aligned(&t) && stride % 8 == 0).then_some((t, stride)))
     };
+    // The gated kernel keeps its gated rows in shared memory, next to the epilogue's 8 KB.
+    let gate_smem = rows * in_dim * dtype.size_in_bytes();
+    if gate.is_some() && gate_smem > GATED_MV_MAX_SMEM {
+        return Ok(None);
+    }
     let Some((xc, x_stride)) = rows_of(x)? else {
         return Ok(None);
     };
@@ -1013,7 +1023,7 @@ fn dense_mv(x: &Tensor, gate: Option<&Tensor>, w: &Tensor) -> Result<Option<Tens
     let cfg = LaunchConfig {
         grid_dim: (u32_of(out_dim.div_ceil(16 * tiles), "blocks")?, 1, 1),
         block_dim: (warps * 32, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: if gc.is_some() { gate_smem as u32 } else { 0 },
     };
     let mut shape = x.dims().to_vec();
     if let Some(l) = shape.last_mut() {
