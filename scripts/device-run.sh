@@ -158,6 +158,18 @@ PY
         done
       done
       ;;
+    gpuab)
+      # GPU time of one decode step (ncu, no host noise) per variant: AB_MODELS x AB_VARIANTS.
+      NCU="ncu --profile-from-start off --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv"
+      for m in ${AB_MODELS:-e4b 26b-a4b}; do
+        for v in ${AB_VARIANTS:-default}; do
+          env $([ $v = default ] || echo $v) $NCU --log-file "$OUT/gpuab.csv" $B --config $C/$m-config.json --prefill 0 --batch 1 \
+            --context 128 --steps 2 --rounds 1 --profile > /dev/null 2>>"$OUT/bench.err"
+          python3 scripts/profile_summary.py "$OUT/gpuab.csv" --label "$m $v" --top ${AB_TOP:-0}
+        done
+      done
+      rm -f "$OUT/gpuab.csv"
+      ;;
     profile8)
       # One 31B decode step at batch 8 under ncu, against its wall time.
       NCU="ncu --profile-from-start off --clock-control none --cache-control ${NCU_CACHE:-none} --metrics gpu__time_duration.sum --csv"

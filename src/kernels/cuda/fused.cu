@@ -40,16 +40,17 @@ struct AddNormParams {
     uint32_t flags;
 };
 
-// Widest row of the two-branch residual add + norm (moe_add_norm): more values per element
-// stay in registers there, so fewer of them per thread fit.
-constexpr int MOE_ADD_NORM_PER_THREAD = 4;
+// Rows up to NARROW_ADD_NORM_THREADS * NARROW_ADD_NORM_PER_THREAD take a 256-thread block
+// (shorter reductions); so does the two-branch variant (moe_add_norm), which is limited to them.
+constexpr int NARROW_ADD_NORM_THREADS = 256;
+constexpr int NARROW_ADD_NORM_PER_THREAD = 12;
 
 // out = (res + rms(y) * w) [* scalar]; out2 = rms(out) * w2 [; out3 = rms(out) * w3]. One block
 // per row of at most PT * ADD_NORM_THREADS elements, kept in registers: every load but w3's is
 // issued before the first reduction, so the kernel waits on memory once. With TWO the branch is
 // itself y = rms(a) * wa + rms(b) * wb (the 26B-A4B dense and expert outputs, each with its own
 // post-norm), every step rounded to T as the unfused ops round it.
-template <typename T, int PT, bool TWO>
+template <typename T, int THREADS, int PT, bool TWO>
 __device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __restrict__ res,
                                               const T* __restrict__ y, const T* __restrict__ w,
                                               const T* __restrict__ scalar,
@@ -58,14 +59,14 @@ __device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __
                                               T* __restrict__ out3, const T* __restrict__ b,
                                               const T* __restrict__ wa,
                                               const T* __restrict__ wb) {
-    __shared__ float red[ADD_NORM_THREADS / 32];
+    __shared__ float red[THREADS / 32];
     const size_t base = (size_t)blockIdx.x * p.dim;
     float yv[PT], rv[PT], wv[PT], w2v[PT];
     float bv[TWO ? PT : 1], wav[TWO ? PT : 1], wbv[TWO ? PT : 1];
     const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
 #pragma unroll
     for (int k = 0; k < PT; ++k) {
-        const int i = threadIdx.x + k * ADD_NORM_THREADS;
+        const int i = threadIdx.x + k * THREADS;
         const bool in = i < (int)p.dim;
         yv[k] = in ? to_f(y[base + i]) : 0.f;
         rv[k] = in ? to_f(res[base + i]) : 0.f;
@@ -84,8 +85,8 @@ __device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __
             sa += yv[k] * yv[k];
             sb += bv[k] * bv[k];
         }
-        const float ia = rsqrtf(block_sum<ADD_NORM_THREADS>(sa, red) / p.dim + p.eps);
-        const float ib = rsqrtf(block_sum<ADD_NORM_THREADS>(sb, red) / p.dim + p.eps);
+        const float ia = rsqrtf(block_sum<THREADS>(sa, red) / p.dim + p.eps);
+        const float ib = rsqrtf(block_sum<THREADS>(sb, red) / p.dim + p.eps);
 #pragma unroll
         for (int k = 0; k < PT; ++k)
             yv[k] = rnd<T>(rnd<T>(yv[k] * ia * wav[k]) + rnd<T>(bv[k] * ib * wbv[k]));
@@ -93,11 +94,11 @@ __device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __
     float ss = 0.f;
 #pragma unroll
     for (int k = 0; k < PT; ++k) ss += yv[k] * yv[k];
-    const float inv = rsqrtf(block_sum<ADD_NORM_THREADS>(ss, red) / p.dim + p.eps);
+    const float inv = rsqrtf(block_sum<THREADS>(ss, red) / p.dim + p.eps);
     float ss2 = 0.f;
 #pragma unroll
     for (int k = 0; k < PT; ++k) {
-        const int i = threadIdx.x + k * ADD_NORM_THREADS;
+        const int i = threadIdx.x + k * THREADS;
         if (i >= (int)p.dim) continue;
         const float normed = rnd<T>(yv[k] * inv * wv[k]);
         float o = rnd<T>(rv[k] + normed);
@@ -107,10 +108,10 @@ __device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __
         ss2 += o * o;
     }
     if (!(p.flags & 2)) return;
-    const float inv2 = rsqrtf(block_sum<ADD_NORM_THREADS>(ss2, red) / p.dim + p.eps);
+    const float inv2 = rsqrtf(block_sum<THREADS>(ss2, red) / p.dim + p.eps);
 #pragma unroll
     for (int k = 0; k < PT; ++k) {
-        const int i = threadIdx.x + k * ADD_NORM_THREADS;
+        const int i = threadIdx.x + k * THREADS;
         if (i >= (int)p.dim) continue;
         out2[base + i] = from_f<T>(yv[k] * inv2 * w2v[k]);
         if (p.flags & 4) out3[base + i] = from_f<T>(yv[k] * inv2 * to_f(w3[i]));
@@ -440,15 +441,22 @@ extern "C" __global__ void __launch_bounds__(1024)
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                             \
         add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,             \
                       const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3) {   \
-        add_norm_body<T, ADD_NORM_PER_THREAD, false>(p, res, y, w, scalar, w2, out, out2, w3,  \
-                                                     out3, y, w, w);                           \
+        add_norm_body<T, ADD_NORM_THREADS, ADD_NORM_PER_THREAD, false>(                        \
+            p, res, y, w, scalar, w2, out, out2, w3, out3, y, w, w);                           \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                             \
+    extern "C" __global__ void __launch_bounds__(NARROW_ADD_NORM_THREADS)                      \
+        add_norm_narrow_##TN(const AddNormParams p, const T* res, const T* y, const T* w,      \
+                             const T* scalar, const T* w2, T* out, T* out2, const T* w3,       \
+                             T* out3) {                                                        \
+        add_norm_body<T, NARROW_ADD_NORM_THREADS, NARROW_ADD_NORM_PER_THREAD, false>(          \
+            p, res, y, w, scalar, w2, out, out2, w3, out3, y, w, w);                           \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(NARROW_ADD_NORM_THREADS)                      \
         moe_add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,         \
                           const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3, \
                           const T* b, const T* wa, const T* wb) {                              \
-        add_norm_body<T, MOE_ADD_NORM_PER_THREAD, true>(p, res, y, w, scalar, w2, out, out2,   \
-                                                        w3, out3, b, wa, wb);                  \
+        add_norm_body<T, NARROW_ADD_NORM_THREADS, NARROW_ADD_NORM_PER_THREAD, true>(           \
+            p, res, y, w, scalar, w2, out, out2, w3, out3, b, wa, wb);                         \
     }                                                                                          \
     extern "C" __global__ void gelu_mul_##TN(const GeluMulParams p, const T* a, const T* b,    \
                                              T* out) {                                         \

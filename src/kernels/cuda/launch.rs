@@ -96,6 +96,13 @@ pub(super) fn sm_count(dev: &CudaDevice) -> usize {
     })
 }
 
+/// `CANDLE_GEMMA_QSDPA_ROWS=2`: two query rows a block at decode instead of four (twice the
+/// blocks over the same keys; an A/B switch).
+fn decode_rows_two() -> bool {
+    static TWO: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *TWO.get_or_init(|| std::env::var("CANDLE_GEMMA_QSDPA_ROWS").is_ok_and(|v| v == "2"))
+}
+
 /// The fewest keys a flash-decoding split takes. Fewer splits cost a longer loop per block but
 /// save the combine launch, which at batch 1 costs more host time than the GPU time the split
 /// saves (H100, context 128, E4B: 116-136 tok/s with 32 keys a split, 139 with 128). Head dim
@@ -407,7 +414,7 @@ pub(super) fn plan_seq(
     // Query rows per block: 2 when a KV head serves at most 2 rows (31B sliding decode) or for
     // 4-bit K/V at head dim 512 (4 rows there take ~220 registers a thread; measured on an H100
     // at 32k keys: 363 -> 315 us on the 31B full-layer shape, where 8-bit got slower), else 4.
-    let nq = if rows <= 2 || (head_dim >= 512 && bits == 4) {
+    let nq = if rows <= 2 || (head_dim >= 512 && bits == 4) || q_len == 1 && decode_rows_two() {
         2
     } else {
         QSDPA_ROWS
