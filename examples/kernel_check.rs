@@ -339,7 +339,7 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
         Some(&g(&w2)?),
     )?;
     report("add_norm", max_abs(&got, &want)?, lim);
-    // A 31B-wide row (the 1024-thread kernel; rows up to 3072 take the 256-thread one).
+    // A 31B-wide row (several elements a thread).
     let hw = 5376;
     let (rw, yw, ww, w2w) = (
         rnd(&[2, hw], dtype)?,

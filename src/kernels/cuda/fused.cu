@@ -40,10 +40,9 @@ struct AddNormParams {
     uint32_t flags;
 };
 
-// Rows up to NARROW_ADD_NORM_THREADS * NARROW_ADD_NORM_PER_THREAD take a 256-thread block
-// (shorter reductions); so does the two-branch variant (moe_add_norm), which is limited to them.
-constexpr int NARROW_ADD_NORM_THREADS = 256;
-constexpr int NARROW_ADD_NORM_PER_THREAD = 12;
+// Widest row of the two-branch residual add + norm (moe_add_norm): it keeps more values per
+// element in registers, so fewer elements a thread.
+constexpr int MOE_ADD_NORM_PER_THREAD = 4;
 
 // out = (res + rms(y) * w) [* scalar]; out2 = rms(out) * w2 [; out3 = rms(out) * w3]. One block
 // per row of at most PT * ADD_NORM_THREADS elements, kept in registers: every load but w3's is
@@ -444,18 +443,11 @@ extern "C" __global__ void __launch_bounds__(1024)
         add_norm_body<T, ADD_NORM_THREADS, ADD_NORM_PER_THREAD, false>(                        \
             p, res, y, w, scalar, w2, out, out2, w3, out3, y, w, w);                           \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(NARROW_ADD_NORM_THREADS)                      \
-        add_norm_narrow_##TN(const AddNormParams p, const T* res, const T* y, const T* w,      \
-                             const T* scalar, const T* w2, T* out, T* out2, const T* w3,       \
-                             T* out3) {                                                        \
-        add_norm_body<T, NARROW_ADD_NORM_THREADS, NARROW_ADD_NORM_PER_THREAD, false>(          \
-            p, res, y, w, scalar, w2, out, out2, w3, out3, y, w, w);                           \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(NARROW_ADD_NORM_THREADS)                      \
+    extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                             \
         moe_add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,         \
                           const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3, \
                           const T* b, const T* wa, const T* wb) {                              \
-        add_norm_body<T, NARROW_ADD_NORM_THREADS, NARROW_ADD_NORM_PER_THREAD, true>(           \
+        add_norm_body<T, ADD_NORM_THREADS, MOE_ADD_NORM_PER_THREAD, true>(                     \
             p, res, y, w, scalar, w2, out, out2, w3, out3, b, wa, wb);                         \
     }                                                                                          \
     extern "C" __global__ void gelu_mul_##TN(const GeluMulParams p, const T* a, const T* b,    \

@@ -103,19 +103,19 @@ fn decode_rows_two() -> bool {
     *TWO.get_or_init(|| std::env::var("CANDLE_GEMMA_QSDPA_ROWS").is_ok_and(|v| v == "2"))
 }
 
-/// The fewest keys a flash-decoding split takes. Fewer splits cost a longer loop per block but
-/// save the combine launch, which at batch 1 costs more host time than the GPU time the split
-/// saves (H100, context 128, E4B: 116-136 tok/s with 32 keys a split, 139 with 128). Head dim
-/// 512 steps through half as many keys a warp iteration, so its floor is halved.
+/// The fewest keys a flash-decoding split takes: 32. Fewer, longer splits save the combine
+/// launch but cost more GPU time than they save: one decode step at context 128 under ncu on an
+/// H100 took 6.66 / 5.76 / 4.13 ms of GPU time on E4B / 26B-A4B / E2B with 32 keys a split,
+/// 6.88 / 5.86 / 4.32 with 128, and 7.20 / 5.99 / 4.58 unsplit (`device-run.sh gpuab`).
 /// `CANDLE_GEMMA_SPLIT_MIN_KEYS` overrides it (A/B switch).
-fn split_min_keys(head_dim: usize) -> usize {
+fn split_min_keys() -> usize {
     static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let forced = *MIN.get_or_init(|| {
         std::env::var("CANDLE_GEMMA_SPLIT_MIN_KEYS")
             .ok()
             .and_then(|v| v.parse().ok())
     });
-    forced.unwrap_or(if head_dim >= 512 { 64 } else { 128 })
+    forced.unwrap_or(32)
 }
 
 /// `[1, kvh, keys, last]` with a dense last axis, as `(tensor, head stride, key stride)`,
@@ -420,12 +420,7 @@ pub(super) fn plan_seq(
         QSDPA_ROWS
     };
     let row_blocks = rows.div_ceil(nq);
-    let (n_split, per) = split_keys(
-        keys.max(1),
-        row_blocks * kv_heads,
-        sms,
-        split_min_keys(head_dim),
-    );
+    let (n_split, per) = split_keys(keys.max(1), row_blocks * kv_heads, sms, split_min_keys());
     params.n_split = u32_of(n_split)?;
     params.keys_per_split = u32_of(per)?;
 
