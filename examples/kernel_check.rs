@@ -649,7 +649,11 @@ fn check_dense_matvec(
     gpu: &Device,
     stats: &mut BTreeMap<String, f32>,
 ) -> Result<bool> {
-    use candle_gemma::kernels::cuda::fused::{dense_matvec, dense_matvec_gated, GATED_MV_MAX_SMEM};
+    use candle_gemma::kernels::cuda::fused::{
+        dense_matvec, dense_matvec_add_norm, dense_matvec_gated, AddNormExtra, GATED_MV_MAX_SMEM,
+    };
+    use candle_nn::ops::rms_norm;
+    let g = |t: &Tensor| t.to_device(gpu);
     let w = rnd(&[out_dim, in_dim], dtype)?;
     let x = rnd(&[rows, in_dim], dtype)?;
     let want = x
@@ -704,7 +708,77 @@ fn check_dense_matvec(
         "dense_matvec_gated dtype={dtype:?} [{out_dim}x{in_dim}] rows={rows} max_abs={err_g:.3e} {}",
         if pass_g { "PASS" } else { "FAIL" }
     );
-    Ok(pass && pass_g)
+
+    // The residual add + norm folded into the product (the last block normalises), plain with
+    // the layer scalar and one next norm, gated with two next norms.
+    let (res, nw, n1, n2) = (
+        rnd(&[rows, out_dim], dtype)?,
+        rnd(&[out_dim], dtype)?,
+        rnd(&[out_dim], dtype)?,
+        rnd(&[out_dim], dtype)?,
+    );
+    let s = Tensor::new(&[0.75f32], &Device::Cpu)?.to_dtype(dtype)?;
+    let y_plain = x
+        .to_dtype(DType::F32)?
+        .matmul(&w.to_dtype(DType::F32)?.t()?)?
+        .to_dtype(dtype)?;
+    let y_gated = (a.gelu()? * &b)?
+        .to_dtype(DType::F32)?
+        .matmul(&w.to_dtype(DType::F32)?.t()?)?
+        .to_dtype(dtype)?;
+    let (gres, gnw, gn1, gn2, gs) = (g(&res)?, g(&nw)?, g(&n1)?, g(&n2)?, g(&s)?);
+    let mut pass_n = true;
+    for gated in [false, true] {
+        let (y, sc) = if gated {
+            (&y_gated, None)
+        } else {
+            (&y_plain, Some(&s))
+        };
+        let mut sum = (&res + rms_norm(y, &nw, 1e-6)?)?;
+        if let Some(sc) = sc {
+            sum = sum.broadcast_mul(sc)?;
+        }
+        let extra = AddNormExtra {
+            scalar: if gated { None } else { Some(&gs) },
+            next: Some(&gn1),
+            next2: if gated { Some(&gn2) } else { None },
+            second_branch: None,
+        };
+        let (xg, gg) = if gated {
+            (
+                sg.narrow(1, 0, in_dim)?,
+                Some(sg.narrow(1, in_dim, in_dim)?),
+            )
+        } else {
+            (g(&x)?, None)
+        };
+        let got = dense_matvec_add_norm(&xg, gg.as_ref(), &g(&w)?, &gres, &gnw, 1e-6, &extra)?;
+        let (err, ok) = match got {
+            Some((o, o1, o2)) => {
+                let e0 = max_abs(&o, &sum)?;
+                let e1 = max_abs(&o1.expect("asked"), &rms_norm(&sum, &n1, 1e-6)?)?;
+                let e2 = match o2 {
+                    Some(o2) => max_abs(&o2, &rms_norm(&sum, &n2, 1e-6)?)?,
+                    None => 0.0,
+                };
+                // The sum sees y rounded once on each side (an ulp apart at most), so allow the
+                // add_norm kernel's bounds doubled.
+                let e = e0.max(e1 / 2.0).max(e2 / 2.0);
+                (e, e <= 8.0 * tol(dtype))
+            }
+            // Declined only where the gated rows exceed shared memory.
+            None => (0.0, gated && !fits),
+        };
+        pass_n &= ok;
+        let key = format!("dense_matvec_add_norm {dtype:?}");
+        let st = stats.entry(key).or_insert(0.0);
+        *st = st.max(err);
+        println!(
+            "dense_matvec_add_norm gated={gated} dtype={dtype:?} [{out_dim}x{in_dim}] rows={rows} max_abs={err:.3e} {}",
+            if ok { "PASS" } else { "FAIL" }
+        );
+    }
+    Ok(pass && pass_g && pass_n)
 }
 
 fn main() -> Result<()> {

@@ -204,6 +204,26 @@ impl Attention {
         step: &Step,
         kv: KvInput<'_>,
     ) -> Result<(Tensor, Option<KvView>)> {
+        let (out, view) = self.attend(x, step, kv)?;
+        Ok((self.o_proj.forward(&out)?, view))
+    }
+
+    /// The output projection.
+    pub fn o_proj(&self) -> &Linear {
+        &self.o_proj
+    }
+
+    /// [`Attention::forward`] without the output projection: `[batch, seq, n_heads * head_dim]`
+    /// (the caller may fold the projection into what follows it).
+    ///
+    /// # Errors
+    /// Cache errors, shape errors.
+    pub fn attend(
+        &self,
+        x: &Tensor,
+        step: &Step,
+        kv: KvInput<'_>,
+    ) -> Result<(Tensor, Option<KvView>)> {
         let (b, s, _) = x.dims3()?;
         let (cos, sin) = step.rope(self.kind);
         let (q_raw, k_raw, v_raw) = self.proj.forward(x)?;
@@ -252,7 +272,7 @@ impl Attention {
         let out = out
             .transpose(1, 2)?
             .reshape((b, s, self.n_heads * self.head_dim))?;
-        Ok((self.o_proj.forward(&out)?, produced))
+        Ok((out, produced))
     }
 }
 

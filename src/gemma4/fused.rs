@@ -8,7 +8,7 @@
 use candle_core::Tensor;
 
 use super::norm::RmsNorm;
-use super::rope;
+use super::{rope, Linear};
 use crate::error::Result;
 
 /// `res + norm(y)`, times `scalar` when given; with `next` also `next(result)`.
@@ -109,6 +109,99 @@ pub(crate) fn add_two_branch_norm(
     }
     let y = (norm_a.forward(a)? + norm_b.forward(b)?)?;
     add_norm(res, &y, norm, scalar, next)
+}
+
+/// What [`product_add_norm`] adds and normalises.
+pub(crate) struct ProductAddNorm<'a> {
+    /// The residual.
+    pub res: &'a Tensor,
+    /// The norm of the product before the add.
+    pub norm: &'a RmsNorm,
+    /// Multiplies the sum.
+    pub scalar: Option<&'a Tensor>,
+    /// A norm of the sum, returned second.
+    pub next: Option<&'a RmsNorm>,
+    /// Another norm of the sum (with `next`), returned third.
+    pub next2: Option<&'a RmsNorm>,
+}
+
+/// `res + norm(lin(x))` (with `gate`: `lin(gelu_tanh(x) * gate)`), times `scalar`, and the norms
+/// of the sum asked for. On CUDA decode with a dense weight the product, the add and the norms
+/// are one launch (`CANDLE_GEMMA_FOLD_NORM=0` keeps them apart, for comparison).
+///
+/// # Errors
+/// Shape mismatch.
+pub(crate) fn product_add_norm(
+    lin: &Linear,
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    a: &ProductAddNorm<'_>,
+) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+    #[cfg(feature = "cuda")]
+    if let Some(out) = folded_product_add_norm(lin, x, gate, a)? {
+        return Ok(out);
+    }
+    let y = match gate {
+        Some(g) => lin.forward_gated(x, g)?,
+        None => lin.forward(x)?,
+    };
+    match (a.next, a.next2) {
+        (Some(n1), Some(n2)) if a.scalar.is_none() => {
+            let (s, o1, o2) = add_norm_two_next(a.res, &y, a.norm, n1, n2)?;
+            Ok((s, Some(o1), Some(o2)))
+        }
+        (n1, n2) => {
+            let (s, o1) = add_norm(a.res, &y, a.norm, a.scalar, n1)?;
+            let o2 = match n2 {
+                Some(n) => Some(n.forward(&s)?),
+                None => None,
+            };
+            Ok((s, o1, o2))
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn folded_product_add_norm(
+    lin: &Linear,
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    a: &ProductAddNorm<'_>,
+) -> Result<Option<(Tensor, Option<Tensor>, Option<Tensor>)>> {
+    use crate::kernels::cuda::fused as k;
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_FOLD_NORM").is_ok_and(|v| v == "0"));
+    let Some(w) = lin.dense_weight() else {
+        return Ok(None);
+    };
+    let bytes = super::tensor_bytes(w);
+    let wanted = match gate {
+        Some(_) => k::gated_matvec_wanted(bytes),
+        None => k::dense_matvec_wanted(bytes),
+    };
+    if off
+        || !wanted
+        || !crate::kernels::fused_enabled(x.device())
+        || a.norm.weight().dtype() != a.res.dtype()
+        || (a.next2.is_some() && a.next.is_none())
+    {
+        return Ok(None);
+    }
+    let extra = k::AddNormExtra {
+        scalar: a.scalar,
+        next: a.next.map(RmsNorm::weight),
+        next2: a.next2.map(RmsNorm::weight),
+        second_branch: None,
+    };
+    Ok(k::dense_matvec_add_norm(
+        x,
+        gate,
+        w,
+        a.res,
+        a.norm.weight(),
+        a.norm.eps(),
+        &extra,
+    )?)
 }
 
 /// `gelu_tanh(a) * b` for `a`, `b` of one shape (`[.., width]`; rows may be strided).

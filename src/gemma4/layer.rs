@@ -161,7 +161,10 @@ impl DecoderLayer {
             Some(n) => n.clone(),
             None => self.input_layernorm.forward(x)?,
         };
-        let (attn, view) = self.self_attn.forward(&normed_in, step, kv)?;
+        // The output projection, the residual add and the feed-forward input norms are one
+        // launch on CUDA decode (see `fused::product_add_norm`).
+        let (attn, view) = self.self_attn.attend(&normed_in, step, kv)?;
+        let o_proj = self.self_attn.o_proj();
         // The layer scalar multiplies the whole residual at the end of the layer: fold it into
         // the last residual add.
         let ple = self.ple.as_ref().zip(ple);
@@ -173,13 +176,21 @@ impl DecoderLayer {
         if let Some(m) = &self.moe {
             // Both feed-forward inputs are norms of the same residual, computed in one pass; the
             // two branch outputs meet in the layer's last residual add.
-            let (x, normed, normed_2) = fused::add_norm_two_next(
-                x,
+            let (x, normed, normed_2) = fused::product_add_norm(
+                o_proj,
                 &attn,
-                &self.post_attention_layernorm,
-                &self.pre_feedforward_layernorm,
-                &m.pre_feedforward_layernorm_2,
+                None,
+                &fused::ProductAddNorm {
+                    res: x,
+                    norm: &self.post_attention_layernorm,
+                    scalar: None,
+                    next: Some(&self.pre_feedforward_layernorm),
+                    next2: Some(&m.pre_feedforward_layernorm_2),
+                },
             )?;
+            let (normed, normed_2) = normed
+                .zip(normed_2)
+                .ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
             let dense = self.mlp.forward(&normed)?;
             let experts = m.block.forward(&x, &normed_2)?;
             if ple.is_none() {
@@ -199,55 +210,70 @@ impl DecoderLayer {
             }
             let ff = (m.post_feedforward_layernorm_1.forward(&dense)?
                 + m.post_feedforward_layernorm_2.forward(&experts)?)?;
-            return self.finish_ple(x, &ff, ple, next_norm, view);
+            let (x, _) = fused::add_norm(&x, &ff, &self.post_feedforward_layernorm, None, None)?;
+            return self.finish_ple(x, ple, next_norm, view);
         }
-        let (x, normed) = fused::add_norm(
-            x,
+        let (x, normed, _) = fused::product_add_norm(
+            o_proj,
             &attn,
-            &self.post_attention_layernorm,
             None,
-            Some(&self.pre_feedforward_layernorm),
+            &fused::ProductAddNorm {
+                res: x,
+                norm: &self.post_attention_layernorm,
+                scalar: None,
+                next: Some(&self.pre_feedforward_layernorm),
+                next2: None,
+            },
         )?;
         let normed = normed.ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
-        let ff = self.mlp.forward(&normed)?;
-        self.finish_ple(x, &ff, ple, next_norm, view)
-    }
-
-    /// The layer after its feed-forward output `ff`: the residual add, then the PLE gate when
-    /// the model has one, with the layer scalar and the next layer's input norm folded into the
-    /// last add.
-    fn finish_ple(
-        &self,
-        x: Tensor,
-        ff: &Tensor,
-        ple: Option<(&PleGate, &Tensor)>,
-        next_norm: Option<&RmsNorm>,
-        view: Option<KvView>,
-    ) -> Result<LayerOutput> {
-        let Some((g, ple)) = ple else {
-            let (x, next_normed) = fused::add_norm(
-                &x,
-                ff,
-                &self.post_feedforward_layernorm,
-                Some(&self.layer_scalar),
-                next_norm,
-            )?;
+        let (gate, up) = self.mlp.gate_and_up(&normed)?;
+        let (x, next_normed, _) = fused::product_add_norm(
+            self.mlp.down_proj(),
+            &gate,
+            Some(&up),
+            &fused::ProductAddNorm {
+                res: &x,
+                norm: &self.post_feedforward_layernorm,
+                scalar,
+                next: if ple.is_none() { next_norm } else { None },
+                next2: None,
+            },
+        )?;
+        if ple.is_none() {
             return Ok(LayerOutput {
                 x,
                 next_normed,
                 view,
             });
+        }
+        self.finish_ple(x, ple, next_norm, view)
+    }
+
+    /// The PLE gate after the feed-forward residual add `x`, with the layer scalar and the next
+    /// layer's input norm folded into its residual add.
+    fn finish_ple(
+        &self,
+        x: Tensor,
+        ple: Option<(&PleGate, &Tensor)>,
+        next_norm: Option<&RmsNorm>,
+        view: Option<KvView>,
+    ) -> Result<LayerOutput> {
+        let Some((g, ple)) = ple else {
+            return Err(Error::Input(
+                "finish_ple called for a layer without a PLE gate".into(),
+            ));
         };
-        let (x, _) = fused::add_norm(&x, ff, &self.post_feedforward_layernorm, None, None)?;
-        let gate = g
-            .per_layer_projection
-            .forward_gated(&g.per_layer_input_gate.forward(&x)?, ple)?;
-        let (x, next_normed) = fused::add_norm(
-            &x,
-            &gate,
-            &g.post_per_layer_input_norm,
-            Some(&self.layer_scalar),
-            next_norm,
+        let (x, next_normed, _) = fused::product_add_norm(
+            &g.per_layer_projection,
+            &g.per_layer_input_gate.forward(&x)?,
+            Some(ple),
+            &fused::ProductAddNorm {
+                res: &x,
+                norm: &g.post_per_layer_input_norm,
+                scalar: Some(&self.layer_scalar),
+                next: next_norm,
+                next2: None,
+            },
         )?;
         Ok(LayerOutput {
             x,

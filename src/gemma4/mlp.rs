@@ -65,19 +65,29 @@ impl Mlp {
     /// # Errors
     /// Shape mismatch.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (gate, up) = self.gate_and_up(x)?;
+        self.down_proj.forward_gated(&gate, &up)
+    }
+
+    /// The gate and up projections of `x` (`[.., width]` each): the down projection's input is
+    /// `gelu_tanh(gate) * up`.
+    ///
+    /// # Errors
+    /// Shape mismatch.
+    pub fn gate_and_up(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
         match &self.gate_up {
             GateUp::Stacked { weight, width } => {
                 let y = weight.forward(x)?;
                 let last = y.rank() - 1;
-                self.down_proj.forward_gated(
-                    &y.narrow(last, 0, *width)?,
-                    &y.narrow(last, *width, *width)?,
-                )
+                Ok((y.narrow(last, 0, *width)?, y.narrow(last, *width, *width)?))
             }
-            GateUp::Split { gate, up } => self
-                .down_proj
-                .forward_gated(&gate.forward(x)?, &up.forward(x)?),
+            GateUp::Split { gate, up } => Ok((gate.forward(x)?, up.forward(x)?)),
         }
+    }
+
+    /// The down projection.
+    pub fn down_proj(&self) -> &Linear {
+        &self.down_proj
     }
 }
 

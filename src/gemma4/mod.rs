@@ -62,6 +62,14 @@ impl Linear {
 }
 
 impl Linear {
+    /// The weight of a dense layer (`None` when packed).
+    pub fn dense_weight(&self) -> Option<&Tensor> {
+        match self {
+            Linear::Dense(l) => Some(l.weight()),
+            Linear::Packed(_) => None,
+        }
+    }
+
     /// `(gelu_tanh(a) * b) · Wᵀ` for `a`, `b` of one shape: the gated input of the MLP's down
     /// projection and of the PLE projection. On CUDA decode with a dense weight the gate is
     /// computed inside the product (one launch instead of two, or three with cuBLAS's split-K

@@ -594,8 +594,77 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
                                   y);
 }
 
+// The residual add + norm folded into the product that feeds it (`_norm` kernels). Flags as in
+// AddNormParams: 1 scalar, 2 next norm, 4 second next norm.
+struct MvNormParams {
+    uint32_t flags;
+    float eps;
+};
+
+// Loads bypassing L1: rows other blocks of this launch wrote.
+template <typename T>
+__device__ __forceinline__ float ld_cg(const T* p) {
+    if constexpr (sizeof(T) == 4) {
+        return __ldcg(reinterpret_cast<const float*>(p));
+    } else {
+        const unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
+        T v;
+        memcpy(&v, &u, sizeof(T));
+        return to_f(v);
+    }
+}
+
+// After every block has stored its outputs, the last block to finish (a launch-wide counter,
+// left at zero for the next launch) computes for each row out = (res + rms(y) * w) [* scalar]
+// and the norms of out asked for, rounded as the add_norm kernel rounds them.
+template <typename T, int THREADS>
+__device__ __forceinline__ void last_block_add_norm(
+    const DenseMvParams& p, const MvNormParams& n, const T* __restrict__ y,
+    const T* __restrict__ res, const T* __restrict__ w, const T* __restrict__ scalar,
+    const T* __restrict__ w2, const T* __restrict__ w3, T* __restrict__ out, T* __restrict__ out2,
+    T* __restrict__ out3, uint32_t* __restrict__ counter) {
+    __shared__ float nred[THREADS / 32];
+    __shared__ uint32_t is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *counter = 0u;
+    const int dim = (int)p.out_dim;
+    const float s = (n.flags & 1) ? to_f(scalar[0]) : 1.f;
+    for (int r = 0; r < (int)p.rows; ++r) {
+        const size_t base = (size_t)r * dim;
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < dim; i += THREADS) {
+            const float v = ld_cg(y + base + i);
+            ss += v * v;
+        }
+        const float inv = rsqrtf(block_sum<THREADS>(ss, nred) / dim + n.eps);
+        float ss2 = 0.f;
+        for (int i = threadIdx.x; i < dim; i += THREADS) {
+            float o = rnd<T>(to_f(res[base + i]) + rnd<T>(ld_cg(y + base + i) * inv * to_f(w[i])));
+            if (n.flags & 1) o = rnd<T>(o * s);
+            out[base + i] = from_f<T>(o);
+            ss2 += o * o;
+        }
+        if (!(n.flags & 2)) continue;
+        const float inv2 = rsqrtf(block_sum<THREADS>(ss2, nred) / dim + n.eps);
+        for (int i = threadIdx.x; i < dim; i += THREADS) {
+            const float o = to_f(out[base + i]);  // this thread's own store
+            out2[base + i] = from_f<T>(o * inv2 * to_f(w2[i]));
+            if (n.flags & 4) out3[base + i] = from_f<T>(o * inv2 * to_f(w3[i]));
+        }
+    }
+}
+
 // Kernels dense_mv_{T}_{MT}_{WARPS}: more warps per block for few output tiles (more loads in
-// flight per multiprocessor), two tiles per block for many.
+// flight per multiprocessor), two tiles per block for many. `_gated`: gated input; `_norm`: the
+// residual add + norm of the output folded in.
+#define DMV_NORM_ARGS(T)                                                                       \
+    const T *res, const T *nw, const T *scalar, const T *w2, const T *w3, T *out, T *out2,     \
+        T *out3, uint32_t *counter, const MvNormParams np
 #define DMV_INST(TN, T, MT, WARPS)                                                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
         dense_mv_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* w, T* y) {  \
@@ -605,6 +674,20 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
         dense_mv_gated_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* xb,   \
                                              const T* w, T* y) {                               \
         dense_mv_body<T, MT, WARPS, true>(p, x, xb, w, y);                                     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) dense_mv_norm_##TN##_##MT##_##WARPS( \
+        const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) {                  \
+        dense_mv_body<T, MT, WARPS, false>(p, x, x, w, y);                                     \
+        last_block_add_norm<T, WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2, out3, \
+                                           counter);                                           \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+        dense_mv_gated_norm_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x,           \
+                                                  const T* xb, const T* w, T* y,               \
+                                                  DMV_NORM_ARGS(T)) {                             \
+        dense_mv_body<T, MT, WARPS, true>(p, x, xb, w, y);                                     \
+        last_block_add_norm<T, WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2, out3, \
+                                           counter);                                           \
     }
 #define DMV_INST_T(TN, T)     \
     DMV_INST(TN, T, 1, 16)    \

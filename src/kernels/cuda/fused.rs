@@ -934,7 +934,7 @@ pub fn dense_matvec_wanted(bytes: usize) -> bool {
 /// # Errors
 /// CUDA errors.
 pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
-    dense_mv(x, None, w)
+    Ok(dense_mv(x, None, w, None)?.map(|r| r.0))
 }
 
 /// Most bytes of gated input rows [`dense_matvec_gated`] keeps in shared memory (rows times
@@ -952,10 +952,92 @@ pub fn dense_matvec_gated(a: &Tensor, b: &Tensor, w: &Tensor) -> Result<Option<T
     if a.dims() != b.dims() {
         candle_core::bail!("dense_matvec_gated: {:?} vs {:?}", a.dims(), b.dims());
     }
-    dense_mv(a, Some(b), w)
+    Ok(dense_mv(a, Some(b), w, None)?.map(|r| r.0))
 }
 
-fn dense_mv(x: &Tensor, gate: Option<&Tensor>, w: &Tensor) -> Result<Option<Tensor>> {
+/// `add_norm_ext(res, y, norm_w, eps, extra)` of the product `y = x · Wᵀ` (with `gate`, the
+/// gated product of [`dense_matvec_gated`]) in one launch: the block that finishes last adds
+/// and normalises the rows once every block has stored its outputs. Returns the sum and the
+/// norms asked for; `None` where the product kernels do not apply (or `extra` has a second
+/// branch), so the caller runs the product and the add + norm apart.
+///
+/// # Errors
+/// Shapes or dtypes that disagree, CUDA errors.
+pub fn dense_matvec_add_norm(
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    w: &Tensor,
+    res: &Tensor,
+    norm_w: &Tensor,
+    eps: f64,
+    extra: &AddNormExtra<'_>,
+) -> Result<Option<AddNormOut>> {
+    if extra.second_branch.is_some() {
+        return Ok(None);
+    }
+    if let Some(g) = gate {
+        if g.dims() != x.dims() {
+            candle_core::bail!("dense_matvec_add_norm: {:?} vs {:?}", x.dims(), g.dims());
+        }
+    }
+    let fuse = NormFuse {
+        res,
+        w: norm_w,
+        eps,
+        extra,
+    };
+    dense_mv(x, gate, w, Some(&fuse))
+}
+
+/// The sum of a residual add + norm and the norms of it asked for.
+pub type AddNormOut = (Tensor, Option<Tensor>, Option<Tensor>);
+
+/// The residual add + norm folded into a product.
+struct NormFuse<'a> {
+    res: &'a Tensor,
+    w: &'a Tensor,
+    eps: f64,
+    extra: &'a AddNormExtra<'a>,
+}
+
+/// `struct MvNormParams` in `fused.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct MvNormParams {
+    flags: u32,
+    eps: f32,
+}
+
+// SAFETY: `#[repr(C)]` plain integer and float, read by the kernels with the same layout.
+unsafe impl DeviceRepr for MvNormParams {}
+
+/// Runs `f` with the device's launch counter of the folded add + norm: one `u32`, zero between
+/// launches (the last block of each launch resets it; launches on one stream do not overlap).
+fn with_norm_counter<R>(
+    dev: &candle_core::CudaDevice,
+    f: impl FnOnce(&mut candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>) -> Result<R>,
+) -> Result<R> {
+    use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+    use std::collections::HashMap;
+    type Counters = HashMap<candle_core::cuda_backend::DeviceId, CudaSlice<u32>>;
+    static COUNTERS: std::sync::OnceLock<std::sync::Mutex<Counters>> = std::sync::OnceLock::new();
+    let mut map = COUNTERS
+        .get_or_init(Default::default)
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("norm counter lock poisoned".into()))?;
+    let counter = match map.entry(dev.id()) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => v.insert(dev.alloc_zeros::<u32>(1)?),
+    };
+    f(counter)
+}
+
+fn dense_mv(
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    w: &Tensor,
+    norm: Option<&NormFuse<'_>>,
+) -> Result<Option<AddNormOut>> {
     let (out_dim, in_dim) = w.dims2()?;
     let dtype = x.dtype();
     let rows = x.elem_count() / in_dim.max(1);
@@ -1011,10 +1093,35 @@ fn dense_mv(x: &Tensor, gate: Option<&Tensor>, w: &Tensor) -> Result<Option<Tens
     } else {
         (1, 16)
     };
-    let kind = if gc.is_some() {
-        "dense_mv_gated"
-    } else {
-        "dense_mv"
+    let mut shape = x.dims().to_vec();
+    if let Some(l) = shape.last_mut() {
+        *l = out_dim;
+    }
+    if let Some(n) = norm {
+        let e = n.extra;
+        let mut ts = vec![n.res, n.w];
+        ts.extend(e.scalar);
+        ts.extend(e.next);
+        ts.extend(e.next2);
+        check_dtype(&ts, dtype)?;
+        if n.res.dims() != shape.as_slice()
+            || n.w.dims() != [out_dim]
+            || e.next.is_some_and(|t| t.dims() != [out_dim])
+            || e.next2.is_some_and(|t| t.dims() != [out_dim])
+            || (e.next2.is_some() && e.next.is_none())
+        {
+            candle_core::bail!(
+                "dense_matvec_add_norm: residual {:?}, output {shape:?}, norm weight {:?}",
+                n.res.dims(),
+                n.w.dims()
+            );
+        }
+    }
+    let kind = match (gc.is_some(), norm.is_some()) {
+        (false, false) => "dense_mv",
+        (true, false) => "dense_mv_gated",
+        (false, true) => "dense_mv_norm",
+        (true, true) => "dense_mv_gated_norm",
     };
     let func = load_kernel(
         &dev,
@@ -1027,14 +1134,12 @@ fn dense_mv(x: &Tensor, gate: Option<&Tensor>, w: &Tensor) -> Result<Option<Tens
         block_dim: (warps * 32, 1, 1),
         shared_mem_bytes: if gc.is_some() { gate_smem as u32 } else { 0 },
     };
-    let mut shape = x.dims().to_vec();
-    if let Some(l) = shape.last_mut() {
-        *l = out_dim;
-    }
     by_dtype!(dtype, E, {
-        // SAFETY: every (row, output) pair is written by the block owning the output.
-        let mut y = unsafe { dev.alloc::<E>(rows * out_dim)? };
-        {
+        let n = rows * out_dim;
+        // SAFETY: every (row, output) pair is written by the block owning the output; the
+        // norm outputs by the last block, every element of each row asked for.
+        let mut y = unsafe { dev.alloc::<E>(n)? };
+        let Some(nf) = norm else {
             bind!(xv, xc, E);
             let gt = gc.as_ref().map_or(&xc, |g| &g.0);
             bind!(gv, gt, E);
@@ -1049,8 +1154,77 @@ fn dense_mv(x: &Tensor, gate: Option<&Tensor>, w: &Tensor) -> Result<Option<Tens
             b.arg(&mut y);
             // SAFETY: arguments match the kernel's signature; rows and widths checked above.
             unsafe { b.launch(cfg) }.w()?;
-        }
-        Ok(Some(wrap(y, &dev, &shape)))
+            drop(b);
+            return Ok(Some((wrap(y, &dev, &shape), None, None)));
+        };
+        let e = nf.extra;
+        // SAFETY: as above.
+        let mut out = unsafe { dev.alloc::<E>(n)? };
+        let mut out2 = match e.next {
+            // SAFETY: as above.
+            Some(_) => Some(unsafe { dev.alloc::<E>(n)? }),
+            None => None,
+        };
+        let mut out3 = match e.next2 {
+            // SAFETY: as above.
+            Some(_) => Some(unsafe { dev.alloc::<E>(n)? }),
+            None => None,
+        };
+        let np = MvNormParams {
+            flags: u32::from(e.scalar.is_some())
+                | (u32::from(e.next.is_some()) << 1)
+                | (u32::from(e.next2.is_some()) << 2),
+            eps: nf.eps as f32,
+        };
+        let res = nf.res.contiguous()?;
+        let nw = nf.w.contiguous()?;
+        with_norm_counter(&dev, |counter| {
+            bind!(xv, xc, E);
+            let gt = gc.as_ref().map_or(&xc, |g| &g.0);
+            bind!(gv, gt, E);
+            bind!(wv, w, E);
+            bind!(rv, res, E);
+            bind!(nwv, nw, E);
+            let sc = e.scalar.unwrap_or(&nw);
+            bind!(sv, sc, E);
+            let n1 = e.next.unwrap_or(&nw);
+            bind!(n1v, n1, E);
+            let n2 = e.next2.unwrap_or(&nw);
+            bind!(n2v, n2, E);
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&xv);
+            if gc.is_some() {
+                b.arg(&gv);
+            }
+            b.arg(&wv);
+            b.arg(&mut y);
+            b.arg(&rv);
+            b.arg(&nwv);
+            b.arg(&sv);
+            b.arg(&n1v);
+            b.arg(&n2v);
+            b.arg(&mut out);
+            match out2.as_mut() {
+                Some(o) => b.arg(o),
+                None => b.arg(&rv),
+            };
+            match out3.as_mut() {
+                Some(o) => b.arg(o),
+                None => b.arg(&rv),
+            };
+            b.arg(counter);
+            b.arg(&np);
+            // SAFETY: arguments match the kernel's signature; shapes checked above; the counter
+            // is zero between launches.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(())
+        })?;
+        Ok(Some((
+            wrap(out, &dev, &shape),
+            out2.map(|o| wrap(o, &dev, &shape)),
+            out3.map(|o| wrap(o, &dev, &shape)),
+        )))
     })
 }
 
