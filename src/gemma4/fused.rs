@@ -162,13 +162,15 @@ pub(crate) fn product_add_norm(
 }
 
 #[cfg(feature = "cuda")]
+use crate::kernels::cuda::fused as k;
+
+#[cfg(feature = "cuda")]
 fn folded_product_add_norm(
     lin: &Linear,
     x: &Tensor,
     gate: Option<&Tensor>,
     a: &ProductAddNorm<'_>,
-) -> Result<Option<(Tensor, Option<Tensor>, Option<Tensor>)>> {
-    use crate::kernels::cuda::fused as k;
+) -> Result<Option<k::AddNormOut>> {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_FOLD_NORM").is_ok_and(|v| v == "0"));
     let Some(w) = lin.dense_weight() else {
