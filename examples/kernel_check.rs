@@ -297,8 +297,8 @@ fn rnd(shape: &[usize], dtype: DType) -> Result<Tensor> {
 /// The fused decoder-layer kernels against the candle op chains they replace (run on the CPU).
 fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Result<bool> {
     use candle_gemma::kernels::cuda::fused::{
-        add_norm, add_norm_ext, gelu_mul, grouped_matvec, moe_mix, moe_route, qkv_prep,
-        AddNormExtra, QkvSources, ADD_NORM_MAX_WIDTH,
+        add_norm, add_norm_ext, gelu_mul, grouped_matvec, grouped_matvec_gated, moe_mix, moe_route,
+        qkv_prep, AddNormExtra, QkvSources, ADD_NORM_MAX_WIDTH,
     };
     use candle_nn::ops::rms_norm;
     let g = |t: &Tensor| t.to_device(gpu);
@@ -559,6 +559,34 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
     let got = grouped_matvec(&g(&wts)?, &g(&sidx)?, &g(&sx)?, true)?;
     report("grouped_matvec by slot", max_abs(&got, &want)?, lim);
 
+    // The gated down product: pair rows gelu_tanh(a) * b from the halves of one stacked tensor.
+    let gu = rnd(&[tokens * k, 2 * out], dtype)?;
+    let (ga, gb) = (gu.narrow(1, 0, out)?, gu.narrow(1, out, out)?);
+    let hidden = (ga.gelu()? * &gb)?;
+    let mut rows = Vec::new();
+    for (p, &ex) in idx.iter().enumerate() {
+        rows.push(
+            hidden
+                .get(p)?
+                .unsqueeze(0)?
+                .to_dtype(DType::F32)?
+                .matmul(&wd.get(ex as usize)?.to_dtype(DType::F32)?.t()?)?,
+        );
+    }
+    let want = Tensor::cat(&rows, 0)?;
+    let gug = g(&gu)?;
+    let got = grouped_matvec_gated(
+        &g(&wd)?,
+        &g(&idx_t)?,
+        &gug.narrow(1, 0, out)?,
+        &gug.narrow(1, out, out)?,
+    )?;
+    let err = match got {
+        Some(got) => max_abs(&got, &want)?,
+        None => f32::INFINITY,
+    };
+    report("grouped_matvec gated", err, lim);
+
     // Greedy pick over a vocabulary-sized row, with a planted tie (the lower index wins).
     if dtype == DType::F32 {
         let mut rows = rnd(&[3, 262_144], DType::F32)?.to_vec2::<f32>()?;
@@ -650,7 +678,8 @@ fn check_dense_matvec(
     stats: &mut BTreeMap<String, f32>,
 ) -> Result<bool> {
     use candle_gemma::kernels::cuda::fused::{
-        dense_matvec, dense_matvec_add_norm, dense_matvec_gated, AddNormExtra, GATED_MV_MAX_SMEM,
+        dense_matvec, dense_matvec_add_norm, dense_matvec_gated, dense_matvec_normed, AddNormExtra,
+        GATED_MV_MAX_SMEM,
     };
     use candle_nn::ops::rms_norm;
     let g = |t: &Tensor| t.to_device(gpu);
@@ -707,6 +736,31 @@ fn check_dense_matvec(
     println!(
         "dense_matvec_gated dtype={dtype:?} [{out_dim}x{in_dim}] rows={rows} max_abs={err_g:.3e} {}",
         if pass_g { "PASS" } else { "FAIL" }
+    );
+
+    // The RMS-normed input (the MoE router's), the norm computed in the kernel.
+    let nwr = rnd(&[in_dim], dtype)?;
+    let want = rms_norm(&x, &nwr, 1e-6)?
+        .to_dtype(DType::F32)?
+        .matmul(&w.to_dtype(DType::F32)?.t()?)?;
+    let got = dense_matvec_normed(&g(&x)?, &g(&nwr)?, 1e-6, &g(&w)?)?;
+    let fits_n = rows * in_dim * dtype.size_in_bytes() <= GATED_MV_MAX_SMEM;
+    let (err_r, pass_r) = match got {
+        Some(got) if fits_n => {
+            // Normed inputs reach a few units: outputs ~ 3 sqrt(in).
+            let e = max_abs(&got.to_dtype(DType::F32)?, &want)?;
+            (e, e <= tol(dtype) * mag * 8.0)
+        }
+        None if !fits_n => (0.0, true),
+        _ => (f32::INFINITY, false),
+    };
+    let e = stats
+        .entry(format!("dense_matvec_normed {dtype:?}"))
+        .or_insert(0.0);
+    *e = e.max(err_r);
+    println!(
+        "dense_matvec_normed dtype={dtype:?} [{out_dim}x{in_dim}] rows={rows} max_abs={err_r:.3e} {}",
+        if pass_r { "PASS" } else { "FAIL" }
     );
 
     // The residual add + norm folded into the product (the last block normalises), plain with
@@ -778,7 +832,7 @@ fn check_dense_matvec(
             if ok { "PASS" } else { "FAIL" }
         );
     }
-    Ok(pass && pass_g && pass_n)
+    Ok(pass && pass_g && pass_n && pass_r)
 }
 
 fn main() -> Result<()> {

@@ -206,6 +206,26 @@ fn folded_product_add_norm(
     )?)
 }
 
+/// `lin(norm(x))`: on CUDA decode with a dense weight the norm is computed inside the product
+/// (one launch instead of two).
+///
+/// # Errors
+/// Shape mismatch.
+pub(crate) fn normed_product(lin: &Linear, x: &Tensor, norm: &RmsNorm) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(w) = lin.dense_weight() {
+        if crate::kernels::fused_enabled(x.device())
+            && k::dense_matvec_wanted(super::tensor_bytes(w))
+            && norm.weight().dtype() == x.dtype()
+        {
+            if let Some(y) = k::dense_matvec_normed(x, norm.weight(), norm.eps(), w)? {
+                return Ok(y);
+            }
+        }
+    }
+    lin.forward(&norm.forward(x)?)
+}
+
 /// `gelu_tanh(a) * b` for `a`, `b` of one shape (`[.., width]`; rows may be strided).
 ///
 /// # Errors

@@ -44,7 +44,7 @@ struct Router {
 impl Router {
     /// Routes `x` `[tokens, H]`: for each token, `(expert, weight)` pairs.
     fn route(&self, x: &Tensor) -> Result<Vec<Vec<(usize, f32)>>> {
-        let logits = self.proj.forward(&self.norm.forward(x)?)?;
+        let logits = fused::normed_product(&self.proj, x, &self.norm)?;
         let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         Ok(logits
             .into_iter()
@@ -179,9 +179,11 @@ impl MoeBlock {
     /// call. Long inputs run in slices of at most `GROUPED_MAX_PAIRS / top_k` tokens.
     #[cfg(feature = "cuda")]
     fn forward_on_device(&self, router_input: &Tensor, x: &Tensor) -> Result<Tensor> {
-        use crate::kernels::cuda::fused::{grouped_matvec, moe_mix, moe_route, GROUPED_MAX_PAIRS};
+        use crate::kernels::cuda::fused::{
+            grouped_matvec, grouped_matvec_gated, moe_mix, moe_route, GROUPED_MAX_PAIRS,
+        };
         let r = &self.router;
-        let logits = r.proj.forward(&r.norm.forward(router_input)?)?;
+        let logits = fused::normed_product(&r.proj, router_input, &r.norm)?;
         let tokens = logits.dim(0)?;
         if tokens > grouped_max_tokens() {
             let (idx, mix) = moe_route(&logits, &r.per_expert_scale_dev, r.top_k)?;
@@ -198,8 +200,15 @@ impl MoeBlock {
                 r.top_k,
             )?;
             let gu = grouped_matvec(&self.experts.gate_up, &idx, &x.narrow(0, start, n)?, true)?;
-            let hidden = fused::gelu_mul(&gu.narrow(1, 0, width)?, &gu.narrow(1, width, width)?)?;
-            let y = grouped_matvec(&self.experts.down, &idx, &hidden, false)?;
+            let (gate, up) = (gu.narrow(1, 0, width)?, gu.narrow(1, width, width)?);
+            // The gate inside the down product where its rows fit the kernel's shared memory.
+            let y = match grouped_matvec_gated(&self.experts.down, &idx, &gate, &up)? {
+                Some(y) => y,
+                None => {
+                    let hidden = fused::gelu_mul(&gate, &up)?;
+                    grouped_matvec(&self.experts.down, &idx, &hidden, false)?
+                }
+            };
             outs.push(moe_mix(&y, &mix)?);
         }
         Ok(if outs.len() == 1 {

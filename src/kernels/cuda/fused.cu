@@ -127,6 +127,18 @@ __device__ __forceinline__ float gelu_tanh(const float x) {
     return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
+// gelu_tanh(a) * b on eight packed elements, rounded as gelu_mul rounds.
+template <typename T>
+__device__ __forceinline__ uint4 gate8(const uint4 a, const uint4 b) {
+    const T* pa = reinterpret_cast<const T*>(&a);
+    const T* pb = reinterpret_cast<const T*>(&b);
+    uint4 r;
+    T* pr = reinterpret_cast<T*>(&r);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) pr[i] = from_f<T>(rnd<T>(gelu_tanh(to_f(pa[i]))) * to_f(pb[i]));
+    return r;
+}
+
 // out = gelu_tanh(a) * b, with gelu's output rounded to T as an unfused op would.
 template <typename T>
 __device__ __forceinline__ void gelu_mul_body(const GeluMulParams p, const T* __restrict__ a,
@@ -269,7 +281,9 @@ struct GroupedMvParams {
     // by_slot: block x is pair slot x and takes expert idx[x] unless an earlier slot holds the
     // same expert (a grid of `pairs` blocks when fewer pairs than experts); else block x is
     // expert x.
-    uint32_t x_per_token, experts, by_slot, pad_;
+    uint32_t x_per_token, experts, by_slot, x_stride;
+    // Gated kernels: the row stride of the second input.
+    uint32_t b_stride, pad0, pad1, pad2;
 };
 
 constexpr int GMV_WARPS = 8;
@@ -298,10 +312,14 @@ __device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __r
 // e, then each warp takes one output row of e and computes it for every such pair, so each
 // expert row is read from memory once per call however many tokens picked it.
 //   y[p, o] = W[e][o, :] . x[row(p), :]      for every pair p with idx[p] == e
-template <typename T>
+//
+// GATED: the pair rows are gelu_tanh(x) * xb (rows strided by x_stride and b_stride), computed
+// by the block for its pairs into dynamic shared memory first.
+template <typename T, bool GATED>
 __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const T* __restrict__ w,
                                                 const uint32_t* __restrict__ idx,
-                                                const T* __restrict__ x, T* __restrict__ y) {
+                                                const T* __restrict__ x,
+                                                const T* __restrict__ xb, T* __restrict__ y) {
     __shared__ uint32_t mine[GMV_MAX_PAIRS];
     __shared__ uint32_t count, taken;
     const uint32_t e = p.by_slot ? idx[blockIdx.x] : blockIdx.x;
@@ -317,6 +335,19 @@ __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const T
     __syncthreads();
     const uint32_t n = count;
     if (n == 0 || taken) return;
+    extern __shared__ __align__(16) unsigned char gmv_smem[];
+    T* sx = reinterpret_cast<T*>(gmv_smem);
+    if constexpr (GATED) {
+        const int n8 = (int)(n * p.in_dim / 8);
+        for (int t = threadIdx.x; t < n8; t += blockDim.x) {
+            const int el = t * 8, i = el / (int)p.in_dim, c = el % (int)p.in_dim;
+            const uint32_t q = mine[i];
+            const uint4 av = *reinterpret_cast<const uint4*>(x + (size_t)q * p.x_stride + c);
+            const uint4 bv = *reinterpret_cast<const uint4*>(xb + (size_t)q * p.b_stride + c);
+            *reinterpret_cast<uint4*>(sx + el) = gate8<T>(av, bv);
+        }
+        __syncthreads();
+    }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int o = blockIdx.y * GMV_WARPS + warp;
     if (o >= (int)p.out_dim) return;
@@ -324,7 +355,8 @@ __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const T
     for (uint32_t i = 0; i < n; ++i) {
         const uint32_t q = mine[i];
         const uint32_t row = p.x_per_token ? q / p.top_k : q;
-        const float acc = warp_dot(wr, x + (size_t)row * p.in_dim, p.in_dim);
+        const T* xrow = GATED ? sx + (size_t)i * p.in_dim : x + (size_t)row * p.in_dim;
+        const float acc = warp_dot(wr, xrow, p.in_dim);
         if (lane == 0) y[(size_t)q * p.out_dim + o] = from_f<T>(acc);
     }
 }
@@ -466,7 +498,12 @@ extern "C" __global__ void __launch_bounds__(1024)
     extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32)                               \
         grouped_mv_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx, const T* x,  \
                         T* y) {                                                                \
-        grouped_mv_body<T>(p, w, idx, x, y);                                                   \
+        grouped_mv_body<T, false>(p, w, idx, x, x, y);                                         \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32)                               \
+        grouped_mv_gated_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx,        \
+                              const T* x, const T* xb, T* y) {                                 \
+        grouped_mv_body<T, true>(p, w, idx, x, xb, y);                                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
         masked_softmax_##TN(const SoftmaxParams p, const T* scores, const uint32_t* positions,  \
@@ -485,20 +522,15 @@ FUSED_INST(bf16, __nv_bfloat16)
 struct DenseMvParams {
     uint32_t rows, out_dim, in_dim;
     // Row strides (elements) of x and, in the gated kernels, of the second input.
-    uint32_t x_stride, b_stride, pad_;
+    uint32_t x_stride, b_stride;
+    // The normed-input kernels' RMS norm epsilon.
+    float eps;
 };
 
-// gelu_tanh(a) * b on eight packed elements, rounded as gelu_mul rounds.
-template <typename T>
-__device__ __forceinline__ uint4 gate8(const uint4 a, const uint4 b) {
-    const T* pa = reinterpret_cast<const T*>(&a);
-    const T* pb = reinterpret_cast<const T*>(&b);
-    uint4 r;
-    T* pr = reinterpret_cast<T*>(&r);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) pr[i] = from_f<T>(rnd<T>(gelu_tanh(to_f(pa[i]))) * to_f(pb[i]));
-    return r;
-}
+// What the product reads as its input: x itself, gelu_tanh(x) * xb (the MLP's or PLE's gate),
+// or rms_norm(x) * xb (the MoE router's input norm, xb its weight).
+constexpr int DMV_PLAIN = 0, DMV_GATED = 1, DMV_NORMED = 2;
+
 
 constexpr int DMV_UNROLL = 4;
 
@@ -510,10 +542,9 @@ constexpr int DMV_UNROLL = 4;
 // of its W rows and of its x row per chunk, the first 4 for the first mma, the rest for the
 // second. W is streamed past L1; in_dim must be a multiple of 8 (16-byte aligned rows).
 //
-// GATED: x is gelu_tanh(x) * xb elementwise (the MLP's or PLE's gate feeding this product),
-// computed by the block into dynamic shared memory (rows * in_dim elements) instead of in a
-// launch of its own.
-template <typename T, int MT, int WARPS, bool GATED>
+// DMV_GATED / DMV_NORMED: the block computes its input rows into dynamic shared memory
+// (rows * in_dim elements) instead of a launch of their own doing it.
+template <typename T, int MT, int WARPS, int MODE>
 __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __restrict__ x,
                                               const T* __restrict__ xb,
                                               const T* __restrict__ w, T* __restrict__ y) {
@@ -547,12 +578,12 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
                              : make_uint4(0u, 0u, 0u, 0u);
         }
     };
-    // GATED: the block first writes gelu(x) * xb for all its rows to shared memory (each element
-    // once, not once per lane that reads it), with its first weight loads already in flight.
+    // The block first writes its input rows to shared memory (each element once, not once per
+    // lane that reads it), with its first weight loads already in flight.
     extern __shared__ __align__(16) unsigned char dmv_smem[];
     T* sx = reinterpret_cast<T*>(dmv_smem);
     bool loaded = false;
-    if constexpr (GATED) {
+    if constexpr (MODE == DMV_GATED) {
         load_w(c0);
         loaded = true;
         const int n8 = (int)p.rows * in_dim / 8;
@@ -561,6 +592,23 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
             const uint4 av = *reinterpret_cast<const uint4*>(x + (size_t)r * p.x_stride + c);
             const uint4 bv = *reinterpret_cast<const uint4*>(xb + (size_t)r * p.b_stride + c);
             *reinterpret_cast<uint4*>(sx + e) = gate8<T>(av, bv);
+        }
+        __syncthreads();
+    }
+    if constexpr (MODE == DMV_NORMED) {
+        __shared__ float nred[WARPS];
+        load_w(c0);
+        loaded = true;
+        for (int r = 0; r < (int)p.rows; ++r) {
+            const T* xrow = x + (size_t)r * p.x_stride;
+            float ss = 0.f;
+            for (int c = threadIdx.x; c < in_dim; c += WARPS * 32) {
+                const float v = to_f(xrow[c]);
+                ss += v * v;
+            }
+            const float inv = rsqrtf(block_sum<WARPS * 32>(ss, nred) / in_dim + p.eps);
+            for (int c = threadIdx.x; c < in_dim; c += WARPS * 32)
+                sx[(size_t)r * in_dim + c] = from_f<T>(to_f(xrow[c]) * inv * to_f(xb[c]));
         }
         __syncthreads();
     }
@@ -573,7 +621,7 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
         for (int i = 0; i < DMV_UNROLL; ++i) {
             const int k = (c + i) * 32;
             const bool ok = c + i < c1 && k + 8 * q < in_dim && xok;
-            if constexpr (GATED)
+            if constexpr (MODE != DMV_PLAIN)
                 xv[i] = ok ? *reinterpret_cast<const uint4*>(sxr + k) : make_uint4(0u, 0u, 0u, 0u);
             else
                 xv[i] = ok ? *reinterpret_cast<const uint4*>(xr + k) : make_uint4(0u, 0u, 0u, 0u);
@@ -668,16 +716,21 @@ __device__ __forceinline__ void last_block_add_norm(
 #define DMV_INST(TN, T, MT, WARPS)                                                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
         dense_mv_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* w, T* y) {  \
-        dense_mv_body<T, MT, WARPS, false>(p, x, x, w, y);                                     \
+        dense_mv_body<T, MT, WARPS, DMV_PLAIN>(p, x, x, w, y);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
         dense_mv_gated_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* xb,   \
                                              const T* w, T* y) {                               \
-        dense_mv_body<T, MT, WARPS, true>(p, x, xb, w, y);                                     \
+        dense_mv_body<T, MT, WARPS, DMV_GATED>(p, x, xb, w, y);                                     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+        dense_mv_normed_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* nw,  \
+                                              const T* w, T* y) {                              \
+        dense_mv_body<T, MT, WARPS, DMV_NORMED>(p, x, nw, w, y);                               \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32) dense_mv_norm_##TN##_##MT##_##WARPS( \
         const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) {                  \
-        dense_mv_body<T, MT, WARPS, false>(p, x, x, w, y);                                     \
+        dense_mv_body<T, MT, WARPS, DMV_PLAIN>(p, x, x, w, y);                                     \
         last_block_add_norm<T, WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2, out3, \
                                            counter);                                           \
     }                                                                                          \
@@ -685,7 +738,7 @@ __device__ __forceinline__ void last_block_add_norm(
         dense_mv_gated_norm_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x,           \
                                                   const T* xb, const T* w, T* y,               \
                                                   DMV_NORM_ARGS(T)) {                             \
-        dense_mv_body<T, MT, WARPS, true>(p, x, xb, w, y);                                     \
+        dense_mv_body<T, MT, WARPS, DMV_GATED>(p, x, xb, w, y);                                     \
         last_block_add_norm<T, WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2, out3, \
                                            counter);                                           \
     }

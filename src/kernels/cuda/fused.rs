@@ -88,7 +88,7 @@ struct DenseMvParams {
     in_dim: u32,
     x_stride: u32,
     b_stride: u32,
-    pad_: u32,
+    eps: f32,
 }
 
 /// `struct RouteParams` in `fused.cu`.
@@ -113,7 +113,11 @@ struct GroupedMvParams {
     x_per_token: u32,
     experts: u32,
     by_slot: u32,
-    pad_: u32,
+    x_stride: u32,
+    b_stride: u32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 // SAFETY: `#[repr(C)]` plain integers and floats, passed by value, read by the kernels with the
@@ -618,8 +622,45 @@ pub fn grouped_matvec(
     x: &Tensor,
     x_per_token: bool,
 ) -> Result<Tensor> {
+    grouped_mv(weights, idx, x, None, x_per_token)?
+        .ok_or_else(|| candle_core::Error::Msg("grouped_matvec: not applicable".into()))
+}
+
+/// Most bytes of gated rows one [`grouped_matvec_gated`] block keeps in shared memory (its
+/// pairs times `in` elements; a block's pairs are at most the tokens), beside the 16 KB pair
+/// list.
+pub const GROUPED_GATED_MAX_SMEM: usize = 24 << 10;
+
+/// [`grouped_matvec`] over the rows `gelu_tanh(a) * b` (pair rows, `[tokens * top_k, in]`
+/// each, rows possibly strided: the halves of the gate/up output), the gate computed inside
+/// the product; `None` when tokens times `in` elements exceed [`GROUPED_GATED_MAX_SMEM`] or a
+/// row is not 16-byte aligned.
+///
+/// # Errors
+/// Shapes or dtypes that disagree, CUDA errors.
+pub fn grouped_matvec_gated(
+    weights: &Tensor,
+    idx: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+) -> Result<Option<Tensor>> {
+    if a.dims() != b.dims() {
+        candle_core::bail!("grouped_matvec_gated: {:?} vs {:?}", a.dims(), b.dims());
+    }
+    grouped_mv(weights, idx, a, Some(b), false)
+}
+
+fn grouped_mv(
+    weights: &Tensor,
+    idx: &Tensor,
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    x_per_token: bool,
+) -> Result<Option<Tensor>> {
     let dtype = x.dtype();
-    check_dtype(&[weights, x], dtype)?;
+    let mut ts = vec![weights, x];
+    ts.extend(gate);
+    check_dtype(&ts, dtype)?;
     let (experts, out_dim, in_dim) = weights.dims3()?;
     let (tokens, top_k) = idx.dims2()?;
     let pairs = tokens * top_k;
@@ -638,7 +679,25 @@ pub fn grouped_matvec(
         );
     }
     let dev = cuda_dev(x)?;
-    let (weights, idx, x) = (weights.contiguous()?, idx.contiguous()?, x.contiguous()?);
+    let smem = tokens * in_dim * dtype.size_in_bytes();
+    // Gated rows stay as given (strided); plain rows are made contiguous.
+    let rows_of = |t: &Tensor| -> Result<Option<(Tensor, usize)>> {
+        let (t, _, _, stride) = as_rows(t)?;
+        Ok((t.layout().start_offset() % 8 == 0 && stride % 8 == 0).then_some((t, stride)))
+    };
+    let (x, gate) = match gate {
+        Some(g) => {
+            if smem > GROUPED_GATED_MAX_SMEM {
+                return Ok(None);
+            }
+            match (rows_of(x)?, rows_of(g)?) {
+                (Some(xs), Some(gs)) => (xs, Some(gs)),
+                _ => return Ok(None),
+            }
+        }
+        None => ((x.contiguous()?, in_dim), None),
+    };
+    let (weights, idx) = (weights.contiguous()?, idx.contiguous()?);
     // Fewer pairs than experts (decode): one block column per pair slot instead of one per
     // expert, so the grid holds no blocks for experts nobody picked.
     let by_slot = pairs < experts;
@@ -651,9 +710,18 @@ pub fn grouped_matvec(
         x_per_token: u32::from(x_per_token),
         experts: u32_of(experts, "experts")?,
         by_slot: u32::from(by_slot),
-        pad_: 0,
+        x_stride: u32_of(x.1, "row stride")?,
+        b_stride: u32_of(gate.as_ref().map_or(x.1, |g| g.1), "row stride")?,
+        pad0: 0,
+        pad1: 0,
+        pad2: 0,
     };
-    let func = load_kernel(&dev, &format!("grouped_mv_{}", tn(dtype)?), MODULE, PTX)?;
+    let kind = if gate.is_some() {
+        "grouped_mv_gated"
+    } else {
+        "grouped_mv"
+    };
+    let func = load_kernel(&dev, &format!("{kind}_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (
             u32_of(if by_slot { pairs } else { experts }, "experts")?,
@@ -661,8 +729,9 @@ pub fn grouped_matvec(
             1,
         ),
         block_dim: ((GMV_WARPS * 32) as u32, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: if gate.is_some() { smem as u32 } else { 0 },
     };
+    let x = x.0;
     by_dtype!(dtype, E, {
         // SAFETY: every pair has one expert, whose block writes its whole output row.
         let mut y = unsafe { dev.alloc::<E>((pairs * out_dim).max(1))? };
@@ -670,17 +739,22 @@ pub fn grouped_matvec(
             bind!(wv, weights, E);
             bind!(iv, idx, u32);
             bind!(xv, x, E);
+            let gt = gate.as_ref().map_or(&x, |g| &g.0);
+            bind!(gv, gt, E);
             let mut b = func.builder();
             b.arg(&params);
             b.arg(&wv);
             b.arg(&iv);
             b.arg(&xv);
+            if gate.is_some() {
+                b.arg(&gv);
+            }
             b.arg(&mut y);
             // SAFETY: arguments match the kernel's signature; expert ids that are not below E
             // match no block and are the router's to avoid (moe_route only emits valid ones).
             unsafe { b.launch(cfg) }.w()?;
         }
-        Ok(wrap(y, &dev, &[pairs, out_dim]))
+        Ok(Some(wrap(y, &dev, &[pairs, out_dim])))
     })
 }
 
@@ -708,7 +782,11 @@ pub fn moe_mix(y: &Tensor, mix: &Tensor) -> Result<Tensor> {
         x_per_token: 0,
         experts: 0,
         by_slot: 0,
-        pad_: 0,
+        x_stride: 0,
+        b_stride: 0,
+        pad0: 0,
+        pad1: 0,
+        pad2: 0,
     };
     let n = tokens * out_dim;
     let func = load_kernel(&dev, &format!("moe_mix_{}", tn(dtype)?), MODULE, PTX)?;
@@ -1032,9 +1110,45 @@ fn with_norm_counter<R>(
     f(counter)
 }
 
+/// `rms_norm(x) * norm_w` then `· Wᵀ`, the norm computed inside the product (the MoE router's
+/// input norm); `None` where [`dense_matvec`] would not apply or the rows exceed
+/// [`GATED_MV_MAX_SMEM`].
+///
+/// # Errors
+/// A norm weight that is not `[in]`, CUDA errors.
+pub fn dense_matvec_normed(
+    x: &Tensor,
+    norm_w: &Tensor,
+    eps: f64,
+    w: &Tensor,
+) -> Result<Option<Tensor>> {
+    let in_dim = w.dim(1)?;
+    if norm_w.dims() != [in_dim] || norm_w.dtype() != x.dtype() {
+        candle_core::bail!(
+            "dense_matvec_normed: norm weight {:?} {:?} for input width {in_dim}",
+            norm_w.dims(),
+            norm_w.dtype()
+        );
+    }
+    let normed = (norm_w.contiguous()?, eps);
+    Ok(dense_mv_with(x, None, Some(&normed), w, None)?.map(|r| r.0))
+}
+
 fn dense_mv(
     x: &Tensor,
     gate: Option<&Tensor>,
+    w: &Tensor,
+    norm: Option<&NormFuse<'_>>,
+) -> Result<Option<AddNormOut>> {
+    dense_mv_with(x, gate, None, w, norm)
+}
+
+/// The dense matvec launcher: `gate` for the gated input, `normed` (weight, eps) for the
+/// RMS-normed input, `norm` for the folded residual add + norm of the output.
+fn dense_mv_with(
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    normed: Option<&(Tensor, f64)>,
     w: &Tensor,
     norm: Option<&NormFuse<'_>>,
 ) -> Result<Option<AddNormOut>> {
@@ -1062,9 +1176,13 @@ fn dense_mv(
         let (t, _, _, stride) = as_rows(t)?;
         Ok((aligned(&t) && stride % 8 == 0).then_some((t, stride)))
     };
-    // The gated kernel keeps its gated rows in shared memory, next to the epilogue's 8 KB.
+    // The gated and normed kernels keep their input rows in shared memory, next to the
+    // epilogue's 8 KB.
+    let staged = gate.is_some() || normed.is_some();
     let gate_smem = rows * in_dim * dtype.size_in_bytes();
-    if gate.is_some() && gate_smem > GATED_MV_MAX_SMEM {
+    if (staged && gate_smem > GATED_MV_MAX_SMEM)
+        || (normed.is_some() && (gate.is_some() || norm.is_some()))
+    {
         return Ok(None);
     }
     let Some((xc, x_stride)) = rows_of(x)? else {
@@ -1080,7 +1198,7 @@ fn dense_mv(
         in_dim: u32_of(in_dim, "input width")?,
         x_stride: u32_of(x_stride, "row stride")?,
         b_stride: u32_of(gc.as_ref().map_or(x_stride, |g| g.1), "row stride")?,
-        pad_: 0,
+        eps: normed.map_or(0.0, |n| n.1 as f32),
     };
     // Two 16-row tiles a block share each x fragment (half the activation traffic) once there
     // are enough rows to keep two waves of blocks on the device; below one such wave, 16 warps
@@ -1117,11 +1235,12 @@ fn dense_mv(
             );
         }
     }
-    let kind = match (gc.is_some(), norm.is_some()) {
-        (false, false) => "dense_mv",
-        (true, false) => "dense_mv_gated",
-        (false, true) => "dense_mv_norm",
-        (true, true) => "dense_mv_gated_norm",
+    let kind = match (gc.is_some(), normed.is_some(), norm.is_some()) {
+        (_, true, _) => "dense_mv_normed",
+        (false, false, false) => "dense_mv",
+        (true, false, false) => "dense_mv_gated",
+        (false, false, true) => "dense_mv_norm",
+        (true, false, true) => "dense_mv_gated_norm",
     };
     let func = load_kernel(
         &dev,
@@ -1132,7 +1251,7 @@ fn dense_mv(
     let cfg = LaunchConfig {
         grid_dim: (u32_of(out_dim.div_ceil(16 * tiles), "blocks")?, 1, 1),
         block_dim: (warps * 32, 1, 1),
-        shared_mem_bytes: if gc.is_some() { gate_smem as u32 } else { 0 },
+        shared_mem_bytes: if staged { gate_smem as u32 } else { 0 },
     };
     by_dtype!(dtype, E, {
         let n = rows * out_dim;
@@ -1141,13 +1260,17 @@ fn dense_mv(
         let mut y = unsafe { dev.alloc::<E>(n)? };
         let Some(nf) = norm else {
             bind!(xv, xc, E);
-            let gt = gc.as_ref().map_or(&xc, |g| &g.0);
+            let gt = match (&gc, normed) {
+                (Some(g), _) => &g.0,
+                (None, Some(n)) => &n.0,
+                (None, None) => &xc,
+            };
             bind!(gv, gt, E);
             bind!(wv, w, E);
             let mut b = func.builder();
             b.arg(&params);
             b.arg(&xv);
-            if gc.is_some() {
+            if staged {
                 b.arg(&gv);
             }
             b.arg(&wv);
