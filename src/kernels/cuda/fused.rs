@@ -633,8 +633,8 @@ pub const GROUPED_GATED_MAX_SMEM: usize = 24 << 10;
 
 /// [`grouped_matvec`] over the rows `gelu_tanh(a) * b` (pair rows, `[tokens * top_k, in]`
 /// each, rows possibly strided: the halves of the gate/up output), the gate computed inside
-/// the product; `None` when tokens times `in` elements exceed [`GROUPED_GATED_MAX_SMEM`] or a
-/// row is not 16-byte aligned.
+/// the product; `None` for f32, when tokens times `in` elements exceed
+/// [`GROUPED_GATED_MAX_SMEM`], or when a row is not 16-byte aligned.
 ///
 /// # Errors
 /// Shapes or dtypes that disagree, CUDA errors.
@@ -687,7 +687,8 @@ fn grouped_mv(
     };
     let (x, gate) = match gate {
         Some(g) => {
-            if smem > GROUPED_GATED_MAX_SMEM {
+            // The gate works on 16-byte chunks of eight 16-bit elements.
+            if smem > GROUPED_GATED_MAX_SMEM || !matches!(dtype, DType::BF16 | DType::F16) {
                 return Ok(None);
             }
             match (rows_of(x)?, rows_of(g)?) {
