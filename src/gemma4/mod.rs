@@ -73,7 +73,7 @@ impl Linear {
     /// `(gelu_tanh(a) * b) · Wᵀ` for `a`, `b` of one shape: the gated input of the MLP's down
     /// projection and of the PLE projection. On CUDA decode with a dense weight the gate is
     /// computed inside the product (one launch instead of two, or three with cuBLAS's split-K
-    /// reduce); elsewhere it is [`fused::gelu_mul`] then [`Linear::forward`].
+    /// reduce); elsewhere the gate runs on its own, then [`Linear::forward`].
     ///
     /// # Errors
     /// Shape mismatch.

@@ -1,6 +1,6 @@
 //! CUDA launchers for the fused decoder-layer kernels in `fused.cu`: residual add with RMS norm,
 //! GeGLU, the per-head q/k/v norm + RoPE + layout step, and the routed-expert products of the MoE
-//! block. Each takes the place of a chain of candle ops on CUDA; [`crate::gemma4::fused`] picks
+//! block. Each takes the place of a chain of candle ops on CUDA; `crate::gemma4::fused` picks
 //! between them and the candle chain, which stays the reference on every other device.
 
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
