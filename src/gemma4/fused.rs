@@ -11,6 +11,15 @@ use super::norm::RmsNorm;
 use super::{rope, Linear};
 use crate::error::Result;
 
+/// Whether the fused CUDA residual add + norm takes `res` normed by `norm`: CUDA with the fused
+/// kernels on, a norm weight of the activation dtype, rows at most `max_width` wide.
+#[cfg(feature = "cuda")]
+fn cuda_add_norm_applies(res: &Tensor, norm: &RmsNorm, max_width: usize) -> bool {
+    crate::kernels::fused_enabled(res.device())
+        && norm.weight().dtype() == res.dtype()
+        && norm.weight().elem_count() <= max_width
+}
+
 /// `res + norm(y)`, times `scalar` when given; with `next` also `next(result)`.
 ///
 /// # Errors
@@ -23,10 +32,7 @@ pub(crate) fn add_norm(
     next: Option<&RmsNorm>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     #[cfg(feature = "cuda")]
-    if crate::kernels::fused_enabled(res.device())
-        && norm.weight().dtype() == res.dtype()
-        && norm.weight().elem_count() <= crate::kernels::cuda::fused::ADD_NORM_MAX_WIDTH
-    {
+    if cuda_add_norm_applies(res, norm, crate::kernels::cuda::fused::ADD_NORM_MAX_WIDTH) {
         return Ok(crate::kernels::cuda::fused::add_norm(
             res,
             y,
@@ -59,10 +65,7 @@ pub(crate) fn add_norm_two_next(
     next2: &RmsNorm,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
-    if crate::kernels::fused_enabled(res.device())
-        && norm.weight().dtype() == res.dtype()
-        && norm.weight().elem_count() <= crate::kernels::cuda::fused::ADD_NORM_MAX_WIDTH
-    {
+    if cuda_add_norm_applies(res, norm, crate::kernels::cuda::fused::ADD_NORM_MAX_WIDTH) {
         let extra = crate::kernels::cuda::fused::AddNormExtra {
             next: Some(next.weight()),
             next2: Some(next2.weight()),
@@ -93,10 +96,11 @@ pub(crate) fn add_two_branch_norm(
     next: Option<&RmsNorm>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     #[cfg(feature = "cuda")]
-    if crate::kernels::fused_enabled(res.device())
-        && norm.weight().dtype() == res.dtype()
-        && norm.weight().elem_count() <= crate::kernels::cuda::fused::MOE_ADD_NORM_MAX_WIDTH
-    {
+    if cuda_add_norm_applies(
+        res,
+        norm,
+        crate::kernels::cuda::fused::MOE_ADD_NORM_MAX_WIDTH,
+    ) {
         let extra = crate::kernels::cuda::fused::AddNormExtra {
             scalar,
             next: next.map(RmsNorm::weight),

@@ -173,24 +173,24 @@ impl DecoderLayer {
         } else {
             None
         };
+        // On 26B-A4B both feed-forward inputs are norms of the same residual, computed in the
+        // same pass; its two branch outputs meet in the layer's last residual add.
+        let (x, normed, normed_2) = fused::product_add_norm(
+            o_proj,
+            &attn,
+            None,
+            &fused::ProductAddNorm {
+                res: x,
+                norm: &self.post_attention_layernorm,
+                scalar: None,
+                next: Some(&self.pre_feedforward_layernorm),
+                next2: self.moe.as_ref().map(|m| &m.pre_feedforward_layernorm_2),
+            },
+        )?;
+        let normed = normed.ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
         if let Some(m) = &self.moe {
-            // Both feed-forward inputs are norms of the same residual, computed in one pass; the
-            // two branch outputs meet in the layer's last residual add.
-            let (x, normed, normed_2) = fused::product_add_norm(
-                o_proj,
-                &attn,
-                None,
-                &fused::ProductAddNorm {
-                    res: x,
-                    norm: &self.post_attention_layernorm,
-                    scalar: None,
-                    next: Some(&self.pre_feedforward_layernorm),
-                    next2: Some(&m.pre_feedforward_layernorm_2),
-                },
-            )?;
-            let (normed, normed_2) = normed
-                .zip(normed_2)
-                .ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
+            let normed_2 =
+                normed_2.ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
             let dense = self.mlp.forward(&normed)?;
             let experts = m.block.forward(&x, &normed_2)?;
             if ple.is_none() {
@@ -213,19 +213,6 @@ impl DecoderLayer {
             let (x, _) = fused::add_norm(&x, &ff, &self.post_feedforward_layernorm, None, None)?;
             return self.finish_ple(x, ple, next_norm, view);
         }
-        let (x, normed, _) = fused::product_add_norm(
-            o_proj,
-            &attn,
-            None,
-            &fused::ProductAddNorm {
-                res: x,
-                norm: &self.post_attention_layernorm,
-                scalar: None,
-                next: Some(&self.pre_feedforward_layernorm),
-                next2: None,
-            },
-        )?;
-        let normed = normed.ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
         let (gate, up) = self.mlp.gate_and_up(&normed)?;
         let (x, next_normed, _) = fused::product_add_norm(
             self.mlp.down_proj(),
