@@ -147,6 +147,23 @@ for l in open(sys.argv[1]):
               f'cublas {j["cublas_seconds"]*1e6:8.1f}us ({j["cublas_fraction_of_copy"]:.3f}) speedup {j["speedup"]:.2f}x')
 PY
       ;;
+    densevar)
+      # The dense bench per CANDLE_GEMMA_DENSE_SV value (0: tensor-core kernel at one row).
+      for v in ${DENSE_SV:-0 1 2 4}; do
+        CANDLE_GEMMA_DENSE_SV=$v .device/bench_kernels --dense-only 2>&1 | sed "s/^{/{\"sv\":\"$v\",/" >> "$OUT/densevar.jsonl"
+      done
+      python3 - "$OUT/densevar.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    if not l.startswith("{"):
+        continue
+    j = json.loads(l)
+    if j["bench"] == "dense_matvec" and j["rows"] == 1:
+        print(f'sv={j["sv"]} {j["shape"]:14s} {j["seconds"]*1e6:8.1f}us {j["fraction_of_copy"]:.3f} of copy; cublas {j["cublas_fraction_of_copy"]:.3f}')
+    elif j["bench"] == "gated_matvec" and j["rows"] == 1:
+        print(f'sv={j["sv"]} gated {j["shape"]:8s} {j["gated_seconds"]*1e6:8.1f}us {j["gated_fraction_of_copy"]:.3f} of copy')
+PY
+      ;;
     ab)
       # Decode A/B, one process each: default, cuBLAS products, cudarc
       # event tracking kept, default again.
@@ -181,7 +198,7 @@ PY
       ;;
     qtc)
       # The 4-bit dequantize-then-mma matvec, uncapped registers and capped for 4 blocks an SM.
-      for v in 1 4; do
+      for v in 1 2 4; do
         CANDLE_GEMMA_QTC_BLOCKS=$v .device/bench_kernels --matmul-only 2>&1 | grep '"bits":4' | grep -v '"rows":512' | sed "s/^{/{\"variant\":\"$v\",/" >> "$OUT/qtc.jsonl"
       done
       python3 - "$OUT/qtc.jsonl" <<'PY'
@@ -190,6 +207,18 @@ for l in open(sys.argv[1]):
     j = json.loads(l)
     print(f'{j["variant"]} {j["shape"]:15s} rows={j["rows"]} g{j["group"]:<3d} {j["seconds"]*1e6:6.1f}us {j["fraction_of_copy"]:.3f}')
 PY
+      ;;
+    kdetail)
+      # ncu sections (throughput, occupancy, stalls) for one launch of each kernel matching
+      # KDETAIL_KERNELS at each bench_kernels point (BENCH_KERNELS_ONCE: one call a point).
+      for a in ${KDETAIL_ARGS:-all --dense-only}; do
+        BENCH_KERNELS_ONCE=1 ncu --clock-control none --cache-control all \
+          -k "regex:${KDETAIL_KERNELS:-qmv_tc4|dense_mv|qsdpa}" \
+          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+          --section SchedulerStats --section MemoryWorkloadAnalysis --csv --page details \
+          --log-file "$OUT/kdetail$a.csv" .device/bench_kernels $([ $a = all ] || echo $a) >> "$OUT/kdetail-bench.txt" 2>&1
+        echo "kdetail $a exit $?"; wc -l "$OUT/kdetail$a.csv"; xz -9 "$OUT/kdetail$a.csv"
+      done
       ;;
     floor)
       # Fixed cost of one small kernel: host enqueue and GPU time per launch (2560 bf16 elements).

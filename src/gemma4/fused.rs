@@ -182,8 +182,8 @@ fn folded_product_add_norm(
     };
     let bytes = super::tensor_bytes(w);
     let wanted = match gate {
-        Some(_) => k::gated_matvec_wanted(bytes),
-        None => k::dense_matvec_wanted(bytes),
+        Some(_) => k::gated_matvec_wanted(bytes, super::rows_of(x)),
+        None => k::dense_matvec_wanted(bytes, super::rows_of(x)),
     };
     if off
         || !wanted
@@ -219,7 +219,7 @@ pub(crate) fn normed_product(lin: &Linear, x: &Tensor, norm: &RmsNorm) -> Result
     #[cfg(feature = "cuda")]
     if let Some(w) = lin.dense_weight() {
         if crate::kernels::fused_enabled(x.device())
-            && k::dense_matvec_wanted(super::tensor_bytes(w))
+            && k::dense_matvec_wanted(super::tensor_bytes(w), super::rows_of(x))
             && norm.weight().dtype() == x.dtype()
         {
             if let Some(y) = k::dense_matvec_normed(x, norm.weight(), norm.eps(), w)? {

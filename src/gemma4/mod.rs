@@ -87,10 +87,18 @@ impl Linear {
     }
 }
 
+/// Activation rows of `x` (`[.., in]`).
+#[cfg(feature = "cuda")]
+pub(crate) fn rows_of(x: &Tensor) -> usize {
+    x.elem_count() / x.dims().last().copied().unwrap_or(1).max(1)
+}
+
 #[cfg(feature = "cuda")]
 fn gated_decode_product(a: &Tensor, b: &Tensor, w: &Tensor) -> crate::Result<Option<Tensor>> {
     use crate::kernels::cuda::fused;
-    if !crate::kernels::fused_enabled(a.device()) || !fused::gated_matvec_wanted(tensor_bytes(w)) {
+    if !crate::kernels::fused_enabled(a.device())
+        || !fused::gated_matvec_wanted(tensor_bytes(w), rows_of(a))
+    {
         return Ok(None);
     }
     Ok(fused::dense_matvec_gated(a, b, w)?)
@@ -101,14 +109,16 @@ fn gated_decode_product(_a: &Tensor, _b: &Tensor, _w: &Tensor) -> crate::Result<
     Ok(None)
 }
 
-/// `x · Wᵀ` through the tensor-core matrix-vector kernel when `x` has few rows (decode) on
-/// CUDA with a small f16/bf16 weight; `None` where the general matmul applies. On small weights
-/// it finishes sooner than cuBLAS; on large ones cuBLAS is faster (see
-/// [`crate::kernels::cuda::fused::DENSE_MV_MAX_BYTES`]).
+/// `x · Wᵀ` through the crate's matrix-vector kernels when `x` has few rows (decode) on CUDA
+/// with an f16/bf16 weight: one row with any weight, up to eight with a small one (on large
+/// weights cuBLAS is faster there, see [`crate::kernels::cuda::fused::DENSE_MV_MAX_BYTES`]);
+/// `None` where the general matmul applies.
 #[cfg(feature = "cuda")]
 fn dense_decode_product(x: &Tensor, w: &Tensor) -> crate::Result<Option<Tensor>> {
     use crate::kernels::cuda::fused;
-    if !crate::kernels::fused_enabled(x.device()) || !fused::dense_matvec_wanted(tensor_bytes(w)) {
+    if !crate::kernels::fused_enabled(x.device())
+        || !fused::dense_matvec_wanted(tensor_bytes(w), rows_of(x))
+    {
         return Ok(None);
     }
     Ok(fused::dense_matvec(x, w)?)

@@ -293,15 +293,24 @@ constexpr int GMV_MAX_PAIRS = 4096;
 template <typename T>
 __device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __restrict__ xr,
                                           int in_dim) {
+    // Four weight loads a lane in flight: unconditional (clamped, zeroed after) so that the
+    // compiler issues them together instead of each right before its use.
+    constexpr int B = 4;
     const int lane = threadIdx.x & 31;
     float acc = 0.f;
-#pragma unroll 4
-    for (int e = lane * 8; e < in_dim; e += 32 * 8) {
-        float wv[8], xv[8];
-        load_x8<T>(wr + e, wv);
-        load_x8<T>(xr + e, xv);
+    for (int e0 = lane * 8; e0 < in_dim; e0 += 32 * 8 * B) {
+        float wv[B][8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc = fmaf(wv[i], xv[i], acc);
+        for (int b = 0; b < B; ++b) load_x8<T>(wr + min(e0 + 256 * b, in_dim - 8), wv[b]);
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int e = e0 + 256 * b;
+            float xv[8];
+            load_x8<T>(xr + min(e, in_dim - 8), xv);
+            const float keep = e < in_dim ? 1.f : 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc = fmaf(wv[b][i] * keep, xv[i], acc);
+        }
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
@@ -495,12 +504,12 @@ extern "C" __global__ void __launch_bounds__(1024)
                                               const float* scale, uint32_t* idx, float* mix) {  \
         moe_route_body<T>(p, logits, scale, idx, mix);                                         \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32)                               \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
         grouped_mv_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx, const T* x,  \
                         T* y) {                                                                \
         grouped_mv_body<T, false>(p, w, idx, x, x, y);                                         \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32)                               \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
         grouped_mv_gated_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx,        \
                               const T* x, const T* xb, T* y) {                                 \
         grouped_mv_body<T, true>(p, w, idx, x, xb, y);                                         \
@@ -533,6 +542,9 @@ constexpr int DMV_PLAIN = 0, DMV_GATED = 1, DMV_NORMED = 2;
 
 
 constexpr int DMV_UNROLL = 4;
+// Resident blocks the register budget is set for: without it the compiler trades loads in
+// flight for registers, interleaving each weight load with the mma that consumes it.
+#define DMV_MIN_BLOCKS(WARPS) (512 / ((WARPS) * 32))
 
 // Dense y = x · Wᵀ for at most 8 activation rows (decode) on the tensor cores: a block owns
 // 16 * MT output rows (MT m16n8k16 tiles sharing one x fragment) and its WARPS warps split
@@ -572,10 +584,12 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
         for (int i = 0; i < DMV_UNROLL; ++i) {
             const int k = (c + i) * 32;
             const bool ok = c + i < c1 && k + 8 * q < in_dim;
+            const int kc = ok ? k : 0;  // unconditional loads, zeroed after (no branches)
 #pragma unroll
-            for (int m = 0; m < 2 * MT; ++m)
-                a[i][m] = ok ? ld_stream4(reinterpret_cast<const uint32_t*>(rowp[m] + k))
-                             : make_uint4(0u, 0u, 0u, 0u);
+            for (int m = 0; m < 2 * MT; ++m) {
+                const uint4 v = ld_stream4(reinterpret_cast<const uint32_t*>(rowp[m] + kc));
+                a[i][m] = ok ? v : make_uint4(0u, 0u, 0u, 0u);
+            }
         }
     };
     // The block first writes its input rows to shared memory (each element once, not once per
@@ -714,27 +728,27 @@ __device__ __forceinline__ void last_block_add_norm(
     const T *res, const T *nw, const T *scalar, const T *w2, const T *w3, T *out, T *out2,     \
         T *out3, uint32_t *counter, const MvNormParams np
 #define DMV_INST(TN, T, MT, WARPS)                                                             \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
         dense_mv_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* w, T* y) {  \
         dense_mv_body<T, MT, WARPS, DMV_PLAIN>(p, x, x, w, y);                                     \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
         dense_mv_gated_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* xb,   \
                                              const T* w, T* y) {                               \
         dense_mv_body<T, MT, WARPS, DMV_GATED>(p, x, xb, w, y);                                     \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
         dense_mv_normed_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* nw,  \
                                               const T* w, T* y) {                              \
         dense_mv_body<T, MT, WARPS, DMV_NORMED>(p, x, nw, w, y);                               \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32) dense_mv_norm_##TN##_##MT##_##WARPS( \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS)) dense_mv_norm_##TN##_##MT##_##WARPS( \
         const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) {                  \
         dense_mv_body<T, MT, WARPS, DMV_PLAIN>(p, x, x, w, y);                                     \
         last_block_add_norm<T, WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2, out3, \
                                            counter);                                           \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
         dense_mv_gated_norm_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x,           \
                                                   const T* xb, const T* w, T* y,               \
                                                   DMV_NORM_ARGS(T)) {                             \
@@ -748,3 +762,159 @@ __device__ __forceinline__ void last_block_add_norm(
     DMV_INST(TN, T, 2, 8)
 DMV_INST_T(f16, __half)
 DMV_INST_T(bf16, __nv_bfloat16)
+
+// Two packed f16/bf16 elements as f32.
+template <typename T>
+__device__ __forceinline__ float2 unpack2(const uint32_t u) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xFFFF0000u));
+    } else {
+        __half2 h;
+        memcpy(&h, &u, 4);
+        return __half22float2(h);
+    }
+}
+
+// sum of the eight products of two packed 16-byte vectors, added to acc.
+template <typename T>
+__device__ __forceinline__ float dot8(const uint4 a, const float (&xf)[8], float acc) {
+    const uint32_t w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 f = unpack2<T>(w[j]);
+        acc = fmaf(f.x, xf[2 * j], acc);
+        acc = fmaf(f.y, xf[2 * j + 1], acc);
+    }
+    return acc;
+}
+
+// Dense y = x · Wᵀ for one activation row on the CUDA cores (`_sv{RPW}` kernels): each warp owns
+// RPW output rows and reads each of them whole, a warp-wide load covering 512 contiguous bytes
+// of one row (the tensor-core kernel's fragments touch 16 rows at 64 bytes each: the same bytes,
+// measured at ~60% of the DRAM peak against cuBLAS's 85-95%). SV_LOADS 16-byte weight loads a
+// lane are in flight per step. Staged inputs (gated, normed) go to shared memory first, as in
+// the tensor-core kernel.
+constexpr int SV_WARPS = 8, SV_LOADS = 8;
+
+template <typename T, int RPW, int MODE>
+__device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __restrict__ x,
+                                              const T* __restrict__ xb,
+                                              const T* __restrict__ w, T* __restrict__ y) {
+    constexpr int U = SV_LOADS / RPW;  // steps of 32 units per load batch
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * SV_WARPS + warp) * RPW;
+    const int last = (int)p.out_dim - 1;
+    const int in_dim = (int)p.in_dim;
+    const int units = in_dim / 8;
+    const uint4* wr[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r)
+        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)min(row0 + r, last) * in_dim);
+    uint4 a[U][RPW];
+    auto load_w = [&](const int u0) {
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            // Unconditional loads (a clamped address, zeroed after): a branch around each
+            // load would let the compiler serialise them.
+            const int u = u0 + 32 * i + lane, uc = min(u, units - 1);
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) {
+                const uint4 v = ld_stream4(reinterpret_cast<const uint32_t*>(wr[r] + uc));
+                a[i][r] = u < units ? v : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    };
+    extern __shared__ __align__(16) unsigned char dmv_smem[];
+    T* sx = reinterpret_cast<T*>(dmv_smem);
+    bool loaded = false;
+    if constexpr (MODE == DMV_GATED) {
+        load_w(0);
+        loaded = true;
+        for (int t = threadIdx.x; t < units; t += blockDim.x) {
+            const uint4 av = *reinterpret_cast<const uint4*>(x + 8 * t);
+            const uint4 bv = *reinterpret_cast<const uint4*>(xb + 8 * t);
+            *reinterpret_cast<uint4*>(sx + 8 * t) = gate8<T>(av, bv);
+        }
+        __syncthreads();
+    }
+    if constexpr (MODE == DMV_NORMED) {
+        __shared__ float nred[SV_WARPS];
+        load_w(0);
+        loaded = true;
+        float ss = 0.f;
+        for (int c = threadIdx.x; c < in_dim; c += SV_WARPS * 32) {
+            const float v = to_f(x[c]);
+            ss += v * v;
+        }
+        const float inv = rsqrtf(block_sum<SV_WARPS * 32>(ss, nred) / in_dim + p.eps);
+        for (int c = threadIdx.x; c < in_dim; c += SV_WARPS * 32)
+            sx[c] = from_f<T>(to_f(x[c]) * inv * to_f(xb[c]));
+        __syncthreads();
+    }
+    const uint4* xs = reinterpret_cast<const uint4*>(MODE == DMV_PLAIN ? x : sx);
+    float acc[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+    for (int u0 = 0; u0 < units; u0 += 32 * U) {
+        if (!loaded) load_w(u0);
+        loaded = false;
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int u = u0 + 32 * i + lane;
+            const uint4 xv = u < units ? xs[u] : make_uint4(0u, 0u, 0u, 0u);
+            float xf[8];
+            const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 f = unpack2<T>(xw[j]);
+                xf[2 * j] = f.x;
+                xf[2 * j + 1] = f.y;
+            }
+#pragma unroll
+            for (int r = 0; r < RPW; ++r) acc[r] = dot8<T>(a[i][r], xf, acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+        float v = acc[r];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+        if (lane == r && row0 + r <= last) y[row0 + r] = from_f<T>(v);
+    }
+}
+
+#define DSV_INST(TN, T, RPW)                                                                   \
+    extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
+        dense_mv_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* w, T* y) {         \
+        dense_sv_body<T, RPW, DMV_PLAIN>(p, x, x, w, y);                                       \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
+        dense_mv_gated_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* xb,          \
+                                      const T* w, T* y) {                                      \
+        dense_sv_body<T, RPW, DMV_GATED>(p, x, xb, w, y);                                      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
+        dense_mv_normed_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* nw,         \
+                                       const T* w, T* y) {                                     \
+        dense_sv_body<T, RPW, DMV_NORMED>(p, x, nw, w, y);                                     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2) dense_mv_norm_##TN##_sv##RPW(  \
+        const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) {               \
+        dense_sv_body<T, RPW, DMV_PLAIN>(p, x, x, w, y);                                       \
+        last_block_add_norm<T, SV_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2,    \
+                                              out3, counter);                                  \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
+        dense_mv_gated_norm_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* xb,     \
+                                           const T* w, T* y, DMV_NORM_ARGS(T)) {               \
+        dense_sv_body<T, RPW, DMV_GATED>(p, x, xb, w, y);                                      \
+        last_block_add_norm<T, SV_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2,    \
+                                              out3, counter);                                  \
+    }
+#define DSV_INST_T(TN, T) \
+    DSV_INST(TN, T, 1)    \
+    DSV_INST(TN, T, 2)    \
+    DSV_INST(TN, T, 4)
+
+DSV_INST_T(f16, __half)
+DSV_INST_T(bf16, __nv_bfloat16)

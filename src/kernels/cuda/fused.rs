@@ -991,18 +991,26 @@ fn dense_mv_mode() -> Option<bool> {
     })
 }
 
-/// Whether a gated decode product with a dense weight of `bytes` takes [`dense_matvec_gated`]:
-/// under [`GATED_MV_MAX_BYTES`] by default; `CANDLE_GEMMA_DENSE_MV` as for [`dense_matvec_wanted`]
+/// Whether a gated decode product of `rows` rows with a dense weight of `bytes` takes
+/// [`dense_matvec_gated`]: one row always, else under [`GATED_MV_MAX_BYTES`] by default; `CANDLE_GEMMA_DENSE_MV` as for [`dense_matvec_wanted`]
 /// (`cublas`: the gate runs on its own, then cuBLAS).
-pub fn gated_matvec_wanted(bytes: usize) -> bool {
-    dense_mv_mode().unwrap_or(bytes <= GATED_MV_MAX_BYTES)
+pub fn gated_matvec_wanted(bytes: usize, rows: usize) -> bool {
+    dense_mv_mode().unwrap_or(bytes <= GATED_MV_MAX_BYTES || one_row_kernel(rows))
 }
 
-/// Whether a decode product with a dense f16/bf16 `[out, in]` weight of `bytes` takes
-/// [`dense_matvec`]: under [`DENSE_MV_MAX_BYTES`] by default; `CANDLE_GEMMA_DENSE_MV=cublas`
+/// Whether a product of `rows` activation rows takes the one-row (`_sv`) kernels, which stream
+/// weights of any size faster than cuBLAS (measured on an H100 with `bench_kernels --dense-only`:
+/// 1.00-1.06 of the copy bandwidth on the 31B and E4B gate/up and head weights, cuBLAS
+/// 0.94-0.95).
+fn one_row_kernel(rows: usize) -> bool {
+    rows == 1 && simt_rows_per_warp(1, 1).is_some()
+}
+
+/// Whether a decode product of `rows` rows with a dense f16/bf16 `[out, in]` weight of `bytes`
+/// takes [`dense_matvec`]: one row always, else under [`DENSE_MV_MAX_BYTES`] by default; `CANDLE_GEMMA_DENSE_MV=cublas`
 /// never, `=all` always (for comparison).
-pub fn dense_matvec_wanted(bytes: usize) -> bool {
-    dense_mv_mode().unwrap_or(bytes <= DENSE_MV_MAX_BYTES)
+pub fn dense_matvec_wanted(bytes: usize, rows: usize) -> bool {
+    dense_mv_mode().unwrap_or(bytes <= DENSE_MV_MAX_BYTES || one_row_kernel(rows))
 }
 
 /// `x · Wᵀ` for a dense `[out, in]` f16/bf16 weight and at most [`DENSE_MV_MAX_ROWS`] rows of
@@ -1135,6 +1143,32 @@ pub fn dense_matvec_normed(
     Ok(dense_mv_with(x, None, Some(&normed), w, None)?.map(|r| r.0))
 }
 
+/// Warps a block of the one-row (`_sv`) dense kernels (`SV_WARPS` in `fused.cu`).
+const SV_WARPS: usize = 8;
+
+/// Output rows per warp of the one-row dense kernels for a weight of `out_dim` rows, or `None`
+/// for the tensor-core kernel. `CANDLE_GEMMA_DENSE_SV`: `0` never, `1`/`2`/`4` that many rows
+/// a warp always (for comparison); by default one row a warp below four blocks a
+/// multiprocessor's worth of rows, else two.
+fn simt_rows_per_warp(out_dim: usize, sms: usize) -> Option<usize> {
+    static MODE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = *MODE.get_or_init(|| {
+        std::env::var("CANDLE_GEMMA_DENSE_SV")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|v| matches!(v, 0 | 1 | 2 | 4))
+    });
+    match forced {
+        Some(0) => None,
+        Some(r) => Some(r),
+        None => Some(if out_dim < 4 * SV_WARPS * 2 * sms {
+            1
+        } else {
+            2
+        }),
+    }
+}
+
 fn dense_mv(
     x: &Tensor,
     gate: Option<&Tensor>,
@@ -1205,6 +1239,11 @@ fn dense_mv_with(
     // are enough rows to keep two waves of blocks on the device; below one such wave, 16 warps
     // split each tile's input instead of 8 (more loads in flight).
     let sms = sm_count(&dev);
+    let simt_rows = if rows == 1 {
+        simt_rows_per_warp(out_dim, sms)
+    } else {
+        None
+    };
     let (tiles, warps) = if out_dim >= 32 * 2 * sms {
         (2, 8)
     } else if out_dim >= 16 * 2 * sms {
@@ -1243,15 +1282,22 @@ fn dense_mv_with(
         (false, false, true) => "dense_mv_norm",
         (true, false, true) => "dense_mv_gated_norm",
     };
-    let func = load_kernel(
-        &dev,
-        &format!("{kind}_{}_{tiles}_{warps}", tn(dtype)?),
-        MODULE,
-        PTX,
-    )?;
+    let (name, rows_per_block, threads) = match simt_rows {
+        Some(rpw) => (
+            format!("{kind}_{}_sv{rpw}", tn(dtype)?),
+            SV_WARPS * rpw,
+            SV_WARPS * 32,
+        ),
+        None => (
+            format!("{kind}_{}_{tiles}_{warps}", tn(dtype)?),
+            16 * tiles,
+            warps as usize * 32,
+        ),
+    };
+    let func = load_kernel(&dev, &name, MODULE, PTX)?;
     let cfg = LaunchConfig {
-        grid_dim: (u32_of(out_dim.div_ceil(16 * tiles), "blocks")?, 1, 1),
-        block_dim: (warps * 32, 1, 1),
+        grid_dim: (u32_of(out_dim.div_ceil(rows_per_block), "blocks")?, 1, 1),
+        block_dim: (threads as u32, 1, 1),
         shared_mem_bytes: if staged { gate_smem as u32 } else { 0 },
     };
     by_dtype!(dtype, E, {

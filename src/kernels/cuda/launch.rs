@@ -619,6 +619,7 @@ fn tc4_blocks() -> usize {
     *B.get_or_init(
         || match std::env::var("CANDLE_GEMMA_QTC_BLOCKS").as_deref() {
             Ok("1") => 1,
+            Ok("2") => 2,
             _ => 4,
         },
     )

@@ -758,9 +758,9 @@ __device__ __forceinline__ uint32_t splat(T v) {
 
 // One 16-row tile a block, two chunks in flight a step: measured best of 1 or 2 tiles and 2 or 4
 // chunks on the 31B projections (2 tiles helped q_proj but cost down_proj, with half the blocks).
-constexpr int QTC_TILES = 1, QTC_UNROLL = 2;
+constexpr int QTC_TILES = 1;
 
-template <typename T>
+template <typename T, int QTC_UNROLL>
 __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __restrict__ x,
                                              const uint32_t* __restrict__ codes,
                                              const T* __restrict__ scales,
@@ -798,16 +798,21 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
             const int k = (c + i) * 128 + 32 * q;
             const bool ok = c + i < c1 && k < in_dim;
             const int g = ok ? k / (int)p.group_size : 0;
+            // Unconditional loads (chunk 0 when out of range), zeroed after: a branch around
+            // each load lets the compiler issue them one at a time.
+            const int cc = ok ? c + i : 0;
 #pragma unroll
             for (int m = 0; m < 2 * QTC_TILES; ++m) {
-                W[i][m] = ok ? ld_stream4(wr[m] + (c + i) * 16) : zero;
+                const uint4 wv = ld_stream4(wr[m] + cc * 16);
+                W[i][m] = ok ? wv : zero;
                 sc[i][m] = splat(scales[(size_t)row[m] * groups + g]);
                 bi[i][m] = splat(biases[(size_t)row[m] * groups + g]);
             }
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                X[i][j] = ok && xok ? *reinterpret_cast<const uint4*>(xr + (c + i) * 128 + 8 * j)
-                                    : zero;
+            for (int j = 0; j < 4; ++j) {
+                const uint4 xv = *reinterpret_cast<const uint4*>(xr + cc * 128 + 8 * j);
+                X[i][j] = ok && xok ? xv : zero;
+            }
         }
 #pragma unroll
         for (int i = 0; i < QTC_UNROLL; ++i) {
@@ -842,16 +847,18 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
                                        (int)p.out_dim, y);
 }
 
-// qmv_tc4_{T}_b{B}: registers capped for B resident blocks a multiprocessor.
-#define QTC4_INST(TN, T, B)                                                                    \
+// qmv_tc4_{T}_b{B}: registers capped for B resident blocks a multiprocessor, U chunks a step
+// (b1 and b4: 2; b2: 4, eight 16-byte weight loads a thread in flight).
+#define QTC4_INST(TN, T, B, U)                                                                 \
     extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32, B)                            \
         qmv_tc4_##TN##_b##B(const QmatParams p, const T* x, const uint32_t* c, const T* s,      \
                             const T* b, T* y) {                                                \
-        qmv_tc4_body<T>(p, x, c, s, b, y);                                                     \
+        qmv_tc4_body<T, U>(p, x, c, s, b, y);                                                  \
     }
 #define QTC4_INST_T(TN, T) \
-    QTC4_INST(TN, T, 1)    \
-    QTC4_INST(TN, T, 4)
+    QTC4_INST(TN, T, 1, 2) \
+    QTC4_INST(TN, T, 2, 4) \
+    QTC4_INST(TN, T, 4, 2)
 QTC4_INST_T(f16, __half)
 QTC4_INST_T(bf16, __nv_bfloat16)
 
