@@ -183,6 +183,7 @@ PY
           env $([ $v = default ] || echo $v) $NCU --log-file "$OUT/gpuab.csv" $B --config $C/$m-config.json --prefill 0 --batch 1 \
             --context 128 --steps 2 --rounds 1 --profile > /dev/null 2>>"$OUT/bench.err"
           python3 scripts/profile_summary.py "$OUT/gpuab.csv" --label "$m $v" --top ${AB_TOP:-0}
+          [ -n "${GPUAB_KEEP:-}" ] && cp "$OUT/gpuab.csv" "$OUT/gpuab-$m-$(echo $v | tr '=' '-').csv"
         done
       done
       rm -f "$OUT/gpuab.csv"
@@ -219,6 +220,14 @@ PY
           --log-file "$OUT/kdetail$a.csv" .device/bench_kernels $([ $a = all ] || echo $a) >> "$OUT/kdetail-bench.txt" 2>&1
         echo "kdetail $a exit $?"; wc -l "$OUT/kdetail$a.csv"; xz -9 "$OUT/kdetail$a.csv"
       done
+      ;;
+    normdetail)
+      # ncu sections for the first folded-norm products of one E4B decode step.
+      C2=$C; ncu --profile-from-start off --clock-control none --cache-control none -k "regex:${ND_KERNELS:-dense_mv_norm|dense_mv_gated_norm}" -c ${ND_COUNT:-6} \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        --csv --page details --log-file "$OUT/normdetail.csv" $B --config $C2/${ND_MODEL:-e4b}-config.json --prefill 0 --batch 1 \
+        --context 128 --steps 2 --rounds 1 --profile > /dev/null 2>>"$OUT/bench.err"
+      echo "normdetail exit $?"
       ;;
     floor)
       # Fixed cost of one small kernel: host enqueue and GPU time per launch (2560 bf16 elements).

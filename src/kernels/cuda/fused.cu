@@ -687,15 +687,75 @@ __device__ __forceinline__ void last_block_add_norm(
     T* __restrict__ out3, uint32_t* __restrict__ counter) {
     __shared__ float nred[THREADS / 32];
     __shared__ uint32_t is_last;
-    __threadfence();
+    // One thread fences for the block, after the barrier (fences are cumulative: they order
+    // the block's stores the barrier made visible to it); a fence in every thread costs
+    // microseconds a launch.
     __syncthreads();
-    if (threadIdx.x == 0) is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        if (is_last) {
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            *counter = 0u;
+        }
+    }
     __syncthreads();
     if (!is_last) return;
-    __threadfence();
-    if (threadIdx.x == 0) *counter = 0u;
     const int dim = (int)p.out_dim;
     const float s = (n.flags & 1) ? to_f(scalar[0]) : 1.f;
+    // Rows up to 4096 wide: each thread keeps its elements in registers and issues each pass's
+    // loads together (unconditional, clamped), so the single block pays a handful of memory
+    // latencies instead of one per element it handles.
+    constexpr int PER = 4096 / THREADS;
+    if (dim <= PER * THREADS) {
+        for (int r = 0; r < (int)p.rows; ++r) {
+            const size_t base = (size_t)r * dim;
+            float v[PER];  // y, then the sum
+            float ss = 0.f;
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                const int i = threadIdx.x + k * THREADS;
+                const float yk = ld_cg(y + base + min(i, dim - 1));
+                v[k] = i < dim ? yk : 0.f;
+                ss += v[k] * v[k];
+            }
+            const float inv = rsqrtf(block_sum<THREADS>(ss, nred) / dim + n.eps);
+            float ss2 = 0.f;
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                const int i = threadIdx.x + k * THREADS, ic = min(i, dim - 1);
+                float o = rnd<T>(to_f(res[base + ic]) + rnd<T>(v[k] * inv * to_f(w[ic])));
+                if (n.flags & 1) o = rnd<T>(o * s);
+                v[k] = i < dim ? o : 0.f;
+                ss2 += v[k] * v[k];
+            }
+            // Stores after all loads: a store between two loads (which might alias, for the
+            // compiler) would make each load wait for the one before.
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                const int i = threadIdx.x + k * THREADS;
+                if (i < dim) out[base + i] = from_f<T>(v[k]);
+            }
+            if (!(n.flags & 2)) continue;
+            const float inv2 = rsqrtf(block_sum<THREADS>(ss2, nred) / dim + n.eps);
+            float a[PER], b[PER];
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                const int ic = min((int)threadIdx.x + k * THREADS, dim - 1);
+                a[k] = to_f(w2[ic]);
+                b[k] = (n.flags & 4) ? to_f(w3[ic]) : 0.f;
+            }
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                const int i = threadIdx.x + k * THREADS;
+                if (i < dim) {
+                    out2[base + i] = from_f<T>(v[k] * inv2 * a[k]);
+                    if (n.flags & 4) out3[base + i] = from_f<T>(v[k] * inv2 * b[k]);
+                }
+            }
+        }
+        return;
+    }
     for (int r = 0; r < (int)p.rows; ++r) {
         const size_t base = (size_t)r * dim;
         float ss = 0.f;
