@@ -676,6 +676,40 @@ __device__ __forceinline__ float ld_cg(const T* p) {
     }
 }
 
+// Two packed f16/bf16 elements as f32.
+template <typename T>
+__device__ __forceinline__ float2 unpack2(const uint32_t u) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xFFFF0000u));
+    } else {
+        __half2 h;
+        memcpy(&h, &u, 4);
+        return __half22float2(h);
+    }
+}
+
+// Eight f32 values as eight packed f16/bf16 elements.
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
+    uint4 r;
+    T* pr = reinterpret_cast<T*>(&r);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) pr[i] = from_f<T>(v[i]);
+    return r;
+}
+
+// Eight packed f16/bf16 elements as f32.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4 u, float (&v)[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 f = unpack2<T>(w[j]);
+        v[2 * j] = f.x;
+        v[2 * j + 1] = f.y;
+    }
+}
+
 // After every block has stored its outputs, the last block to finish (a launch-wide counter,
 // left at zero for the next launch) computes for each row out = (res + rms(y) * w) [* scalar]
 // and the norms of out asked for, rounded as the add_norm kernel rounds them.
@@ -703,9 +737,86 @@ __device__ __forceinline__ void last_block_add_norm(
     if (!is_last) return;
     const int dim = (int)p.out_dim;
     const float s = (n.flags & 1) ? to_f(scalar[0]) : 1.f;
-    // Rows up to 4096 wide: each thread keeps its elements in registers and issues each pass's
-    // loads together (unconditional, clamped), so the single block pays a handful of memory
-    // latencies instead of one per element it handles.
+    // Rows up to 4096 wide whose rows and weights are 16-byte aligned: each thread keeps its
+    // elements in registers, reads and writes them 8 at a time and issues each pass's loads
+    // together (unconditional, clamped), so the single block pays a handful of memory
+    // latencies and few instructions.
+    constexpr int PV = 4096 / 8 / THREADS;  // 8-element vectors a thread
+    auto al = [](const void* q) { return ((uintptr_t)q & 15) == 0; };
+    if constexpr (sizeof(T) == 2 && PV >= 1) {
+        const int nv = dim / 8;
+        if (dim % 8 == 0 && nv <= PV * THREADS && al(y) && al(res) && al(w) && al(out) &&
+            (!(n.flags & 2) || (al(w2) && al(out2))) && (!(n.flags & 4) || (al(w3) && al(out3)))) {
+            for (int r = 0; r < (int)p.rows; ++r) {
+                const size_t base = (size_t)r * dim;
+                float v[PV][8];
+                float ss = 0.f;
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const int i = threadIdx.x + k * THREADS, ic = min(i, nv - 1);
+                    unpack8<T>(__ldcg(reinterpret_cast<const uint4*>(y + base) + ic), v[k]);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        v[k][j] = i < nv ? v[k][j] : 0.f;
+                        ss += v[k][j] * v[k][j];
+                    }
+                }
+                const float inv = rsqrtf(block_sum<THREADS>(ss, nred) / dim + n.eps);
+                uint4 rv[PV], wv[PV];
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const int ic = min((int)threadIdx.x + k * THREADS, nv - 1);
+                    rv[k] = reinterpret_cast<const uint4*>(res + base)[ic];
+                    wv[k] = reinterpret_cast<const uint4*>(w)[ic];
+                }
+                float ss2 = 0.f;
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const bool in = (int)threadIdx.x + k * THREADS < nv;
+                    float rf[8], wf[8];
+                    unpack8<T>(rv[k], rf);
+                    unpack8<T>(wv[k], wf);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        float o = rnd<T>(rf[j] + rnd<T>(v[k][j] * inv * wf[j]));
+                        if (n.flags & 1) o = rnd<T>(o * s);
+                        v[k][j] = in ? o : 0.f;
+                        ss2 += v[k][j] * v[k][j];
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const int i = threadIdx.x + k * THREADS;
+                    if (i < nv) reinterpret_cast<uint4*>(out + base)[i] = pack8<T>(v[k]);
+                }
+                if (!(n.flags & 2)) continue;
+                const float inv2 = rsqrtf(block_sum<THREADS>(ss2, nred) / dim + n.eps);
+                uint4 av[PV], bv[PV];
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const int ic = min((int)threadIdx.x + k * THREADS, nv - 1);
+                    av[k] = reinterpret_cast<const uint4*>(w2)[ic];
+                    bv[k] = (n.flags & 4) ? reinterpret_cast<const uint4*>(w3)[ic] : av[k];
+                }
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const int i = threadIdx.x + k * THREADS;
+                    if (i >= nv) continue;
+                    float af[8], bf[8], o2[8], o3[8];
+                    unpack8<T>(av[k], af);
+                    unpack8<T>(bv[k], bf);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        o2[j] = v[k][j] * inv2 * af[j];
+                        o3[j] = v[k][j] * inv2 * bf[j];
+                    }
+                    reinterpret_cast<uint4*>(out2 + base)[i] = pack8<T>(o2);
+                    if (n.flags & 4) reinterpret_cast<uint4*>(out3 + base)[i] = pack8<T>(o3);
+                }
+            }
+            return;
+        }
+    }
     constexpr int PER = 4096 / THREADS;
     if (dim <= PER * THREADS) {
         for (int r = 0; r < (int)p.rows; ++r) {
@@ -822,18 +933,6 @@ __device__ __forceinline__ void last_block_add_norm(
     DMV_INST(TN, T, 2, 8)
 DMV_INST_T(f16, __half)
 DMV_INST_T(bf16, __nv_bfloat16)
-
-// Two packed f16/bf16 elements as f32.
-template <typename T>
-__device__ __forceinline__ float2 unpack2(const uint32_t u) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xFFFF0000u));
-    } else {
-        __half2 h;
-        memcpy(&h, &u, 4);
-        return __half22float2(h);
-    }
-}
 
 // sum of the eight products of two packed 16-byte vectors, added to acc.
 template <typename T>
