@@ -740,6 +740,40 @@ fn check_dense_matvec(
         if pass_g { "PASS" } else { "FAIL" }
     );
 
+    // The GeGLU product over a stacked [gate; up] weight (one row only) against the product
+    // rounded to the activation type, gelu_tanh of the gate half rounded, times the up half.
+    let wst = rnd(&[2 * out_dim, in_dim], dtype)?;
+    let y = x
+        .to_dtype(DType::F32)?
+        .matmul(&wst.to_dtype(DType::F32)?.t()?)?
+        .to_dtype(dtype)?
+        .to_dtype(DType::F32)?;
+    let gl = y
+        .narrow(1, 0, out_dim)?
+        .gelu()?
+        .to_dtype(dtype)?
+        .to_dtype(DType::F32)?;
+    let want = (gl * y.narrow(1, out_dim, out_dim)?)?;
+    let got = candle_gemma::kernels::cuda::fused::dense_matvec_geglu(&g(&x)?, &g(&wst)?)?;
+    let (err_q, pass_q) = match got {
+        Some(got) if rows == 1 => {
+            // Outputs ~ in (gelu of a ~sqrt(in) gate times a ~sqrt(in) up); each half rounds
+            // once to the activation type, in whatever order its sum ran.
+            let e = max_abs(&got.to_dtype(DType::F32)?, &want)?;
+            (e, e <= tol(dtype) * mag * mag * 4.0)
+        }
+        None if rows > 1 => (0.0, true),
+        _ => (f32::INFINITY, false),
+    };
+    let e = stats
+        .entry(format!("dense_matvec_geglu {dtype:?}"))
+        .or_insert(0.0);
+    *e = e.max(err_q);
+    println!(
+        "dense_matvec_geglu dtype={dtype:?} [{out_dim}x{in_dim}] rows={rows} max_abs={err_q:.3e} {}",
+        if pass_q { "PASS" } else { "FAIL" }
+    );
+
     // The RMS-normed input (the MoE router's), the norm computed in the kernel.
     let nwr = rnd(&[in_dim], dtype)?;
     let want = rms_norm(&x, &nwr, 1e-6)?
@@ -834,7 +868,7 @@ fn check_dense_matvec(
             if ok { "PASS" } else { "FAIL" }
         );
     }
-    Ok(pass && pass_g && pass_n && pass_r)
+    Ok(pass && pass_g && pass_q && pass_n && pass_r)
 }
 
 fn main() -> Result<()> {

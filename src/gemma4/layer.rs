@@ -213,11 +213,11 @@ impl DecoderLayer {
             let (x, _) = fused::add_norm(&x, &ff, &self.post_feedforward_layernorm, None, None)?;
             return self.finish_ple(x, ple, next_norm, view);
         }
-        let (gate, up) = self.mlp.gate_and_up(&normed)?;
+        let (input, up) = self.mlp.down_input(&normed)?;
         let (x, next_normed, _) = fused::product_add_norm(
             self.mlp.down_proj(),
-            &gate,
-            Some(&up),
+            &input,
+            up.as_ref(),
             &fused::ProductAddNorm {
                 res: &x,
                 norm: &self.post_feedforward_layernorm,

@@ -65,8 +65,31 @@ impl Mlp {
     /// # Errors
     /// Shape mismatch.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self.down_input(x)? {
+            (input, None) => self.down_proj.forward(&input),
+            (gate, Some(up)) => self.down_proj.forward_gated(&gate, &up),
+        }
+    }
+
+    /// The down projection's input: `(gelu_tanh(gate(x)) * up(x), None)` where one launch
+    /// computes it (CUDA decode, one row, the stacked weight: the gate runs inside the
+    /// product), else `(gate(x), Some(up(x)))`, the gate left to the down projection.
+    ///
+    /// # Errors
+    /// Shape mismatch.
+    pub fn down_input(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if let GateUp::Stacked { weight, .. } = &self.gate_up {
+            if let Some(w) = weight.dense_weight() {
+                if crate::kernels::fused_enabled(x.device()) {
+                    if let Some(h) = crate::kernels::cuda::fused::dense_matvec_geglu(x, w)? {
+                        return Ok((h, None));
+                    }
+                }
+            }
+        }
         let (gate, up) = self.gate_and_up(x)?;
-        self.down_proj.forward_gated(&gate, &up)
+        Ok((gate, Some(up)))
     }
 
     /// The gate and up projections of `x` (`[.., width]` each): the down projection's input is

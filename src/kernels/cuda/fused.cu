@@ -539,6 +539,9 @@ struct DenseMvParams {
 // What the product reads as its input: x itself, gelu_tanh(x) * xb (the MLP's or PLE's gate),
 // or rms_norm(x) * xb (the MoE router's input norm, xb its weight).
 constexpr int DMV_PLAIN = 0, DMV_GATED = 1, DMV_NORMED = 2;
+// The one-row kernels' GeGLU product: W is a stacked [gate; up] weight ([2 * width, in]) and
+// the output is gelu_tanh(x · gateᵀ) * (x · upᵀ) ([width]), rounded as the unfused ops round.
+constexpr int DMV_GEGLU = 3;
 
 
 constexpr int DMV_UNROLL = 4;
@@ -965,10 +968,15 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
     const int last = (int)p.out_dim - 1;
     const int in_dim = (int)p.in_dim;
     const int units = in_dim / 8;
+    // GeGLU: output j of the warp reads gate row i0 + j and up row width + i0 + j.
+    const int width = (int)p.out_dim / 2, i0 = row0 / 2;
     const uint4* wr[RPW];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r)
-        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)min(row0 + r, last) * in_dim);
+    for (int r = 0; r < RPW; ++r) {
+        const int row = MODE == DMV_GEGLU ? min(i0 + r / 2, width - 1) + (r & 1) * width
+                                          : min(row0 + r, last);
+        wr[r] = reinterpret_cast<const uint4*>(w + (size_t)row * in_dim);
+    }
     uint4 a[U][RPW];
     auto load_w = [&](const int u0) {
 #pragma unroll
@@ -1010,7 +1018,8 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
             sx[c] = from_f<T>(to_f(x[c]) * inv * to_f(xb[c]));
         __syncthreads();
     }
-    const uint4* xs = reinterpret_cast<const uint4*>(MODE == DMV_PLAIN ? x : sx);
+    const uint4* xs =
+        reinterpret_cast<const uint4*>(MODE == DMV_PLAIN || MODE == DMV_GEGLU ? x : sx);
     float acc[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
@@ -1035,10 +1044,21 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
     }
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
-        float v = acc[r];
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-        if (lane == r && row0 + r <= last) y[row0 + r] = from_f<T>(v);
+        for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+    }
+    if constexpr (MODE == DMV_GEGLU) {
+#pragma unroll
+        for (int j = 0; j < RPW / 2; ++j) {
+            if (lane == j && i0 + j < width) {
+                const float g = rnd<T>(acc[2 * j]), u = rnd<T>(acc[2 * j + 1]);
+                y[i0 + j] = from_f<T>(rnd<T>(gelu_tanh(g)) * u);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < RPW; ++r)
+            if (lane == r && row0 + r <= last) y[row0 + r] = from_f<T>(acc[r]);
     }
 }
 
@@ -1056,6 +1076,10 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
         dense_mv_normed_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* nw,         \
                                        const T* w, T* y) {                                     \
         dense_sv_body<T, RPW, DMV_NORMED>(p, x, nw, w, y);                                     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                             \
+        dense_mv_geglu_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* w, T* y) {   \
+        dense_sv_body<T, RPW, DMV_GEGLU>(p, x, x, w, y);                                       \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2) dense_mv_norm_##TN##_sv##RPW(  \
         const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) {               \

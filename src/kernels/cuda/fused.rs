@@ -1003,7 +1003,7 @@ pub fn gated_matvec_wanted(bytes: usize, rows: usize) -> bool {
 /// 1.00-1.06 of the copy bandwidth on the 31B and E4B gate/up and head weights, cuBLAS
 /// 0.94-0.95).
 fn one_row_kernel(rows: usize) -> bool {
-    rows == 1 && simt_rows_per_warp(1, 1).is_some()
+    rows == 1 && simt_rows_per_warp().is_some()
 }
 
 /// Whether a decode product of `rows` rows with a dense f16/bf16 `[out, in]` weight of `bytes`
@@ -1146,11 +1146,12 @@ pub fn dense_matvec_normed(
 /// Warps a block of the one-row (`_sv`) dense kernels (`SV_WARPS` in `fused.cu`).
 const SV_WARPS: usize = 8;
 
-/// Output rows per warp of the one-row dense kernels for a weight of `out_dim` rows, or `None`
-/// for the tensor-core kernel. `CANDLE_GEMMA_DENSE_SV`: `0` never, `1`/`2`/`4` that many rows
-/// a warp always (for comparison); by default one row a warp below four blocks a
-/// multiprocessor's worth of rows, else two.
-fn simt_rows_per_warp(out_dim: usize, sms: usize) -> Option<usize> {
+/// Output rows per warp of the one-row dense kernels, or `None` for the tensor-core kernel.
+/// `CANDLE_GEMMA_DENSE_SV`: `0` never, `1`/`2`/`4` that many rows a warp; two by default, the
+/// best of the three in GPU time per decode step on an H100 (ncu, `gpuab` phase): E4B 5.56 ms
+/// against 5.88 (one) and 5.80 (four), 26B-A4B 5.01 against 5.08 and 5.17, E2B 3.54 against
+/// 3.52 and 3.80.
+fn simt_rows_per_warp() -> Option<usize> {
     static MODE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let forced = *MODE.get_or_init(|| {
         std::env::var("CANDLE_GEMMA_DENSE_SV")
@@ -1161,12 +1162,83 @@ fn simt_rows_per_warp(out_dim: usize, sms: usize) -> Option<usize> {
     match forced {
         Some(0) => None,
         Some(r) => Some(r),
-        None => Some(if out_dim < 4 * SV_WARPS * 2 * sms {
-            1
-        } else {
-            2
-        }),
+        None => Some(2),
     }
+}
+
+/// `gelu_tanh(x · gateᵀ) * (x · upᵀ)` for one activation row (`[.., in]`, decode) and a
+/// stacked `[gate; up]` f16/bf16 weight (`[2 * width, in]`) in one launch, returning
+/// `[.., width]` rounded as the separate product and gate would round it; the down projection
+/// then reads it without a gate of its own. `None` where it does not apply (more rows, another
+/// dtype, `in` not a multiple of 8, unaligned views, `CANDLE_GEMMA_DENSE_SV=0`), so the caller
+/// runs the product and the gate apart.
+///
+/// # Errors
+/// CUDA errors.
+pub fn dense_matvec_geglu(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    let (stacked, in_dim) = w.dims2()?;
+    let dtype = x.dtype();
+    let Some(rpw) = simt_rows_per_warp() else {
+        return Ok(None);
+    };
+    let aligned = |t: &Tensor| t.layout().start_offset() % 8 == 0;
+    if !matches!(dtype, DType::BF16 | DType::F16)
+        || w.dtype() != dtype
+        || x.dims().last() != Some(&in_dim)
+        || x.elem_count() != in_dim
+        || in_dim % 8 != 0
+        || stacked == 0
+        || stacked % 2 != 0
+        || !w.is_contiguous()
+        || !aligned(w)
+    {
+        return Ok(None);
+    }
+    let x = x.contiguous()?;
+    if !aligned(&x) {
+        return Ok(None);
+    }
+    let dev = cuda_dev(&x)?;
+    let width = stacked / 2;
+    let rpw = rpw.max(2);
+    let params = DenseMvParams {
+        rows: 1,
+        out_dim: u32_of(stacked, "output width")?,
+        in_dim: u32_of(in_dim, "input width")?,
+        x_stride: u32_of(in_dim, "row stride")?,
+        b_stride: u32_of(in_dim, "row stride")?,
+        eps: 0.0,
+    };
+    let func = load_kernel(
+        &dev,
+        &format!("dense_mv_geglu_{}_sv{rpw}", tn(dtype)?),
+        MODULE,
+        PTX,
+    )?;
+    let cfg = LaunchConfig {
+        grid_dim: (u32_of(width.div_ceil(SV_WARPS * rpw / 2), "blocks")?, 1, 1),
+        block_dim: ((SV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut shape = x.dims().to_vec();
+    if let Some(l) = shape.last_mut() {
+        *l = width;
+    }
+    by_dtype!(dtype, E, {
+        // SAFETY: every output is written by the warp owning it.
+        let mut y = unsafe { dev.alloc::<E>(width)? };
+        bind!(xv, x, E);
+        bind!(wv, w, E);
+        let mut b = func.builder();
+        b.arg(&params);
+        b.arg(&xv);
+        b.arg(&wv);
+        b.arg(&mut y);
+        // SAFETY: arguments match the kernel's signature; widths checked above.
+        unsafe { b.launch(cfg) }.w()?;
+        drop(b);
+        Ok(Some(wrap(y, &dev, &shape)))
+    })
 }
 
 fn dense_mv(
@@ -1240,7 +1312,7 @@ fn dense_mv_with(
     // split each tile's input instead of 8 (more loads in flight).
     let sms = sm_count(&dev);
     let simt_rows = if rows == 1 {
-        simt_rows_per_warp(out_dim, sms)
+        simt_rows_per_warp()
     } else {
         None
     };
