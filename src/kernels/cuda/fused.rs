@@ -970,10 +970,11 @@ pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
     Ok(wrap(out, &dev, &[rows]))
 }
 
-/// Weights up to this size take [`dense_matvec`] for decode products; larger ones stay on
-/// cuBLAS. Measured on an H100 (`bench_kernels --dense-only`): the kernel is 1.5x faster than
-/// cuBLAS on E4B's 16 MB q/k/v weight, but cuBLAS streams weights of 50 MB and more at 85-95%
-/// of the copy bandwidth against the kernel's 61-80%.
+/// Weights up to this size take [`dense_matvec`] for decode products of 2 to 8 rows; larger
+/// ones stay on cuBLAS (one row takes the one-row kernels at any size). Measured on an H100 at
+/// 8 rows (`bench_kernels --dense-only`): the tensor-core kernel is 1.6x faster than cuBLAS on
+/// E4B's 16 MB q/k/v weight, but cuBLAS streams the 31B gate/up and head weights at 0.94-0.95
+/// of the copy bandwidth against the kernel's 0.81-0.85.
 pub const DENSE_MV_MAX_BYTES: usize = 24 << 20;
 
 /// Weights up to this size take [`dense_matvec_gated`] for gated decode products. Larger than
@@ -992,7 +993,8 @@ fn dense_mv_mode() -> Option<bool> {
 }
 
 /// Whether a gated decode product of `rows` rows with a dense weight of `bytes` takes
-/// [`dense_matvec_gated`]: one row always, else under [`GATED_MV_MAX_BYTES`] by default; `CANDLE_GEMMA_DENSE_MV` as for [`dense_matvec_wanted`]
+/// [`dense_matvec_gated`]: one row always, else under [`GATED_MV_MAX_BYTES`] by default;
+/// `CANDLE_GEMMA_DENSE_MV` as for [`dense_matvec_wanted`]
 /// (`cublas`: the gate runs on its own, then cuBLAS).
 pub fn gated_matvec_wanted(bytes: usize, rows: usize) -> bool {
     dense_mv_mode().unwrap_or(bytes <= GATED_MV_MAX_BYTES || one_row_kernel(rows))
@@ -1007,8 +1009,8 @@ fn one_row_kernel(rows: usize) -> bool {
 }
 
 /// Whether a decode product of `rows` rows with a dense f16/bf16 `[out, in]` weight of `bytes`
-/// takes [`dense_matvec`]: one row always, else under [`DENSE_MV_MAX_BYTES`] by default; `CANDLE_GEMMA_DENSE_MV=cublas`
-/// never, `=all` always (for comparison).
+/// takes [`dense_matvec`]: one row always, else under [`DENSE_MV_MAX_BYTES`] by default;
+/// `CANDLE_GEMMA_DENSE_MV=cublas` never, `=all` always (for comparison).
 pub fn dense_matvec_wanted(bytes: usize, rows: usize) -> bool {
     dense_mv_mode().unwrap_or(bytes <= DENSE_MV_MAX_BYTES || one_row_kernel(rows))
 }

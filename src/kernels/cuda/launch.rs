@@ -613,7 +613,9 @@ fn uses_tensor_core_matvec(
 
 /// Resident blocks a multiprocessor `qmv_tc4` is compiled for: 4 (registers capped at 64,
 /// 32 warps an SM), measured 5-10% faster on an H100 than the uncapped build (3 blocks, 76
-/// registers) on the 31B projections. `CANDLE_GEMMA_QTC_BLOCKS=1` takes the uncapped one.
+/// registers) on the 31B projections. `CANDLE_GEMMA_QTC_BLOCKS=1` takes the uncapped one, `=2`
+/// the 128-register one with four chunks a step (measured 0.42-0.51 of the copy bandwidth
+/// against 0.49-0.61 for the default, `bench-results/h100-s6-qtc-variants.jsonl`).
 fn tc4_blocks() -> usize {
     static B: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *B.get_or_init(
