@@ -749,15 +749,27 @@ __device__ __forceinline__ void last_block_add_norm(
     if constexpr (sizeof(T) == 2 && PV >= 1) {
         const int nv = dim / 8;
         if (dim % 8 == 0 && nv <= PV * THREADS && al(y) && al(res) && al(w) && al(out) &&
-            (!(n.flags & 2) || (al(w2) && al(out2))) && (!(n.flags & 4) || (al(w3) && al(out3)))) {
+            al(w2) && al(w3) && (!(n.flags & 2) || al(out2)) && (!(n.flags & 4) || al(out3))) {
             for (int r = 0; r < (int)p.rows; ++r) {
                 const size_t base = (size_t)r * dim;
+                // Every load of the row at once: the residual and the norm weights do not wait
+                // for the sums (w2 and w3 stand for w when not asked for, so always valid).
+                uint4 yv[PV], rv[PV], wv[PV], av[PV], bv[PV];
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const int ic = min((int)threadIdx.x + k * THREADS, nv - 1);
+                    yv[k] = __ldcg(reinterpret_cast<const uint4*>(y + base) + ic);
+                    rv[k] = reinterpret_cast<const uint4*>(res + base)[ic];
+                    wv[k] = reinterpret_cast<const uint4*>(w)[ic];
+                    av[k] = reinterpret_cast<const uint4*>(w2)[ic];
+                    bv[k] = reinterpret_cast<const uint4*>(w3)[ic];
+                }
                 float v[PV][8];
                 float ss = 0.f;
 #pragma unroll
                 for (int k = 0; k < PV; ++k) {
-                    const int i = threadIdx.x + k * THREADS, ic = min(i, nv - 1);
-                    unpack8<T>(__ldcg(reinterpret_cast<const uint4*>(y + base) + ic), v[k]);
+                    const int i = threadIdx.x + k * THREADS;
+                    unpack8<T>(yv[k], v[k]);
 #pragma unroll
                     for (int j = 0; j < 8; ++j) {
                         v[k][j] = i < nv ? v[k][j] : 0.f;
@@ -765,13 +777,6 @@ __device__ __forceinline__ void last_block_add_norm(
                     }
                 }
                 const float inv = rsqrtf(block_sum<THREADS>(ss, nred) / dim + n.eps);
-                uint4 rv[PV], wv[PV];
-#pragma unroll
-                for (int k = 0; k < PV; ++k) {
-                    const int ic = min((int)threadIdx.x + k * THREADS, nv - 1);
-                    rv[k] = reinterpret_cast<const uint4*>(res + base)[ic];
-                    wv[k] = reinterpret_cast<const uint4*>(w)[ic];
-                }
                 float ss2 = 0.f;
 #pragma unroll
                 for (int k = 0; k < PV; ++k) {
@@ -794,13 +799,6 @@ __device__ __forceinline__ void last_block_add_norm(
                 }
                 if (!(n.flags & 2)) continue;
                 const float inv2 = rsqrtf(block_sum<THREADS>(ss2, nred) / dim + n.eps);
-                uint4 av[PV], bv[PV];
-#pragma unroll
-                for (int k = 0; k < PV; ++k) {
-                    const int ic = min((int)threadIdx.x + k * THREADS, nv - 1);
-                    av[k] = reinterpret_cast<const uint4*>(w2)[ic];
-                    bv[k] = (n.flags & 4) ? reinterpret_cast<const uint4*>(w3)[ic] : av[k];
-                }
 #pragma unroll
                 for (int k = 0; k < PV; ++k) {
                     const int i = threadIdx.x + k * THREADS;
