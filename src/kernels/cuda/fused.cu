@@ -559,6 +559,38 @@ constexpr int DMV_UNROLL = 4;
 //
 // DMV_GATED / DMV_NORMED: the block computes its input rows into dynamic shared memory
 // (rows * in_dim elements) instead of a launch of their own doing it.
+// The staged input of the gated and normed products, written once a block to shared memory
+// `sx` (p.rows rows of in_dim, rows strided by x_stride and b_stride): gelu_tanh(x) * xb, or
+// rms_norm(x) * xb with xb the norm weight. Callers issue their first weight loads before.
+template <typename T, int MODE, int THREADS>
+__device__ __forceinline__ void stage_input(const DenseMvParams& p, const T* __restrict__ x,
+                                            const T* __restrict__ xb, T* __restrict__ sx) {
+    const int in_dim = (int)p.in_dim;
+    if constexpr (MODE == DMV_GATED) {
+        const int n8 = (int)p.rows * in_dim / 8;
+        for (int t = threadIdx.x; t < n8; t += THREADS) {
+            const int e = t * 8, r = e / in_dim, c = e % in_dim;
+            const uint4 av = *reinterpret_cast<const uint4*>(x + (size_t)r * p.x_stride + c);
+            const uint4 bv = *reinterpret_cast<const uint4*>(xb + (size_t)r * p.b_stride + c);
+            *reinterpret_cast<uint4*>(sx + e) = gate8<T>(av, bv);
+        }
+    } else if constexpr (MODE == DMV_NORMED) {
+        __shared__ float nred[THREADS / 32];
+        for (int r = 0; r < (int)p.rows; ++r) {
+            const T* xrow = x + (size_t)r * p.x_stride;
+            float ss = 0.f;
+            for (int c = threadIdx.x; c < in_dim; c += THREADS) {
+                const float v = to_f(xrow[c]);
+                ss += v * v;
+            }
+            const float inv = rsqrtf(block_sum<THREADS>(ss, nred) / in_dim + p.eps);
+            for (int c = threadIdx.x; c < in_dim; c += THREADS)
+                sx[(size_t)r * in_dim + c] = from_f<T>(to_f(xrow[c]) * inv * to_f(xb[c]));
+        }
+    }
+    __syncthreads();
+}
+
 template <typename T, int MT, int WARPS, int MODE>
 __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __restrict__ x,
                                               const T* __restrict__ xb,
@@ -600,34 +632,10 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
     extern __shared__ __align__(16) unsigned char dmv_smem[];
     T* sx = reinterpret_cast<T*>(dmv_smem);
     bool loaded = false;
-    if constexpr (MODE == DMV_GATED) {
+    if constexpr (MODE == DMV_GATED || MODE == DMV_NORMED) {
         load_w(c0);
         loaded = true;
-        const int n8 = (int)p.rows * in_dim / 8;
-        for (int t = threadIdx.x; t < n8; t += blockDim.x) {
-            const int e = t * 8, r = e / in_dim, c = e % in_dim;
-            const uint4 av = *reinterpret_cast<const uint4*>(x + (size_t)r * p.x_stride + c);
-            const uint4 bv = *reinterpret_cast<const uint4*>(xb + (size_t)r * p.b_stride + c);
-            *reinterpret_cast<uint4*>(sx + e) = gate8<T>(av, bv);
-        }
-        __syncthreads();
-    }
-    if constexpr (MODE == DMV_NORMED) {
-        __shared__ float nred[WARPS];
-        load_w(c0);
-        loaded = true;
-        for (int r = 0; r < (int)p.rows; ++r) {
-            const T* xrow = x + (size_t)r * p.x_stride;
-            float ss = 0.f;
-            for (int c = threadIdx.x; c < in_dim; c += WARPS * 32) {
-                const float v = to_f(xrow[c]);
-                ss += v * v;
-            }
-            const float inv = rsqrtf(block_sum<WARPS * 32>(ss, nred) / in_dim + p.eps);
-            for (int c = threadIdx.x; c < in_dim; c += WARPS * 32)
-                sx[(size_t)r * in_dim + c] = from_f<T>(to_f(xrow[c]) * inv * to_f(xb[c]));
-        }
-        __syncthreads();
+        stage_input<T, MODE, WARPS * 32>(p, x, xb, sx);
     }
     const T* sxr = sx + (size_t)(xok ? gq : 0) * in_dim + 8 * q;
     for (int c = c0; c < c1; c += DMV_UNROLL) {
@@ -818,56 +826,6 @@ __device__ __forceinline__ void last_block_add_norm(
             return;
         }
     }
-    constexpr int PER = 4096 / THREADS;
-    if (dim <= PER * THREADS) {
-        for (int r = 0; r < (int)p.rows; ++r) {
-            const size_t base = (size_t)r * dim;
-            float v[PER];  // y, then the sum
-            float ss = 0.f;
-#pragma unroll
-            for (int k = 0; k < PER; ++k) {
-                const int i = threadIdx.x + k * THREADS;
-                const float yk = ld_cg(y + base + min(i, dim - 1));
-                v[k] = i < dim ? yk : 0.f;
-                ss += v[k] * v[k];
-            }
-            const float inv = rsqrtf(block_sum<THREADS>(ss, nred) / dim + n.eps);
-            float ss2 = 0.f;
-#pragma unroll
-            for (int k = 0; k < PER; ++k) {
-                const int i = threadIdx.x + k * THREADS, ic = min(i, dim - 1);
-                float o = rnd<T>(to_f(res[base + ic]) + rnd<T>(v[k] * inv * to_f(w[ic])));
-                if (n.flags & 1) o = rnd<T>(o * s);
-                v[k] = i < dim ? o : 0.f;
-                ss2 += v[k] * v[k];
-            }
-            // Stores after all loads: a store between two loads (which might alias, for the
-            // compiler) would make each load wait for the one before.
-#pragma unroll
-            for (int k = 0; k < PER; ++k) {
-                const int i = threadIdx.x + k * THREADS;
-                if (i < dim) out[base + i] = from_f<T>(v[k]);
-            }
-            if (!(n.flags & 2)) continue;
-            const float inv2 = rsqrtf(block_sum<THREADS>(ss2, nred) / dim + n.eps);
-            float a[PER], b[PER];
-#pragma unroll
-            for (int k = 0; k < PER; ++k) {
-                const int ic = min((int)threadIdx.x + k * THREADS, dim - 1);
-                a[k] = to_f(w2[ic]);
-                b[k] = (n.flags & 4) ? to_f(w3[ic]) : 0.f;
-            }
-#pragma unroll
-            for (int k = 0; k < PER; ++k) {
-                const int i = threadIdx.x + k * THREADS;
-                if (i < dim) {
-                    out2[base + i] = from_f<T>(v[k] * inv2 * a[k]);
-                    if (n.flags & 4) out3[base + i] = from_f<T>(v[k] * inv2 * b[k]);
-                }
-            }
-        }
-        return;
-    }
     for (int r = 0; r < (int)p.rows; ++r) {
         const size_t base = (size_t)r * dim;
         float ss = 0.f;
@@ -992,29 +950,10 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
     extern __shared__ __align__(16) unsigned char dmv_smem[];
     T* sx = reinterpret_cast<T*>(dmv_smem);
     bool loaded = false;
-    if constexpr (MODE == DMV_GATED) {
+    if constexpr (MODE == DMV_GATED || MODE == DMV_NORMED) {
         load_w(0);
         loaded = true;
-        for (int t = threadIdx.x; t < units; t += blockDim.x) {
-            const uint4 av = *reinterpret_cast<const uint4*>(x + 8 * t);
-            const uint4 bv = *reinterpret_cast<const uint4*>(xb + 8 * t);
-            *reinterpret_cast<uint4*>(sx + 8 * t) = gate8<T>(av, bv);
-        }
-        __syncthreads();
-    }
-    if constexpr (MODE == DMV_NORMED) {
-        __shared__ float nred[SV_WARPS];
-        load_w(0);
-        loaded = true;
-        float ss = 0.f;
-        for (int c = threadIdx.x; c < in_dim; c += SV_WARPS * 32) {
-            const float v = to_f(x[c]);
-            ss += v * v;
-        }
-        const float inv = rsqrtf(block_sum<SV_WARPS * 32>(ss, nred) / in_dim + p.eps);
-        for (int c = threadIdx.x; c < in_dim; c += SV_WARPS * 32)
-            sx[c] = from_f<T>(to_f(x[c]) * inv * to_f(xb[c]));
-        __syncthreads();
+        stage_input<T, MODE, SV_WARPS * 32>(p, x, xb, sx);
     }
     const uint4* xs =
         reinterpret_cast<const uint4*>(MODE == DMV_PLAIN || MODE == DMV_GEGLU ? x : sx);
