@@ -179,6 +179,10 @@ fn main() -> Result<()> {
         }
     }
 
+    // `--attention-only`: stop after the attention benches.
+    if std::env::args().any(|a| a == "--attention-only") {
+        return Ok(());
+    }
     // Quantized matvec / GEMM vs bf16 on the 31B projections ([out, in]).
     let projs: [(&str, usize, usize); 3] = [
         ("q_proj_sliding", 8192, 5376),

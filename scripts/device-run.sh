@@ -233,6 +233,13 @@ PY
       # Fixed cost of one small kernel: host enqueue and GPU time per launch (2560 bf16 elements).
       .device/bench_kernels --launch-floor 2>&1 | tee "$OUT/launch-floor.jsonl"
       ;;
+    attn)
+      # Attention benches with the tensor-core kernel (default) and with the CUDA-core one.
+      .device/bench_kernels --attention-only > "$OUT/attn-tc.jsonl" 2>&1; echo "tc exit $?"
+      CANDLE_GEMMA_QSDPA_TC=0 .device/bench_kernels --attention-only > "$OUT/attn-simt.jsonl" 2>&1
+      echo "simt exit $?"
+      python3 scripts/attn_table.py "$OUT/attn-tc.jsonl" "$OUT/attn-simt.jsonl"
+      ;;
     kernels)
       .device/bench_kernels > "$OUT/bench-kernels.txt" 2>&1; tail -40 "$OUT/bench-kernels.txt"
       ;;

@@ -17,7 +17,7 @@ use super::launch::{
     cuda_dev, cuda_storage, kname, plan_seq, sm_count, view, wrap, KvOperand, SeqPlan,
     FUSED_MAX_Q_LEN,
 };
-use super::params::{QsdpaParams, QSDPA_HEAD_DIMS, QSDPA_WARPS};
+use super::params::{QsdpaParams, QSDPA_HEAD_DIMS};
 use crate::kernels::{check_view, QueryPlan};
 use crate::kv::{CacheError, KvData, KvView};
 
@@ -121,6 +121,7 @@ pub(crate) fn attend_batch(
         p.bits == first.bits
             && p.dense == first.dense
             && p.nq == first.nq
+            && p.tensor_cores == first.tensor_cores
             && p.params.kv_heads == first.params.kv_heads
             && p.params.group_size == first.params.group_size
     });
@@ -128,7 +129,7 @@ pub(crate) fn attend_batch(
     if !same_kernel || batch * n_split_max > u16::MAX as usize {
         return Ok(None);
     }
-    let (nq, bits, row_blocks) = (first.nq, first.bits, first.row_blocks);
+    let row_blocks = first.row_blocks;
     let kv_heads = first.params.kv_heads as usize;
     let total_rows = n_heads * q_len;
 
@@ -173,7 +174,7 @@ pub(crate) fn attend_batch(
     let tn = kname(dtype)?;
     let func = load_kernel(
         &dev,
-        &format!("qsdpa_batch_{tn}_{head_dim}_{bits}_{nq}"),
+        &first.kernel_name(tn, true),
         super::launch::MODULE,
         super::launch::PTX,
     )?;
@@ -189,7 +190,7 @@ pub(crate) fn attend_batch(
             kv_heads as u32,
             (batch * n_split_max) as u32,
         ),
-        block_dim: ((QSDPA_WARPS * 32) as u32, 1, 1),
+        block_dim: (first.block_threads(), 1, 1),
         shared_mem_bytes: 0,
     };
     let comb_cfg = LaunchConfig {

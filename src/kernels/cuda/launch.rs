@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 use super::kernel_cache::load_kernel;
 use super::params::{
     split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS,
-    QMATVEC_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_WARPS,
+    QMATVEC_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use crate::kernels::{dense, QueryPlan};
 use crate::kv::{CacheError, PackedKv};
@@ -267,7 +267,17 @@ pub(super) fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Res
     };
     match side {
         KvOperand::Packed(p) => {
-            let (words, words_sh, words_sk) = strided4(&p.codes)?;
+            // Lanes load up to 16 bytes of codes at once: the start and both strides must be
+            // multiples of 4 words, else the view is copied (a fresh buffer is aligned, and a
+            // key's words, head_dim * bits / 32, are a multiple of 4 for every head dim).
+            let (mut words, mut words_sh, mut words_sk) = strided4(&p.codes)?;
+            let aligned = |x: usize| x % 4 == 0;
+            if !(aligned(words.layout().start_offset())
+                && aligned(words_sh as usize)
+                && aligned(words_sk as usize))
+            {
+                (words, words_sh, words_sk) = strided4(&words.contiguous()?)?;
+            }
             // Scales and biases are read with one stride pair: make both contiguous when their
             // layouts differ.
             let (s1, sh, sk) = strided4(&cast(&p.scales)?)?;
@@ -340,6 +350,46 @@ pub(super) struct SeqPlan {
     /// Bits per K/V element as the kernel names them (4/8 packed, 16/32 dense).
     pub(super) bits: usize,
     pub(super) dense: bool,
+    /// Whether the tensor-core kernel (`qsdpa_tc_*`) runs it rather than the CUDA-core one.
+    pub(super) tensor_cores: bool,
+}
+
+impl SeqPlan {
+    /// The attention kernel's name, for one sequence or (`batch`) for a batch launch.
+    pub(super) fn kernel_name(&self, tn: &str, batch: bool) -> String {
+        let hd = self.params.head_dim;
+        let b = if batch { "batch_" } else { "" };
+        if self.tensor_cores {
+            format!("qsdpa_tc_{b}{tn}_{hd}_{}", self.bits)
+        } else {
+            format!("qsdpa_{b}{tn}_{hd}_{}_{}", self.bits, self.nq)
+        }
+    }
+
+    /// Threads a block: one warp per 128 head dims for the tensor-core kernel.
+    pub(super) fn block_threads(&self) -> u32 {
+        if self.tensor_cores {
+            self.params.head_dim / 128 * 32
+        } else {
+            (QSDPA_WARPS * 32) as u32
+        }
+    }
+}
+
+/// Whether attention with these operands runs on the tensor-core kernel: f16/bf16 queries,
+/// head dim 256 or 512, 4/8-bit codes (groups of a multiple of 32) or dense K/V in the query's
+/// type. Measured on an H100 (`bench_kernels`; see the README's Performance section).
+/// `CANDLE_GEMMA_QSDPA_TC=0` keeps the CUDA-core kernel, for comparison.
+fn uses_tensor_core_attention(dtype: DType, head_dim: usize, bits: usize, group: usize) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_QSDPA_TC").is_ok_and(|v| v == "0"));
+    !off && matches!(dtype, DType::F16 | DType::BF16)
+        && matches!(head_dim, 256 | 512)
+        && match bits {
+            4 | 8 => group % 32 == 0 && group > 0,
+            16 => true,
+            _ => false,
+        }
 }
 
 /// Plans one sequence: `q` is `[.., n_heads, q_len, head_dim]` in `dtype`.
@@ -419,6 +469,8 @@ pub(super) fn plan_seq(
     } else {
         QSDPA_ROWS
     };
+    let tensor_cores = uses_tensor_core_attention(dtype, head_dim, bits, k.group_size());
+    let nq = if tensor_cores { QSDPA_TC_ROWS } else { nq };
     let row_blocks = rows.div_ceil(nq);
     let (n_split, per) = split_keys(keys.max(1), row_blocks * kv_heads, sms, split_min_keys());
     params.n_split = u32_of(n_split)?;
@@ -434,6 +486,7 @@ pub(super) fn plan_seq(
         n_split,
         bits,
         dense: matches!(k, KvOperand::Dense(_)),
+        tensor_cores,
     })
 }
 
@@ -449,17 +502,7 @@ fn attend_fused(
     let tn = kname(dtype)?;
     let dev = cuda_dev(q)?;
     let q = q.contiguous()?;
-    let SeqPlan {
-        params,
-        ks,
-        vs,
-        table,
-        nq,
-        row_blocks,
-        n_split,
-        bits,
-        dense,
-    } = plan_seq(
+    let seq_plan = plan_seq(
         n_heads,
         q_len,
         head_dim,
@@ -470,6 +513,18 @@ fn attend_fused(
         plan,
         sm_count(&dev),
     )?;
+    let name = seq_plan.kernel_name(tn, false);
+    let threads = seq_plan.block_threads();
+    let SeqPlan {
+        params,
+        ks,
+        vs,
+        table,
+        row_blocks,
+        n_split,
+        dense,
+        ..
+    } = seq_plan;
     let kv_heads = params.kv_heads as usize;
     let rows = n_heads / kv_heads * q_len;
     let out_len = n_heads * q_len * head_dim;
@@ -496,7 +551,7 @@ fn attend_fused(
 
     let main_cfg = LaunchConfig {
         grid_dim: (row_blocks as u32, kv_heads as u32, n_split as u32),
-        block_dim: ((QSDPA_WARPS * 32) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
     let comb_cfg = LaunchConfig {
@@ -504,7 +559,6 @@ fn attend_fused(
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    let name = format!("qsdpa_{tn}_{head_dim}_{bits}_{nq}");
     let func = load_kernel(&dev, &name, MODULE, PTX)?;
     let comb = load_kernel(&dev, &format!("qsdpa_combine_{tn}"), MODULE, PTX)?;
 

@@ -7,6 +7,8 @@
 pub const QSDPA_WARPS: usize = 4;
 /// Query rows per quantized-attention block (the kernels' `NQ`; 2 is also instantiated).
 pub const QSDPA_ROWS: usize = 4;
+/// Query rows per tensor-core attention block (the N of `mma.m16n8k16`, `QT_ROWS`).
+pub const QSDPA_TC_ROWS: usize = 8;
 /// Keys a warp loads per step (`QS_U`; 2 for head dim 512).
 pub const QSDPA_UNROLL: usize = 4;
 /// Output rows per quantized matrix-vector block (`QMV_WARPS`).

@@ -981,3 +981,5 @@ QUANT_INST(f16, __half, 4)
 QUANT_INST(f16, __half, 8)
 QUANT_INST(bf16, __nv_bfloat16, 4)
 QUANT_INST(bf16, __nv_bfloat16, 8)
+
+#include "qsdpa_tc.cuh"

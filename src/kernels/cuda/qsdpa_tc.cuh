@@ -1,0 +1,441 @@
+// Tensor-core attention over packed (4/8-bit) or dense (16-bit) K/V for f16/bf16 queries at
+// head dims 256 and 512. Included by qkernels.cu after the CUDA-core kernel (it shares
+// QsdpaParams, key_pos, load_words, mma_16816, MmaMagic and dequant_pair) and writes the same
+// partials, so `qsdpa_combine` merges its key splits.
+//
+// One block = one KV head x 8 query rows (the N of mma.m16n8k16; rows ordered (query index,
+// head in group) as in the CUDA-core kernel) x one key split, HD/128 warps. The block walks its
+// keys in tiles of 16. Warp w owns head dims [128w, 128w + 128):
+// * scores: S (16 keys x 8 rows) = K Q^T over the warp's dims, summed over the warps through
+//   shared memory, so every warp holds the whole S and runs the same online softmax;
+// * output: O^T (the warp's 128 dims x 8 rows) += V^T P^T, P moved from the score fragment to
+//   the B fragment with movmatrix.
+// K and V are dequantized into f16/bf16 fragments in registers (one rounding, as dequantizing
+// the cache to the query's type would); products accumulate in f32. Only the order of the dot
+// products' terms is free: lanes take the element pairs that are cheap to unpack, and the
+// queries (B of the score mma) are permuted to match once per block.
+//
+// Lane = 4 gq + tq. Score mma: A = K (rows = keys, k = dims): lane reads 32 consecutive dims
+// [128w + 32 tq, + 32) of keys gq and gq + 8. Output mma: A = V^T (rows = dims, k = keys): lane
+// reads 16 consecutive dims [128w + 16 gq, + 16) of keys 2tq, 2tq + 1, 2tq + 8, 2tq + 9; m-tile
+// i takes row gq <-> dim 128w + 16 gq + i and row gq + 8 <-> dim 128w + 16 gq + 8 + i.
+
+constexpr int QT_ROWS = 8;
+constexpr int QT_KEYS = 16;
+
+template <typename T>
+__device__ __forceinline__ uint32_t qt_pack(float a, float b) {
+    if constexpr (std::is_same<T, __half>::value) {
+        const __half2 h = __floats2half2_rn(a, b);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    }
+}
+
+// Transposes the 8x8 16-bit matrix held as (row gq, cols 2tq, 2tq + 1) by the warp's lanes.
+__device__ __forceinline__ uint32_t qt_transpose(uint32_t x) {
+    uint32_t r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
+// (s * c0 + b0, s' * c1 + b1) for an exact code pair `c` (two T values), rounded once.
+template <typename T>
+__device__ __forceinline__ uint32_t qt_affine(uint32_t c, uint32_t s2, uint32_t b2) {
+    using T2 = typename Half2Of<T>::type;
+    const T2 v = __hfma2(*reinterpret_cast<const T2*>(&c), *reinterpret_cast<const T2*>(&s2),
+                         *reinterpret_cast<const T2*>(&b2));
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Byte `k` of `x` (an 8-bit code) as f32, exact (magic-number conversion).
+__device__ __forceinline__ float qt_byte_f(uint32_t x, uint32_t k) {
+    return __uint_as_float(__byte_perm(x, 0x4B00u, 0x5440u | k)) - 8388608.f;
+}
+
+// Byte kb of a and byte kb of b (8-bit codes) dequantized with the scale and bias pairs.
+template <typename T>
+__device__ __forceinline__ uint32_t qt_byte_deq(uint32_t a, uint32_t b, uint32_t kb, uint32_t s2,
+                                                uint32_t b2) {
+    if constexpr (std::is_same<T, __half>::value) {
+        // 1024 + c as f16 is 0x64cc: the code goes in the low byte.
+        const uint32_t x = __byte_perm(a, b, kb | ((4 + kb) << 4));
+        return dequant_pair<T>(__byte_perm(x, 0x64u, 0x4140u), s2, b2);
+    } else {
+        // bf16 holds 0..255 exactly, but no magic offset leaves them exact: convert via f32.
+        return qt_affine<T>(qt_pack<T>(qt_byte_f(a, kb), qt_byte_f(b, kb)), s2, b2);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t qt_splat(T v) {
+    const uint16_t h = *reinterpret_cast<const uint16_t*>(&v);
+    return (uint32_t)h | ((uint32_t)h << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t qt_pair_of(T a, T b) {
+    return (uint32_t)*reinterpret_cast<const uint16_t*>(&a) |
+           ((uint32_t)*reinterpret_cast<const uint16_t*>(&b) << 16);
+}
+
+// One tile's loads for one lane: K codes of keys gq, gq + 8 (32 dims each), V codes of keys
+// 2tq, 2tq + 1, 2tq + 8, 2tq + 9 (16 dims each), their scales and biases, the score keys'
+// positions and whether they exist.
+template <typename T, int BITS>
+struct QtTile {
+    uint32_t k[2][BITS];
+    uint32_t v[4][BITS / 2];
+    T ks[2], kb[2], vs[4], vb[4];
+    uint32_t pos[2];
+    bool in[2];
+};
+
+template <typename T, int BITS>
+__device__ __forceinline__ void qt_load(QtTile<T, BITS>& tl, const QsdpaParams& p,
+                                        const uint32_t* __restrict__ positions, int jt, int j1,
+                                        const uint32_t* __restrict__ kcg,
+                                        const uint32_t* __restrict__ vcg,
+                                        const T* __restrict__ ksg, const T* __restrict__ kbg,
+                                        const T* __restrict__ vsg, const T* __restrict__ vbg,
+                                        int gq, int tq) {
+    constexpr bool DENSE = BITS == 16;
+    const int last = j1 - 1;
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+        const int j = jt + gq + 8 * a;
+        tl.in[a] = j < j1;
+        const int jc = min(j, last);
+        load_words<BITS>(kcg + (size_t)jc * p.k_codes_sk, tl.k[a]);
+        tl.pos[a] = key_pos(p, positions, jc);
+        if constexpr (!DENSE) {
+            tl.ks[a] = ksg[(size_t)jc * p.k_sc_sk];
+            tl.kb[a] = kbg[(size_t)jc * p.k_sc_sk];
+        }
+    }
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+        const int jc = min(jt + 2 * tq + (b & 1) + 8 * (b >> 1), last);
+        load_words<BITS / 2>(vcg + (size_t)jc * p.v_codes_sk, tl.v[b]);
+        if constexpr (!DENSE) {
+            tl.vs[b] = vsg[(size_t)jc * p.v_sc_sk];
+            tl.vb[b] = vbg[(size_t)jc * p.v_sc_sk];
+        }
+    }
+}
+
+// A fragment of the score mma, k-step s (16 of the warp's 128 dims): keys gq (regs 0, 2) and
+// gq + 8 (regs 1, 3), in the order `qt_query_frags` gives the queries.
+template <typename T, int BITS>
+__device__ __forceinline__ void qt_key_frag(const QtTile<T, BITS>& tl, int s, uint32_t* a) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        uint32_t lo, hi;
+        if constexpr (BITS == 4) {
+            // Word s/2 holds dims 8(s/2) .. +7; pair p = nibbles (p, p + 4).
+            const uint32_t x = tl.k[r][s >> 1] >> (8 * (s & 1));
+            lo = dequant_pair<T>((x & 0x000F000Fu) | MmaMagic<T>::MAGIC, qt_splat(tl.ks[r]),
+                                 qt_splat(tl.kb[r]));
+            hi = dequant_pair<T>(((x >> 4) & 0x000F000Fu) | MmaMagic<T>::MAGIC,
+                                 qt_splat(tl.ks[r]), qt_splat(tl.kb[r]));
+        } else if constexpr (BITS == 8) {
+            // Word s holds dims 4s .. 4s + 3: pairs (byte 0, byte 2), (byte 1, byte 3).
+            const uint32_t x = tl.k[r][s];
+            lo = qt_byte_deq<T>(x, x >> 16, 0, qt_splat(tl.ks[r]), qt_splat(tl.kb[r]));
+            hi = qt_byte_deq<T>(x, x >> 16, 1, qt_splat(tl.ks[r]), qt_splat(tl.kb[r]));
+        } else {
+            lo = tl.k[r][2 * s];
+            hi = tl.k[r][2 * s + 1];
+        }
+        a[r] = lo;
+        a[r + 2] = hi;
+    }
+}
+
+// The B fragments of the score mma for one lane: query row gq at dims [c0, c0 + 32), permuted
+// as `qt_key_frag` pairs the key's dims. Rows past the block's end are zero.
+template <typename T, int BITS>
+__device__ __forceinline__ void qt_query_frags(const T* __restrict__ qr, bool ok,
+                                               uint32_t (*qb)[2]) {
+    uint32_t u[16];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        uint4 v = ok ? reinterpret_cast<const uint4*>(qr)[c] : make_uint4(0u, 0u, 0u, 0u);
+        u[4 * c] = v.x; u[4 * c + 1] = v.y; u[4 * c + 2] = v.z; u[4 * c + 3] = v.w;
+    }
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+        if constexpr (BITS == 4) {
+            // Step s: dims 8j + 2h + (0, 4) and 8j + 2h + (1, 5), j = s / 2, h = s % 2.
+            const int j = s >> 1, h = s & 1;
+            qb[s][0] = __byte_perm(u[4 * j + h], u[4 * j + h + 2], 0x5410);
+            qb[s][1] = __byte_perm(u[4 * j + h], u[4 * j + h + 2], 0x7632);
+        } else if constexpr (BITS == 8) {
+            // Step s: dims 4s + (0, 2) and 4s + (1, 3).
+            qb[s][0] = __byte_perm(u[2 * s], u[2 * s + 1], 0x5410);
+            qb[s][1] = __byte_perm(u[2 * s], u[2 * s + 1], 0x7632);
+        } else {
+            qb[s][0] = u[2 * s];
+            qb[s][1] = u[2 * s + 1];
+        }
+    }
+}
+
+// A fragment of the output mma, m-tile i: V^T at dims (16 gq + i, 16 gq + 8 + i) of the lane's
+// run, keys (2tq, 2tq + 1) in regs 0/1 and (2tq + 8, 2tq + 9) in regs 2/3.
+template <typename T, int BITS>
+__device__ __forceinline__ void qt_value_frag(const QtTile<T, BITS>& tl, const uint32_t* vs2,
+                                              const uint32_t* vb2, int i, uint32_t* a) {
+#pragma unroll
+    for (int kp = 0; kp < 2; ++kp) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int d = 8 * half + i;  // dim within the lane's 16
+            uint32_t r;
+            if constexpr (BITS == 4) {
+                const uint32_t wa = tl.v[2 * kp][half], wb = tl.v[2 * kp + 1][half];
+                // Nibble i of both words into one 16-bit lane each.
+                const uint32_t xy = __byte_perm(wa, wb, i < 4 ? 0x5410 : 0x7632) >> (4 * (i & 3));
+                r = dequant_pair<T>((xy & 0x000F000Fu) | MmaMagic<T>::MAGIC, vs2[kp], vb2[kp]);
+            } else if constexpr (BITS == 8) {
+                const uint32_t wa = tl.v[2 * kp][d >> 2], wb = tl.v[2 * kp + 1][d >> 2];
+                r = qt_byte_deq<T>(wa, wb, d & 3, vs2[kp], vb2[kp]);
+            } else {
+                const uint32_t wa = tl.v[2 * kp][d >> 1], wb = tl.v[2 * kp + 1][d >> 1];
+                r = __byte_perm(wa, wb, (d & 1) ? 0x7632 : 0x5410);
+            }
+            a[half + 2 * kp] = r;
+        }
+    }
+}
+
+template <typename T, int HD, int BITS>
+__device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __restrict__ q,
+                                              const uint32_t* __restrict__ kc,
+                                              const T* __restrict__ ks, const T* __restrict__ kb,
+                                              const uint32_t* __restrict__ vc,
+                                              const T* __restrict__ vs, const T* __restrict__ vb,
+                                              const uint32_t* __restrict__ positions,
+                                              T* __restrict__ out, float* __restrict__ part_ml,
+                                              float* __restrict__ part_acc, const int split) {
+    constexpr bool DENSE = BITS == 16;
+    constexpr int NWARP = HD / 128;
+    __shared__ float4 xs[2][NWARP][32];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gq = lane >> 2, tq = lane & 3;
+    const int g = blockIdx.y;
+    const int group = p.n_heads / p.kv_heads;
+    const int rows = group * p.q_len;
+    const int row0 = blockIdx.x * QT_ROWS;
+
+    // Queries: row gq of the block at the lane's 32 score dims.
+    const int kd0 = 128 * warp + 32 * tq;  // score dims of this lane
+    const int vd0 = 128 * warp + 16 * gq;  // output dims of this lane
+    uint32_t qb[8][2];
+    {
+        const int r = row0 + gq;
+        const bool ok = r < rows;
+        const int qi = ok ? r / group : 0, head = g * group + (ok ? r % group : 0);
+        qt_query_frags<T, BITS>(q + ((size_t)head * p.q_len + qi) * HD + kd0, ok, qb);
+    }
+    // Score C fragment rows: 2tq, 2tq + 1.
+    uint32_t qpos[2];
+    bool qok[2];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const int r = row0 + 2 * tq + c;
+        qok[c] = r < rows;
+        qpos[c] = p.q_offset + (qok[c] ? r / group : 0);
+    }
+
+    const int j0 = split * p.keys_per_split;
+    const int j1 = min((int)p.keys, j0 + (int)p.keys_per_split);
+    const uint32_t* kcg = kc + g * p.k_codes_sh + (kd0 * BITS) / 32;
+    const uint32_t* vcg = vc + g * p.v_codes_sh + (vd0 * BITS) / 32;
+    const int kgi = DENSE ? 0 : kd0 / (int)p.group_size;
+    const int vgi = DENSE ? 0 : vd0 / (int)p.group_size;
+    const T* ksg = ks + g * p.k_sc_sh + kgi;
+    const T* kbg = kb + g * p.k_sc_sh + kgi;
+    const T* vsg = vs + g * p.v_sc_sh + vgi;
+    const T* vbg = vb + g * p.v_sc_sh + vgi;
+
+    float acc[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    QtTile<T, BITS> cur, nxt;
+    if (j0 < j1)
+        qt_load<T, BITS>(cur, p, positions, j0, j1, kcg, vcg, ksg, kbg, vsg, vbg, gq, tq);
+    int par = 0;
+    for (int jt = j0; jt < j1; jt += QT_KEYS, par ^= 1) {
+        if (jt + QT_KEYS < j1)
+            qt_load<T, BITS>(nxt, p, positions, jt + QT_KEYS, j1, kcg, vcg, ksg, kbg, vsg, vbg,
+                             gq, tq);
+        // Partial scores over this warp's dims.
+        float sc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+            uint32_t a[4];
+            qt_key_frag<T, BITS>(cur, s, a);
+            mma_16816<T>(sc, a, qb[s]);
+        }
+        if constexpr (NWARP > 1) {
+            xs[par][warp][lane] = make_float4(sc[0], sc[1], sc[2], sc[3]);
+            __syncthreads();
+            float4 t = xs[par][0][lane];
+#pragma unroll
+            for (int w = 1; w < NWARP; ++w) {
+                const float4 o = xs[par][w][lane];
+                t.x += o.x; t.y += o.y; t.z += o.z; t.w += o.w;
+            }
+            sc[0] = t.x; sc[1] = t.y; sc[2] = t.z; sc[3] = t.w;
+        }
+        // Scale and mask: sc[2a + c] is key gq + 8a, row 2tq + c.
+        float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const uint32_t kp = cur.pos[a];
+                const bool vis = cur.in[a] && qok[c] && kp <= qpos[c] &&
+                                 (p.window == 0 || kp + p.window > qpos[c]);
+                const float v = vis ? sc[2 * a + c] * p.scale : -INFINITY;
+                sc[2 * a + c] = v;
+                tmax[c] = fmaxf(tmax[c], v);
+            }
+        }
+        float corr[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1)
+                tmax[c] = fmaxf(tmax[c], __shfl_xor_sync(0xffffffffu, tmax[c], off));
+            const float mn = fmaxf(m[c], tmax[c]);
+            corr[c] = mn == -INFINITY ? 1.f : __expf(m[c] - mn);
+            m[c] = mn;
+        }
+        float pr[4];
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float v = sc[2 * a + c];
+                pr[2 * a + c] = v == -INFINITY ? 0.f : __expf(v - m[c]);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < 2; ++c) l[c] = fmaf(l[c], corr[c], pr[c] + pr[2 + c]);
+        // Rescale only when a running max grew (rare once it settles).
+        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                acc[i][0] *= corr[0]; acc[i][1] *= corr[1];
+                acc[i][2] *= corr[0]; acc[i][3] *= corr[1];
+            }
+        }
+        // P^T as the B fragment of the output mma: (keys 2tq, 2tq + 1 | + 8, row gq).
+        const uint32_t pb[2] = {qt_transpose(qt_pack<T>(pr[0], pr[1])),
+                                qt_transpose(qt_pack<T>(pr[2], pr[3]))};
+        uint32_t vs2[2], vb2[2];
+        if constexpr (DENSE) {
+            vs2[0] = vs2[1] = vb2[0] = vb2[1] = 0u;
+        } else {
+            vs2[0] = qt_pair_of(cur.vs[0], cur.vs[1]);
+            vs2[1] = qt_pair_of(cur.vs[2], cur.vs[3]);
+            vb2[0] = qt_pair_of(cur.vb[0], cur.vb[1]);
+            vb2[1] = qt_pair_of(cur.vb[2], cur.vb[3]);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            uint32_t a[4];
+            qt_value_frag<T, BITS>(cur, vs2, vb2, i, a);
+            mma_16816<T>(acc[i], a, pb);
+        }
+        if (jt + QT_KEYS < j1) cur = nxt;
+    }
+
+    // Row sums over the lanes that share rows (same tq).
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) l[c] += __shfl_xor_sync(0xffffffffu, l[c], off);
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        const int r = row0 + 2 * tq + c;
+        if (r >= rows) continue;
+        const int grow = g * rows + r;
+        if (p.n_split == 1) {
+            const int qi = r / group, head = g * group + r % group;
+            const float inv = l[c] > 0.f ? 1.f / l[c] : 0.f;
+            T* o = out + ((size_t)head * p.q_len + qi) * HD + vd0;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                uint4 w;
+                w.x = qt_pack<T>(acc[0][2 * h + c] * inv, acc[1][2 * h + c] * inv);
+                w.y = qt_pack<T>(acc[2][2 * h + c] * inv, acc[3][2 * h + c] * inv);
+                w.z = qt_pack<T>(acc[4][2 * h + c] * inv, acc[5][2 * h + c] * inv);
+                w.w = qt_pack<T>(acc[6][2 * h + c] * inv, acc[7][2 * h + c] * inv);
+                *reinterpret_cast<uint4*>(o + 8 * h) = w;
+            }
+        } else {
+            const size_t prow = (size_t)split * p.kv_heads * rows + grow;
+            float* o = part_acc + prow * HD + vd0;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                reinterpret_cast<float4*>(o + 8 * h)[0] =
+                    make_float4(acc[0][2 * h + c], acc[1][2 * h + c], acc[2][2 * h + c],
+                                acc[3][2 * h + c]);
+                reinterpret_cast<float4*>(o + 8 * h)[1] =
+                    make_float4(acc[4][2 * h + c], acc[5][2 * h + c], acc[6][2 * h + c],
+                                acc[7][2 * h + c]);
+            }
+            if (warp == 0 && gq == 0) {
+                part_ml[prow * 2] = m[c];
+                part_ml[prow * 2 + 1] = l[c];
+            }
+        }
+    }
+}
+
+#define QSDPA_TC_INST(TN, T, HD, BITS)                                                          \
+    extern "C" __global__ void __launch_bounds__(HD / 128 * 32)                                 \
+        qsdpa_tc_##TN##_##HD##_##BITS(const QsdpaParams p, const T* q, const uint32_t* kc,      \
+                                      const T* ks, const T* kb, const uint32_t* vc,             \
+                                      const T* vs, const T* vb, const uint32_t* positions,      \
+                                      T* out, float* part_ml, float* part_acc) {                \
+        qsdpa_tc_body<T, HD, BITS>(p, q, kc, ks, kb, vc, vs, vb, positions, out, part_ml,       \
+                                   part_acc, blockIdx.z);                                       \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(HD / 128 * 32)                                 \
+        qsdpa_tc_batch_##TN##_##HD##_##BITS(const QsdpaSeq* seqs, uint32_t n_split_max,         \
+                                            const T* q, T* out, float* part_ml,                 \
+                                            float* part_acc) {                                  \
+        const uint32_t seq = blockIdx.z / n_split_max, split = blockIdx.z % n_split_max;         \
+        const QsdpaSeq& s = seqs[seq];                                                          \
+        const QsdpaParams p = s.p;                                                              \
+        if (split >= p.n_split) return;                                                         \
+        const size_t qn = (size_t)p.n_heads * p.q_len * HD;                                     \
+        const size_t pr = (size_t)n_split_max * p.n_heads * p.q_len;                            \
+        qsdpa_tc_body<T, HD, BITS>(                                                             \
+            p, q + seq * qn, reinterpret_cast<const uint32_t*>(s.kc),                           \
+            reinterpret_cast<const T*>(s.ks), reinterpret_cast<const T*>(s.kb),                 \
+            reinterpret_cast<const uint32_t*>(s.vc), reinterpret_cast<const T*>(s.vs),          \
+            reinterpret_cast<const T*>(s.vb), reinterpret_cast<const uint32_t*>(s.pos),         \
+            out + seq * qn, part_ml + seq * pr * 2, part_acc + seq * pr * HD, split);           \
+    }
+
+#define QSDPA_TC_INST_T(TN, T)     \
+    QSDPA_TC_INST(TN, T, 256, 4)   \
+    QSDPA_TC_INST(TN, T, 256, 8)   \
+    QSDPA_TC_INST(TN, T, 256, 16)  \
+    QSDPA_TC_INST(TN, T, 512, 4)   \
+    QSDPA_TC_INST(TN, T, 512, 8)   \
+    QSDPA_TC_INST(TN, T, 512, 16)
+
+QSDPA_TC_INST_T(f16, __half)
+QSDPA_TC_INST_T(bf16, __nv_bfloat16)
