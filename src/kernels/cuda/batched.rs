@@ -14,10 +14,9 @@ use candle_core::{DType, Tensor};
 
 use super::kernel_cache::load_kernel;
 use super::launch::{
-    cuda_dev, cuda_storage, kname, plan_seq, sm_count, view, wrap, KvOperand, SeqPlan,
-    FUSED_MAX_Q_LEN,
+    cuda_dev, cuda_storage, kname, plan_seq, view, wrap, KvOperand, SeqPlan, FUSED_MAX_Q_LEN,
 };
-use super::params::{QsdpaParams, QSDPA_HEAD_DIMS};
+use super::params::{QsdpaParams, QSDPA_COMBINE_DIMS, QSDPA_HEAD_DIMS};
 use crate::kernels::{check_view, QueryPlan};
 use crate::kv::{CacheError, KvData, KvView};
 
@@ -104,7 +103,6 @@ pub(crate) fn attend_batch(
         seqs.push((k, v, positions.as_slice(), q_offset));
     }
     let dev = cuda_dev(q)?;
-    let sms = sm_count(&dev);
     let mut plans: Vec<SeqPlan> = Vec::with_capacity(batch);
     for &(k, v, positions, q_offset) in &seqs {
         let plan = QueryPlan {
@@ -113,7 +111,7 @@ pub(crate) fn attend_batch(
             scale,
         };
         plans.push(plan_seq(
-            n_heads, q_len, head_dim, dtype, k, v, positions, &plan, sms,
+            n_heads, q_len, head_dim, dtype, k, v, positions, &plan, &dev,
         )?);
     }
     let first = &plans[0];
@@ -174,7 +172,7 @@ pub(crate) fn attend_batch(
     let tn = kname(dtype)?;
     let func = load_kernel(
         &dev,
-        &first.kernel_name(tn, true),
+        &first.kernel_name(dtype, true)?,
         super::launch::MODULE,
         super::launch::PTX,
     )?;
@@ -194,7 +192,11 @@ pub(crate) fn attend_batch(
         shared_mem_bytes: 0,
     };
     let comb_cfg = LaunchConfig {
-        grid_dim: (total_rows as u32, batch as u32, 1),
+        grid_dim: (
+            total_rows as u32,
+            batch as u32,
+            head_dim.div_ceil(QSDPA_COMBINE_DIMS) as u32,
+        ),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };

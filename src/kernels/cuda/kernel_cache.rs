@@ -21,6 +21,15 @@ impl Kernel {
     pub(crate) fn builder(&self) -> LaunchArgs<'_> {
         self.stream.launch_builder(&self.func)
     }
+
+    /// Blocks of `threads` threads one multiprocessor holds at once (the driver's occupancy
+    /// query), or `None` when the query fails.
+    pub(crate) fn resident_blocks(&self, threads: u32) -> Option<usize> {
+        self.func
+            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
+            .ok()
+            .map(|n| n as usize)
+    }
 }
 
 type Handles = HashMap<(DeviceId, &'static str), HashMap<String, CudaFunction>>;

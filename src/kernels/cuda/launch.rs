@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 use super::kernel_cache::load_kernel;
 use super::params::{
     split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS,
-    QMATVEC_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
+    QMATVEC_WARPS, QSDPA_COMBINE_DIMS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use crate::kernels::{dense, QueryPlan};
 use crate::kv::{CacheError, PackedKv};
@@ -356,24 +356,41 @@ pub(super) struct SeqPlan {
 
 impl SeqPlan {
     /// The attention kernel's name, for one sequence or (`batch`) for a batch launch.
-    pub(super) fn kernel_name(&self, tn: &str, batch: bool) -> String {
-        let hd = self.params.head_dim;
-        let b = if batch { "batch_" } else { "" };
-        if self.tensor_cores {
-            format!("qsdpa_tc_{b}{tn}_{hd}_{}", self.bits)
-        } else {
-            format!("qsdpa_{b}{tn}_{hd}_{}_{}", self.bits, self.nq)
-        }
+    pub(super) fn kernel_name(&self, dtype: DType, batch: bool) -> Result<String, CacheError> {
+        let hd = self.params.head_dim as usize;
+        kernel_name_of(dtype, hd, self.bits, self.nq, self.tensor_cores, batch)
     }
 
-    /// Threads a block: one warp per 128 head dims for the tensor-core kernel.
+    /// Threads a block.
     pub(super) fn block_threads(&self) -> u32 {
         if self.tensor_cores {
-            self.params.head_dim / 128 * 32
+            tc_threads(self.params.head_dim as usize)
         } else {
             (QSDPA_WARPS * 32) as u32
         }
     }
+}
+
+/// Threads a tensor-core attention block: one warp per 128 head dims.
+fn tc_threads(head_dim: usize) -> u32 {
+    (head_dim / 128 * 32) as u32
+}
+
+fn kernel_name_of(
+    dtype: DType,
+    hd: usize,
+    bits: usize,
+    nq: usize,
+    tensor_cores: bool,
+    batch: bool,
+) -> Result<String, CacheError> {
+    let tn = kname(dtype)?;
+    let b = if batch { "batch_" } else { "" };
+    Ok(if tensor_cores {
+        format!("qsdpa_tc_{b}{tn}_{hd}_{bits}")
+    } else {
+        format!("qsdpa_{b}{tn}_{hd}_{bits}_{nq}")
+    })
 }
 
 /// Whether attention with these operands runs on the tensor-core kernel: f16/bf16 queries,
@@ -403,7 +420,7 @@ pub(super) fn plan_seq(
     v: KvOperand<'_>,
     positions: &[usize],
     plan: &QueryPlan,
-    sms: usize,
+    dev: &CudaDevice,
 ) -> Result<SeqPlan, CacheError> {
     let (kv_heads, keys) = k.dims()?;
     kname(dtype)?;
@@ -472,7 +489,23 @@ pub(super) fn plan_seq(
     let tensor_cores = uses_tensor_core_attention(dtype, head_dim, bits, k.group_size());
     let nq = if tensor_cores { QSDPA_TC_ROWS } else { nq };
     let row_blocks = rows.div_ceil(nq);
-    let (n_split, per) = split_keys(keys.max(1), row_blocks * kv_heads, sms, split_min_keys());
+    // The CUDA-core kernel fills the GPU about four times over; the tensor-core one once (the
+    // blocks it holds at once: one wave, no tail).
+    let sms = sm_count(dev);
+    let resident = if tensor_cores {
+        let name = kernel_name_of(dtype, head_dim, bits, nq, true, false)?;
+        load_kernel(dev, &name, MODULE, PTX)?
+            .resident_blocks(tc_threads(head_dim))
+            .map_or(4 * sms, |n| n.max(1) * sms)
+    } else {
+        4 * sms
+    };
+    let (n_split, per) = split_keys(
+        keys.max(1),
+        row_blocks * kv_heads,
+        resident,
+        split_min_keys(),
+    );
     params.n_split = u32_of(n_split)?;
     params.keys_per_split = u32_of(per)?;
 
@@ -502,18 +535,8 @@ fn attend_fused(
     let tn = kname(dtype)?;
     let dev = cuda_dev(q)?;
     let q = q.contiguous()?;
-    let seq_plan = plan_seq(
-        n_heads,
-        q_len,
-        head_dim,
-        dtype,
-        k,
-        v,
-        positions,
-        plan,
-        sm_count(&dev),
-    )?;
-    let name = seq_plan.kernel_name(tn, false);
+    let seq_plan = plan_seq(n_heads, q_len, head_dim, dtype, k, v, positions, plan, &dev)?;
+    let name = seq_plan.kernel_name(dtype, false)?;
     let threads = seq_plan.block_threads();
     let SeqPlan {
         params,
@@ -555,7 +578,11 @@ fn attend_fused(
         shared_mem_bytes: 0,
     };
     let comb_cfg = LaunchConfig {
-        grid_dim: (total_rows as u32, 1, 1),
+        grid_dim: (
+            total_rows as u32,
+            head_dim.div_ceil(QSDPA_COMBINE_DIMS) as u32,
+            1,
+        ),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };

@@ -7,6 +7,8 @@
 pub const QSDPA_WARPS: usize = 4;
 /// Query rows per quantized-attention block (the kernels' `NQ`; 2 is also instantiated).
 pub const QSDPA_ROWS: usize = 4;
+/// Head dims a block of the split-combining kernel merges (`QS_COMBINE_DIMS`).
+pub const QSDPA_COMBINE_DIMS: usize = 128;
 /// Query rows per tensor-core attention block (the N of `mma.m16n8k16`, `QT_ROWS`).
 pub const QSDPA_TC_ROWS: usize = 8;
 /// Keys a warp loads per step (`QS_U`; 2 for head dim 512).
@@ -118,34 +120,31 @@ pub enum PositionCode {
 impl PositionCode {
     /// Encodes `positions`, or `None` when one does not fit in `u32`.
     pub fn encode(positions: &[usize]) -> Option<Self> {
-        let p: Vec<u32> = positions
-            .iter()
-            .map(|&x| u32::try_from(x).ok())
-            .collect::<Option<_>>()?;
-        let base = p.first().copied().unwrap_or(0);
-        let runs = |from: usize| -> usize {
-            let start = p[from];
-            p[from..]
-                .iter()
-                .enumerate()
-                .take_while(|&(i, &x)| Some(x) == start.checked_add(i as u32))
-                .count()
-        };
-        if p.is_empty() {
+        let small = |x: usize| u32::try_from(x).ok();
+        let Some(&p0) = positions.first() else {
             return Some(Self::Linear { base: 0 });
+        };
+        let first = ascending_run(positions);
+        if first == positions.len() {
+            small(p0 + (first - 1))?;
+            return Some(Self::Linear { base: small(p0)? });
         }
-        let first = runs(0);
-        if first == p.len() {
-            return Some(Self::Linear { base });
-        }
-        if first + runs(first) == p.len() {
+        let p1 = positions[first];
+        let second = ascending_run(&positions[first..]);
+        if first + second == positions.len() {
+            small(p0 + (first - 1))?;
+            small(p1 + (second - 1))?;
             return Some(Self::TwoRuns {
-                base,
-                split: first as u32,
-                base2: p[first],
+                base: small(p0)?,
+                split: small(first)?,
+                base2: small(p1)?,
             });
         }
-        Some(Self::Table(p))
+        positions
+            .iter()
+            .map(|&x| small(x))
+            .collect::<Option<Vec<u32>>>()
+            .map(Self::Table)
     }
 
     /// Writes the mode fields of `params`; returns the table to upload, if any.
@@ -171,17 +170,45 @@ impl PositionCode {
     }
 }
 
-/// Chooses the flash-decoding split: enough blocks to fill `sm_count` multiprocessors about
-/// four times over, each split keeping at least `min_keys` keys. Returns
-/// `(n_split, keys_per_split)`.
+/// Length of the run `p[0], p[0] + 1, ..` that starts `p` (at least 1 for a non-empty slice).
+/// Runs are checked a chunk at a time with no early exit inside a chunk, which the compiler
+/// vectorizes: a decode step encodes every attention layer's positions, tens of thousands of
+/// keys at long contexts.
+fn ascending_run(p: &[usize]) -> usize {
+    const CHUNK: usize = 64;
+    let Some(&start) = p.first() else {
+        return 0;
+    };
+    let mut done = 0;
+    for chunk in p.chunks(CHUNK) {
+        let base = start.wrapping_add(done);
+        let all = chunk
+            .iter()
+            .enumerate()
+            .fold(true, |ok, (i, &x)| ok & (x == base.wrapping_add(i)));
+        if !all {
+            let k = chunk
+                .iter()
+                .enumerate()
+                .take_while(|&(i, &x)| x == base.wrapping_add(i))
+                .count();
+            return done + k;
+        }
+        done += chunk.len();
+    }
+    done
+}
+
+/// Chooses the flash-decoding split: about `resident_blocks` blocks in all (what the GPU holds
+/// at once), each split keeping at least `min_keys` keys. Returns `(n_split, keys_per_split)`.
 pub fn split_keys(
     keys: usize,
     base_blocks: usize,
-    sm_count: usize,
+    resident_blocks: usize,
     min_keys: usize,
 ) -> (usize, usize) {
     let step = QSDPA_WARPS * QSDPA_UNROLL;
-    let target = (4 * sm_count.max(1)).div_ceil(base_blocks.max(1));
+    let target = resident_blocks.max(1).div_ceil(base_blocks.max(1));
     // Short views split too (down to `min_keys` a split): a decode over a few hundred keys
     // otherwise runs on a handful of blocks.
     let max_split = keys.div_ceil(min_keys.max(1)).clamp(1, QSDPA_MAX_SPLIT);
@@ -215,9 +242,37 @@ mod tests {
     }
 
     #[test]
+    fn long_runs_are_found_across_chunks() {
+        let linear: Vec<usize> = (7..7 + 1000).collect();
+        assert_eq!(
+            PositionCode::encode(&linear),
+            Some(PositionCode::Linear { base: 7 })
+        );
+        let ring: Vec<usize> = (600..1000).chain(300..600).collect();
+        assert_eq!(
+            PositionCode::encode(&ring),
+            Some(PositionCode::TwoRuns {
+                base: 600,
+                split: 400,
+                base2: 300
+            })
+        );
+        let mut broken = linear.clone();
+        broken[130] = 3;
+        assert!(matches!(
+            PositionCode::encode(&broken),
+            Some(PositionCode::Table(t)) if t.len() == 1000 && t[130] == 3
+        ));
+        assert_eq!(
+            PositionCode::encode(&[u32::MAX as usize, 1usize << 32]),
+            None
+        );
+    }
+
+    #[test]
     fn splits_cover_every_key() {
         for keys in [1, 100, 1000, 32768, 131072] {
-            let (n, per) = split_keys(keys, 4, 132, 32);
+            let (n, per) = split_keys(keys, 4, 4 * 132, 32);
             assert!(
                 n * per >= keys && (n - 1) * per < keys,
                 "{keys}: {n} x {per}"

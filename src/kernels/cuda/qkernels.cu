@@ -293,11 +293,13 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
     }
 }
 
-// Merges the splits: one block of 128 threads per global row. The split weights
-// w_s = exp(m_s - M) go to shared memory first, so the sum over splits of each output element
-// is a pipelined loop of independent loads (n_split <= QS_MAX_SPLIT, enforced by the host).
+// Merges the splits: one block of 128 threads per global row and 128 head dims (grid y or z:
+// the dim chunk). The split weights w_s = exp(m_s - M) go to shared memory first; then each
+// warp sums every 4th split for 4 dims a lane (16-byte loads, 8 in flight), and the four warps'
+// sums meet in shared memory (n_split <= QS_MAX_SPLIT, enforced by the host).
 constexpr int QS_MAX_SPLIT = 1024;
 constexpr int QS_COMBINE_THREADS = 128;
+constexpr int QS_COMBINE_DIMS = 128;
 
 __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
     red[threadIdx.x] = v;
@@ -318,9 +320,11 @@ template <typename T>
 __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
                                                    const float* __restrict__ part_ml,
                                                    const float* __restrict__ part_acc,
-                                                   T* __restrict__ out) {
+                                                   T* __restrict__ out, const int chunk) {
+    constexpr int LANES = QS_COMBINE_THREADS / 32;  // warps, each taking every LANES-th split
     __shared__ float w[QS_MAX_SPLIT];
     __shared__ float red[QS_COMBINE_THREADS];
+    __shared__ float4 sums[LANES][32];
     const int hd = p.head_dim;
     const int group = p.n_heads / p.kv_heads;
     const int rows = group * p.q_len;
@@ -344,13 +348,33 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
     }
     const float L = block_reduce(lloc, red, false);  // also orders the writes to w
     const float inv = L > 0.f ? 1.f / L : 0.f;
-    for (int d = threadIdx.x; d < hd; d += QS_COMBINE_THREADS) {
+    const int lane = threadIdx.x & 31, sl = threadIdx.x >> 5;
+    const int d = chunk * QS_COMBINE_DIMS + 4 * lane;
+    float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (d < hd) {
         const float* a = part_acc + (size_t)grow * hd + d;
         const size_t step = (size_t)total * hd;
-        float A = 0.f;
 #pragma unroll 8
-        for (int s = 0; s < n; ++s) A = fmaf(w[s], a[s * step], A);
-        out[((size_t)head * p.q_len + qi) * hd + d] = from_f<T>(A * inv);
+        for (int s = sl; s < n; s += LANES) {
+            const float4 v = *reinterpret_cast<const float4*>(a + s * step);
+            const float ws = w[s];
+            A.x = fmaf(ws, v.x, A.x); A.y = fmaf(ws, v.y, A.y);
+            A.z = fmaf(ws, v.z, A.z); A.w = fmaf(ws, v.w, A.w);
+        }
+    }
+    sums[sl][lane] = A;
+    __syncthreads();
+    if (sl == 0 && d < hd) {
+#pragma unroll
+        for (int o = 1; o < LANES; ++o) {
+            const float4 v = sums[o][lane];
+            A.x += v.x; A.y += v.y; A.z += v.z; A.w += v.w;
+        }
+        T* dst = out + ((size_t)head * p.q_len + qi) * hd + d;
+        dst[0] = from_f<T>(A.x * inv);
+        dst[1] = from_f<T>(A.y * inv);
+        dst[2] = from_f<T>(A.z * inv);
+        dst[3] = from_f<T>(A.w * inv);
     }
 }
 
@@ -397,7 +421,7 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
     QSDPA_INST_HD(TN, T, 8)                                                                    \
     extern "C" __global__ void qsdpa_combine_##TN(const QsdpaParams p, const float* part_ml,    \
                                                   const float* part_acc, T* out) {             \
-        qsdpa_combine_body<T>(p, part_ml, part_acc, out);                                      \
+        qsdpa_combine_body<T>(p, part_ml, part_acc, out, blockIdx.y);                          \
     }                                                                                          \
     extern "C" __global__ void qsdpa_combine_batch_##TN(const QsdpaSeq* seqs,                   \
                                                         uint32_t n_split_max, T* out,           \
@@ -408,7 +432,8 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
         const size_t qn = (size_t)p.n_heads * p.q_len * p.head_dim;                            \
         const size_t pr = (size_t)n_split_max * p.n_heads * p.q_len;                           \
         qsdpa_combine_body<T>(p, part_ml + blockIdx.y * pr * 2,                                \
-                              part_acc + blockIdx.y * pr * p.head_dim, out + blockIdx.y * qn);  \
+                              part_acc + blockIdx.y * pr * p.head_dim, out + blockIdx.y * qn,   \
+                              blockIdx.z);                                                     \
     }
 
 QSDPA_INST_T(f32, float)
