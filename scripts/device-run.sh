@@ -240,6 +240,16 @@ PY
       echo "simt exit $?"
       python3 scripts/attn_table.py "$OUT/attn-tc.jsonl" "$OUT/attn-simt.jsonl"
       ;;
+    attnab)
+      # Batch-1 decode at context 128 with the attention variants in ATTN_VARIANTS.
+      for m in ${AB_MODELS:-e2b e4b}; do
+        for v in ${ATTN_VARIANTS:-default CANDLE_GEMMA_QSDPA_TC=0}; do
+          echo "$m $v"
+          env $([ $v = default ] || echo $v) $B --config $C/$m-config.json --prefill 0 --batch 1 \
+            --context 128 --steps 16 2>>"$OUT/bench.err" | tee -a "$OUT/attnab.jsonl" | cut -c1-160
+        done
+      done
+      ;;
     kernels)
       .device/bench_kernels > "$OUT/bench-kernels.txt" 2>&1; tail -40 "$OUT/bench-kernels.txt"
       ;;

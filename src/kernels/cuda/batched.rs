@@ -16,7 +16,7 @@ use super::kernel_cache::load_kernel;
 use super::launch::{
     cuda_dev, cuda_storage, kname, plan_seq, view, wrap, KvOperand, SeqPlan, FUSED_MAX_Q_LEN,
 };
-use super::params::{QsdpaParams, QSDPA_COMBINE_DIMS, QSDPA_HEAD_DIMS};
+use super::params::{QsdpaParams, QSDPA_COMBINE_DIMS, QSDPA_COMBINE_THREADS, QSDPA_HEAD_DIMS};
 use crate::kernels::{check_view, QueryPlan};
 use crate::kv::{CacheError, KvData, KvView};
 
@@ -197,7 +197,7 @@ pub(crate) fn attend_batch(
             batch as u32,
             head_dim.div_ceil(QSDPA_COMBINE_DIMS) as u32,
         ),
-        block_dim: (128, 1, 1),
+        block_dim: (QSDPA_COMBINE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     let q = q.contiguous()?;

@@ -23,14 +23,28 @@ impl Kernel {
     }
 
     /// Blocks of `threads` threads one multiprocessor holds at once (the driver's occupancy
-    /// query), or `None` when the query fails.
-    pub(crate) fn resident_blocks(&self, threads: u32) -> Option<usize> {
-        self.func
+    /// query, asked once per kernel name and block size), or `None` when the query fails.
+    pub(crate) fn resident_blocks(&self, name: &str, threads: u32) -> Option<usize> {
+        static SEEN: OnceLock<Mutex<Occupancy>> = OnceLock::new();
+        let seen = SEEN.get_or_init(Mutex::default);
+        let key = (name.to_string(), threads);
+        if let Some(&n) = seen.lock().ok().and_then(|m| m.get(&key).copied()).as_ref() {
+            return n;
+        }
+        let n = self
+            .func
             .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
             .ok()
-            .map(|n| n as usize)
+            .map(|n| n as usize);
+        if let Ok(mut m) = seen.lock() {
+            m.insert(key, n);
+        }
+        n
     }
 }
+
+/// Resident blocks per multiprocessor by (kernel name, threads a block).
+type Occupancy = HashMap<(String, u32), Option<usize>>;
 
 type Handles = HashMap<(DeviceId, &'static str), HashMap<String, CudaFunction>>;
 

@@ -13,7 +13,8 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 use super::kernel_cache::load_kernel;
 use super::params::{
     split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS,
-    QMATVEC_WARPS, QSDPA_COMBINE_DIMS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
+    QMATVEC_WARPS, QSDPA_COMBINE_DIMS, QSDPA_COMBINE_THREADS, QSDPA_HEAD_DIMS, QSDPA_ROWS,
+    QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use crate::kernels::{dense, QueryPlan};
 use crate::kv::{CacheError, PackedKv};
@@ -495,7 +496,7 @@ pub(super) fn plan_seq(
     let resident = if tensor_cores {
         let name = kernel_name_of(dtype, head_dim, bits, nq, true, false)?;
         load_kernel(dev, &name, MODULE, PTX)?
-            .resident_blocks(tc_threads(head_dim))
+            .resident_blocks(&name, tc_threads(head_dim))
             .map_or(4 * sms, |n| n.max(1) * sms)
     } else {
         4 * sms
@@ -583,7 +584,7 @@ fn attend_fused(
             head_dim.div_ceil(QSDPA_COMBINE_DIMS) as u32,
             1,
         ),
-        block_dim: (128, 1, 1),
+        block_dim: (QSDPA_COMBINE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
     let func = load_kernel(&dev, &name, MODULE, PTX)?;

@@ -7,6 +7,8 @@
 pub const QSDPA_WARPS: usize = 4;
 /// Query rows per quantized-attention block (the kernels' `NQ`; 2 is also instantiated).
 pub const QSDPA_ROWS: usize = 4;
+/// Threads a block of the split-combining kernel (`QS_COMBINE_THREADS`).
+pub const QSDPA_COMBINE_THREADS: u32 = 256;
 /// Head dims a block of the split-combining kernel merges (`QS_COMBINE_DIMS`).
 pub const QSDPA_COMBINE_DIMS: usize = 128;
 /// Query rows per tensor-core attention block (the N of `mma.m16n8k16`, `QT_ROWS`).

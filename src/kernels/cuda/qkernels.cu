@@ -293,12 +293,12 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
     }
 }
 
-// Merges the splits: one block of 128 threads per global row and 128 head dims (grid y or z:
+// Merges the splits: one block of 256 threads per global row and 128 head dims (grid y or z:
 // the dim chunk). The split weights w_s = exp(m_s - M) go to shared memory first; then each
-// warp sums every 4th split for 4 dims a lane (16-byte loads, 8 in flight), and the four warps'
+// warp sums every 8th split for 4 dims a lane (16-byte loads, 8 in flight), and the eight warps'
 // sums meet in shared memory (n_split <= QS_MAX_SPLIT, enforced by the host).
 constexpr int QS_MAX_SPLIT = 1024;
-constexpr int QS_COMBINE_THREADS = 128;
+constexpr int QS_COMBINE_THREADS = 256;
 constexpr int QS_COMBINE_DIMS = 128;
 
 __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {

@@ -41,6 +41,15 @@ __device__ __forceinline__ uint32_t qt_transpose(uint32_t x) {
     return r;
 }
 
+// The low nibble of each 16-bit half of x as (MAGIC + c) in T, in one instruction: ptxas
+// otherwise spends two (an AND and an OR, as lop3 takes one immediate).
+template <typename T>
+__device__ __forceinline__ uint32_t qt_nibbles(uint32_t x) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(0x000F000F), "r"(MmaMagic<T>::MAGIC));
+    return r;
+}
+
 // (s * c0 + b0, s' * c1 + b1) for an exact code pair `c` (two T values), rounded once.
 template <typename T>
 __device__ __forceinline__ uint32_t qt_affine(uint32_t c, uint32_t s2, uint32_t b2) {
@@ -93,35 +102,38 @@ struct QtTile {
     bool in[2];
 };
 
+// Loads one tile. The pointers address the tile's first key at the lane's dims (K: 32 from the
+// score dims, V: 16 from the output dims) and groups; `lastr` is the last key of the tile that
+// exists (15 unless the split ends inside it): the lane's keys past it read key `lastr` again,
+// which is real data, and are masked.
 template <typename T, int BITS>
 __device__ __forceinline__ void qt_load(QtTile<T, BITS>& tl, const QsdpaParams& p,
-                                        const uint32_t* __restrict__ positions, int jt, int j1,
-                                        const uint32_t* __restrict__ kcg,
-                                        const uint32_t* __restrict__ vcg,
-                                        const T* __restrict__ ksg, const T* __restrict__ kbg,
-                                        const T* __restrict__ vsg, const T* __restrict__ vbg,
-                                        int gq, int tq) {
+                                        const uint32_t* __restrict__ positions, int jt,
+                                        int lastr, const uint32_t* __restrict__ kct,
+                                        const uint32_t* __restrict__ vct,
+                                        const T* __restrict__ kst, const T* __restrict__ kbt,
+                                        const T* __restrict__ vst, const T* __restrict__ vbt,
+                                        int ksk, int vsk, int kssk, int vssk, int gq, int tq) {
     constexpr bool DENSE = BITS == 16;
-    const int last = j1 - 1;
 #pragma unroll
     for (int a = 0; a < 2; ++a) {
-        const int j = jt + gq + 8 * a;
-        tl.in[a] = j < j1;
-        const int jc = min(j, last);
-        load_words<BITS>(kcg + (size_t)jc * p.k_codes_sk, tl.k[a]);
-        tl.pos[a] = key_pos(p, positions, jc);
+        const int r = gq + 8 * a;
+        tl.in[a] = r <= lastr;
+        const int rc = min(r, lastr);
+        load_words<BITS>(kct + rc * ksk, tl.k[a]);
+        tl.pos[a] = key_pos(p, positions, jt + rc);
         if constexpr (!DENSE) {
-            tl.ks[a] = ksg[(size_t)jc * p.k_sc_sk];
-            tl.kb[a] = kbg[(size_t)jc * p.k_sc_sk];
+            tl.ks[a] = kst[rc * kssk];
+            tl.kb[a] = kbt[rc * kssk];
         }
     }
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-        const int jc = min(jt + 2 * tq + (b & 1) + 8 * (b >> 1), last);
-        load_words<BITS / 2>(vcg + (size_t)jc * p.v_codes_sk, tl.v[b]);
+        const int rc = min(2 * tq + (b & 1) + 8 * (b >> 1), lastr);
+        load_words<BITS / 2>(vct + rc * vsk, tl.v[b]);
         if constexpr (!DENSE) {
-            tl.vs[b] = vsg[(size_t)jc * p.v_sc_sk];
-            tl.vb[b] = vbg[(size_t)jc * p.v_sc_sk];
+            tl.vs[b] = vst[rc * vssk];
+            tl.vb[b] = vbt[rc * vssk];
         }
     }
 }
@@ -136,10 +148,8 @@ __device__ __forceinline__ void qt_key_frag(const QtTile<T, BITS>& tl, int s, ui
         if constexpr (BITS == 4) {
             // Word s/2 holds dims 8(s/2) .. +7; pair p = nibbles (p, p + 4).
             const uint32_t x = tl.k[r][s >> 1] >> (8 * (s & 1));
-            lo = dequant_pair<T>((x & 0x000F000Fu) | MmaMagic<T>::MAGIC, qt_splat(tl.ks[r]),
-                                 qt_splat(tl.kb[r]));
-            hi = dequant_pair<T>(((x >> 4) & 0x000F000Fu) | MmaMagic<T>::MAGIC,
-                                 qt_splat(tl.ks[r]), qt_splat(tl.kb[r]));
+            lo = dequant_pair<T>(qt_nibbles<T>(x), qt_splat(tl.ks[r]), qt_splat(tl.kb[r]));
+            hi = dequant_pair<T>(qt_nibbles<T>(x >> 4), qt_splat(tl.ks[r]), qt_splat(tl.kb[r]));
         } else if constexpr (BITS == 8) {
             // Word s holds dims 4s .. 4s + 3: pairs (byte 0, byte 2), (byte 1, byte 3).
             const uint32_t x = tl.k[r][s];
@@ -198,7 +208,7 @@ __device__ __forceinline__ void qt_value_frag(const QtTile<T, BITS>& tl, const u
                 const uint32_t wa = tl.v[2 * kp][half], wb = tl.v[2 * kp + 1][half];
                 // Nibble i of both words into one 16-bit lane each.
                 const uint32_t xy = __byte_perm(wa, wb, i < 4 ? 0x5410 : 0x7632) >> (4 * (i & 3));
-                r = dequant_pair<T>((xy & 0x000F000Fu) | MmaMagic<T>::MAGIC, vs2[kp], vb2[kp]);
+                r = dequant_pair<T>(qt_nibbles<T>(xy), vs2[kp], vb2[kp]);
             } else if constexpr (BITS == 8) {
                 const uint32_t wa = tl.v[2 * kp][d >> 2], wb = tl.v[2 * kp + 1][d >> 2];
                 r = qt_byte_deq<T>(wa, wb, d & 3, vs2[kp], vb2[kp]);
@@ -267,22 +277,40 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
     for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    QtTile<T, BITS> cur, nxt;
-    if (j0 < j1)
-        qt_load<T, BITS>(cur, p, positions, j0, j1, kcg, vcg, ksg, kbg, vsg, vbg, gq, tq);
-    int par = 0;
-    for (int jt = j0; jt < j1; jt += QT_KEYS, par ^= 1) {
-        if (jt + QT_KEYS < j1)
-            qt_load<T, BITS>(nxt, p, positions, jt + QT_KEYS, j1, kcg, vcg, ksg, kbg, vsg, vbg,
-                             gq, tq);
+    // Tile pointers (first key of the split) and strides: keys are at most 2^31 words apart.
+    const int ksk = (int)p.k_codes_sk, vsk = (int)p.v_codes_sk;
+    const int kssk = (int)p.k_sc_sk, vssk = (int)p.v_sc_sk;
+    const uint32_t* kct = kcg + (size_t)j0 * p.k_codes_sk;
+    const uint32_t* vct = vcg + (size_t)j0 * p.v_codes_sk;
+    const T* kst = ksg + (size_t)j0 * p.k_sc_sk;
+    const T* kbt = kbg + (size_t)j0 * p.k_sc_sk;
+    const T* vst = vsg + (size_t)j0 * p.v_sc_sk;
+    const T* vbt = vbg + (size_t)j0 * p.v_sc_sk;
+    // Loads the tile at jt and moves the pointers to the next one.
+    auto load = [&](QtTile<T, BITS>& tl, int jt) {
+        qt_load<T, BITS>(tl, p, positions, jt, min(QT_KEYS - 1, j1 - 1 - jt), kct, vct, kst, kbt,
+                         vst, vbt, ksk, vsk, kssk, vssk, gq, tq);
+        kct += QT_KEYS * ksk;
+        vct += QT_KEYS * vsk;
+        if constexpr (!DENSE) {
+            kst += QT_KEYS * kssk;
+            kbt += QT_KEYS * kssk;
+            vst += QT_KEYS * vssk;
+            vbt += QT_KEYS * vssk;
+        }
+    };
+    auto tile = [&](const QtTile<T, BITS>& cur, const int par) {
         // Partial scores over this warp's dims.
-        float sc[4] = {0.f, 0.f, 0.f, 0.f};
+        // Two accumulators halve the chain of dependent mma.
+        float sc[4] = {0.f, 0.f, 0.f, 0.f}, sd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
             uint32_t a[4];
             qt_key_frag<T, BITS>(cur, s, a);
-            mma_16816<T>(sc, a, qb[s]);
+            mma_16816<T>((s & 1) ? sd : sc, a, qb[s]);
         }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[i] += sd[i];
         if constexpr (NWARP > 1) {
             xs[par][warp][lane] = make_float4(sc[0], sc[1], sc[2], sc[3]);
             __syncthreads();
@@ -355,7 +383,16 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
             qt_value_frag<T, BITS>(cur, vs2, vb2, i, a);
             mma_16816<T>(acc[i], a, pb);
         }
-        if (jt + QT_KEYS < j1) cur = nxt;
+    };
+    // Two tile buffers in turn: the next tile's loads are in flight during this one's math.
+    QtTile<T, BITS> ta, tb;
+    if (j0 < j1) load(ta, j0);
+    for (int jt = j0; jt < j1; jt += 2 * QT_KEYS) {
+        if (jt + QT_KEYS < j1) load(tb, jt + QT_KEYS);
+        tile(ta, 0);
+        if (jt + QT_KEYS >= j1) break;
+        if (jt + 2 * QT_KEYS < j1) load(ta, jt + 2 * QT_KEYS);
+        tile(tb, 1);
     }
 
     // Row sums over the lanes that share rows (same tq).
