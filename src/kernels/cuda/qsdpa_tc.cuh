@@ -102,38 +102,42 @@ struct QtTile {
     bool in[2];
 };
 
-// Loads one tile. The pointers address the tile's first key at the lane's dims (K: 32 from the
-// score dims, V: 16 from the output dims) and groups; `lastr` is the last key of the tile that
+// Loads one tile. The pointers address the lane's own keys in the tile (K: key gq, V: key 2tq)
+// at the lane's dims (K: 32 from the score dims, V: 16 from the output dims) and groups; the
+// lane's other keys are whole key strides further. `lastr` is the last key of the tile that
 // exists (15 unless the split ends inside it): the lane's keys past it read key `lastr` again,
 // which is real data, and are masked.
 template <typename T, int BITS>
 __device__ __forceinline__ void qt_load(QtTile<T, BITS>& tl, const QsdpaParams& p,
                                         const uint32_t* __restrict__ positions, int jt,
-                                        int lastr, const uint32_t* __restrict__ kct,
-                                        const uint32_t* __restrict__ vct,
-                                        const T* __restrict__ kst, const T* __restrict__ kbt,
-                                        const T* __restrict__ vst, const T* __restrict__ vbt,
+                                        int lastr, const uint32_t* __restrict__ kcl,
+                                        const uint32_t* __restrict__ vcl,
+                                        const T* __restrict__ ksl, const T* __restrict__ kbl,
+                                        const T* __restrict__ vsl, const T* __restrict__ vbl,
                                         int ksk, int vsk, int kssk, int vssk, int gq, int tq) {
     constexpr bool DENSE = BITS == 16;
+    const bool full = lastr == QT_KEYS - 1;  // uniform: no key of the tile is clamped
 #pragma unroll
     for (int a = 0; a < 2; ++a) {
         const int r = gq + 8 * a;
         tl.in[a] = r <= lastr;
-        const int rc = min(r, lastr);
-        load_words<BITS>(kct + rc * ksk, tl.k[a]);
-        tl.pos[a] = key_pos(p, positions, jt + rc);
+        // Keys after the lane's own: 8a, or (clamped) rc - gq.
+        const int d = full ? 8 * a : min(r, lastr) - gq;
+        load_words<BITS>(kcl + d * ksk, tl.k[a]);
+        tl.pos[a] = key_pos(p, positions, jt + gq + d);
         if constexpr (!DENSE) {
-            tl.ks[a] = kst[rc * kssk];
-            tl.kb[a] = kbt[rc * kssk];
+            tl.ks[a] = ksl[d * kssk];
+            tl.kb[a] = kbl[d * kssk];
         }
     }
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-        const int rc = min(2 * tq + (b & 1) + 8 * (b >> 1), lastr);
-        load_words<BITS / 2>(vct + rc * vsk, tl.v[b]);
+        const int o = (b & 1) + 8 * (b >> 1);
+        const int d = full ? o : min(2 * tq + o, lastr) - 2 * tq;
+        load_words<BITS / 2>(vcl + d * vsk, tl.v[b]);
         if constexpr (!DENSE) {
-            tl.vs[b] = vst[rc * vssk];
-            tl.vb[b] = vbt[rc * vssk];
+            tl.vs[b] = vsl[d * vssk];
+            tl.vb[b] = vbl[d * vssk];
         }
     }
 }
@@ -277,15 +281,16 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
     for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    // Tile pointers (first key of the split) and strides: keys are at most 2^31 words apart.
+    // Strides as int: keys are at most 2^31 words apart.
     const int ksk = (int)p.k_codes_sk, vsk = (int)p.v_codes_sk;
     const int kssk = (int)p.k_sc_sk, vssk = (int)p.v_sc_sk;
-    const uint32_t* kct = kcg + (size_t)j0 * p.k_codes_sk;
-    const uint32_t* vct = vcg + (size_t)j0 * p.v_codes_sk;
-    const T* kst = ksg + (size_t)j0 * p.k_sc_sk;
-    const T* kbt = kbg + (size_t)j0 * p.k_sc_sk;
-    const T* vst = vsg + (size_t)j0 * p.v_sc_sk;
-    const T* vbt = vbg + (size_t)j0 * p.v_sc_sk;
+    // The lane's own keys of the first tile: K key gq, V key 2tq.
+    const uint32_t* kct = kcg + (size_t)(j0 + gq) * p.k_codes_sk;
+    const uint32_t* vct = vcg + (size_t)(j0 + 2 * tq) * p.v_codes_sk;
+    const T* kst = ksg + (size_t)(j0 + gq) * p.k_sc_sk;
+    const T* kbt = kbg + (size_t)(j0 + gq) * p.k_sc_sk;
+    const T* vst = vsg + (size_t)(j0 + 2 * tq) * p.v_sc_sk;
+    const T* vbt = vbg + (size_t)(j0 + 2 * tq) * p.v_sc_sk;
     // Loads the tile at jt and moves the pointers to the next one.
     auto load = [&](QtTile<T, BITS>& tl, int jt) {
         qt_load<T, BITS>(tl, p, positions, jt, min(QT_KEYS - 1, j1 - 1 - jt), kct, vct, kst, kbt,
