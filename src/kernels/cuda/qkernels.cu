@@ -301,18 +301,21 @@ constexpr int QS_MAX_SPLIT = 1024;
 constexpr int QS_COMBINE_THREADS = 256;
 constexpr int QS_COMBINE_DIMS = 128;
 
+// Max or sum over the block: shuffles within each warp, then every thread reads the warps'
+// results (two barriers, where a shared-memory tree over 256 threads takes eight).
 __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
-    red[threadIdx.x] = v;
-    __syncthreads();
-    for (int off = QS_COMBINE_THREADS / 2; off > 0; off >>= 1) {
-        if ((int)threadIdx.x < off) {
-            const float o = red[threadIdx.x + off];
-            red[threadIdx.x] = is_max ? fmaxf(red[threadIdx.x], o) : red[threadIdx.x] + o;
-        }
-        __syncthreads();
+    constexpr int WARPS = QS_COMBINE_THREADS / 32;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, v, off);
+        v = is_max ? fmaxf(v, o) : v + o;
     }
-    const float r = red[0];
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
     __syncthreads();
+    float r = red[0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) r = is_max ? fmaxf(r, red[w]) : r + red[w];
+    __syncthreads();  // `red` is written again by the next call
     return r;
 }
 
@@ -323,7 +326,7 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
                                                    T* __restrict__ out, const int chunk) {
     constexpr int LANES = QS_COMBINE_THREADS / 32;  // warps, each taking every LANES-th split
     __shared__ float w[QS_MAX_SPLIT];
-    __shared__ float red[QS_COMBINE_THREADS];
+    __shared__ float red[QS_COMBINE_THREADS / 32];
     __shared__ float4 sums[LANES][32];
     const int hd = p.head_dim;
     const int group = p.n_heads / p.kv_heads;
