@@ -1,8 +1,10 @@
 #!/bin/bash
 # What one `device` call runs on the lent GPU machine (binaries from scripts/cuda-check.sh,
 # carried in .device/). Phases: check (kernels vs CPU, fixture tokens vs goldens), bench (our
-# bench, fused and unfused), profile (ncu over one decode step / one prefill), peers.
-# Outputs go to $OUT (or ./out).
+# bench, fused and unfused), profile (ncu over one decode step / one prefill), peers; attn
+# (attention benches with the tensor-core and the CUDA-core kernels, table by
+# scripts/attn_table.py), attnab (batch-1 decode under each of ATTN_VARIANTS); the rest are
+# listed in the case below. Outputs go to $OUT (or ./out).
 #
 #   bash scripts/device-run.sh check bench
 set -uo pipefail
