@@ -968,13 +968,7 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
             const int u = u0 + 32 * i + lane;
             const uint4 xv = u < units ? xs[u] : make_uint4(0u, 0u, 0u, 0u);
             float xf[8];
-            const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 f = unpack2<T>(xw[j]);
-                xf[2 * j] = f.x;
-                xf[2 * j + 1] = f.y;
-            }
+            unpack8<T>(xv, xf);
 #pragma unroll
             for (int r = 0; r < RPW; ++r) acc[r] = dot8<T>(a[i][r], xf, acc[r]);
         }

@@ -381,6 +381,26 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
     }
 }
 
+// Entry of the batch kernels: the block's sequence (grid z = sequence x split) from its
+// descriptor, with its slices of the queries, outputs and partials, handed to `body` (a kernel
+// body taking the single-sequence kernel's arguments and the split).
+template <typename T, int HD, typename Body>
+__device__ __forceinline__ void qsdpa_batch_entry(const QsdpaSeq* seqs, uint32_t n_split_max,
+                                                  const T* q, T* out, float* part_ml,
+                                                  float* part_acc, Body body) {
+    const uint32_t seq = blockIdx.z / n_split_max, split = blockIdx.z % n_split_max;
+    const QsdpaSeq& s = seqs[seq];
+    const QsdpaParams p = s.p;
+    if (split >= p.n_split) return;
+    const size_t qn = (size_t)p.n_heads * p.q_len * HD;
+    const size_t pr = (size_t)n_split_max * p.n_heads * p.q_len;
+    body(p, q + seq * qn, reinterpret_cast<const uint32_t*>(s.kc),
+         reinterpret_cast<const T*>(s.ks), reinterpret_cast<const T*>(s.kb),
+         reinterpret_cast<const uint32_t*>(s.vc), reinterpret_cast<const T*>(s.vs),
+         reinterpret_cast<const T*>(s.vb), reinterpret_cast<const uint32_t*>(s.pos),
+         out + seq * qn, part_ml + seq * pr * 2, part_acc + seq * pr * HD, (int)split);
+}
+
 #define QSDPA_INST_NQ(TN, T, HD, BITS, NQ)                                                     \
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32)                                \
         qsdpa_##TN##_##HD##_##BITS##_##NQ(const QsdpaParams p, const T* q, const uint32_t* kc,         \
@@ -394,18 +414,8 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
         qsdpa_batch_##TN##_##HD##_##BITS##_##NQ(const QsdpaSeq* seqs, uint32_t n_split_max,     \
                                                 const T* q, T* out, float* part_ml,             \
                                                 float* part_acc) {                              \
-        const uint32_t seq = blockIdx.z / n_split_max, split = blockIdx.z % n_split_max;        \
-        const QsdpaSeq& s = seqs[seq];                                                         \
-        const QsdpaParams p = s.p;                                                             \
-        if (split >= p.n_split) return;                                                        \
-        const size_t qn = (size_t)p.n_heads * p.q_len * HD;                                    \
-        const size_t pr = (size_t)n_split_max * p.n_heads * p.q_len;                           \
-        qsdpa_body<T, HD, BITS, NQ>(                                                           \
-            p, q + seq * qn, reinterpret_cast<const uint32_t*>(s.kc),                          \
-            reinterpret_cast<const T*>(s.ks), reinterpret_cast<const T*>(s.kb),                \
-            reinterpret_cast<const uint32_t*>(s.vc), reinterpret_cast<const T*>(s.vs),         \
-            reinterpret_cast<const T*>(s.vb), reinterpret_cast<const uint32_t*>(s.pos),        \
-            out + seq * qn, part_ml + seq * pr * 2, part_acc + seq * pr * HD, split);          \
+        qsdpa_batch_entry<T, HD>(seqs, n_split_max, q, out, part_ml, part_acc,                 \
+                                 [](const auto&... a) { qsdpa_body<T, HD, BITS, NQ>(a...); });         \
     }
 
 #define QSDPA_INST(TN, T, HD, BITS)      \

@@ -79,12 +79,6 @@ __device__ __forceinline__ uint32_t qt_byte_deq(uint32_t a, uint32_t b, uint32_t
 }
 
 template <typename T>
-__device__ __forceinline__ uint32_t qt_splat(T v) {
-    const uint16_t h = *reinterpret_cast<const uint16_t*>(&v);
-    return (uint32_t)h | ((uint32_t)h << 16);
-}
-
-template <typename T>
 __device__ __forceinline__ uint32_t qt_pair_of(T a, T b) {
     return (uint32_t)*reinterpret_cast<const uint16_t*>(&a) |
            ((uint32_t)*reinterpret_cast<const uint16_t*>(&b) << 16);
@@ -152,13 +146,13 @@ __device__ __forceinline__ void qt_key_frag(const QtTile<T, BITS>& tl, int s, ui
         if constexpr (BITS == 4) {
             // Word s/2 holds dims 8(s/2) .. +7; pair p = nibbles (p, p + 4).
             const uint32_t x = tl.k[r][s >> 1] >> (8 * (s & 1));
-            lo = dequant_pair<T>(qt_nibbles<T>(x), qt_splat(tl.ks[r]), qt_splat(tl.kb[r]));
-            hi = dequant_pair<T>(qt_nibbles<T>(x >> 4), qt_splat(tl.ks[r]), qt_splat(tl.kb[r]));
+            lo = dequant_pair<T>(qt_nibbles<T>(x), splat(tl.ks[r]), splat(tl.kb[r]));
+            hi = dequant_pair<T>(qt_nibbles<T>(x >> 4), splat(tl.ks[r]), splat(tl.kb[r]));
         } else if constexpr (BITS == 8) {
             // Word s holds dims 4s .. 4s + 3: pairs (byte 0, byte 2), (byte 1, byte 3).
             const uint32_t x = tl.k[r][s];
-            lo = qt_byte_deq<T>(x, x >> 16, 0, qt_splat(tl.ks[r]), qt_splat(tl.kb[r]));
-            hi = qt_byte_deq<T>(x, x >> 16, 1, qt_splat(tl.ks[r]), qt_splat(tl.kb[r]));
+            lo = qt_byte_deq<T>(x, x >> 16, 0, splat(tl.ks[r]), splat(tl.kb[r]));
+            hi = qt_byte_deq<T>(x, x >> 16, 1, splat(tl.ks[r]), splat(tl.kb[r]));
         } else {
             lo = tl.k[r][2 * s];
             hi = tl.k[r][2 * s + 1];
@@ -457,18 +451,8 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         qsdpa_tc_batch_##TN##_##HD##_##BITS(const QsdpaSeq* seqs, uint32_t n_split_max,         \
                                             const T* q, T* out, float* part_ml,                 \
                                             float* part_acc) {                                  \
-        const uint32_t seq = blockIdx.z / n_split_max, split = blockIdx.z % n_split_max;         \
-        const QsdpaSeq& s = seqs[seq];                                                          \
-        const QsdpaParams p = s.p;                                                              \
-        if (split >= p.n_split) return;                                                         \
-        const size_t qn = (size_t)p.n_heads * p.q_len * HD;                                     \
-        const size_t pr = (size_t)n_split_max * p.n_heads * p.q_len;                            \
-        qsdpa_tc_body<T, HD, BITS>(                                                             \
-            p, q + seq * qn, reinterpret_cast<const uint32_t*>(s.kc),                           \
-            reinterpret_cast<const T*>(s.ks), reinterpret_cast<const T*>(s.kb),                 \
-            reinterpret_cast<const uint32_t*>(s.vc), reinterpret_cast<const T*>(s.vs),          \
-            reinterpret_cast<const T*>(s.vb), reinterpret_cast<const uint32_t*>(s.pos),         \
-            out + seq * qn, part_ml + seq * pr * 2, part_acc + seq * pr * HD, split);           \
+        qsdpa_batch_entry<T, HD>(seqs, n_split_max, q, out, part_ml, part_acc,                 \
+                                 [](const auto&... a) { qsdpa_tc_body<T, HD, BITS>(a...); });          \
     }
 
 #define QSDPA_TC_INST_T(TN, T)     \
