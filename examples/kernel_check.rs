@@ -1022,6 +1022,12 @@ fn main() -> Result<()> {
                         200, 1024, bits, group, sdtype, xdtype, rows, &gpu, &mut stats,
                     )?;
                 }
+                // One activation row: whole 1024-code steps, a leftover step and an odd row count
+                // (qmv_row4 owns 2-4 rows a warp).
+                for group in [64, 128] {
+                    all_ok &=
+                        check_qmatmul(203, 3072, bits, group, sdtype, xdtype, 1, &gpu, &mut stats)?;
+                }
             }
         }
     }

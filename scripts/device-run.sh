@@ -199,6 +199,20 @@ PY
       wall=$(python3 -c "import json,sys; print([json.loads(l)['step_ms'] for l in open(sys.argv[1]) if 'decode' in l][0])" "$OUT/b8-wall.jsonl")
       python3 scripts/profile_summary.py "$OUT/ncu-31b-decode-b8.csv" --wall-ms "$wall" --label "31b decode b=8 ctx=128" --top 15
       ;;
+    qrow)
+      # The row-contiguous 4-bit matvec (one activation row, on) against qmv_tc4 (off), or
+      # QROW_VARIANTS: 4-bit rows=1 points of bench_kernels --matmul-only.
+      for v in ${QROW_VARIANTS:-off on}; do
+        CANDLE_GEMMA_QROW=$v .device/bench_kernels --matmul-only 2>&1 | grep -E '"bits":4|"copy"' | grep -E '"rows":1,|"copy"' | sed "s/^{/{\"variant\":\"$v\",/" >> "$OUT/qrow.jsonl"
+      done
+      python3 - "$OUT/qrow.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    j = json.loads(l)
+    if j.get("bench") == "qmatmul":
+        print(f'{j["variant"]:>4} {j["kernel"]:>20} {j["shape"]:>15} g{j["group"]:<4} {j["seconds"]*1e6:7.1f}us {j["fraction_of_copy"]:.3f}')
+PY
+      ;;
     qtc)
       # The 4-bit dequantize-then-mma matvec, uncapped registers and capped for 4 blocks an SM.
       for v in 1 2 4; do

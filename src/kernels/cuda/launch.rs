@@ -13,8 +13,8 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 use super::kernel_cache::load_kernel;
 use super::params::{
     split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS,
-    QMATVEC_WARPS, QSDPA_COMBINE_DIMS, QSDPA_COMBINE_THREADS, QSDPA_HEAD_DIMS, QSDPA_ROWS,
-    QSDPA_TC_ROWS, QSDPA_WARPS,
+    QMATVEC_ROW_WARPS, QMATVEC_WARPS, QSDPA_COMBINE_DIMS, QSDPA_COMBINE_THREADS, QSDPA_HEAD_DIMS,
+    QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use crate::kernels::{dense, QueryPlan};
 use crate::kv::{CacheError, PackedKv};
@@ -733,6 +733,14 @@ fn dequantizes_before_mma(
         && !old
 }
 
+/// Whether one activation row takes `qmv_row4` (row-contiguous loads, same rounding as
+/// `qmv_tc4`) when `qmv_tc4` would serve: measured 0.55-0.75 of the copy bandwidth against
+/// 0.51-0.64 on the 31B projections. `CANDLE_GEMMA_QROW=off` keeps `qmv_tc4`, for comparison.
+fn row_contiguous_matvec() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CANDLE_GEMMA_QROW").map_or(true, |v| v != "off"))
+}
+
 /// Quantized `x · Wᵀ` for `rows <= 8` activation rows (decode): `x` `[rows, in]` contiguous,
 /// `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns `[rows, out]`.
 pub(crate) fn qmatvec(
@@ -770,11 +778,19 @@ pub(crate) fn qmatvec(
         group_size,
         in_dim,
     ) {
-        (
-            format!("qmv_tc4_{tn}_b{}", tc4_blocks()),
-            QMATVEC_MMA_ROWS,
-            QMATVEC_MMA_WARPS,
-        )
+        if rows == 1 && row_contiguous_matvec() {
+            (
+                format!("qmv_row4_{tn}"),
+                QMATVEC_ROW_WARPS * 2,
+                QMATVEC_ROW_WARPS,
+            )
+        } else {
+            (
+                format!("qmv_tc4_{tn}_b{}", tc4_blocks()),
+                QMATVEC_MMA_ROWS,
+                QMATVEC_MMA_WARPS,
+            )
+        }
     } else if uses_tensor_core_matvec(x.dtype(), rows, bits, group_size, in_dim) {
         let name = format!("qmv_mma_{tn}_{sn}_{bits}_{group_size}");
         (name, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS)

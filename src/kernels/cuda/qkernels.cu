@@ -556,6 +556,15 @@ template <> struct MmaMagic<__half> {
     static constexpr float MAGIC_F = 1024.f;
 };
 
+// The low nibble of each 16-bit half of x as (MAGIC + c) in T, in one instruction: ptxas
+// otherwise spends two (an AND and an OR, as lop3 takes one immediate).
+template <typename T>
+__device__ __forceinline__ uint32_t qt_nibbles(uint32_t x) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(0x000F000F), "r"(MmaMagic<T>::MAGIC));
+    return r;
+}
+
 // Two 4-bit fields of `lo`/`hi` (selected by the byte_perm selector) as the pair
 // (MAGIC + c0, MAGIC + c1), exact; the offset is taken out after the mma (see qmv_mma_body).
 template <typename T>
@@ -869,9 +878,8 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
                         const uint32_t wj = j == 0 ? w4.x : j == 1 ? w4.y : j == 2 ? w4.z : w4.w;
 #pragma unroll
                         for (int pp = 0; pp < 4; ++pp)
-                            d[h][pp] = dequant_pair<T>(
-                                ((wj >> (4 * pp)) & 0x000F000Fu) | MmaMagic<T>::MAGIC,
-                                sc[i][2 * t + h], bi[i][2 * t + h]);
+                            d[h][pp] = dequant_pair<T>(qt_nibbles<T>(wj >> (4 * pp)),
+                                                       sc[i][2 * t + h], bi[i][2 * t + h]);
                     }
                     const uint32_t f0[4] = {d[0][0], d[1][0], d[0][1], d[1][1]};
                     const uint32_t f1[4] = {d[0][2], d[1][2], d[0][3], d[1][3]};
@@ -899,6 +907,124 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
     QTC4_INST(TN, T, 4, 2)
 QTC4_INST_T(f16, __half)
 QTC4_INST_T(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------------------------
+// 4-bit matrix-vector product for one activation row (decode at batch 1), read row-contiguous.
+//
+// qmv_tc4's fragments touch 16 rows at 64 bytes each per warp-wide load, measured at 0.50-0.63
+// of the copy bandwidth on the 31B projections; here each warp-wide load covers 512 contiguous
+// bytes of one row (lane l takes 32 codes, 16 bytes, at byte 16 l of a 1024-code step), measured
+// at 0.55-0.75. The mma still does the multiply-adds: A row gq (and gq + 8) of the tile holds
+// the codes of quad gq's four lanes for output row r (and r + 1), and B column gq holds the same
+// lanes' x at the same k. D[gq][gq] is then quad gq's partial dot product of row r; the
+// off-diagonal entries are ignored, and the warp sums the eight diagonal entries at the end.
+// Each lane's 32 codes lie in one group: it dequantizes them with that group's scale and bias
+// exactly as qmv_tc4 does (the weight rounded once to the activation type), so one row and a
+// batch of rows round alike.
+//
+// A warp owns two consecutive rows, whole, and issues one step's loads before that step's math.
+// Measured slower on the H100 (bench_kernels, 31B shapes): two steps of register loads (ptxas
+// schedules the second step's loads after the first step's math), the next step's loads before
+// this step's math, cp.async through shared memory with 2 or 4 steps in flight, L2 prefetches 2
+// or 4 steps ahead, and four rows a warp.
+// ---------------------------------------------------------------------------------------------
+constexpr int QROW_WARPS = 4;
+
+template <typename T>
+__device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __restrict__ x,
+                                              const uint32_t* __restrict__ codes,
+                                              const T* __restrict__ scales,
+                                              const T* __restrict__ biases,
+                                              T* __restrict__ y) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gq = lane >> 2;
+    const int row0 = (blockIdx.x * QROW_WARPS + warp) * 2;
+    const int last = (int)p.out_dim - 1;
+    const int in_dim = (int)p.in_dim;
+    const int gs = (int)p.group_size;
+    const int groups = in_dim / gs;
+    const int gstep = 1024 / gs;  // groups a 1024-code step advances
+    const uint4* wp[2];
+    const T* sp[2];
+    const T* bp[2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        const size_t row = (size_t)min(row0 + m, last);
+        wp[m] = reinterpret_cast<const uint4*>(codes + row * (in_dim / 8)) + lane;
+        sp[m] = scales + row * groups + 32 * lane / gs;
+        bp[m] = biases + row * groups + 32 * lane / gs;
+    }
+    const uint4* xp = reinterpret_cast<const uint4*>(x) + 4 * lane;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+
+    // One step: its loads (`ok` false: zeros, nothing read), then its mma. Pointers advance.
+    auto step = [&](const bool ok) {
+        uint4 w[2], xv[4];
+        uint32_t sc[2], bi[2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            if (ok) {
+                w[m] = ld_stream4(reinterpret_cast<const uint32_t*>(wp[m]));
+                sc[m] = splat(*sp[m]);
+                bi[m] = splat(*bp[m]);
+            } else {
+                w[m] = make_uint4(0u, 0u, 0u, 0u);
+                sc[m] = bi[m] = 0u;
+            }
+            wp[m] += 32;
+            sp[m] += gstep;
+            bp[m] += gstep;
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j) xv[j] = ok ? xp[j] : make_uint4(0u, 0u, 0u, 0u);
+        xp += 128;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint4 r = xv[j];
+            // (x_p, x_{p+4}) for p = 0..3: the order the code pairs come in.
+            const uint32_t b0[2] = {__byte_perm(r.x, r.z, 0x5410), __byte_perm(r.x, r.z, 0x7632)};
+            const uint32_t b1[2] = {__byte_perm(r.y, r.w, 0x5410), __byte_perm(r.y, r.w, 0x7632)};
+            uint32_t d[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const uint32_t wj = j == 0 ? w[h].x : j == 1 ? w[h].y : j == 2 ? w[h].z : w[h].w;
+#pragma unroll
+                for (int pp = 0; pp < 4; ++pp)
+                    d[h][pp] = dequant_pair<T>(qt_nibbles<T>(wj >> (4 * pp)), sc[h], bi[h]);
+            }
+            const uint32_t f0[4] = {d[0][0], d[1][0], d[0][1], d[1][1]};
+            const uint32_t f1[4] = {d[0][2], d[1][2], d[0][3], d[1][3]};
+            mma_16816<T>(acc, f0, b0);
+            mma_16816<T>(acc, f1, b1);
+        }
+    };
+    const int full = in_dim / 1024;
+    for (int s = 0; s < full; ++s) step(true);
+    if (full * 1024 < in_dim) step(full * 1024 + 32 * lane < in_dim);
+
+    // D[gq][gq] sits in lane q = gq / 2 of the quad, column gq % 2; D[gq + 8][gq] likewise.
+    const bool diag = (lane & 3) == (gq >> 1);
+    float v0 = diag ? ((gq & 1) ? acc[1] : acc[0]) : 0.f;
+    float v1 = diag ? ((gq & 1) ? acc[3] : acc[2]) : 0.f;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        v0 += __shfl_xor_sync(0xffffffffu, v0, off);
+        v1 += __shfl_xor_sync(0xffffffffu, v1, off);
+    }
+    if (lane == 0) {
+        if (row0 <= last) y[row0] = from_f<T>(v0);
+        if (row0 + 1 <= last) y[row0 + 1] = from_f<T>(v1);
+    }
+}
+
+#define QROW4_INST(TN, T)                                                                      \
+    extern "C" __global__ void __launch_bounds__(QROW_WARPS * 32)                              \
+        qmv_row4_##TN(const QmatParams p, const T* x, const uint32_t* c, const T* s,           \
+                      const T* b, T* y) {                                                      \
+        qmv_row4_body<T>(p, x, c, s, b, y);                                                    \
+    }
+QROW4_INST(f16, __half)
+QROW4_INST(bf16, __nv_bfloat16)
 
 // Dequantizes rows of W into out [n, in] (out row i = W row `idx[i]`, or row i when idx is
 // null): one thread per u32 word.

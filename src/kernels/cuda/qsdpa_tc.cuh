@@ -41,14 +41,6 @@ __device__ __forceinline__ uint32_t qt_transpose(uint32_t x) {
     return r;
 }
 
-// The low nibble of each 16-bit half of x as (MAGIC + c) in T, in one instruction: ptxas
-// otherwise spends two (an AND and an OR, as lop3 takes one immediate).
-template <typename T>
-__device__ __forceinline__ uint32_t qt_nibbles(uint32_t x) {
-    uint32_t r;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(x), "n"(0x000F000F), "r"(MmaMagic<T>::MAGIC));
-    return r;
-}
 
 // (s * c0 + b0, s' * c1 + b1) for an exact code pair `c` (two T values), rounded once.
 template <typename T>
