@@ -6,9 +6,7 @@
 //! table of per-sequence descriptors (kernel parameters and device addresses of its K/V), so
 //! sequences of different lengths, positions and storage batch without padding.
 
-use candle_core::cuda_backend::cudarc::driver::{
-    DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
-};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Tensor};
 
@@ -23,7 +21,7 @@ use crate::kv::{CacheError, KvData, KvView};
 /// `struct QsdpaSeq` in `qkernels.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
-struct QsdpaSeq {
+pub(super) struct QsdpaSeq {
     p: QsdpaParams,
     kc: u64,
     ks: u64,

@@ -66,6 +66,17 @@ __device__ __forceinline__ void warp_argmax(float& bv, I& bi) {
     }
 }
 
+// First statement of every kernel: with programmatic dependent launch (kernel_cache.rs) the
+// blocks may be scheduled while the previous kernel on the stream still runs; wait for it to
+// finish and its writes to be visible, then let the next kernel's blocks be scheduled. Without
+// such a launch both return at once.
+__device__ __forceinline__ void pdl_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Streaming 16-byte load that does not allocate in L1 (keeps the small activation there).
 __device__ __forceinline__ uint4 ld_stream4(const uint32_t* p) {
     uint4 r;

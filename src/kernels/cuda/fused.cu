@@ -445,7 +445,7 @@ __device__ __forceinline__ void masked_softmax_body(const SoftmaxParams p,
 // Device-to-device copy through the SMs (16-byte loads and stores, grid-stride): the
 // bandwidth reference of the benches, the access pattern of a bandwidth-bound kernel.
 extern "C" __global__ void copy_u4(const uint4* __restrict__ src, uint4* __restrict__ dst,
-                                   uint64_t n) {
+                                   uint64_t n) { pdl_entry();
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (uint64_t)gridDim.x * blockDim.x)
         dst[i] = src[i];
@@ -454,7 +454,7 @@ extern "C" __global__ void copy_u4(const uint4* __restrict__ src, uint4* __restr
 // Greedy pick: the index of the largest f32 of each row (ties: the lowest index; NaN never
 // wins). One block of 1024 threads per row.
 extern "C" __global__ void __launch_bounds__(1024)
-    argmax_rows_f32(const float* __restrict__ x, uint32_t cols, uint32_t* __restrict__ out) {
+    argmax_rows_f32(const float* __restrict__ x, uint32_t cols, uint32_t* __restrict__ out) { pdl_entry();
     __shared__ float sv[32];
     __shared__ uint32_t si[32];
     const float* r = x + (size_t)blockIdx.x * cols;
@@ -480,47 +480,47 @@ extern "C" __global__ void __launch_bounds__(1024)
 #define FUSED_INST(TN, T)                                                                      \
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                             \
         add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,             \
-                      const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3) {   \
+                      const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3) { pdl_entry();   \
         add_norm_body<T, ADD_NORM_THREADS, ADD_NORM_PER_THREAD, false>(                        \
             p, res, y, w, scalar, w2, out, out2, w3, out3, y, w, w);                           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                             \
         moe_add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,         \
                           const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3, \
-                          const T* b, const T* wa, const T* wb) {                              \
+                          const T* b, const T* wa, const T* wb) { pdl_entry();                              \
         add_norm_body<T, ADD_NORM_THREADS, MOE_ADD_NORM_PER_THREAD, true>(                     \
             p, res, y, w, scalar, w2, out, out2, w3, out3, b, wa, wb);                         \
     }                                                                                          \
     extern "C" __global__ void gelu_mul_##TN(const GeluMulParams p, const T* a, const T* b,    \
-                                             T* out) {                                         \
+                                             T* out) { pdl_entry();                                         \
         gelu_mul_body<T>(p, a, b, out);                                                        \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
         qkv_prep_##TN(const QkvPrepParams p, const T* qs, const T* ks, const T* vs,            \
-                      const T* qw, const T* kw, const T* cos, const T* sin, T* q, T* k, T* v) { \
+                      const T* qw, const T* kw, const T* cos, const T* sin, T* q, T* k, T* v) { pdl_entry(); \
         qkv_prep_body<T>(p, qs, ks, vs, qw, kw, cos, sin, q, k, v);                            \
     }                                                                                          \
     extern "C" __global__ void moe_route_##TN(const RouteParams p, const T* logits,             \
-                                              const float* scale, uint32_t* idx, float* mix) {  \
+                                              const float* scale, uint32_t* idx, float* mix) { pdl_entry();  \
         moe_route_body<T>(p, logits, scale, idx, mix);                                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
         grouped_mv_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx, const T* x,  \
-                        T* y) {                                                                \
+                        T* y) { pdl_entry();                                                                \
         grouped_mv_body<T, false>(p, w, idx, x, x, y);                                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
         grouped_mv_gated_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx,        \
-                              const T* x, const T* xb, T* y) {                                 \
+                              const T* x, const T* xb, T* y) { pdl_entry();                                 \
         grouped_mv_body<T, true>(p, w, idx, x, xb, y);                                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
         masked_softmax_##TN(const SoftmaxParams p, const T* scores, const uint32_t* positions,  \
-                            T* out) {                                                          \
+                            T* out) { pdl_entry();                                                          \
         masked_softmax_body<T>(p, scores, positions, out);                                     \
     }                                                                                          \
     extern "C" __global__ void moe_mix_##TN(const GroupedMvParams p, const T* y,               \
-                                            const float* mix, T* out) {                        \
+                                            const float* mix, T* out) { pdl_entry();                        \
         moe_mix_body<T>(p, y, mix, out);                                                       \
     }
 
@@ -859,21 +859,21 @@ __device__ __forceinline__ void last_block_add_norm(
         T *out3, uint32_t *counter, const MvNormParams np
 #define DMV_INST(TN, T, MT, WARPS)                                                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
-        dense_mv_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* w, T* y) {  \
+        dense_mv_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* w, T* y) { pdl_entry();  \
         dense_mv_body<T, MT, WARPS, DMV_PLAIN>(p, x, x, w, y);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
         dense_mv_gated_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* xb,   \
-                                             const T* w, T* y) {                               \
+                                             const T* w, T* y) { pdl_entry();                               \
         dense_mv_body<T, MT, WARPS, DMV_GATED>(p, x, xb, w, y);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
         dense_mv_normed_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* nw,  \
-                                              const T* w, T* y) {                              \
+                                              const T* w, T* y) { pdl_entry();                              \
         dense_mv_body<T, MT, WARPS, DMV_NORMED>(p, x, nw, w, y);                               \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS)) dense_mv_norm_##TN##_##MT##_##WARPS( \
-        const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) {                  \
+        const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) { pdl_entry();                  \
         dense_mv_body<T, MT, WARPS, DMV_PLAIN>(p, x, x, w, y);                                     \
         last_block_add_norm<T, WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2, out3, \
                                            counter);                                           \
@@ -881,7 +881,7 @@ __device__ __forceinline__ void last_block_add_norm(
     extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
         dense_mv_gated_norm_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x,           \
                                                   const T* xb, const T* w, T* y,               \
-                                                  DMV_NORM_ARGS(T)) {                             \
+                                                  DMV_NORM_ARGS(T)) { pdl_entry();                             \
         dense_mv_body<T, MT, WARPS, DMV_GATED>(p, x, xb, w, y);                                     \
         last_block_add_norm<T, WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2, out3, \
                                            counter);                                           \
@@ -995,32 +995,32 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
 
 #define DSV_INST(TN, T, RPW)                                                                   \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
-        dense_mv_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* w, T* y) {         \
+        dense_mv_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* w, T* y) { pdl_entry();         \
         dense_sv_body<T, RPW, DMV_PLAIN>(p, x, x, w, y);                                       \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
         dense_mv_gated_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* xb,          \
-                                      const T* w, T* y) {                                      \
+                                      const T* w, T* y) { pdl_entry();                                      \
         dense_sv_body<T, RPW, DMV_GATED>(p, x, xb, w, y);                                      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
         dense_mv_normed_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* nw,         \
-                                       const T* w, T* y) {                                     \
+                                       const T* w, T* y) { pdl_entry();                                     \
         dense_sv_body<T, RPW, DMV_NORMED>(p, x, nw, w, y);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                             \
-        dense_mv_geglu_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* w, T* y) {   \
+        dense_mv_geglu_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* w, T* y) { pdl_entry();   \
         dense_sv_body<T, RPW, DMV_GEGLU>(p, x, x, w, y);                                       \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2) dense_mv_norm_##TN##_sv##RPW(  \
-        const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) {               \
+        const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) { pdl_entry();               \
         dense_sv_body<T, RPW, DMV_PLAIN>(p, x, x, w, y);                                       \
         last_block_add_norm<T, SV_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2,    \
                                               out3, counter);                                  \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
         dense_mv_gated_norm_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* xb,     \
-                                           const T* w, T* y, DMV_NORM_ARGS(T)) {               \
+                                           const T* w, T* y, DMV_NORM_ARGS(T)) { pdl_entry();               \
         dense_sv_body<T, RPW, DMV_GATED>(p, x, xb, w, y);                                      \
         last_block_add_norm<T, SV_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2,    \
                                               out3, counter);                                  \

@@ -3,7 +3,7 @@
 //! block. Each takes the place of a chain of candle ops on CUDA; `crate::gemma4::fused` picks
 //! between them and the candle chain, which stays the reference on every other device.
 
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
 
@@ -46,7 +46,7 @@ fn tn(dtype: DType) -> Result<&'static str> {
 /// `struct AddNormParams` in `fused.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct AddNormParams {
+pub(super) struct AddNormParams {
     rows: u32,
     dim: u32,
     eps: f32,
@@ -56,7 +56,7 @@ struct AddNormParams {
 /// `struct GeluMulParams` in `fused.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct GeluMulParams {
+pub(super) struct GeluMulParams {
     rows: u32,
     width: u32,
     a_stride: u32,
@@ -66,7 +66,7 @@ struct GeluMulParams {
 /// `struct QkvPrepParams` in `fused.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct QkvPrepParams {
+pub(super) struct QkvPrepParams {
     batch: u32,
     seq_len: u32,
     n_heads: u32,
@@ -82,7 +82,7 @@ struct QkvPrepParams {
 /// `struct DenseMvParams` in `fused.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct DenseMvParams {
+pub(super) struct DenseMvParams {
     rows: u32,
     out_dim: u32,
     in_dim: u32,
@@ -94,7 +94,7 @@ struct DenseMvParams {
 /// `struct RouteParams` in `fused.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct RouteParams {
+pub(super) struct RouteParams {
     tokens: u32,
     experts: u32,
     top_k: u32,
@@ -104,7 +104,7 @@ struct RouteParams {
 /// `struct GroupedMvParams` in `fused.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct GroupedMvParams {
+pub(super) struct GroupedMvParams {
     pairs: u32,
     top_k: u32,
     out_dim: u32,
@@ -813,7 +813,7 @@ pub fn moe_mix(y: &Tensor, mix: &Tensor) -> Result<Tensor> {
 /// `struct SoftmaxParams` in `fused.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
-struct SoftmaxParams {
+pub(super) struct SoftmaxParams {
     rows: u32,
     keys: u32,
     q_len: u32,
@@ -1092,7 +1092,7 @@ struct NormFuse<'a> {
 /// `struct MvNormParams` in `fused.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-struct MvNormParams {
+pub(super) struct MvNormParams {
     flags: u32,
     eps: f32,
 }

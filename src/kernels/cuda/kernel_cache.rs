@@ -1,13 +1,24 @@
-//! Kernel handles looked up once per process.
+//! Kernel handles looked up once per process, and their launches.
 //!
 //! candle's `get_or_load_custom_func` asks the driver for the function by name on every call
 //! (about 0.9 us of host time on the H100 machine, `bench_kernels --launch-floor`); a decode
 //! step of a small model launches several hundred of our kernels, so the handles are kept here.
+//!
+//! Launches use programmatic dependent launch on devices of compute capability 9.0 and up: a
+//! kernel's blocks may be scheduled while the previous kernel on the stream still runs, and wait
+//! for it (`griddepcontrol.wait`, `pdl_entry` in `common.cuh`) before touching memory. Every
+//! kernel launched here starts with that wait, so the order of effects is the stream's; what is
+//! saved is the launch latency and the block-scheduling ramp between kernels.
+//! `CANDLE_GEMMA_PDL=0` launches plainly.
 
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaStream, LaunchArgs};
+use candle_core::cuda_backend::cudarc::driver::{
+    sys, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    DriverError, LaunchConfig,
+};
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 
 /// A loaded kernel and the device's stream it launches on.
@@ -18,8 +29,11 @@ pub(crate) struct Kernel {
 
 impl Kernel {
     /// A launch of this kernel on the device's stream.
-    pub(crate) fn builder(&self) -> LaunchArgs<'_> {
-        self.stream.launch_builder(&self.func)
+    pub(crate) fn builder(&self) -> Launch<'_> {
+        Launch {
+            kernel: self,
+            args: Vec::with_capacity(16),
+        }
     }
 
     /// Blocks of `threads` threads one multiprocessor holds at once (the driver's occupancy
@@ -80,5 +94,150 @@ pub(crate) fn load_kernel(
     Ok(Kernel {
         func,
         stream: dev.cuda_stream(),
+    })
+}
+
+/// One kernel argument as the driver takes it: the address of a value the caller keeps alive
+/// until the launch, or a device address held here.
+pub(crate) enum Arg {
+    Value(*mut c_void),
+    Device(sys::CUdeviceptr),
+}
+
+/// Arguments of a [`Launch`]: parameter blocks and scalars by reference, device buffers by
+/// their address.
+pub(crate) trait LaunchArg<'a> {
+    /// Appends the argument.
+    fn push(self, args: &mut Vec<Arg>, stream: &CudaStream);
+}
+
+macro_rules! value_args {
+    ($($t:ty),* $(,)?) => {$(
+        impl<'a> LaunchArg<'a> for &'a $t {
+            fn push(self, args: &mut Vec<Arg>, _: &CudaStream) {
+                args.push(Arg::Value(self as *const $t as *mut c_void));
+            }
+        }
+    )*};
+}
+value_args!(
+    u32,
+    u64,
+    i32,
+    f32,
+    super::params::QsdpaParams,
+    super::params::QmatParams,
+    super::batched::QsdpaSeq,
+    super::fused::AddNormParams,
+    super::fused::GeluMulParams,
+    super::fused::QkvPrepParams,
+    super::fused::RouteParams,
+    super::fused::DenseMvParams,
+    super::fused::GroupedMvParams,
+    super::fused::SoftmaxParams,
+    super::fused::MvNormParams,
+);
+
+impl<'a, T> LaunchArg<'a> for &'a CudaSlice<T> {
+    fn push(self, args: &mut Vec<Arg>, stream: &CudaStream) {
+        args.push(Arg::Device(self.device_ptr(stream).0));
+    }
+}
+impl<'a, T> LaunchArg<'a> for &'a mut CudaSlice<T> {
+    fn push(self, args: &mut Vec<Arg>, stream: &CudaStream) {
+        args.push(Arg::Device(self.device_ptr_mut(stream).0));
+    }
+}
+impl<'a, 'b: 'a, T> LaunchArg<'a> for &'a CudaView<'b, T> {
+    fn push(self, args: &mut Vec<Arg>, stream: &CudaStream) {
+        args.push(Arg::Device(self.device_ptr(stream).0));
+    }
+}
+impl<'a, 'b: 'a, T> LaunchArg<'a> for &'a mut CudaViewMut<'b, T> {
+    fn push(self, args: &mut Vec<Arg>, stream: &CudaStream) {
+        args.push(Arg::Device(self.device_ptr_mut(stream).0));
+    }
+}
+
+/// A kernel launch being assembled: [`Launch::arg`] in the kernel's parameter order, then
+/// [`Launch::launch`].
+pub(crate) struct Launch<'a> {
+    kernel: &'a Kernel,
+    args: Vec<Arg>,
+}
+
+impl<'a> Launch<'a> {
+    /// Appends the next argument.
+    pub(crate) fn arg<A: LaunchArg<'a>>(&mut self, a: A) -> &mut Self {
+        a.push(&mut self.args, &self.kernel.stream);
+        self
+    }
+
+    /// Queues the kernel on the device's stream.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order and type, and the
+    /// buffers must cover what the kernel reads and writes under `cfg`.
+    pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
+        let stream = &self.kernel.stream;
+        stream.context().bind_to_thread()?;
+        let devs: Vec<sys::CUdeviceptr> = self
+            .args
+            .iter()
+            .map(|a| match a {
+                Arg::Device(p) => *p,
+                Arg::Value(_) => 0,
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = self
+            .args
+            .iter()
+            .zip(&devs)
+            .map(|(a, d)| match a {
+                Arg::Value(v) => *v,
+                Arg::Device(_) => d as *const sys::CUdeviceptr as *mut c_void,
+            })
+            .collect();
+        // SAFETY: a zeroed attribute is valid; id and value are set below.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let pdl = dependent_launch(stream);
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream.cu_stream(),
+            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: u32::from(pdl),
+        };
+        // SAFETY: `params` holds one pointer per kernel parameter (the caller's contract),
+        // each valid until this call returns (`devs` and the borrowed values outlive it).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.kernel.func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+    }
+}
+
+/// Whether launches on `stream`'s device may overlap the previous kernel's tail: compute
+/// capability 9.0 or more (`griddepcontrol`), unless `CANDLE_GEMMA_PDL=0`.
+fn dependent_launch(stream: &CudaStream) -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        std::env::var("CANDLE_GEMMA_PDL").map_or(true, |v| v != "0")
+            && stream
+                .context()
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+                .is_ok_and(|major| major >= 9)
     })
 }

@@ -4,7 +4,7 @@
 //! embedding lookup).
 
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, sys::CUdevice_attribute, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg,
+    sys, sys::CUdevice_attribute, CudaSlice, CudaView, DeviceRepr, LaunchConfig,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, WrapErr};
 use candle_core::op::BackpropOp;
