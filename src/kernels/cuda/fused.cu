@@ -631,12 +631,12 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
     // lane that reads it), with its first weight loads already in flight.
     extern __shared__ __align__(16) unsigned char dmv_smem[];
     T* sx = reinterpret_cast<T*>(dmv_smem);
-    bool loaded = false;
-    if constexpr (MODE == DMV_GATED || MODE == DMV_NORMED) {
-        load_w(c0);
-        loaded = true;
+    // The first weight loads go out before waiting for the kernel before (see dense_sv_body).
+    load_w(c0);
+    bool loaded = true;
+    pdl_entry();
+    if constexpr (MODE == DMV_GATED || MODE == DMV_NORMED)
         stage_input<T, MODE, WARPS * 32>(p, x, xb, sx);
-    }
     const T* sxr = sx + (size_t)(xok ? gq : 0) * in_dim + 8 * q;
     for (int c = c0; c < c1; c += DMV_UNROLL) {
         if (!loaded) load_w(c);
@@ -859,21 +859,21 @@ __device__ __forceinline__ void last_block_add_norm(
         T *out3, uint32_t *counter, const MvNormParams np
 #define DMV_INST(TN, T, MT, WARPS)                                                             \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
-        dense_mv_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* w, T* y) { pdl_entry();  \
+        dense_mv_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* w, T* y) {  \
         dense_mv_body<T, MT, WARPS, DMV_PLAIN>(p, x, x, w, y);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
         dense_mv_gated_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* xb,   \
-                                             const T* w, T* y) { pdl_entry();                               \
+                                             const T* w, T* y) {                               \
         dense_mv_body<T, MT, WARPS, DMV_GATED>(p, x, xb, w, y);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
         dense_mv_normed_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* nw,  \
-                                              const T* w, T* y) { pdl_entry();                              \
+                                              const T* w, T* y) {                              \
         dense_mv_body<T, MT, WARPS, DMV_NORMED>(p, x, nw, w, y);                               \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS)) dense_mv_norm_##TN##_##MT##_##WARPS( \
-        const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) { pdl_entry();                  \
+        const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) {                  \
         dense_mv_body<T, MT, WARPS, DMV_PLAIN>(p, x, x, w, y);                                     \
         last_block_add_norm<T, WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2, out3, \
                                            counter);                                           \
@@ -881,7 +881,7 @@ __device__ __forceinline__ void last_block_add_norm(
     extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
         dense_mv_gated_norm_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x,           \
                                                   const T* xb, const T* w, T* y,               \
-                                                  DMV_NORM_ARGS(T)) { pdl_entry();                             \
+                                                  DMV_NORM_ARGS(T)) {                             \
         dense_mv_body<T, MT, WARPS, DMV_GATED>(p, x, xb, w, y);                                     \
         last_block_add_norm<T, WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2, out3, \
                                            counter);                                           \
@@ -949,12 +949,13 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
     };
     extern __shared__ __align__(16) unsigned char dmv_smem[];
     T* sx = reinterpret_cast<T*>(dmv_smem);
-    bool loaded = false;
-    if constexpr (MODE == DMV_GATED || MODE == DMV_NORMED) {
-        load_w(0);
-        loaded = true;
+    // The weights are constant: the first loads go out before waiting for the kernel before
+    // (programmatic dependent launch), overlapping its tail.
+    load_w(0);
+    bool loaded = true;
+    pdl_entry();
+    if constexpr (MODE == DMV_GATED || MODE == DMV_NORMED)
         stage_input<T, MODE, SV_WARPS * 32>(p, x, xb, sx);
-    }
     const uint4* xs =
         reinterpret_cast<const uint4*>(MODE == DMV_PLAIN || MODE == DMV_GEGLU ? x : sx);
     float acc[RPW];
@@ -995,32 +996,32 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
 
 #define DSV_INST(TN, T, RPW)                                                                   \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
-        dense_mv_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* w, T* y) { pdl_entry();         \
+        dense_mv_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* w, T* y) {         \
         dense_sv_body<T, RPW, DMV_PLAIN>(p, x, x, w, y);                                       \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
         dense_mv_gated_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* xb,          \
-                                      const T* w, T* y) { pdl_entry();                                      \
+                                      const T* w, T* y) {                                      \
         dense_sv_body<T, RPW, DMV_GATED>(p, x, xb, w, y);                                      \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
         dense_mv_normed_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* nw,         \
-                                       const T* w, T* y) { pdl_entry();                                     \
+                                       const T* w, T* y) {                                     \
         dense_sv_body<T, RPW, DMV_NORMED>(p, x, nw, w, y);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                             \
-        dense_mv_geglu_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* w, T* y) { pdl_entry();   \
+        dense_mv_geglu_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* w, T* y) {   \
         dense_sv_body<T, RPW, DMV_GEGLU>(p, x, x, w, y);                                       \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2) dense_mv_norm_##TN##_sv##RPW(  \
-        const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) { pdl_entry();               \
+        const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) {               \
         dense_sv_body<T, RPW, DMV_PLAIN>(p, x, x, w, y);                                       \
         last_block_add_norm<T, SV_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2,    \
                                               out3, counter);                                  \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                                \
         dense_mv_gated_norm_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* xb,     \
-                                           const T* w, T* y, DMV_NORM_ARGS(T)) { pdl_entry();               \
+                                           const T* w, T* y, DMV_NORM_ARGS(T)) {               \
         dense_sv_body<T, RPW, DMV_GATED>(p, x, xb, w, y);                                      \
         last_block_add_norm<T, SV_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2,    \
                                               out3, counter);                                  \
