@@ -646,9 +646,17 @@ fn check_qmatmul(
     let x = Tensor::randn(0f32, 1.0, (rows, in_dim), &cpu)?.to_dtype(xdtype)?;
     let want = qmatmul(&x, &wc)?;
     let got = qmatmul(&x.to_device(gpu)?, &wg)?;
+    // The same x as a contiguous view starting one element into its buffer (not 16-byte
+    // aligned): the launcher must copy it rather than hand the kernel a misaligned pointer.
+    let padded = Tensor::cat(&[&x.flatten_all()?.narrow(0, 0, 1)?, &x.flatten_all()?], 0)?;
+    let x_off = padded
+        .to_device(gpu)?
+        .narrow(0, 1, rows * in_dim)?
+        .reshape((rows, in_dim))?;
+    let got_off = qmatmul(&x_off, &wg)?;
     // Output magnitude ~ sqrt(in) * 0.05; scale the tolerance with it.
     let mag = (in_dim as f32).sqrt() * 0.05;
-    let err = max_abs(&got, &want)?;
+    let err = max_abs(&got, &want)?.max(max_abs(&got_off, &want)?);
     let pass = err <= tol(xdtype) * mag.max(1.0) * 2.0;
     let e = stats
         .entry(format!("qmatmul x={xdtype:?} {bits}-bit"))

@@ -269,15 +269,16 @@ pub(super) fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Res
     match side {
         KvOperand::Packed(p) => {
             // Lanes load up to 16 bytes of codes at once: the start and both strides must be
-            // multiples of 4 words, else the view is copied (a fresh buffer is aligned, and a
-            // key's words, head_dim * bits / 32, are a multiple of 4 for every head dim).
+            // multiples of 4 words, else the view is copied into a fresh (aligned) buffer; a
+            // key's words, head_dim * bits / 32, are a multiple of 4 for every head dim.
+            // (`contiguous` would keep a contiguous view's misaligned start.)
             let (mut words, mut words_sh, mut words_sk) = strided4(&p.codes)?;
             let aligned = |x: usize| x % 4 == 0;
             if !(aligned(words.layout().start_offset())
                 && aligned(words_sh as usize)
                 && aligned(words_sk as usize))
             {
-                (words, words_sh, words_sk) = strided4(&words.contiguous()?)?;
+                (words, words_sh, words_sk) = strided4(&words.force_contiguous()?)?;
             }
             // Scales and biases are read with one stride pair: make both contiguous when their
             // layouts differ.
@@ -308,7 +309,7 @@ pub(super) fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Res
             let (mut w, mut sh, mut sk) = strided4(&t)?;
             if !(aligned(w.layout().start_offset()) && aligned(sh as usize) && aligned(sk as usize))
             {
-                (w, sh, sk) = strided4(&w.contiguous()?)?;
+                (w, sh, sk) = strided4(&w.force_contiguous()?)?;
             }
             Ok(KernelSide {
                 scales: w.clone(),
@@ -807,12 +808,21 @@ pub(crate) fn qmatvec(
         block_dim: ((warps * 32) as u32, 1, 1),
         shared_mem_bytes: 0,
     };
+    // The kernels read x and the codes 16 bytes at a time: views starting elsewhere are copied.
+    let aligned16 = |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 == 0;
     let x = x.contiguous()?;
-    let (codes, scales, biases) = (
-        codes.contiguous()?,
-        scales.contiguous()?,
-        biases.contiguous()?,
-    );
+    let x = if aligned16(&x) {
+        x
+    } else {
+        x.force_contiguous()?
+    };
+    let codes = codes.contiguous()?;
+    let codes = if aligned16(&codes) {
+        codes
+    } else {
+        codes.force_contiguous()?
+    };
+    let (scales, biases) = (scales.contiguous()?, biases.contiguous()?);
     macro_rules! go {
         ($t:ty, $s:ty) => {{
             // SAFETY: fully written by either kernel (every output row of every activation row).
