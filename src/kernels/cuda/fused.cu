@@ -445,7 +445,8 @@ __device__ __forceinline__ void masked_softmax_body(const SoftmaxParams p,
 // Device-to-device copy through the SMs (16-byte loads and stores, grid-stride): the
 // bandwidth reference of the benches, the access pattern of a bandwidth-bound kernel.
 extern "C" __global__ void copy_u4(const uint4* __restrict__ src, uint4* __restrict__ dst,
-                                   uint64_t n) { pdl_entry();
+                                   uint64_t n) {
+    pdl_entry();
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (uint64_t)gridDim.x * blockDim.x)
         dst[i] = src[i];
@@ -454,7 +455,8 @@ extern "C" __global__ void copy_u4(const uint4* __restrict__ src, uint4* __restr
 // Greedy pick: the index of the largest f32 of each row (ties: the lowest index; NaN never
 // wins). One block of 1024 threads per row.
 extern "C" __global__ void __launch_bounds__(1024)
-    argmax_rows_f32(const float* __restrict__ x, uint32_t cols, uint32_t* __restrict__ out) { pdl_entry();
+    argmax_rows_f32(const float* __restrict__ x, uint32_t cols, uint32_t* __restrict__ out) {
+    pdl_entry();
     __shared__ float sv[32];
     __shared__ uint32_t si[32];
     const float* r = x + (size_t)blockIdx.x * cols;
@@ -480,47 +482,56 @@ extern "C" __global__ void __launch_bounds__(1024)
 #define FUSED_INST(TN, T)                                                                      \
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                             \
         add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,             \
-                      const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3) { pdl_entry();   \
+                      const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3) {   \
+        pdl_entry();                                                                           \
         add_norm_body<T, ADD_NORM_THREADS, ADD_NORM_PER_THREAD, false>(                        \
             p, res, y, w, scalar, w2, out, out2, w3, out3, y, w, w);                           \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                             \
         moe_add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,         \
                           const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3, \
-                          const T* b, const T* wa, const T* wb) { pdl_entry();                              \
+                          const T* b, const T* wa, const T* wb) {                              \
+        pdl_entry();                                                                           \
         add_norm_body<T, ADD_NORM_THREADS, MOE_ADD_NORM_PER_THREAD, true>(                     \
             p, res, y, w, scalar, w2, out, out2, w3, out3, b, wa, wb);                         \
     }                                                                                          \
     extern "C" __global__ void gelu_mul_##TN(const GeluMulParams p, const T* a, const T* b,    \
-                                             T* out) { pdl_entry();                                         \
+                                             T* out) {                                         \
+        pdl_entry();                                                                           \
         gelu_mul_body<T>(p, a, b, out);                                                        \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
         qkv_prep_##TN(const QkvPrepParams p, const T* qs, const T* ks, const T* vs,            \
-                      const T* qw, const T* kw, const T* cos, const T* sin, T* q, T* k, T* v) { pdl_entry(); \
+                      const T* qw, const T* kw, const T* cos, const T* sin, T* q, T* k, T* v) { \
+        pdl_entry();                                                                            \
         qkv_prep_body<T>(p, qs, ks, vs, qw, kw, cos, sin, q, k, v);                            \
     }                                                                                          \
     extern "C" __global__ void moe_route_##TN(const RouteParams p, const T* logits,             \
-                                              const float* scale, uint32_t* idx, float* mix) { pdl_entry();  \
+                                              const float* scale, uint32_t* idx, float* mix) {  \
+        pdl_entry();                                                                            \
         moe_route_body<T>(p, logits, scale, idx, mix);                                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
         grouped_mv_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx, const T* x,  \
-                        T* y) { pdl_entry();                                                                \
+                        T* y) {                                                                \
+        pdl_entry();                                                                           \
         grouped_mv_body<T, false>(p, w, idx, x, x, y);                                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
         grouped_mv_gated_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx,        \
-                              const T* x, const T* xb, T* y) { pdl_entry();                                 \
+                              const T* x, const T* xb, T* y) {                                 \
+        pdl_entry();                                                                           \
         grouped_mv_body<T, true>(p, w, idx, x, xb, y);                                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
         masked_softmax_##TN(const SoftmaxParams p, const T* scores, const uint32_t* positions,  \
-                            T* out) { pdl_entry();                                                          \
+                            T* out) {                                                          \
+        pdl_entry();                                                                           \
         masked_softmax_body<T>(p, scores, positions, out);                                     \
     }                                                                                          \
     extern "C" __global__ void moe_mix_##TN(const GroupedMvParams p, const T* y,               \
-                                            const float* mix, T* out) { pdl_entry();                        \
+                                            const float* mix, T* out) {                        \
+        pdl_entry();                                                                           \
         moe_mix_body<T>(p, y, mix, out);                                                       \
     }
 

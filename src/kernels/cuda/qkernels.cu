@@ -406,14 +406,16 @@ __device__ __forceinline__ void qsdpa_batch_entry(const QsdpaSeq* seqs, uint32_t
         qsdpa_##TN##_##HD##_##BITS##_##NQ(const QsdpaParams p, const T* q, const uint32_t* kc,         \
                                    const T* ks, const T* kb, const uint32_t* vc, const T* vs,   \
                                    const T* vb, const uint32_t* positions, T* out,              \
-                                   float* part_ml, float* part_acc) { pdl_entry();                          \
+                                   float* part_ml, float* part_acc) {                          \
+        pdl_entry();                                                                           \
         qsdpa_body<T, HD, BITS, NQ>(p, q, kc, ks, kb, vc, vs, vb, positions, out, part_ml,      \
                                     part_acc, blockIdx.z);                                     \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(QS_WARPS * 32)                                \
         qsdpa_batch_##TN##_##HD##_##BITS##_##NQ(const QsdpaSeq* seqs, uint32_t n_split_max,     \
                                                 const T* q, T* out, float* part_ml,             \
-                                                float* part_acc) { pdl_entry();                              \
+                                                float* part_acc) {                              \
+        pdl_entry();                                                                            \
         qsdpa_batch_entry<T, HD>(seqs, n_split_max, q, out, part_ml, part_acc,                 \
                                  [](const auto&... a) { qsdpa_body<T, HD, BITS, NQ>(a...); });         \
     }
@@ -433,13 +435,15 @@ __device__ __forceinline__ void qsdpa_batch_entry(const QsdpaSeq* seqs, uint32_t
     QSDPA_INST_HD(TN, T, 4)                                                                    \
     QSDPA_INST_HD(TN, T, 8)                                                                    \
     extern "C" __global__ void qsdpa_combine_##TN(const QsdpaParams p, const float* part_ml,    \
-                                                  const float* part_acc, T* out) { pdl_entry();             \
+                                                  const float* part_acc, T* out) {             \
+        pdl_entry();                                                                           \
         qsdpa_combine_body<T>(p, part_ml, part_acc, out, blockIdx.y);                          \
     }                                                                                          \
     extern "C" __global__ void qsdpa_combine_batch_##TN(const QsdpaSeq* seqs,                   \
                                                         uint32_t n_split_max, T* out,           \
                                                         const float* part_ml,                   \
-                                                        const float* part_acc) { pdl_entry();                \
+                                                        const float* part_acc) {                \
+        pdl_entry();                                                                            \
         const QsdpaParams p = seqs[blockIdx.y].p;                                              \
         if (p.n_split <= 1) return;                                                            \
         const size_t qn = (size_t)p.n_heads * p.q_len * p.head_dim;                            \
@@ -748,7 +752,8 @@ __device__ __forceinline__ void qmv_mma_body(const QmatParams p, const T* __rest
 #define QMMA_INST(TN, T, SN, S, BITS, G)                                                        \
     extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32)                               \
         qmv_mma_##TN##_##SN##_##BITS##_##G(const QmatParams p, const T* x, const uint32_t* c,    \
-                                          const S* s, const S* b, T* y) { pdl_entry();                      \
+                                          const S* s, const S* b, T* y) {                      \
+        pdl_entry();                                                                           \
         qmv_mma_body<T, S, BITS, G>(p, x, c, s, b, y);                                          \
     }
 #define QMMA_INST_G(TN, T, SN, S, BITS) \
@@ -898,7 +903,8 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
 #define QTC4_INST(TN, T, B, U)                                                                 \
     extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32, B)                            \
         qmv_tc4_##TN##_b##B(const QmatParams p, const T* x, const uint32_t* c, const T* s,      \
-                            const T* b, T* y) { pdl_entry();                                                \
+                            const T* b, T* y) {                                                \
+        pdl_entry();                                                                           \
         qmv_tc4_body<T, U>(p, x, c, s, b, y);                                                  \
     }
 #define QTC4_INST_T(TN, T) \
@@ -1020,7 +1026,8 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
 #define QROW4_INST(TN, T)                                                                      \
     extern "C" __global__ void __launch_bounds__(QROW_WARPS * 32)                              \
         qmv_row4_##TN(const QmatParams p, const T* x, const uint32_t* c, const T* s,           \
-                      const T* b, T* y) { pdl_entry();                                                      \
+                      const T* b, T* y) {                                                      \
+        pdl_entry();                                                                           \
         qmv_row4_body<T>(p, x, c, s, b, y);                                                    \
     }
 QROW4_INST(f16, __half)
@@ -1058,7 +1065,8 @@ __device__ __forceinline__ void dequant_body(const QmatParams p, const uint32_t*
 #define QMV_INST(TN, T, SN, S, BITS, R)                                                        \
     extern "C" __global__ void __launch_bounds__(QMV_WARPS * 32)                               \
         qmatvec_##TN##_##SN##_##BITS##_##R(const QmatParams p, const T* x, const uint32_t* c,  \
-                                           const S* s, const S* b, T* y) { pdl_entry();                    \
+                                           const S* s, const S* b, T* y) {                    \
+        pdl_entry();                                                                          \
         qmatvec_body<T, S, BITS, R>(p, x, c, s, b, y);                                         \
     }
 
@@ -1070,7 +1078,8 @@ __device__ __forceinline__ void dequant_body(const QmatParams p, const uint32_t*
     extern "C" __global__ void dequant_##TN##_##SN##_##BITS(const QmatParams p,                 \
                                                              const uint32_t* c, const S* s,     \
                                                              const S* b, const uint32_t* idx,   \
-                                                             T* out) { pdl_entry();                         \
+                                                             T* out) {                         \
+        pdl_entry();                                                                           \
         dequant_body<T, S, BITS>(p, c, s, b, idx, out);                                        \
     }
 
@@ -1136,7 +1145,8 @@ __device__ __forceinline__ void quantize_body(const QmatParams p, const T* __res
 
 #define QUANT_INST(TN, T, BITS)                                                                \
     extern "C" __global__ void quantize_##TN##_##BITS(const QmatParams p, const T* x,          \
-                                                       uint32_t* codes, T* scales, T* biases) { pdl_entry(); \
+                                                       uint32_t* codes, T* scales, T* biases) { \
+        pdl_entry();                                                                            \
         quantize_body<T, BITS>(p, x, codes, scales, biases);                                   \
     }
 QUANT_INST(f32, float, 4)

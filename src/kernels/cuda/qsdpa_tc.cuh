@@ -435,14 +435,16 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         qsdpa_tc_##TN##_##HD##_##BITS(const QsdpaParams p, const T* q, const uint32_t* kc,      \
                                       const T* ks, const T* kb, const uint32_t* vc,             \
                                       const T* vs, const T* vb, const uint32_t* positions,      \
-                                      T* out, float* part_ml, float* part_acc) { pdl_entry();                \
+                                      T* out, float* part_ml, float* part_acc) {                \
+        pdl_entry();                                                                            \
         qsdpa_tc_body<T, HD, BITS>(p, q, kc, ks, kb, vc, vs, vb, positions, out, part_ml,       \
                                    part_acc, blockIdx.z);                                       \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(HD / 128 * 32)                                 \
         qsdpa_tc_batch_##TN##_##HD##_##BITS(const QsdpaSeq* seqs, uint32_t n_split_max,         \
                                             const T* q, T* out, float* part_ml,                 \
-                                            float* part_acc) { pdl_entry();                                  \
+                                            float* part_acc) {                                  \
+        pdl_entry();                                                                            \
         qsdpa_batch_entry<T, HD>(seqs, n_split_max, q, out, part_ml, part_acc,                 \
                                  [](const auto&... a) { qsdpa_tc_body<T, HD, BITS>(a...); });          \
     }
