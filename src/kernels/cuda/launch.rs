@@ -742,6 +742,19 @@ fn row_contiguous_matvec() -> bool {
     *ON.get_or_init(|| std::env::var("CANDLE_GEMMA_QROW").map_or(true, |v| v != "off"))
 }
 
+/// Warps a block of `qmv_row4`: [`QMATVEC_ROW_WARPS`], or `CANDLE_GEMMA_QROW_WARPS` (1, 2, 4
+/// or 8) to compare.
+fn row_matvec_warps() -> usize {
+    static W: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *W.get_or_init(|| {
+        std::env::var("CANDLE_GEMMA_QROW_WARPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|w| matches!(w, 1 | 2 | 4 | 8))
+            .unwrap_or(QMATVEC_ROW_WARPS)
+    })
+}
+
 /// Quantized `x · Wᵀ` for `rows <= 8` activation rows (decode): `x` `[rows, in]` contiguous,
 /// `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns `[rows, out]`.
 pub(crate) fn qmatvec(
@@ -780,11 +793,8 @@ pub(crate) fn qmatvec(
         in_dim,
     ) {
         if rows == 1 && row_contiguous_matvec() {
-            (
-                format!("qmv_row4_{tn}"),
-                QMATVEC_ROW_WARPS * 2,
-                QMATVEC_ROW_WARPS,
-            )
+            let warps = row_matvec_warps();
+            (format!("qmv_row4_{tn}"), warps * 2, warps)
         } else {
             (
                 format!("qmv_tc4_{tn}_b{}", tc4_blocks()),

@@ -21,8 +21,8 @@ pub const QMATVEC_WARPS: usize = 8;
 pub const QMATVEC_MMA_ROWS: usize = 16;
 /// Warps per tensor-core matrix-vector block, splitting the input groups (`QMMA_WARPS`).
 pub const QMATVEC_MMA_WARPS: usize = 8;
-/// Warps a block of the row-contiguous 4-bit matvec (`qmv_row4`, one activation row,
-/// `QROW_WARPS`): each warp owns whole output rows, so the block size only sets the launch
+/// Warps a block of the row-contiguous 4-bit matvec (`qmv_row4`, one activation row; at most
+/// `QROW_MAX_WARPS`): each warp owns whole output rows, so the block size only sets the launch
 /// granularity.
 pub const QMATVEC_ROW_WARPS: usize = 4;
 /// Most key splits the combine kernel merges (`QS_MAX_SPLIT`).

@@ -934,7 +934,7 @@ QTC4_INST_T(bf16, __nv_bfloat16)
 // this step's math, cp.async through shared memory with 2 or 4 steps in flight, L2 prefetches 2
 // or 4 steps ahead, and four rows a warp.
 // ---------------------------------------------------------------------------------------------
-constexpr int QROW_WARPS = 4;
+constexpr int QROW_MAX_WARPS = 8;  // the launcher's block is 1-8 warps (QMATVEC_ROW_WARPS)
 
 template <typename T>
 __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __restrict__ x,
@@ -944,7 +944,7 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
                                               T* __restrict__ y) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gq = lane >> 2;
-    const int row0 = (blockIdx.x * QROW_WARPS + warp) * 2;
+    const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 2;  // any block of whole warps
     const int last = (int)p.out_dim - 1;
     const int in_dim = (int)p.in_dim;
     const int gs = (int)p.group_size;
@@ -1024,7 +1024,7 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
 }
 
 #define QROW4_INST(TN, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(QROW_WARPS * 32)                              \
+    extern "C" __global__ void __launch_bounds__(QROW_MAX_WARPS * 32)                          \
         qmv_row4_##TN(const QmatParams p, const T* x, const uint32_t* c, const T* s,           \
                       const T* b, T* y) {                                                      \
         pdl_entry();                                                                           \
