@@ -644,14 +644,12 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
     T* sx = reinterpret_cast<T*>(dmv_smem);
     // The first weight loads go out before waiting for the kernel before (see dense_sv_body).
     load_w(c0);
-    bool loaded = true;
     pdl_entry();
     if constexpr (MODE == DMV_GATED || MODE == DMV_NORMED)
         stage_input<T, MODE, WARPS * 32>(p, x, xb, sx);
     const T* sxr = sx + (size_t)(xok ? gq : 0) * in_dim + 8 * q;
     for (int c = c0; c < c1; c += DMV_UNROLL) {
-        if (!loaded) load_w(c);
-        loaded = false;
+        if (c != c0) load_w(c);  // the first step's loads went out above
         uint4 xv[DMV_UNROLL];
 #pragma unroll
         for (int i = 0; i < DMV_UNROLL; ++i) {
@@ -963,7 +961,6 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
     // The weights are constant: the first loads go out before waiting for the kernel before
     // (programmatic dependent launch), overlapping its tail.
     load_w(0);
-    bool loaded = true;
     pdl_entry();
     if constexpr (MODE == DMV_GATED || MODE == DMV_NORMED)
         stage_input<T, MODE, SV_WARPS * 32>(p, x, xb, sx);
@@ -973,8 +970,7 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
 #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
     for (int u0 = 0; u0 < units; u0 += 32 * U) {
-        if (!loaded) load_w(u0);
-        loaded = false;
+        if (u0 != 0) load_w(u0);  // the first step's loads went out above
 #pragma unroll
         for (int i = 0; i < U; ++i) {
             const int u = u0 + 32 * i + lane;

@@ -37,12 +37,12 @@ impl Kernel {
     }
 
     /// Blocks of `threads` threads one multiprocessor holds at once (the driver's occupancy
-    /// query, asked once per kernel name and block size), or `None` when the query fails.
-    pub(crate) fn resident_blocks(&self, name: &str, threads: u32) -> Option<usize> {
+    /// query, asked once per kernel handle and block size), or `None` when the query fails.
+    pub(crate) fn resident_blocks(&self, threads: u32) -> Option<usize> {
         static SEEN: OnceLock<Mutex<Occupancy>> = OnceLock::new();
         let seen = SEEN.get_or_init(Mutex::default);
-        let key = (name.to_string(), threads);
-        if let Some(&n) = seen.lock().ok().and_then(|m| m.get(&key).copied()).as_ref() {
+        let key = (self.func.cu_function() as usize, threads);
+        if let Some(n) = seen.lock().ok().and_then(|m| m.get(&key).copied()) {
             return n;
         }
         let n = self
@@ -57,8 +57,8 @@ impl Kernel {
     }
 }
 
-/// Resident blocks per multiprocessor by (kernel name, threads a block).
-type Occupancy = HashMap<(String, u32), Option<usize>>;
+/// Resident blocks per multiprocessor by (kernel handle, threads a block).
+type Occupancy = HashMap<(usize, u32), Option<usize>>;
 
 type Handles = HashMap<(DeviceId, &'static str), HashMap<String, CudaFunction>>;
 
@@ -181,21 +181,13 @@ impl<'a> Launch<'a> {
     pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), DriverError> {
         let stream = &self.kernel.stream;
         stream.context().bind_to_thread()?;
-        let devs: Vec<sys::CUdeviceptr> = self
-            .args
-            .iter()
-            .map(|a| match a {
-                Arg::Device(p) => *p,
-                Arg::Value(_) => 0,
-            })
-            .collect();
+        // Device addresses are passed by the address of their copy in `self.args`.
         let mut params: Vec<*mut c_void> = self
             .args
             .iter()
-            .zip(&devs)
-            .map(|(a, d)| match a {
+            .map(|a| match a {
                 Arg::Value(v) => *v,
-                Arg::Device(_) => d as *const sys::CUdeviceptr as *mut c_void,
+                Arg::Device(d) => d as *const sys::CUdeviceptr as *mut c_void,
             })
             .collect();
         // SAFETY: a zeroed attribute is valid; id and value are set below.
@@ -216,7 +208,7 @@ impl<'a> Launch<'a> {
             numAttrs: u32::from(pdl),
         };
         // SAFETY: `params` holds one pointer per kernel parameter (the caller's contract),
-        // each valid until this call returns (`devs` and the borrowed values outlive it).
+        // each valid until this call returns (`self.args` and the borrowed values outlive it).
         unsafe {
             sys::cuLaunchKernelEx(
                 &config,

@@ -497,7 +497,7 @@ pub(super) fn plan_seq(
     let resident = if tensor_cores {
         let name = kernel_name_of(dtype, head_dim, bits, nq, true, false)?;
         load_kernel(dev, &name, MODULE, PTX)?
-            .resident_blocks(&name, tc_threads(head_dim))
+            .resident_blocks(tc_threads(head_dim))
             .map_or(4 * sms, |n| n.max(1) * sms)
     } else {
         4 * sms
@@ -755,6 +755,17 @@ fn row_matvec_warps() -> usize {
     })
 }
 
+/// `t` itself when contiguous and starting on a 16-byte boundary, else a copy into a fresh
+/// buffer (`contiguous` alone keeps a contiguous view's start).
+fn contiguous_aligned16(t: &Tensor) -> candle_core::Result<Tensor> {
+    let aligned = (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 == 0;
+    if t.is_contiguous() && aligned {
+        Ok(t.clone())
+    } else {
+        t.force_contiguous()
+    }
+}
+
 /// Quantized `x · Wᵀ` for `rows <= 8` activation rows (decode): `x` `[rows, in]` contiguous,
 /// `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns `[rows, out]`.
 pub(crate) fn qmatvec(
@@ -819,19 +830,7 @@ pub(crate) fn qmatvec(
         shared_mem_bytes: 0,
     };
     // The kernels read x and the codes 16 bytes at a time: views starting elsewhere are copied.
-    let aligned16 = |t: &Tensor| (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 == 0;
-    let x = x.contiguous()?;
-    let x = if aligned16(&x) {
-        x
-    } else {
-        x.force_contiguous()?
-    };
-    let codes = codes.contiguous()?;
-    let codes = if aligned16(&codes) {
-        codes
-    } else {
-        codes.force_contiguous()?
-    };
+    let (x, codes) = (contiguous_aligned16(x)?, contiguous_aligned16(codes)?);
     let (scales, biases) = (scales.contiguous()?, biases.contiguous()?);
     macro_rules! go {
         ($t:ty, $s:ty) => {{
