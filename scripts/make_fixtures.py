@@ -724,6 +724,44 @@ def build_e2b_quant(tok, name, bits, group, overrides):
     return g
 
 
+def build_moe_q4(tok):
+    """moe-mlx's architecture and (bf16-rounded) weights, quantized by mlx-lm: the expert stacks
+    (`switch_glu`) stay packed in a quantized checkpoint, gate/up at 4 bits and down at 8."""
+    from mlx_lm.models import gemma4
+    from mlx_lm.utils import quantize_model
+
+    name = "moe-q4"
+    d = fresh_dir(name)
+    cfg = cfg_moe()
+    cfg["text_config"]["dtype"] = "bfloat16"
+    cfg["dtype"] = "bfloat16"
+    tc = cfg["text_config"]
+    w = split_experts(make_weights(tc, SEEDS["moe"], emb_std=EMB_STD))
+    args = gemma4.ModelArgs.from_dict({**cfg, **MM_OVERRIDE})
+    model = gemma4.Model(args)
+    arrays = {"language_model.model." + k: v for k, v in to_mx(w, mx.bfloat16).items()}
+    model.load_weights(list(arrays.items()), strict=True)
+
+    def pred(path, module):
+        if path.endswith("router.proj"):
+            return {"group_size": 64, "bits": 8}  # what mlx-lm's own gemma4 predicate picks
+        if path.endswith("switch_glu.down_proj"):
+            return {"group_size": 32, "bits": 8}
+        return True
+
+    model, qcfg = quantize_model(model, cfg, 32, 4, quant_predicate=pred)
+    params = dict(tree_flatten(model.parameters()))
+    assert params["language_model.model.layers.0.experts.switch_glu.gate_proj.weight"].dtype == mx.uint32
+    save_st(d / "model.safetensors", params, "mlx")
+    write_config(d, dict(sorted(qcfg.items())))
+    write_tokenizer_files(d, tok)
+    covers = ["packed MoE expert stacks (switch_glu gate/up 4-bit g32, down 8-bit g32)",
+              "router.proj 8-bit g64", "quantized tied embedding used as lm head",
+              "dense MLP down_proj left float (in-dim 48 not a multiple of 32)",
+              "attention_k_eq_v", "bf16 scales/biases"]
+    return make_golden(d, name, covers, MM_OVERRIDE)
+
+
 # ----------------------------------------------------------------------------
 # transformers cross-check
 # ----------------------------------------------------------------------------
@@ -863,6 +901,12 @@ FIXTURE_DOC = {
                "affine 8-bit g64; override `embed_tokens_per_layer` 4-bit g64; linears with in-dim % 64 != 0 "
                "stay float and are NOT listed in the config (detect by absent `.scales`)",
                "mixed float/quantized modules, per-module override, QAT pruning, PLE, KV sharing"),
+    "moe-q4": ("same architecture and (bf16-rounded) float weights as moe-mlx", "MLX `language_model.model.*`",
+               "uint32 packed + bf16 scales/biases; unquantized linears bf16",
+               "affine 4-bit g32; expert `down_proj` 8-bit g32, `router.proj` 8-bit g64; dense MLP "
+               "`down_proj` (in-dim 48) stays float",
+               "packed MoE expert stacks (3-D codes/scales/biases), mixed bit widths across expert "
+               "stacks, quantized router and tied embedding"),
     "e2b-kvq": ("E2B-shaped like e2b-hf, gentle residual gains (post norms U[0.8, 1.6])",
                 "HF multimodal `model.language_model.*`", "f32", "none",
                 "the quantized-KV agreement test (8/4-bit caches vs the dense reference); PLE, KV sharing, "
@@ -1018,7 +1062,7 @@ def build_q8(tok):
 def main(argv):
     FIX.mkdir(exist_ok=True)
     want = set(argv) or {"e2b-hf", "e4b-text", "moe-mlx", "dense-sharded", "e2b-q4", "e2b-q8", "e2b-kvq",
-                         "crosscheck"}
+                         "moe-q4", "crosscheck"}
     tok = build_tokenizer()
     if "--search" in want:
         search_seeds(tok)
@@ -1037,6 +1081,8 @@ def main(argv):
         build_q8(tok)
     if "e2b-kvq" in want:
         build_e2b_kvq(tok)
+    if "moe-q4" in want:
+        build_moe_q4(tok)
     if "crosscheck" in want:
         crosscheck_all()
     write_readme()

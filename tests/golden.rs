@@ -66,6 +66,11 @@ fn mlx_8bit_quantized() {
 }
 
 #[test]
+fn mlx_quantized_moe_experts_stay_packed() {
+    check_fixture("moe-q4");
+}
+
+#[test]
 fn e2b_kvq_gentle_gains_f32() {
     check_fixture("e2b-kvq");
 }

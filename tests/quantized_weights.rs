@@ -9,7 +9,11 @@ use common::*;
 
 #[test]
 fn quantized_weights_stay_packed() {
-    for name in ["e2b-q4", "e2b-q8"] {
+    for (name, float_twin) in [
+        ("e2b-q4", "e2b-hf"),
+        ("e2b-q8", "e2b-hf"),
+        ("moe-q4", "moe-mlx"),
+    ] {
         let dir = fixture(name);
         let model = Model::builder()
             .path(&dir)
@@ -22,7 +26,7 @@ fn quantized_weights_stay_packed() {
             .len() as usize;
         let dense = {
             let m = Model::builder()
-                .path(fixture("e2b-hf"))
+                .path(fixture(float_twin))
                 .dtype(DType::BF16)
                 .build()
                 .expect("loads");

@@ -7,7 +7,8 @@ use super::norm::RmsNorm;
 use super::{fused, Linear};
 use crate::config::{Config, MoeConfig};
 use crate::error::{Error, Result};
-use crate::weights::{KeyLayout, WeightStore};
+use crate::kernels::qmatmul::{qmatmul, PackedWeight};
+use crate::weights::{KeyLayout, LoadedMatrix, WeightStore};
 
 /// Above this many tokens a CUDA forward groups the picks by expert and runs the experts as
 /// batched tensor-core matmuls; up to it, the grouped matrix-vector kernel reads each expert
@@ -64,13 +65,115 @@ impl Router {
     }
 }
 
+/// One stack of expert matrices `[E, out, in]`: dense, or MLX-packed and kept packed.
+#[derive(Debug, Clone)]
+enum ExpertMatrices {
+    /// `[E, out, in]` in the model's dtype.
+    Dense(Tensor),
+    /// `[E * out, in]` packed: expert `e` owns rows `e * out ..`.
+    Packed { weight: PackedWeight, experts: usize },
+}
+
+impl ExpertMatrices {
+    fn load(vb: &WeightStore, module: &str, layer: usize, shape: [usize; 3]) -> Result<Self> {
+        Ok(match vb.matrix(module, Some(layer), &shape)? {
+            LoadedMatrix::Dense(t) => ExpertMatrices::Dense(t),
+            LoadedMatrix::Packed(weight) => ExpertMatrices::Packed {
+                weight,
+                experts: shape[0],
+            },
+        })
+    }
+
+    /// `a`'s matrix `e` over `b`'s, for every expert (gate over up). Packed stacks stay packed
+    /// when their bits, group size and scale dtype agree; otherwise both are dequantized.
+    fn stack_rows(a: Self, b: Self, dtype: DType) -> Result<Self> {
+        if let (
+            ExpertMatrices::Packed { weight: pa, experts },
+            ExpertMatrices::Packed { weight: pb, .. },
+        ) = (&a, &b)
+        {
+            if let Some(weight) = PackedWeight::stack_rows(pa, pb, *experts)? {
+                return Ok(ExpertMatrices::Packed {
+                    weight,
+                    experts: *experts,
+                });
+            }
+        }
+        Ok(ExpertMatrices::Dense(Tensor::cat(
+            &[a.into_dense(dtype)?, b.into_dense(dtype)?],
+            1,
+        )?))
+    }
+
+    /// The dense stack `[E, out, in]`.
+    fn into_dense(self, dtype: DType) -> Result<Tensor> {
+        match self {
+            ExpertMatrices::Dense(t) => Ok(t),
+            ExpertMatrices::Packed { weight, experts } => {
+                let (out, inp) = (weight.out_dim / experts, weight.in_dim);
+                Ok(weight.dequantize(dtype)?.reshape((experts, out, inp))?)
+            }
+        }
+    }
+
+    fn count(&self) -> Result<usize> {
+        match self {
+            ExpertMatrices::Dense(t) => Ok(t.dim(0)?),
+            ExpertMatrices::Packed { experts, .. } => Ok(*experts),
+        }
+    }
+
+    /// Expert `e`'s product `x · W_eᵀ`: `x` `[n, in]` → `[n, out]`.
+    fn product(&self, e: usize, x: &Tensor) -> Result<Tensor> {
+        match self {
+            ExpertMatrices::Dense(t) => Ok(x.matmul(&t.get(e)?.t()?)?),
+            ExpertMatrices::Packed { weight, experts } => {
+                let out = weight.out_dim / experts;
+                qmatmul(x, &weight.narrow_rows(e * out, out)?)
+            }
+        }
+    }
+
+    /// The routed products on the device (see `grouped_matvec`).
+    #[cfg(feature = "cuda")]
+    fn grouped(&self, idx: &Tensor, x: &Tensor, x_per_token: bool) -> Result<Tensor> {
+        use crate::kernels::cuda::fused::{grouped_matvec, grouped_qmatvec};
+        Ok(match self {
+            ExpertMatrices::Dense(t) => grouped_matvec(t, idx, x, x_per_token)?,
+            ExpertMatrices::Packed { weight, experts } => {
+                grouped_qmatvec(weight, *experts, idx, x, x_per_token)?
+            }
+        })
+    }
+
+    /// The routed products over `gelu_tanh(a) * b`, the gate inside the kernel where it fits.
+    #[cfg(feature = "cuda")]
+    fn grouped_gated(&self, idx: &Tensor, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+        use crate::kernels::cuda::fused::{grouped_matvec_gated, grouped_qmatvec_gated};
+        Ok(match self {
+            ExpertMatrices::Dense(t) => grouped_matvec_gated(t, idx, a, b)?,
+            ExpertMatrices::Packed { weight, experts } => {
+                grouped_qmatvec_gated(weight, *experts, idx, a, b)?
+            }
+        })
+    }
+
+    fn resident_bytes(&self) -> usize {
+        match self {
+            ExpertMatrices::Dense(t) => super::tensor_bytes(t),
+            ExpertMatrices::Packed { weight, .. } => weight.packed_bytes(),
+        }
+    }
+}
+
 /// The expert weights, gate and up stacked whatever the checkpoint layout.
 #[derive(Debug, Clone)]
 struct Experts {
     /// `[E, 2I, H]`: gate rows, then up rows.
-    gate_up: Tensor,
+    gate_up: ExpertMatrices,
     /// `[E, H, I]`
-    down: Tensor,
+    down: ExpertMatrices,
     /// `I`.
     width: usize,
 }
@@ -104,22 +207,21 @@ impl MoeBlock {
             top_k: moe.top_k,
         };
         let split = format!("{p}.experts.switch_glu");
-        let dense = |name: &str, shape: &[usize]| -> Result<Tensor> {
-            vb.matrix(name, l, shape)?.into_dense(vb.dtype())
-        };
         let experts =
             if vb.layout() == KeyLayout::Mlx || vb.contains(&format!("{split}.gate_proj.weight")) {
-                let gate = dense(&format!("{split}.gate_proj"), &[e, i, h])?;
-                let up = dense(&format!("{split}.up_proj"), &[e, i, h])?;
+                let load = |name: &str, shape| ExpertMatrices::load(vb, name, layer, shape);
+                let gate = load(&format!("{split}.gate_proj"), [e, i, h])?;
+                let up = load(&format!("{split}.up_proj"), [e, i, h])?;
                 Experts {
-                    gate_up: Tensor::cat(&[gate, up], 1)?,
-                    down: dense(&format!("{split}.down_proj"), &[e, h, i])?,
+                    gate_up: ExpertMatrices::stack_rows(gate, up, vb.dtype())?,
+                    down: load(&format!("{split}.down_proj"), [e, h, i])?,
                     width: i,
                 }
             } else {
+                let load = |name: &str, shape| ExpertMatrices::load(vb, name, layer, shape);
                 Experts {
-                    gate_up: dense(&format!("{p}.experts.gate_up_proj"), &[e, 2 * i, h])?,
-                    down: dense(&format!("{p}.experts.down_proj"), &[e, h, i])?,
+                    gate_up: load(&format!("{p}.experts.gate_up_proj"), [e, 2 * i, h])?,
+                    down: load(&format!("{p}.experts.down_proj"), [e, h, i])?,
                     width: i,
                 }
             };
@@ -147,7 +249,7 @@ impl MoeBlock {
                 .reshape((b, s, h))?);
         }
         let routes = self.router.route(&router_input)?;
-        let n_experts = self.experts.gate_up.dim(0)?;
+        let n_experts = self.experts.gate_up.count()?;
         // Group tokens by expert so each expert runs one matmul over its tokens.
         let mut by_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); n_experts];
         for (token, picks) in routes.iter().enumerate() {
@@ -165,9 +267,9 @@ impl MoeBlock {
             let n = tokens.len();
             let idx = Tensor::from_vec(tokens, n, x.device())?;
             let xe = x.index_select(&idx, 0)?;
-            let gu = xe.matmul(&self.experts.gate_up.get(e)?.t()?)?;
+            let gu = self.experts.gate_up.product(e, &xe)?;
             let hidden = fused::gelu_mul(&gu.narrow(1, 0, width)?, &gu.narrow(1, width, width)?)?;
-            let y = hidden.matmul(&self.experts.down.get(e)?.t()?)?;
+            let y = self.experts.down.product(e, &hidden)?;
             let w = Tensor::from_vec(weights, (n, 1), x.device())?.to_dtype(y.dtype())?;
             out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
         }
@@ -179,9 +281,7 @@ impl MoeBlock {
     /// call. Long inputs run in slices of at most `GROUPED_MAX_PAIRS / top_k` tokens.
     #[cfg(feature = "cuda")]
     fn forward_on_device(&self, router_input: &Tensor, x: &Tensor) -> Result<Tensor> {
-        use crate::kernels::cuda::fused::{
-            grouped_matvec, grouped_matvec_gated, moe_mix, moe_route, GROUPED_MAX_PAIRS,
-        };
+        use crate::kernels::cuda::fused::{moe_mix, moe_route, GROUPED_MAX_PAIRS};
         let r = &self.router;
         let logits = fused::normed_product(&r.proj, router_input, &r.norm)?;
         let tokens = logits.dim(0)?;
@@ -199,14 +299,17 @@ impl MoeBlock {
                 &r.per_expert_scale_dev,
                 r.top_k,
             )?;
-            let gu = grouped_matvec(&self.experts.gate_up, &idx, &x.narrow(0, start, n)?, true)?;
+            let gu = self
+                .experts
+                .gate_up
+                .grouped(&idx, &x.narrow(0, start, n)?, true)?;
             let (gate, up) = (gu.narrow(1, 0, width)?, gu.narrow(1, width, width)?);
             // The gate inside the down product where its rows fit the kernel's shared memory.
-            let y = match grouped_matvec_gated(&self.experts.down, &idx, &gate, &up)? {
+            let y = match self.experts.down.grouped_gated(&idx, &gate, &up)? {
                 Some(y) => y,
                 None => {
                     let hidden = fused::gelu_mul(&gate, &up)?;
-                    grouped_matvec(&self.experts.down, &idx, &hidden, false)?
+                    self.experts.down.grouped(&idx, &hidden, false)?
                 }
             };
             outs.push(moe_mix(&y, &mix)?);
@@ -219,15 +322,16 @@ impl MoeBlock {
     }
 
     /// Many tokens (prefill): the picks are grouped by expert on the host (one copy of the
-    /// routing per layer) into a `[experts, longest group, hidden]` block padded with row 0,
-    /// and both expert products run as one batched tensor-core matmul each (padding rows are
-    /// computed and dropped).
+    /// routing per layer). Dense experts: one `[experts, longest group, hidden]` block padded
+    /// with row 0, and both expert products as one batched tensor-core matmul each (padding
+    /// rows are computed and dropped). Packed experts: one product per picked expert over its
+    /// rows (each dequantizes that expert for the GEMM).
     #[cfg(feature = "cuda")]
     fn forward_sorted(&self, x: &Tensor, idx: &Tensor, mix: &Tensor) -> Result<Tensor> {
         use crate::kernels::cuda::fused::moe_mix;
         let (_, k) = idx.dims2()?;
         let picks = idx.flatten_all()?.to_vec1::<u32>()?;
-        let n_experts = self.experts.gate_up.dim(0)?;
+        let n_experts = self.experts.gate_up.count()?;
         let mut groups: Vec<Vec<u32>> = vec![Vec::new(); n_experts];
         for (p, &e) in picks.iter().enumerate() {
             let e = e as usize;
@@ -238,31 +342,52 @@ impl MoeBlock {
             }
             groups[e].push(p as u32);
         }
-        let longest = groups.iter().map(Vec::len).max().unwrap_or(0).max(1);
-        // Row of each padded slot (token of the pair, or 0 for padding), and the slot of each
-        // pair for the way back.
-        let mut rows = vec![0u32; n_experts * longest];
-        let mut slot_of = vec![0u32; picks.len()];
-        for (e, g) in groups.iter().enumerate() {
-            for (i, &p) in g.iter().enumerate() {
-                rows[e * longest + i] = p / k as u32;
-                slot_of[p as usize] = (e * longest + i) as u32;
-            }
-        }
         let dev = x.device();
         let h = x.dim(1)?;
-        let n_slots = rows.len();
-        let x_pad = x
-            .index_select(&Tensor::from_vec(rows, n_slots, dev)?, 0)?
-            .reshape((n_experts, longest, h))?;
         let width = self.experts.width;
-        let gu = x_pad.matmul(&self.experts.gate_up.transpose(1, 2)?)?; // [E, L, 2I]
-        let hidden = fused::gelu_mul(&gu.narrow(2, 0, width)?, &gu.narrow(2, width, width)?)?;
-        let y_pad = hidden.matmul(&self.experts.down.transpose(1, 2)?)?; // [E, L, H]
-        let n = slot_of.len();
-        let y = y_pad
-            .reshape((n_slots, h))?
-            .index_select(&Tensor::from_vec(slot_of, n, dev)?, 0)?;
+        let gelu_halves = |gu: &Tensor, dim: usize| -> Result<Tensor> {
+            fused::gelu_mul(&gu.narrow(dim, 0, width)?, &gu.narrow(dim, width, width)?)
+        };
+        let u32s = |v: Vec<u32>| -> Result<Tensor> {
+            let n = v.len();
+            Ok(Tensor::from_vec(v, n, dev)?)
+        };
+        // Output rows in some slot order, and the slot of each pair for the way back.
+        let mut slot_of = vec![0u32; picks.len()];
+        let stacked = match (&self.experts.gate_up, &self.experts.down) {
+            (ExpertMatrices::Dense(gate_up), ExpertMatrices::Dense(down)) => {
+                let longest = groups.iter().map(Vec::len).max().unwrap_or(0).max(1);
+                // Row of each padded slot (token of the pair, or 0 for padding).
+                let mut rows = vec![0u32; n_experts * longest];
+                for (e, g) in groups.iter().enumerate() {
+                    for (i, &p) in g.iter().enumerate() {
+                        rows[e * longest + i] = p / k as u32;
+                        slot_of[p as usize] = (e * longest + i) as u32;
+                    }
+                }
+                let n_slots = rows.len();
+                let x_pad = x.index_select(&u32s(rows)?, 0)?.reshape((n_experts, longest, h))?;
+                let gu = x_pad.matmul(&gate_up.transpose(1, 2)?)?; // [E, L, 2I]
+                let y_pad = gelu_halves(&gu, 2)?.matmul(&down.transpose(1, 2)?)?; // [E, L, H]
+                y_pad.reshape((n_slots, h))?
+            }
+            _ => {
+                let mut ys = Vec::new();
+                let mut slot = 0u32;
+                for (e, g) in groups.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
+                    let rows: Vec<u32> = g.iter().map(|&p| p / k as u32).collect();
+                    let xe = x.index_select(&u32s(rows)?, 0)?;
+                    let gu = self.experts.gate_up.product(e, &xe)?;
+                    ys.push(self.experts.down.product(e, &gelu_halves(&gu, 1)?)?);
+                    for &p in g {
+                        slot_of[p as usize] = slot;
+                        slot += 1;
+                    }
+                }
+                Tensor::cat(&ys, 0)?
+            }
+        };
+        let y = stacked.index_select(&u32s(slot_of)?, 0)?;
         Ok(moe_mix(&y, mix)?)
     }
 
@@ -275,12 +400,11 @@ impl MoeBlock {
 }
 
 impl MoeBlock {
-    /// Bytes of resident weights (experts are held dense).
+    /// Bytes of resident weights (packed experts at their packed size).
     pub fn resident_bytes(&self) -> usize {
-        use super::tensor_bytes;
         self.router.proj.resident_bytes()
             + self.router.norm.resident_bytes()
-            + tensor_bytes(&self.experts.gate_up)
-            + tensor_bytes(&self.experts.down)
+            + self.experts.gate_up.resident_bytes()
+            + self.experts.down.resident_bytes()
     }
 }

@@ -120,6 +120,60 @@ impl PackedWeight {
         })
     }
 
+    /// Rows `start .. start + len` as a packed matrix of their own (views, no copy): one expert
+    /// of a flattened stack.
+    ///
+    /// # Errors
+    /// [`Error::Shape`] when the rows are not inside the matrix.
+    pub fn narrow_rows(&self, start: usize, len: usize) -> Result<Self> {
+        if start + len > self.out_dim {
+            return Err(Error::Shape {
+                tensor: "packed weight rows".into(),
+                expected: vec![self.out_dim],
+                found: vec![start, start + len],
+            });
+        }
+        Ok(Self {
+            codes: self.codes.narrow(0, start, len)?,
+            scales: self.scales.narrow(0, start, len)?,
+            biases: self.biases.narrow(0, start, len)?,
+            out_dim: len,
+            ..self.clone()
+        })
+    }
+
+    /// Interleaves two stacks of `n` packed matrices by rows: matrix `i` of the result is `a`'s
+    /// matrix `i` over `b`'s (the MoE gate and up projections as one product). `None` when the
+    /// two differ in bits, group size, scale dtype or inputs, or do not split into `n`.
+    ///
+    /// # Errors
+    /// Candle errors.
+    pub fn stack_rows(a: &Self, b: &Self, n: usize) -> Result<Option<Self>> {
+        let compatible = a.bits == b.bits
+            && a.group_size == b.group_size
+            && a.in_dim == b.in_dim
+            && a.scales.dtype() == b.scales.dtype()
+            && n > 0
+            && a.out_dim % n == 0
+            && b.out_dim % n == 0;
+        if !compatible {
+            return Ok(None);
+        }
+        let cat = |x: &Tensor, y: &Tensor| -> Result<Tensor> {
+            let (xr, c) = x.dims2()?;
+            let yr = y.dim(0)?;
+            let joined = Tensor::cat(&[x.reshape((n, xr / n, c))?, y.reshape((n, yr / n, c))?], 1)?;
+            Ok(joined.reshape((xr + yr, c))?)
+        };
+        Ok(Some(Self {
+            codes: cat(&a.codes, &b.codes)?,
+            scales: cat(&a.scales, &b.scales)?,
+            biases: cat(&a.biases, &b.biases)?,
+            out_dim: a.out_dim + b.out_dim,
+            ..a.clone()
+        }))
+    }
+
     /// Bytes the packed matrix occupies (codes + scales + biases).
     pub fn packed_bytes(&self) -> usize {
         self.codes.elem_count() * 4

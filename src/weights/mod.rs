@@ -73,12 +73,14 @@ pub enum LoadedMatrix {
     /// `[.., out, in]` in the store's dtype (a float checkpoint, or a quantized one whose bits,
     /// group size or rank the packed kernels do not take: dequantized on load).
     Dense(Tensor),
-    /// A 2-D 4/8-bit matrix with group 32, 64 or 128, resident packed.
+    /// A 4/8-bit matrix with group 32, 64 or 128, resident packed. A stack `[n, out, in]` (the
+    /// MoE experts) is held as one `[n * out, in]` matrix: matrix `i` owns rows `i * out ..`.
     Packed(PackedWeight),
 }
 
 impl LoadedMatrix {
-    /// The dense weight, dequantizing a packed one.
+    /// The dense weight, dequantizing a packed one (a packed stack comes out flattened to
+    /// `[n * out, in]`).
     ///
     /// # Errors
     /// Candle errors.
@@ -143,8 +145,8 @@ impl WeightStore {
 
     /// Like [`WeightStore::random`], but 2-D matrices (projections, embedding table) come out
     /// MLX-packed at `bits` and `group_size`, as in a quantized checkpoint: uniformly random
-    /// codes, scales and biases spanning about ±0.04. Norms, scalars and 3-D expert stacks stay
-    /// dense.
+    /// codes, scales and biases spanning about ±0.04; 3-D expert stacks likewise, flattened as a
+    /// checkpoint's are on load. Norms and scalars stay dense.
     pub fn random_packed(
         device: &Device,
         dtype: DType,
@@ -313,9 +315,13 @@ impl WeightStore {
         } else {
             module.to_string()
         };
+        // A stack `[n, out, in]` packs as one `[n * out, in]` matrix; vectors stay dense.
+        let (inp, lead) = shape.split_last().map_or((0, &[][..]), |(&i, l)| (i, l));
+        let rows: usize = lead.iter().product();
+        let packable = !lead.is_empty();
         if self.random.is_some() {
-            if let [out, inp] = *shape {
-                if let Some(p) = self.generate_packed(out, inp)? {
+            if packable {
+                if let Some(p) = self.generate_packed(rows, inp)? {
                     return Ok(LoadedMatrix::Packed(p));
                 }
             }
@@ -329,15 +335,15 @@ impl WeightStore {
         let codes = self.raw(&weight_name, layer, None)?;
         let scales = self.raw(&scales_name, layer, None)?;
         let biases = self.raw(&format!("{module}.biases"), layer, Some(scales.dims()))?;
-        if let [out, inp] = *shape {
-            let on_device = |t: &Tensor| t.to_device(&self.device);
-            if let Ok(p) = PackedWeight::new(
-                on_device(&codes)?,
-                on_device(&scales)?,
-                on_device(&biases)?,
-                out,
-                inp,
-            ) {
+        let leads_match = |t: &Tensor| t.rank() == shape.len() && &t.dims()[..lead.len()] == lead;
+        if packable && leads_match(&codes) && leads_match(&scales) {
+            let flat = |t: &Tensor| -> Result<Tensor> {
+                let last = t.dims()[lead.len()];
+                Ok(t.reshape((rows, last))?.to_device(&self.device)?)
+            };
+            if let Ok(p) =
+                PackedWeight::new(flat(&codes)?, flat(&scales)?, flat(&biases)?, rows, inp)
+            {
                 return Ok(LoadedMatrix::Packed(p));
             }
         }

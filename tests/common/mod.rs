@@ -16,6 +16,7 @@ pub const FIXTURES: &[&str] = &[
     "dense-sharded",
     "e2b-q4",
     "e2b-q8",
+    "moe-q4",
 ];
 
 pub fn fixture(name: &str) -> PathBuf {

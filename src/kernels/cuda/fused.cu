@@ -282,8 +282,8 @@ struct GroupedMvParams {
     // same expert (a grid of `pairs` blocks when fewer pairs than experts); else block x is
     // expert x.
     uint32_t x_per_token, experts, by_slot, x_stride;
-    // Gated kernels: the row stride of the second input.
-    uint32_t b_stride, pad0, pad1, pad2;
+    // Gated kernels: the row stride of the second input. Packed experts: inputs per scale group.
+    uint32_t b_stride, group_size, pad1, pad2;
 };
 
 constexpr int GMV_WARPS = 8;
@@ -324,8 +324,63 @@ __device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __r
 //
 // GATED: the pair rows are gelu_tanh(x) * xb (rows strided by x_stride and b_stride), computed
 // by the block for its pairs into dynamic shared memory first.
-template <typename T, bool GATED>
-__device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const T* __restrict__ w,
+// Rows of dense experts: W [E, out, in].
+template <typename T> struct DenseExpertRows {
+    const T* __restrict__ w;
+    __device__ __forceinline__ float dot(const GroupedMvParams& p, uint32_t e, int o,
+                                         const T* xrow) const {
+        return warp_dot(w + (size_t)e * p.expert_stride + (size_t)o * p.in_dim, xrow, p.in_dim);
+    }
+};
+
+// Rows of MLX-packed experts, flattened to [E * out, in]: codes [E * out, in * BITS / 32],
+// scales/biases [E * out, in / group]. Each lane reads 16 bytes of codes a step (32 four-bit or
+// 16 eight-bit codes, inside one group) and applies the group's scale and bias to its partial
+// sums, as the one-row qmatvec does.
+template <typename T, typename S, int BITS> struct PackedExpertRows {
+    const uint32_t* __restrict__ codes;
+    const S* __restrict__ scales;
+    const S* __restrict__ biases;
+    __device__ __forceinline__ float dot(const GroupedMvParams& p, uint32_t e, int o,
+                                         const T* xrow) const {
+        constexpr int EPC = 128 / BITS;
+        constexpr uint32_t MASK = (1u << BITS) - 1;
+        const int lane = threadIdx.x & 31;
+        const size_t r = (size_t)e * p.out_dim + o;
+        const int words = (int)p.in_dim * BITS / 32, groups = (int)(p.in_dim / p.group_size);
+        const uint32_t* wr = codes + r * words;
+        const S* sr = scales + r * groups;
+        const S* br = biases + r * groups;
+        float acc = 0.f;
+#pragma unroll 2
+        for (int c = lane; c < words / 4; c += 32) {
+            const uint4 w4 = ld_stream4(wr + c * 4);
+            const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
+            const int e0 = c * EPC;
+            const float sc = to_f(sr[e0 / p.group_size]), bi = to_f(br[e0 / p.group_size]);
+            float dot = 0.f, xs = 0.f;
+#pragma unroll
+            for (int k8 = 0; k8 < EPC; k8 += 8) {
+                float xv[8];
+                load_x8<T>(xrow + e0 + k8, xv);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    const int i = k8 + k;
+                    const uint32_t code = (w[(i * BITS) >> 5] >> ((i * BITS) & 31)) & MASK;
+                    dot = fmaf((float)code, xv[k], dot);
+                    xs += xv[k];
+                }
+            }
+            acc = fmaf(sc, dot, fmaf(bi, xs, acc));
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        return acc;
+    }
+};
+
+template <typename T, bool GATED, typename Rows>
+__device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const Rows rows,
                                                 const uint32_t* __restrict__ idx,
                                                 const T* __restrict__ x,
                                                 const T* __restrict__ xb, T* __restrict__ y) {
@@ -360,12 +415,11 @@ __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const T
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int o = blockIdx.y * GMV_WARPS + warp;
     if (o >= (int)p.out_dim) return;
-    const T* wr = w + (size_t)e * p.expert_stride + (size_t)o * p.in_dim;
     for (uint32_t i = 0; i < n; ++i) {
         const uint32_t q = mine[i];
         const uint32_t row = p.x_per_token ? q / p.top_k : q;
         const T* xrow = GATED ? sx + (size_t)i * p.in_dim : x + (size_t)row * p.in_dim;
-        const float acc = warp_dot(wr, xrow, p.in_dim);
+        const float acc = rows.dot(p, e, o, xrow);
         if (lane == 0) y[(size_t)q * p.out_dim + o] = from_f<T>(acc);
     }
 }
@@ -515,13 +569,13 @@ extern "C" __global__ void __launch_bounds__(1024)
         grouped_mv_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx, const T* x,  \
                         T* y) {                                                                \
         pdl_entry();                                                                           \
-        grouped_mv_body<T, false>(p, w, idx, x, x, y);                                         \
+        grouped_mv_body<T, false>(p, DenseExpertRows<T>{w}, idx, x, x, y);                                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
         grouped_mv_gated_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx,        \
                               const T* x, const T* xb, T* y) {                                 \
         pdl_entry();                                                                           \
-        grouped_mv_body<T, true>(p, w, idx, x, xb, y);                                         \
+        grouped_mv_body<T, true>(p, DenseExpertRows<T>{w}, idx, x, xb, y);                                         \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
         masked_softmax_##TN(const SoftmaxParams p, const T* scores, const uint32_t* positions,  \
@@ -538,6 +592,34 @@ extern "C" __global__ void __launch_bounds__(1024)
 FUSED_INST(f32, float)
 FUSED_INST(f16, __half)
 FUSED_INST(bf16, __nv_bfloat16)
+
+// Grouped products over MLX-packed experts (names grouped_qmv[_gated]_{T}_{S}_{BITS}); the gated
+// form only for 16-bit activations, as with dense experts.
+#define GROUPED_QMV_INST(TN, T, SN, S, BITS)                                                   \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
+        grouped_qmv_##TN##_##SN##_##BITS(const GroupedMvParams p, const uint32_t* c,           \
+                                         const S* s, const S* b, const uint32_t* idx,          \
+                                         const T* x, T* y) {                                   \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, false>(p, PackedExpertRows<T, S, BITS>{c, s, b}, idx, x, x, y);     \
+    }
+#define GROUPED_QMV_GATED_INST(TN, T, SN, S, BITS)                                             \
+    GROUPED_QMV_INST(TN, T, SN, S, BITS)                                                       \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
+        grouped_qmv_gated_##TN##_##SN##_##BITS(const GroupedMvParams p, const uint32_t* c,     \
+                                               const S* s, const S* b, const uint32_t* idx,    \
+                                               const T* x, const T* xb, T* y) {                \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, true>(p, PackedExpertRows<T, S, BITS>{c, s, b}, idx, x, xb, y);     \
+    }
+#define GROUPED_QMV_BITS(INST, TN, T, SN, S) INST(TN, T, SN, S, 4) INST(TN, T, SN, S, 8)
+#define GROUPED_QMV_SCALES(INST, TN, T)                   \
+    GROUPED_QMV_BITS(INST, TN, T, f32, float)             \
+    GROUPED_QMV_BITS(INST, TN, T, f16, __half)            \
+    GROUPED_QMV_BITS(INST, TN, T, bf16, __nv_bfloat16)
+GROUPED_QMV_SCALES(GROUPED_QMV_INST, f32, float)
+GROUPED_QMV_SCALES(GROUPED_QMV_GATED_INST, f16, __half)
+GROUPED_QMV_SCALES(GROUPED_QMV_GATED_INST, bf16, __nv_bfloat16)
 
 struct DenseMvParams {
     uint32_t rows, out_dim, in_dim;

@@ -8,7 +8,10 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
 
 use super::kernel_cache::load_kernel;
-use super::launch::{cuda_dev, cuda_storage, kname, sm_count, view, wrap};
+use super::launch::{
+    contiguous_aligned16, cuda_dev, cuda_storage, kname, sm_count, view, wrap,
+};
+use crate::kernels::qmatmul::PackedWeight;
 
 /// The kernels' PTX, built by `build.rs` from `fused.cu`.
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
@@ -115,7 +118,7 @@ pub(super) struct GroupedMvParams {
     by_slot: u32,
     x_stride: u32,
     b_stride: u32,
-    pad0: u32,
+    group_size: u32,
     pad1: u32,
     pad2: u32,
 }
@@ -622,8 +625,78 @@ pub fn grouped_matvec(
     x: &Tensor,
     x_per_token: bool,
 ) -> Result<Tensor> {
-    grouped_mv(weights, idx, x, None, x_per_token)?
+    grouped_mv(ExpertStack::Dense(weights), idx, x, None, x_per_token)?
         .ok_or_else(|| candle_core::Error::Msg("grouped_matvec: not applicable".into()))
+}
+
+/// [`grouped_matvec`] over MLX-packed experts: `weights` is the stack `[E, out, in]` flattened to
+/// `[E * out, in]` (expert `e` owns rows `e * out ..`), read packed (4 or 8 bits).
+///
+/// # Errors
+/// As [`grouped_matvec`], and when `weights` does not split into `experts` equal stacks.
+pub fn grouped_qmatvec(
+    weights: &PackedWeight,
+    experts: usize,
+    idx: &Tensor,
+    x: &Tensor,
+    x_per_token: bool,
+) -> Result<Tensor> {
+    let stack = ExpertStack::Packed(weights, experts);
+    grouped_mv(stack, idx, x, None, x_per_token)?
+        .ok_or_else(|| candle_core::Error::Msg("grouped_qmatvec: not applicable".into()))
+}
+
+/// [`grouped_matvec_gated`] over MLX-packed experts (see [`grouped_qmatvec`]).
+///
+/// # Errors
+/// As [`grouped_matvec_gated`].
+pub fn grouped_qmatvec_gated(
+    weights: &PackedWeight,
+    experts: usize,
+    idx: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+) -> Result<Option<Tensor>> {
+    if a.dims() != b.dims() {
+        candle_core::bail!("grouped_qmatvec_gated: {:?} vs {:?}", a.dims(), b.dims());
+    }
+    grouped_mv(ExpertStack::Packed(weights, experts), idx, a, Some(b), false)
+}
+
+/// The expert weights of a grouped product.
+#[derive(Clone, Copy)]
+enum ExpertStack<'a> {
+    /// `[E, out, in]` in the activations' dtype.
+    Dense(&'a Tensor),
+    /// `[E * out, in]` packed, and `E`.
+    Packed(&'a PackedWeight, usize),
+}
+
+impl ExpertStack<'_> {
+    /// `(experts, out, in)`.
+    fn dims(&self) -> Result<(usize, usize, usize)> {
+        match *self {
+            ExpertStack::Dense(w) => w.dims3(),
+            ExpertStack::Packed(w, e) => {
+                if e == 0 || w.out_dim % e != 0 {
+                    candle_core::bail!("{} packed rows do not split into {e} experts", w.out_dim);
+                }
+                Ok((e, w.out_dim / e, w.in_dim))
+            }
+        }
+    }
+
+    /// The kernel's name for activations of `dtype`.
+    fn kernel(&self, gated: bool, dtype: DType) -> Result<String> {
+        let g = if gated { "_gated" } else { "" };
+        let t = tn(dtype)?;
+        Ok(match *self {
+            ExpertStack::Dense(_) => format!("grouped_mv{g}_{t}"),
+            ExpertStack::Packed(w, _) => {
+                format!("grouped_qmv{g}_{t}_{}_{}", tn(w.scales.dtype())?, w.bits.bits())
+            }
+        })
+    }
 }
 
 /// Most bytes of gated rows one [`grouped_matvec_gated`] block keeps in shared memory (its
@@ -647,21 +720,24 @@ pub fn grouped_matvec_gated(
     if a.dims() != b.dims() {
         candle_core::bail!("grouped_matvec_gated: {:?} vs {:?}", a.dims(), b.dims());
     }
-    grouped_mv(weights, idx, a, Some(b), false)
+    grouped_mv(ExpertStack::Dense(weights), idx, a, Some(b), false)
 }
 
 fn grouped_mv(
-    weights: &Tensor,
+    weights: ExpertStack<'_>,
     idx: &Tensor,
     x: &Tensor,
     gate: Option<&Tensor>,
     x_per_token: bool,
 ) -> Result<Option<Tensor>> {
     let dtype = x.dtype();
-    let mut ts = vec![weights, x];
+    let mut ts = vec![x];
     ts.extend(gate);
+    if let ExpertStack::Dense(w) = weights {
+        ts.push(w);
+    }
     check_dtype(&ts, dtype)?;
-    let (experts, out_dim, in_dim) = weights.dims3()?;
+    let (experts, out_dim, in_dim) = weights.dims()?;
     let (tokens, top_k) = idx.dims2()?;
     let pairs = tokens * top_k;
     let x_rows = if x_per_token { tokens } else { pairs };
@@ -671,9 +747,8 @@ fn grouped_mv(
         || pairs > GROUPED_MAX_PAIRS
     {
         candle_core::bail!(
-            "grouped_matvec: x {:?}, weights {:?}, idx {:?} {:?}",
+            "grouped_matvec: x {:?}, weights {experts}x{out_dim}x{in_dim}, idx {:?} {:?}",
             x.dims(),
-            weights.dims(),
             idx.dims(),
             idx.dtype()
         );
@@ -696,9 +771,10 @@ fn grouped_mv(
                 _ => return Ok(None),
             }
         }
-        None => ((x.contiguous()?, in_dim), None),
+        // The packed rows read x 16 bytes at a time from the row's first element.
+        None => ((contiguous_aligned16(x)?, in_dim), None),
     };
-    let (weights, idx) = (weights.contiguous()?, idx.contiguous()?);
+    let idx = idx.contiguous()?;
     // Fewer pairs than experts (decode): one block column per pair slot instead of one per
     // expert, so the grid holds no blocks for experts nobody picked.
     let by_slot = pairs < experts;
@@ -713,16 +789,14 @@ fn grouped_mv(
         by_slot: u32::from(by_slot),
         x_stride: u32_of(x.1, "row stride")?,
         b_stride: u32_of(gate.as_ref().map_or(x.1, |g| g.1), "row stride")?,
-        pad0: 0,
+        group_size: match weights {
+            ExpertStack::Packed(w, _) => u32_of(w.group_size, "group size")?,
+            ExpertStack::Dense(_) => 0,
+        },
         pad1: 0,
         pad2: 0,
     };
-    let kind = if gate.is_some() {
-        "grouped_mv_gated"
-    } else {
-        "grouped_mv"
-    };
-    let func = load_kernel(&dev, &format!("{kind}_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &weights.kernel(gate.is_some(), dtype)?, MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (
             u32_of(if by_slot { pairs } else { experts }, "experts")?,
@@ -733,27 +807,62 @@ fn grouped_mv(
         shared_mem_bytes: if gate.is_some() { smem as u32 } else { 0 },
     };
     let x = x.0;
+    // Packed codes are read 16 bytes at a time; scales and biases one element at a time.
+    enum WeightArgs {
+        Dense(Tensor),
+        Packed(Tensor, Tensor, Tensor),
+    }
+    let weight_args = match weights {
+        ExpertStack::Dense(w) => WeightArgs::Dense(w.contiguous()?),
+        ExpertStack::Packed(w, _) => WeightArgs::Packed(
+            contiguous_aligned16(&w.codes)?,
+            w.scales.contiguous()?,
+            w.biases.contiguous()?,
+        ),
+    };
     by_dtype!(dtype, E, {
         // SAFETY: every pair has one expert, whose block writes its whole output row.
         let mut y = unsafe { dev.alloc::<E>((pairs * out_dim).max(1))? };
         if pairs > 0 {
-            bind!(wv, weights, E);
             bind!(iv, idx, u32);
             bind!(xv, x, E);
             let gt = gate.as_ref().map_or(&x, |g| &g.0);
             bind!(gv, gt, E);
+            // The arguments after the weights, then the launch.
+            macro_rules! finish {
+                ($b:ident) => {{
+                    $b.arg(&iv);
+                    $b.arg(&xv);
+                    if gate.is_some() {
+                        $b.arg(&gv);
+                    }
+                    $b.arg(&mut y);
+                    // SAFETY: arguments match the kernel's signature; expert ids that are not
+                    // below E match no block and are the router's to avoid (moe_route only
+                    // emits valid ones).
+                    unsafe { $b.launch(cfg) }.w()?;
+                }};
+            }
             let mut b = func.builder();
             b.arg(&params);
-            b.arg(&wv);
-            b.arg(&iv);
-            b.arg(&xv);
-            if gate.is_some() {
-                b.arg(&gv);
+            match &weight_args {
+                WeightArgs::Dense(w) => {
+                    bind!(wv, w, E);
+                    b.arg(&wv);
+                    finish!(b);
+                }
+                WeightArgs::Packed(c, s, bi) => {
+                    bind!(cv, c, u32);
+                    by_dtype!(s.dtype(), S, {
+                        bind!(sv, s, S);
+                        bind!(bv, bi, S);
+                        b.arg(&cv);
+                        b.arg(&sv);
+                        b.arg(&bv);
+                        finish!(b);
+                    });
+                }
             }
-            b.arg(&mut y);
-            // SAFETY: arguments match the kernel's signature; expert ids that are not below E
-            // match no block and are the router's to avoid (moe_route only emits valid ones).
-            unsafe { b.launch(cfg) }.w()?;
         }
         Ok(Some(wrap(y, &dev, &[pairs, out_dim])))
     })
@@ -785,7 +894,7 @@ pub fn moe_mix(y: &Tensor, mix: &Tensor) -> Result<Tensor> {
         by_slot: 0,
         x_stride: 0,
         b_stride: 0,
-        pad0: 0,
+        group_size: 0,
         pad1: 0,
         pad2: 0,
     };

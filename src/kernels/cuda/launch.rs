@@ -757,7 +757,7 @@ fn row_matvec_warps() -> usize {
 
 /// `t` itself when contiguous and starting on a 16-byte boundary, else a copy into a fresh
 /// buffer (`contiguous` alone keeps a contiguous view's start).
-fn contiguous_aligned16(t: &Tensor) -> candle_core::Result<Tensor> {
+pub(super) fn contiguous_aligned16(t: &Tensor) -> candle_core::Result<Tensor> {
     let aligned = (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 == 0;
     if t.is_contiguous() && aligned {
         Ok(t.clone())
