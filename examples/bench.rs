@@ -240,10 +240,10 @@ fn main() -> Result<()> {
                         let kv_bytes = cache.memory_bytes();
                         let tokens: Vec<Vec<u32>> = (0..b).map(|i| vec![100 + i as u32]).collect();
                         let _ = greedy(&model.forward(&tokens, &mut cache)?)?; // warm-up
-                                                                               // `host_ms`: the time until `forward` returns, i.e. the host's cost
-                                                                               // of enqueueing the step; near `step_ms` means the host is the limit.
-                                                                               // Several rounds, reporting the median round: the host's speed
-                                                                               // drifts between rounds on a shared machine.
+                                                                               // `host_ms`: the time until `forward` returns, i.e. the host's cost of
+                                                                               // enqueueing the step; near `step_ms` means the host is the limit.
+                                                                               // Several rounds, reporting the median round: the host's speed drifts
+                                                                               // between rounds on a shared machine.
                         let mut rounds = Vec::new();
                         for _ in 0..args.rounds.max(1) {
                             let mut enqueue = 0.0;

@@ -620,6 +620,98 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
     Ok(ok)
 }
 
+/// The routed expert products over MLX-packed experts (`grouped_qmatvec`, plain and gated)
+/// against the CPU reference product of each picked expert: few pairs (one block per pair slot,
+/// experts picked twice) and many (one block per expert).
+fn check_grouped_packed(
+    xdtype: DType,
+    sdtype: DType,
+    bits: usize,
+    group: usize,
+    gpu: &Device,
+    stats: &mut BTreeMap<String, f32>,
+) -> Result<bool> {
+    use candle_gemma::kernels::cuda::fused::{grouped_qmatvec, grouped_qmatvec_gated};
+    let cpu = Device::Cpu;
+    // 40 rows an expert: not a multiple of the 8 rows of a block.
+    let (experts, out_dim, in_dim) = (8, 40, 256);
+    let w = Tensor::randn(0f32, 0.05, (experts * out_dim, in_dim), &cpu)?.to_dtype(sdtype)?;
+    let p = quantize(&w, QuantBits::from_bits(bits)?, group)?;
+    let wc = PackedWeight::new(p.codes, p.scales, p.biases, experts * out_dim, in_dim)?;
+    let wg = PackedWeight::new(
+        wc.codes.to_device(gpu)?,
+        wc.scales.to_device(gpu)?,
+        wc.biases.to_device(gpu)?,
+        experts * out_dim,
+        in_dim,
+    )?;
+    let expert = |e: u32| wc.narrow_rows(e as usize * out_dim, out_dim);
+    let lim = tol(xdtype) * ((in_dim as f32).sqrt() * 0.05).max(1.0) * 2.0;
+    let mut ok = true;
+    let mut report = |name: String, err: f32| {
+        let pass = err <= lim;
+        ok &= pass;
+        let e = stats.entry("grouped_qmatvec".into()).or_insert(0.0);
+        *e = e.max(err);
+        println!(
+            "{name} x={xdtype:?} scales={sdtype:?} bits={bits} group={group} max_abs={err:.3e} {}",
+            if pass { "PASS" } else { "FAIL" }
+        );
+    };
+    for (tokens, k, idx) in [
+        (2usize, 3usize, vec![3u32, 1, 3, 7, 1, 0]),
+        (
+            20,
+            2,
+            (0..20u32)
+                .flat_map(|t| [(t * 3) % 8, (t * 3 + 5) % 8])
+                .collect(),
+        ),
+    ] {
+        let idx_t = Tensor::from_vec(idx.clone(), (tokens, k), &cpu)?;
+        let x = rnd(&[tokens, in_dim], xdtype)?;
+        let mut rows = Vec::new();
+        for (p, &e) in idx.iter().enumerate() {
+            rows.push(qmatmul(&x.get(p / k)?.unsqueeze(0)?, &expert(e)?)?);
+        }
+        let want = Tensor::cat(&rows, 0)?;
+        let got = grouped_qmatvec(
+            &wg,
+            experts,
+            &idx_t.to_device(gpu)?,
+            &x.to_device(gpu)?,
+            true,
+        )?;
+        report(
+            format!("grouped_qmatvec pairs={}", tokens * k),
+            max_abs(&got, &want)?,
+        );
+        // Gated: pair rows gelu_tanh(a) * b from the halves of one stacked tensor (16-bit only).
+        let gu = rnd(&[tokens * k, 2 * in_dim], xdtype)?;
+        let hidden = (gu.narrow(1, 0, in_dim)?.gelu()? * gu.narrow(1, in_dim, in_dim)?)?;
+        let mut rows = Vec::new();
+        for (p, &e) in idx.iter().enumerate() {
+            rows.push(qmatmul(&hidden.get(p)?.unsqueeze(0)?, &expert(e)?)?);
+        }
+        let want = Tensor::cat(&rows, 0)?;
+        let gug = gu.to_device(gpu)?;
+        let got = grouped_qmatvec_gated(
+            &wg,
+            experts,
+            &idx_t.to_device(gpu)?,
+            &gug.narrow(1, 0, in_dim)?,
+            &gug.narrow(1, in_dim, in_dim)?,
+        )?;
+        let err = match (got, xdtype) {
+            (Some(got), DType::BF16 | DType::F16) => max_abs(&got, &want)?,
+            (None, DType::F32) => 0.0,
+            _ => f32::INFINITY,
+        };
+        report(format!("grouped_qmatvec gated pairs={}", tokens * k), err);
+    }
+    Ok(ok)
+}
+
 #[allow(clippy::too_many_arguments)] // one case of the sweep, named field by field
 fn check_qmatmul(
     out_dim: usize,
@@ -1035,6 +1127,9 @@ fn main() -> Result<()> {
                 for group in [64, 128] {
                     all_ok &=
                         check_qmatmul(203, 3072, bits, group, sdtype, xdtype, 1, &gpu, &mut stats)?;
+                }
+                for group in [32, 64, 128] {
+                    all_ok &= check_grouped_packed(xdtype, sdtype, bits, group, &gpu, &mut stats)?;
                 }
             }
         }

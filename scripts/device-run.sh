@@ -45,8 +45,10 @@ for phase in "$@"; do
       done
       ;;
     quant)
-      $B --config $C/31b-config.json --weights q4 --memory-only 2>>"$OUT/bench.err" | tee -a "$OUT/bench-q.jsonl"
-      for m in e4b 31b; do
+      for m in 31b 26b-a4b; do
+        $B --config $C/$m-config.json --weights q4 --memory-only 2>>"$OUT/bench.err" | tee -a "$OUT/bench-q.jsonl"
+      done
+      for m in ${QUANT_MODELS:-e4b 26b-a4b 31b}; do
         $B --config $C/$m-config.json --weights q4,q8 --prefill 512 --batch 1,8 --context 128 --kv dense,q4 --steps 8 \
           2>>"$OUT/bench.err" | tee -a "$OUT/bench-q.jsonl" | cut -c1-160
       done

@@ -1,5 +1,6 @@
 //! The mixture-of-experts block of 26B-A4B: a router picks `top_k` of `num_experts` GeGLU
 //! experts per token; the experts run as one matmul per expert over the tokens routed to it.
+//! MLX-quantized expert stacks stay packed: each expert's product reads its packed rows.
 
 use candle_core::{DType, Tensor};
 
@@ -71,7 +72,10 @@ enum ExpertMatrices {
     /// `[E, out, in]` in the model's dtype.
     Dense(Tensor),
     /// `[E * out, in]` packed: expert `e` owns rows `e * out ..`.
-    Packed { weight: PackedWeight, experts: usize },
+    Packed {
+        weight: PackedWeight,
+        experts: usize,
+    },
 }
 
 impl ExpertMatrices {
@@ -89,7 +93,10 @@ impl ExpertMatrices {
     /// when their bits, group size and scale dtype agree; otherwise both are dequantized.
     fn stack_rows(a: Self, b: Self, dtype: DType) -> Result<Self> {
         if let (
-            ExpertMatrices::Packed { weight: pa, experts },
+            ExpertMatrices::Packed {
+                weight: pa,
+                experts,
+            },
             ExpertMatrices::Packed { weight: pb, .. },
         ) = (&a, &b)
         {
@@ -366,7 +373,9 @@ impl MoeBlock {
                     }
                 }
                 let n_slots = rows.len();
-                let x_pad = x.index_select(&u32s(rows)?, 0)?.reshape((n_experts, longest, h))?;
+                let x_pad = x
+                    .index_select(&u32s(rows)?, 0)?
+                    .reshape((n_experts, longest, h))?;
                 let gu = x_pad.matmul(&gate_up.transpose(1, 2)?)?; // [E, L, 2I]
                 let y_pad = gelu_halves(&gu, 2)?.matmul(&down.transpose(1, 2)?)?; // [E, L, H]
                 y_pad.reshape((n_slots, h))?

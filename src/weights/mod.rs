@@ -1,6 +1,7 @@
 //! Checkpoint weights: memory-mapped safetensors (one file or shards listed in
 //! `model.safetensors.index.json`), the three key layouts Gemma 4 ships in, and MLX affine
-//! quantized tensors (dequantized on load by [`affine`]).
+//! quantized tensors (kept packed as [`PackedWeight`] where the packed kernels take them, else
+//! dequantized on load by [`affine`]).
 //!
 //! Names passed to [`WeightStore`] are *logical*: the text-stack name without any layout prefix
 //! (`layers.3.self_attn.q_proj`). The store adds the prefix of the detected [`KeyLayout`].
@@ -71,7 +72,7 @@ impl std::fmt::Debug for WeightStore {
 #[derive(Debug, Clone)]
 pub enum LoadedMatrix {
     /// `[.., out, in]` in the store's dtype (a float checkpoint, or a quantized one whose bits,
-    /// group size or rank the packed kernels do not take: dequantized on load).
+    /// group size or layout the packed kernels do not take: dequantized on load).
     Dense(Tensor),
     /// A 4/8-bit matrix with group 32, 64 or 128, resident packed. A stack `[n, out, in]` (the
     /// MoE experts) is held as one `[n * out, in]` matrix: matrix `i` owns rows `i * out ..`.

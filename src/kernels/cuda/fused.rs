@@ -8,9 +8,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
 
 use super::kernel_cache::load_kernel;
-use super::launch::{
-    contiguous_aligned16, cuda_dev, cuda_storage, kname, sm_count, view, wrap,
-};
+use super::launch::{contiguous_aligned16, cuda_dev, cuda_storage, kname, sm_count, view, wrap};
 use crate::kernels::qmatmul::PackedWeight;
 
 /// The kernels' PTX, built by `build.rs` from `fused.cu`.
@@ -660,7 +658,13 @@ pub fn grouped_qmatvec_gated(
     if a.dims() != b.dims() {
         candle_core::bail!("grouped_qmatvec_gated: {:?} vs {:?}", a.dims(), b.dims());
     }
-    grouped_mv(ExpertStack::Packed(weights, experts), idx, a, Some(b), false)
+    grouped_mv(
+        ExpertStack::Packed(weights, experts),
+        idx,
+        a,
+        Some(b),
+        false,
+    )
 }
 
 /// The expert weights of a grouped product.
@@ -693,7 +697,11 @@ impl ExpertStack<'_> {
         Ok(match *self {
             ExpertStack::Dense(_) => format!("grouped_mv{g}_{t}"),
             ExpertStack::Packed(w, _) => {
-                format!("grouped_qmv{g}_{t}_{}_{}", tn(w.scales.dtype())?, w.bits.bits())
+                format!(
+                    "grouped_qmv{g}_{t}_{}_{}",
+                    tn(w.scales.dtype())?,
+                    w.bits.bits()
+                )
             }
         })
     }
