@@ -79,48 +79,10 @@ enum ExpertMatrices {
 }
 
 impl ExpertMatrices {
-    fn load(vb: &WeightStore, module: &str, layer: usize, shape: [usize; 3]) -> Result<Self> {
-        Ok(match vb.matrix(module, Some(layer), &shape)? {
+    fn new(loaded: LoadedMatrix, experts: usize) -> Self {
+        match loaded {
             LoadedMatrix::Dense(t) => ExpertMatrices::Dense(t),
-            LoadedMatrix::Packed(weight) => ExpertMatrices::Packed {
-                weight,
-                experts: shape[0],
-            },
-        })
-    }
-
-    /// `a`'s matrix `e` over `b`'s, for every expert (gate over up). Packed stacks stay packed
-    /// when their bits, group size and scale dtype agree; otherwise both are dequantized.
-    fn stack_rows(a: Self, b: Self, dtype: DType) -> Result<Self> {
-        if let (
-            ExpertMatrices::Packed {
-                weight: pa,
-                experts,
-            },
-            ExpertMatrices::Packed { weight: pb, .. },
-        ) = (&a, &b)
-        {
-            if let Some(weight) = PackedWeight::stack_rows(pa, pb, *experts)? {
-                return Ok(ExpertMatrices::Packed {
-                    weight,
-                    experts: *experts,
-                });
-            }
-        }
-        Ok(ExpertMatrices::Dense(Tensor::cat(
-            &[a.into_dense(dtype)?, b.into_dense(dtype)?],
-            1,
-        )?))
-    }
-
-    /// The dense stack `[E, out, in]`.
-    fn into_dense(self, dtype: DType) -> Result<Tensor> {
-        match self {
-            ExpertMatrices::Dense(t) => Ok(t),
-            ExpertMatrices::Packed { weight, experts } => {
-                let (out, inp) = (weight.out_dim / experts, weight.in_dim);
-                Ok(weight.dequantize(dtype)?.reshape((experts, out, inp))?)
-            }
+            LoadedMatrix::Packed(weight) => ExpertMatrices::Packed { weight, experts },
         }
     }
 
@@ -214,18 +176,18 @@ impl MoeBlock {
             top_k: moe.top_k,
         };
         let split = format!("{p}.experts.switch_glu");
+        let load = |name: &str, shape: [usize; 3]| -> Result<ExpertMatrices> {
+            Ok(ExpertMatrices::new(vb.matrix(name, l, &shape)?, e))
+        };
         let experts =
             if vb.layout() == KeyLayout::Mlx || vb.contains(&format!("{split}.gate_proj.weight")) {
-                let load = |name: &str, shape| ExpertMatrices::load(vb, name, layer, shape);
-                let gate = load(&format!("{split}.gate_proj"), [e, i, h])?;
-                let up = load(&format!("{split}.up_proj"), [e, i, h])?;
+                let (gate, up) = (format!("{split}.gate_proj"), format!("{split}.up_proj"));
                 Experts {
-                    gate_up: ExpertMatrices::stack_rows(gate, up, vb.dtype())?,
+                    gate_up: ExpertMatrices::new(vb.matrix_pair(&gate, &up, l, [e, i, h])?, e),
                     down: load(&format!("{split}.down_proj"), [e, h, i])?,
                     width: i,
                 }
             } else {
-                let load = |name: &str, shape| ExpertMatrices::load(vb, name, layer, shape);
                 Experts {
                     gate_up: load(&format!("{p}.experts.gate_up_proj"), [e, 2 * i, h])?,
                     down: load(&format!("{p}.experts.down_proj"), [e, h, i])?,

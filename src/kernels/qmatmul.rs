@@ -174,6 +174,19 @@ impl PackedWeight {
         }))
     }
 
+    /// The same matrix on `device`.
+    ///
+    /// # Errors
+    /// Candle errors.
+    pub fn to_device(&self, device: &Device) -> Result<Self> {
+        Ok(Self {
+            codes: self.codes.to_device(device)?,
+            scales: self.scales.to_device(device)?,
+            biases: self.biases.to_device(device)?,
+            ..self.clone()
+        })
+    }
+
     /// Bytes the packed matrix occupies (codes + scales + biases).
     pub fn packed_bytes(&self) -> usize {
         self.codes.elem_count() * 4

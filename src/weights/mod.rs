@@ -311,6 +311,53 @@ impl WeightStore {
         layer: Option<usize>,
         shape: &[usize],
     ) -> Result<LoadedMatrix> {
+        self.matrix_on(module, layer, shape, &self.device)
+    }
+
+    /// Two stacks `[n, out, in]` of one layer joined matrix by matrix into `[n, 2 * out, in]`
+    /// (matrix `i` is `first`'s matrix `i` over `second`'s: the MoE gate and up projections as
+    /// one product). Both are joined on the host and moved to the device once, so the device
+    /// never holds the halves beside the whole. Packed when both are packed alike (bits, group
+    /// size, scale dtype); otherwise dense. A random store generates the joined stack directly.
+    ///
+    /// # Errors
+    /// As [`WeightStore::matrix`].
+    pub fn matrix_pair(
+        &self,
+        first: &str,
+        second: &str,
+        layer: Option<usize>,
+        shape: [usize; 3],
+    ) -> Result<LoadedMatrix> {
+        let [n, out, inp] = shape;
+        let joined = [n, 2 * out, inp];
+        if self.random.is_some() {
+            return self.matrix(first, layer, &joined);
+        }
+        let host = Device::Cpu;
+        let a = self.matrix_on(first, layer, &shape, &host)?;
+        let b = self.matrix_on(second, layer, &shape, &host)?;
+        if let (LoadedMatrix::Packed(pa), LoadedMatrix::Packed(pb)) = (&a, &b) {
+            if let Some(p) = PackedWeight::stack_rows(pa, pb, n)? {
+                return Ok(LoadedMatrix::Packed(p.to_device(&self.device)?));
+            }
+        }
+        let dense = |m: LoadedMatrix| -> Result<Tensor> {
+            Ok(m.into_dense(self.dtype)?.reshape((n, out, inp))?)
+        };
+        Ok(LoadedMatrix::Dense(
+            Tensor::cat(&[dense(a)?, dense(b)?], 1)?.to_device(&self.device)?,
+        ))
+    }
+
+    /// [`WeightStore::matrix`] onto `device`.
+    fn matrix_on(
+        &self,
+        module: &str,
+        layer: Option<usize>,
+        shape: &[usize],
+        device: &Device,
+    ) -> Result<LoadedMatrix> {
         let weight_name = if self.contains(&format!("{module}.weight")) || !self.contains(module) {
             format!("{module}.weight")
         } else {
@@ -331,7 +378,8 @@ impl WeightStore {
         let scales_name = format!("{module}.scales");
         if !self.contains(&scales_name) {
             let t = self.raw(&weight_name, layer, Some(shape))?;
-            return Ok(LoadedMatrix::Dense(self.finish(&weight_name, t)?));
+            let t = self.finish(&weight_name, t)?;
+            return Ok(LoadedMatrix::Dense(t.to_device(device)?));
         }
         let codes = self.raw(&weight_name, layer, None)?;
         let scales = self.raw(&scales_name, layer, None)?;
@@ -340,7 +388,7 @@ impl WeightStore {
         if packable && leads_match(&codes) && leads_match(&scales) {
             let flat = |t: &Tensor| -> Result<Tensor> {
                 let last = t.dims()[lead.len()];
-                Ok(t.reshape((rows, last))?.to_device(&self.device)?)
+                Ok(t.reshape((rows, last))?.to_device(device)?)
             };
             if let Ok(p) =
                 PackedWeight::new(flat(&codes)?, flat(&scales)?, flat(&biases)?, rows, inp)
@@ -356,7 +404,7 @@ impl WeightStore {
                 }
             })?;
         Ok(LoadedMatrix::Dense(
-            dense.to_dtype(self.dtype)?.to_device(&self.device)?,
+            dense.to_dtype(self.dtype)?.to_device(device)?,
         ))
     }
 }
