@@ -457,3 +457,90 @@ fn detect_layout(routing: &HashMap<String, usize>) -> Result<KeyLayout> {
         layer: None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{dequantize, quantize};
+    use crate::kv::QuantBits;
+
+    /// Writes an MLX-layout file holding two random expert stacks `[2, 4, 64]` (`m.gate_proj`
+    /// at `bits_gate`, `m.up_proj` at `bits_up`, group 32) and opens it; returns the store and
+    /// the dequantized stacks.
+    fn pair_store(
+        name: &str,
+        bits_gate: QuantBits,
+        bits_up: QuantBits,
+    ) -> (WeightStore, [Tensor; 2]) {
+        let dev = Device::Cpu;
+        let dir = std::env::temp_dir().join(format!("candle-gemma-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let prefix = KeyLayout::Mlx.prefix();
+        let mut tensors = HashMap::new();
+        tensors.insert(
+            format!("{prefix}embed_tokens.weight"),
+            Tensor::zeros((4, 64), DType::F32, &dev).unwrap(),
+        );
+        let mut dense = Vec::new();
+        for (module, bits) in [("gate_proj", bits_gate), ("up_proj", bits_up)] {
+            let w = Tensor::randn(0f32, 1.0, (2, 4, 64), &dev).unwrap();
+            let p = quantize(&w, bits, 32).unwrap();
+            dense.push(dequantize(&p).unwrap());
+            let base = format!("{prefix}m.{module}");
+            tensors.insert(format!("{base}.weight"), p.codes);
+            tensors.insert(format!("{base}.scales"), p.scales);
+            tensors.insert(format!("{base}.biases"), p.biases);
+        }
+        candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+        let store = WeightStore::open(&dir, &dev, DType::F32).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let [gate, up]: [Tensor; 2] = dense.try_into().unwrap();
+        (store, [gate, up])
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    #[test]
+    fn expert_pairs_alike_stay_packed_and_join_matrix_by_matrix() {
+        let (store, [gate, up]) = pair_store("pair-alike", QuantBits::Four, QuantBits::Four);
+        let pair = store
+            .matrix_pair("m.gate_proj", "m.up_proj", Some(0), [2, 4, 64])
+            .unwrap();
+        let LoadedMatrix::Packed(p) = pair else {
+            panic!("two 4-bit stacks should stay packed");
+        };
+        assert_eq!((p.out_dim, p.in_dim), (16, 64));
+        let got = p
+            .dequantize(DType::F32)
+            .unwrap()
+            .reshape((2, 8, 64))
+            .unwrap();
+        let want = Tensor::cat(&[gate, up], 1).unwrap();
+        assert_eq!(max_diff(&got, &want), 0.0);
+    }
+
+    #[test]
+    fn expert_pairs_of_different_bits_are_joined_dense() {
+        let (store, [gate, up]) = pair_store("pair-mixed", QuantBits::Four, QuantBits::Eight);
+        let pair = store
+            .matrix_pair("m.gate_proj", "m.up_proj", Some(0), [2, 4, 64])
+            .unwrap();
+        let LoadedMatrix::Dense(got) = pair else {
+            panic!("4-bit over 8-bit cannot be one packed matrix");
+        };
+        let want = Tensor::cat(&[gate, up], 1).unwrap();
+        assert_eq!(got.dims(), &[2, 8, 64]);
+        assert!(max_diff(&got, &want) < 1e-6);
+    }
+}
