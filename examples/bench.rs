@@ -116,6 +116,14 @@ fn bytes_per_param(weights: &str) -> Result<(f64, Option<QuantBits>)> {
     })
 }
 
+/// The crate's launch counters (`CANDLE_GEMMA_LAUNCH_STATS=1`, CUDA builds).
+fn launch_stats() -> Option<(u64, u64)> {
+    #[cfg(feature = "cuda")]
+    return candle_gemma::kernels::cuda::launch_stats();
+    #[cfg(not(feature = "cuda"))]
+    None
+}
+
 /// Runs `f` inside cuProfilerStart/Stop when `on` (CUDA builds), so a profiler started with
 /// `--profile-from-start off` sees exactly this region.
 fn profiled<T>(on: bool, dev: &Device, f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -245,6 +253,7 @@ fn main() -> Result<()> {
                                                                                // Several rounds, reporting the median round: the host's speed drifts
                                                                                // between rounds on a shared machine.
                         let mut rounds = Vec::new();
+                        let stats_before = launch_stats();
                         for _ in 0..args.rounds.max(1) {
                             let mut enqueue = 0.0;
                             let t = Instant::now();
@@ -262,6 +271,13 @@ fn main() -> Result<()> {
                         profiled(args.profile, &dev, || {
                             greedy(&model.forward(&tokens, &mut cache)?)
                         })?;
+                        // With CANDLE_GEMMA_LAUNCH_STATS=1: the crate's launches a step and the
+                        // host time inside the driver's launch call for them.
+                        let steps = (args.rounds.max(1) * args.steps) as f64;
+                        let launches = stats_before.zip(launch_stats()).map(|(a, z)| {
+                            json!({"launches_per_step": (z.0 - a.0) as f64 / steps,
+                                   "driver_launch_ms_per_step": (z.1 - a.1) as f64 / steps / 1e6})
+                        });
                         let bytes = wbytes + kv_bytes;
                         println!(
                             "{}",
@@ -270,6 +286,7 @@ fn main() -> Result<()> {
                                 "op": "decode", "batch": b, "context": ctx,
                                 "tok_s": b as f64 / secs, "step_ms": secs * 1e3, "host_ms": host_ms,
                                 "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,
+                                "launch_stats": launches,
                             })
                         );
                     }

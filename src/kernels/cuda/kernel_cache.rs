@@ -13,6 +13,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::cuda_backend::cudarc::driver::{
@@ -207,9 +208,10 @@ impl<'a> Launch<'a> {
             attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
             numAttrs: u32::from(pdl),
         };
+        let started = stats_on().then(std::time::Instant::now);
         // SAFETY: `params` holds one pointer per kernel parameter (the caller's contract),
         // each valid until this call returns (`self.args` and the borrowed values outlive it).
-        unsafe {
+        let r = unsafe {
             sys::cuLaunchKernelEx(
                 &config,
                 self.kernel.func.cu_function(),
@@ -217,8 +219,34 @@ impl<'a> Launch<'a> {
                 std::ptr::null_mut(),
             )
         }
-        .result()
+        .result();
+        if let Some(t) = started {
+            LAUNCHES.fetch_add(1, Ordering::Relaxed);
+            LAUNCH_NS.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        r
     }
+}
+
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+static LAUNCH_NS: AtomicU64 = AtomicU64::new(0);
+
+fn stats_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CANDLE_GEMMA_LAUNCH_STATS").is_ok_and(|v| v == "1"))
+}
+
+/// With `CANDLE_GEMMA_LAUNCH_STATS=1`: the crate's own kernel launches so far and the host
+/// nanoseconds spent inside the driver's launch call for them (for splitting a step's host
+/// time between the driver and everything around it); `None` otherwise. Counters are
+/// process-wide.
+pub fn launch_stats() -> Option<(u64, u64)> {
+    stats_on().then(|| {
+        (
+            LAUNCHES.load(Ordering::Relaxed),
+            LAUNCH_NS.load(Ordering::Relaxed),
+        )
+    })
 }
 
 /// Whether launches on `stream`'s device may overlap the previous kernel's tail: compute

@@ -16,4 +16,6 @@ mod kernel_cache;
 pub mod launch;
 
 #[cfg(feature = "cuda")]
+pub use kernel_cache::launch_stats;
+#[cfg(feature = "cuda")]
 pub use launch::{attend_packed_cuda, QsdpaPath};
