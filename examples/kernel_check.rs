@@ -298,7 +298,7 @@ fn rnd(shape: &[usize], dtype: DType) -> Result<Tensor> {
 fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Result<bool> {
     use candle_gemma::kernels::cuda::fused::{
         add_norm, add_norm_ext, gelu_mul, grouped_matvec, grouped_matvec_gated, moe_mix, moe_route,
-        qkv_prep, AddNormExtra, QkvSources, ADD_NORM_MAX_WIDTH,
+        qkv_prep, qkv_prep_into, AddNormExtra, QkvSources, ADD_NORM_MAX_WIDTH,
     };
     use candle_nn::ops::rms_norm;
     let g = |t: &Tensor| t.to_device(gpu);
@@ -476,6 +476,49 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
     report("qkv_prep q", max_abs(&gq, &wq)?, lim);
     report("qkv_prep k", max_abs(&gk, &wk)?, lim);
     report("qkv_prep v", max_abs(&gv, &wv)?, lim);
+
+    // The same for the first sequence, k and v written into slots 5..8 of cache-shaped
+    // buffers [1, kv_heads, 16, head_dim] (heads 16 slots apart), as a decode step writes them.
+    let first = |t: &Tensor| t.narrow(0, 0, sl);
+    let src1 = QkvSources {
+        q: &first(&qg)?,
+        k: Some((&first(&kg)?, &kwg)),
+        v: Some(&first(&vg)?),
+        q_norm: &qwg,
+        cos: &cg.narrow(0, 0, 1)?,
+        sin: &sg.narrow(0, 0, 1)?,
+    };
+    let cache = |seed: f64| -> Result<Tensor> {
+        Ok(g(
+            &(Tensor::ones((1, kvh, 16, hd), dtype, &Device::Cpu)? * seed)?
+        )?)
+    };
+    let (kc, vc) = (cache(7.0)?, cache(9.0)?);
+    let (q1, none) = qkv_prep_into(
+        &src1,
+        1,
+        sl,
+        hd,
+        eps,
+        Some((&kc.narrow(2, 5, sl)?, &vc.narrow(2, 5, sl)?)),
+    )?;
+    // The slots hold the fresh k/v; every other slot is untouched.
+    let untouched = |c: &Tensor, fill: f64| -> Result<f32> {
+        let c = c.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+        let outside = Tensor::cat(&[c.narrow(2, 0, 5)?, c.narrow(2, 5 + sl, 16 - 5 - sl)?], 2)?;
+        Ok((outside - fill)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?)
+    };
+    let err = max_abs(&q1, &gq.narrow(0, 0, 1)?)?
+        .max(max_abs(&kc.narrow(2, 5, sl)?, &gk.narrow(0, 0, 1)?)?)
+        .max(max_abs(&vc.narrow(2, 5, sl)?, &gv.narrow(0, 0, 1)?)?)
+        .max(untouched(&kc, 7.0)?)
+        .max(untouched(&vc, 9.0)?)
+        .max(if none.is_none() { 0.0 } else { f32::INFINITY });
+    report("qkv_prep into cache slots", err, 0.0);
 
     // Router: top-3 of 8 logits per token (ties to the lower expert), softmax, per-expert scale.
     let (e, out, inp, tokens, k) = (8, 64, 128, 5, 3);

@@ -227,7 +227,9 @@ impl Attention {
         let (b, s, _) = x.dims3()?;
         let (cos, sin) = step.rope(self.kind);
         let (q_raw, k_raw, v_raw) = self.proj.forward(x)?;
-        let prep = |with_kv: Option<&KvNorms>| -> Result<fused::QkvOutput> {
+        let prep = |with_kv: Option<&KvNorms>,
+                    kv_dst: Option<(&Tensor, &Tensor)>|
+         -> Result<fused::QkvOutput> {
             let k = match (with_kv, &k_raw) {
                 (Some(n), Some(k)) => Some((k, &n.k_norm)),
                 _ => None,
@@ -245,18 +247,36 @@ impl Attention {
                 cos,
                 sin,
                 head_dim: self.head_dim,
+                kv_dst,
             })
         };
 
         let mut produced = None;
         let (q, view): (Tensor, &KvView) = match (kv, &self.kv) {
             (KvInput::Own(cache), Some(norms)) => {
-                let (q, kv) = prep(Some(norms))?;
-                let (k, v) = kv
-                    .ok_or_else(|| Error::Input("a KV-owning layer produced no K/V".to_string()))?;
-                (q, &*produced.insert(cache.update(&k, &v)?))
+                // The kernel writes K and V straight into the cache's next slots where it can
+                // (no separate copy into the cache).
+                let slots = if fused::writes_kv_in_place(&q_raw, &self.q_norm) {
+                    cache.reserve_slots(s, x.device())?
+                } else {
+                    None
+                };
+                let view = match slots {
+                    Some((kd, vd)) => {
+                        let q = prep(Some(norms), Some((&kd, &vd)))?.0;
+                        (q, cache.commit_slots(s)?)
+                    }
+                    None => {
+                        let (q, kv) = prep(Some(norms), None)?;
+                        let (k, v) = kv.ok_or_else(|| {
+                            Error::Input("a KV-owning layer produced no K/V".to_string())
+                        })?;
+                        (q, cache.update(&k, &v)?)
+                    }
+                };
+                (view.0, &*produced.insert(view.1))
             }
-            (KvInput::Shared(view), None) => (prep(None)?.0, view),
+            (KvInput::Shared(view), None) => (prep(None, None)?.0, view),
             (KvInput::Own(_), None) => return Err(Error::Input(
                 "a KV-shared layer was handed a cache to write; it only reads its producer's K/V"
                     .to_string(),

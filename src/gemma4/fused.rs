@@ -9,7 +9,7 @@ use candle_core::Tensor;
 
 use super::norm::RmsNorm;
 use super::{rope, Linear};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Whether the fused CUDA residual add + norm takes `res` normed by `norm`: CUDA with the fused
 /// kernels on, a norm weight of the activation dtype, rows at most `max_width` wide.
@@ -259,6 +259,18 @@ pub(crate) struct QkvInput<'a> {
     pub sin: &'a Tensor,
     /// Head dimension.
     pub head_dim: usize,
+    /// Where k and v go when given (a cache's next slots, see [`writes_kv_in_place`]): then
+    /// the output's k/v are `None`.
+    pub kv_dst: Option<(&'a Tensor, &'a Tensor)>,
+}
+
+/// Whether [`qkv_prep`] writes k and v straight into destinations (`QkvInput::kv_dst`) for
+/// these projections: the CUDA kernel, batch of one.
+pub(crate) fn writes_kv_in_place(q: &Tensor, q_norm: &RmsNorm) -> bool {
+    cfg!(feature = "cuda")
+        && crate::kernels::fused_enabled(q.device())
+        && q_norm.weight().dtype() == q.dtype()
+        && q.dim(0).is_ok_and(|b| b == 1)
 }
 
 /// Normed, rotated q `[B, n_heads, S, D]`; normed, rotated k and normed v
@@ -284,13 +296,20 @@ pub(crate) fn qkv_prep(inp: &QkvInput<'_>) -> Result<QkvOutput> {
             cos: inp.cos,
             sin: inp.sin,
         };
-        return Ok(crate::kernels::cuda::fused::qkv_prep(
+        return Ok(crate::kernels::cuda::fused::qkv_prep_into(
             &src,
             b,
             s,
             hd,
             inp.q_norm.eps(),
+            inp.kv_dst,
         )?);
+    }
+    if inp.kv_dst.is_some() {
+        return Err(Error::Input(
+            "k/v destinations are written by the CUDA kernel only (see writes_kv_in_place)"
+                .to_string(),
+        ));
     }
     let heads = |t: &Tensor| -> Result<Tensor> {
         let n = t.dim(2)? / hd;

@@ -7,7 +7,7 @@
 //! storage, so a view is only valid until the next write into the same cache (attention reads
 //! it within the step, as every engine does).
 
-use candle_core::Tensor;
+use candle_core::{DType, Device, Tensor};
 
 use super::CacheError;
 
@@ -16,15 +16,43 @@ const T: usize = 2;
 /// First allocation of a growing buffer, in tokens; later ones double.
 const GROW_STEP: usize = 256;
 
-/// Allocates zeroed tensors shaped like `like` with `tokens` on the token axis.
-fn alloc(like: &[Tensor], tokens: usize) -> Result<Vec<Tensor>, CacheError> {
-    like.iter()
-        .map(|t| {
-            let mut dims = t.dims().to_vec();
-            dims[T] = tokens;
-            Ok(Tensor::zeros(dims, t.dtype(), t.device())?)
+/// What a buffer's parts look like: `[1, heads, tokens, width]` with `(heads, width, dtype)`
+/// per part, on one device.
+#[derive(Debug, Clone)]
+pub(crate) struct PartSpec {
+    /// `(heads, width, dtype)` of each part.
+    pub parts: Vec<(usize, usize, DType)>,
+    /// Device of the storage.
+    pub device: Device,
+}
+
+impl PartSpec {
+    /// The spec of parts shaped like `like` (`[1, heads, n, width]` each).
+    fn of(like: &[Tensor]) -> Result<Self, CacheError> {
+        let first = like.first().ok_or_else(unallocated)?;
+        let parts = like
+            .iter()
+            .map(|t| Ok((t.dim(1)?, t.dim(3)?, t.dtype())))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Self {
+            parts,
+            device: first.device().clone(),
         })
-        .collect()
+    }
+
+    /// Zeroed parts with `tokens` on the token axis.
+    fn alloc(&self, tokens: usize) -> Result<Vec<Tensor>, CacheError> {
+        self.parts
+            .iter()
+            .map(|&(heads, width, dtype)| {
+                Ok(Tensor::zeros(
+                    (1, heads, tokens, width),
+                    dtype,
+                    &self.device,
+                )?)
+            })
+            .collect()
+    }
 }
 
 /// Copies `src` (tokens `from..from+len` of each part) into `dst` at token `at`.
@@ -97,9 +125,17 @@ impl GrowBuf {
     pub fn append(&mut self, new: &[Tensor]) -> Result<Vec<Tensor>, CacheError> {
         let n = new[0].dim(T)?;
         let need = self.len + n;
+        self.ensure_cap(&PartSpec::of(new)?, need)?;
+        let parts = self.parts.as_ref().ok_or_else(unallocated)?;
+        write(parts, new, 0, n, self.len)?;
+        self.len = need;
+        narrow_all(parts, 0, self.len)
+    }
+
+    fn ensure_cap(&mut self, spec: &PartSpec, need: usize) -> Result<(), CacheError> {
         if need > self.cap || self.parts.is_none() {
             let cap = need.max(self.cap * 2).max(GROW_STEP).div_ceil(GROW_STEP) * GROW_STEP;
-            let grown = alloc(new, cap)?;
+            let grown = spec.alloc(cap)?;
             if let Some(old) = &self.parts {
                 // The whole old buffer is contiguous: copy it as is (slots past `len` included).
                 write(&grown, old, 0, self.cap, 0)?;
@@ -107,9 +143,25 @@ impl GrowBuf {
             self.parts = Some(grown);
             self.cap = cap;
         }
+        Ok(())
+    }
+
+    /// The storage of the next `n` tokens (views, `[1, heads, n, width]` per part, growing the
+    /// buffer first if needed) for a kernel to write in place; [`GrowBuf::commit`] then counts
+    /// them.
+    pub fn reserve(&mut self, spec: &PartSpec, n: usize) -> Result<Vec<Tensor>, CacheError> {
+        self.ensure_cap(spec, self.len + n)?;
         let parts = self.parts.as_ref().ok_or_else(unallocated)?;
-        write(parts, new, 0, n, self.len)?;
-        self.len = need;
+        narrow_all(parts, self.len, n)
+    }
+
+    /// Counts `n` tokens written into reserved storage and returns the held tokens `0..len`.
+    pub fn commit(&mut self, n: usize) -> Result<Vec<Tensor>, CacheError> {
+        let parts = self.parts.as_ref().ok_or_else(unallocated)?;
+        if self.len + n > self.cap {
+            return Err(unallocated());
+        }
+        self.len += n;
         narrow_all(parts, 0, self.len)
     }
 
@@ -209,7 +261,7 @@ impl RingBuf {
         self.size
     }
 
-    fn ensure_cap(&mut self, like: &[Tensor], slots: usize) -> Result<(), CacheError> {
+    fn ensure_cap(&mut self, spec: &PartSpec, slots: usize) -> Result<(), CacheError> {
         let slots = slots.min(self.size);
         if self.parts.is_some() && slots <= self.cap {
             return Ok(());
@@ -220,7 +272,7 @@ impl RingBuf {
             .max(self.cap * 2)
             .max(GROW_STEP.min(self.size))
             .min(self.size);
-        let grown = alloc(like, cap)?;
+        let grown = spec.alloc(cap)?;
         if let Some(old) = &self.parts {
             write(&grown, old, 0, self.cap, 0)?;
         }
@@ -231,7 +283,7 @@ impl RingBuf {
 
     /// Writes new tokens at positions `offset..offset+n`, keeping only the last `size` of them.
     fn store(&mut self, new: &[Tensor], n: usize) -> Result<(), CacheError> {
-        self.ensure_cap(new, self.offset + n)?;
+        self.ensure_cap(&PartSpec::of(new)?, self.offset + n)?;
         let parts = self.parts.as_ref().ok_or_else(unallocated)?;
         let keep = n.min(self.size);
         let from = n - keep; // skip what would be overwritten within this very update
@@ -289,13 +341,7 @@ impl RingBuf {
     /// `size` positions.
     pub fn update(&mut self, new: &[Tensor]) -> Result<Positioned, CacheError> {
         let n = new[0].dim(T)?;
-        // Oldest position the first new query still needs.
-        let needed = self
-            .first
-            .max((self.offset + 1).saturating_sub(self.window));
-        // The write overwrites positions up to offset + n - 1 - size.
-        let in_place = self.offset + n < self.size + 1 + needed;
-        if in_place {
+        if self.writes_in_place(n) {
             self.store(new, n)?;
             let (t, p) = self.view(false)?.ok_or_else(unallocated)?;
             return Ok((t, p));
@@ -313,6 +359,48 @@ impl RingBuf {
         };
         self.store(new, n)?;
         Ok(dense)
+    }
+
+    /// Whether writing `n` new tokens in place overwrites no key the first new query needs.
+    fn writes_in_place(&self, n: usize) -> bool {
+        // Oldest position the first new query still needs.
+        let needed = self
+            .first
+            .max((self.offset + 1).saturating_sub(self.window));
+        // The write overwrites positions up to offset + n - 1 - size.
+        self.offset + n < self.size + 1 + needed
+    }
+
+    /// The slots of the next `n` tokens (views, `[1, heads, n, width]` per part) for a kernel
+    /// to write in place, when they form one run and overwrite no key the new queries need
+    /// (always for one token); `None` otherwise (the caller then goes through
+    /// [`RingBuf::update`]). [`RingBuf::commit`] then counts them.
+    pub fn reserve(
+        &mut self,
+        spec: &PartSpec,
+        n: usize,
+    ) -> Result<Option<Vec<Tensor>>, CacheError> {
+        let s0 = self.offset % self.size;
+        if n == 0 || !self.writes_in_place(n) || s0 + n > self.size {
+            return Ok(None);
+        }
+        self.ensure_cap(spec, self.offset + n)?;
+        let parts = self.parts.as_ref().ok_or_else(unallocated)?;
+        if s0 + n > self.cap {
+            return Ok(None);
+        }
+        Ok(Some(narrow_all(parts, s0, n)?))
+    }
+
+    /// Counts `n` tokens written into reserved slots and returns what [`RingBuf::update`]
+    /// would have.
+    pub fn commit(&mut self, n: usize) -> Result<Positioned, CacheError> {
+        if self.parts.is_none() || (self.offset % self.size) + n > self.cap {
+            return Err(unallocated());
+        }
+        self.offset += n;
+        self.first = self.first.max(self.offset.saturating_sub(self.size));
+        self.view(false)?.ok_or_else(unallocated)
     }
 
     /// Tokens that can be rolled back: every key the next query will need must still be live.
@@ -390,6 +478,14 @@ pub(crate) struct Geometry {
 }
 
 impl Geometry {
+    /// The K and V parts of a dense cache on `device`.
+    pub fn dense_parts(&self, device: &Device) -> PartSpec {
+        PartSpec {
+            parts: vec![(self.kv_heads, self.head_dim, self.dtype); 2],
+            device: device.clone(),
+        }
+    }
+
     /// Validates one update and returns its token count.
     pub fn check(&self, k: &Tensor, v: &Tensor) -> Result<usize, CacheError> {
         for (what, t) in [("keys", k), ("values", v)] {

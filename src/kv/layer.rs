@@ -135,6 +135,44 @@ impl LayerCache {
     }
 }
 
+impl LayerCache {
+    /// Dense storage for the next `n` tokens' keys and values (`[1, kv_heads, n, head_dim]`
+    /// views on `device`) for a kernel that writes them in place, skipping a copy; `None` where
+    /// this cache cannot take them so (quantized and batch caches, a rotating write that wraps
+    /// or overwrites a needed key): the caller then calls `update`. A `Some` must be followed
+    /// by [`LayerCache::commit_slots`] once the keys and values are written.
+    ///
+    /// # Errors
+    /// Allocation errors.
+    pub(crate) fn reserve_slots(
+        &mut self,
+        n: usize,
+        device: &candle_core::Device,
+    ) -> Result<Option<(Tensor, Tensor)>, CacheError> {
+        match self {
+            LayerCache::Simple(c) => c.reserve_slots(n, device),
+            LayerCache::Rotating(c) => c.reserve_slots(n, device),
+            LayerCache::Quantized(_) | LayerCache::Batch(_) => Ok(None),
+        }
+    }
+
+    /// Counts `n` tokens written into storage from [`LayerCache::reserve_slots`] and returns
+    /// the view `update` would have returned.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] when no such storage was reserved.
+    pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
+        match self {
+            LayerCache::Simple(c) => c.commit_slots(n),
+            LayerCache::Rotating(c) => c.commit_slots(n),
+            LayerCache::Quantized(_) | LayerCache::Batch(_) => Err(CacheError::Config {
+                field: "slots",
+                reason: "this cache kind writes through `update`; no slots were reserved".into(),
+            }),
+        }
+    }
+}
+
 impl KvCache for LayerCache {
     fn update(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView, CacheError> {
         match self {

@@ -1,6 +1,6 @@
 //! [`RotatingCache`]: a ring buffer for sliding-window layers, memory bounded by the window.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::buffer::{Geometry, RingBuf};
 use super::simple::pair;
@@ -156,6 +156,31 @@ pub(crate) fn ring_trim(ring: &mut RingBuf, n: usize) -> Result<(), CacheError> 
     }
     ring.trim(n);
     Ok(())
+}
+
+impl RotatingCache {
+    /// The slots of the next `n` tokens' keys and values (`[1, kv_heads, n, head_dim]` views on
+    /// `device`) for a kernel to write in place, when they form one run of the ring and
+    /// overwrite no key the new queries need (always for one token); `None` otherwise.
+    /// [`RotatingCache::commit_slots`] then counts them.
+    pub(crate) fn reserve_slots(
+        &mut self,
+        n: usize,
+        device: &Device,
+    ) -> Result<Option<(Tensor, Tensor)>, CacheError> {
+        let parts = self.ring.reserve(&self.geometry.dense_parts(device), n)?;
+        Ok(parts.and_then(pair))
+    }
+
+    /// Counts `n` tokens written into reserved slots; returns what `update` would have.
+    pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
+        let (parts, positions) = self.ring.commit(n)?;
+        let (k, v) = pair(parts).ok_or_else(super::buffer::unallocated)?;
+        Ok(KvView::Single {
+            data: KvData::Dense { k, v },
+            positions,
+        })
+    }
 }
 
 impl KvCache for RotatingCache {

@@ -1,6 +1,6 @@
 //! [`SimpleCache`]: dense K/V of every token seen, for full-attention layers.
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::buffer::{Geometry, GrowBuf};
 use super::{CacheError, KvCache, KvData, KvView, LayerCacheSpec};
@@ -79,6 +79,32 @@ impl SimpleCache {
 }
 
 /// `[k, v]` into a pair.
+impl SimpleCache {
+    /// The storage of the next `n` tokens' keys and values (`[1, kv_heads, n, head_dim]` views
+    /// on `device`) for a kernel to write in place, growing the cache first if needed;
+    /// [`SimpleCache::commit_slots`] then counts them. Always `Some` (a growing cache takes any
+    /// run of tokens).
+    pub(crate) fn reserve_slots(
+        &mut self,
+        n: usize,
+        device: &Device,
+    ) -> Result<Option<(Tensor, Tensor)>, CacheError> {
+        let parts = self.buf.reserve(&self.geometry.dense_parts(device), n)?;
+        Ok(pair(parts))
+    }
+
+    /// Counts `n` tokens written into reserved storage; returns what `update` would have.
+    pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
+        let parts = self.buf.commit(n)?;
+        let positions = (0..self.buf.len()).collect();
+        let (k, v) = pair(parts).ok_or_else(super::buffer::unallocated)?;
+        Ok(KvView::Single {
+            data: KvData::Dense { k, v },
+            positions,
+        })
+    }
+}
+
 pub(crate) fn pair(parts: Vec<Tensor>) -> Option<(Tensor, Tensor)> {
     let mut it = parts.into_iter();
     Some((it.next()?, it.next()?))

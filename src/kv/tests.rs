@@ -824,3 +824,81 @@ proptest! {
         }
     }
 }
+
+/// Writes values into a (strided) view in place on the CPU, as the CUDA kernel writes a cache's
+/// reserved slots.
+struct FillView(Vec<f32>);
+
+impl candle_core::InplaceOp1 for FillView {
+    fn name(&self) -> &'static str {
+        "fill-view"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        let candle_core::CpuStorage::F32(data) = storage else {
+            candle_core::bail!("fill-view: f32 only");
+        };
+        // Row-major walk over the view's dims, addressed through its strides.
+        let (dims, stride) = (layout.dims(), layout.stride());
+        for (i, value) in self.0.iter().enumerate() {
+            let (mut rest, mut at) = (i, layout.start_offset());
+            for d in (0..dims.len()).rev() {
+                at += (rest % dims[d]) * stride[d];
+                rest /= dims[d];
+            }
+            data[at] = *value;
+        }
+        Ok(())
+    }
+}
+
+/// Keys and values written into reserved slots (where the cache offers them) attend exactly as
+/// through `update`: single tokens, a prefill, and rings past their wrap.
+#[test]
+fn reserved_slots_written_in_place_match_update() {
+    for (mut cache, window) in all_kinds(4) {
+        let kind = cache.kind();
+        let mut hist = History::new();
+        let mut in_place = 0;
+        for (i, n) in [3usize, 1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1]
+            .into_iter()
+            .enumerate()
+        {
+            let seed = 1000 + 10 * i as u64;
+            let q_off = cache.offsets()[0];
+            let k = rand(seed, (1, KVH, n, HD));
+            let v = rand(seed + 1, (1, KVH, n, HD));
+            let q = rand(seed + 2, (1, NH, n, HD));
+            let view = match cache.reserve_slots(n, &Device::Cpu).unwrap() {
+                Some((kd, vd)) => {
+                    kd.inplace_op1(&FillView(flat(&k))).unwrap();
+                    vd.inplace_op1(&FillView(flat(&v))).unwrap();
+                    in_place += 1;
+                    cache.commit_slots(n).unwrap()
+                }
+                None => cache.update(&k, &v).unwrap(),
+            };
+            hist.push(&k, &v);
+            let got = attend(&q, &view, &[q_off], window, 1.0).unwrap();
+            let quant = match kind {
+                CacheKind::Quantized { .. } => continue, // no slots: `update` as everywhere
+                _ => None,
+            };
+            let want = hist.attend(&q, q_off, window, quant);
+            assert!(max_diff(&got, &want) < 1e-5, "{kind} step {i}");
+        }
+        match kind {
+            CacheKind::Simple | CacheKind::Rotating { .. } => {
+                assert!(in_place >= 10, "{kind}: {in_place} in-place writes")
+            }
+            _ => {
+                assert_eq!(in_place, 0, "{kind} offered slots");
+                assert!(cache.commit_slots(1).is_err());
+            }
+        }
+    }
+}

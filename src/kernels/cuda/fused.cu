@@ -157,12 +157,14 @@ struct QkvPrepParams {
     // Row strides (elements) of the q, k and v sources.
     uint32_t q_stride, k_stride, v_stride;
     float eps;
-    uint32_t pad_;
+    // Elements between consecutive heads of the k and v outputs (seq_len * head_dim when they
+    // are fresh tensors; the cache's slots a head when written into the cache).
+    uint32_t kv_head_stride;
 };
 
 // Per head of one token: RMS norm (q and k with their weights, v without), rotate-half RoPE
 // on q and k from the step's cos/sin tables ([batch * seq_len, head_dim / 2]), and the write to
-// [batch, heads, seq_len, head_dim]. One block per (token, head slot): slots are the n_heads
+// [batch, heads, seq_len, head_dim] (k and v heads kv_head_stride apart). One block per (token, head slot): slots are the n_heads
 // query heads, then kv_heads key heads, then kv_heads value heads.
 template <typename T>
 __device__ __forceinline__ void qkv_prep_body(const QkvPrepParams p, const T* __restrict__ qs,
@@ -188,13 +190,13 @@ __device__ __forceinline__ void qkv_prep_body(const QkvPrepParams p, const T* __
         const int h = slot - p.n_heads;
         src = ks + (size_t)token * p.k_stride + (size_t)h * hd;
         w = kw;
-        dst = k + (((size_t)b * p.kv_heads + h) * p.seq_len + s) * hd;
+        dst = k + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd;
     } else {
         const int h = slot - p.n_heads - p.kv_heads;
         src = vs + (size_t)token * p.v_stride + (size_t)h * hd;
         w = nullptr;
         rope = false;
-        dst = v + (((size_t)b * p.kv_heads + h) * p.seq_len + s) * hd;
+        dst = v + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd;
     }
     float ss = 0.f;
     for (int i = threadIdx.x; i < hd; i += NORM_THREADS) {

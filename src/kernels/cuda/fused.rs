@@ -77,7 +77,7 @@ pub(super) struct QkvPrepParams {
     k_stride: u32,
     v_stride: u32,
     eps: f32,
-    pad_: u32,
+    kv_head_stride: u32,
 }
 
 /// `struct DenseMvParams` in `fused.cu`.
@@ -451,6 +451,23 @@ pub fn qkv_prep(
     head_dim: usize,
     eps: f64,
 ) -> Result<QkvPrepared> {
+    qkv_prep_into(src, batch, seq_len, head_dim, eps, None)
+}
+
+/// [`qkv_prep`] writing k and v into `kv_dst` (`[1, kv_heads, seq_len, head_dim]` views whose
+/// tokens are contiguous within a head and whose heads are equally spaced, such as a cache's
+/// next slots) instead of fresh tensors; then the returned k/v are `None`.
+///
+/// # Errors
+/// As [`qkv_prep`], and destinations of another shape, dtype or layout.
+pub fn qkv_prep_into(
+    src: &QkvSources<'_>,
+    batch: usize,
+    seq_len: usize,
+    head_dim: usize,
+    eps: f64,
+    kv_dst: Option<(&Tensor, &Tensor)>,
+) -> Result<QkvPrepared> {
     let dtype = src.q.dtype();
     let mut ts = vec![src.q, src.q_norm, src.cos, src.sin];
     if let Some((k, kw)) = src.k {
@@ -498,8 +515,30 @@ pub fn qkv_prep(
         k_stride: u32_of(ks, "stride")?,
         v_stride: u32_of(vs, "stride")?,
         eps: eps as f32,
-        pad_: 0,
+        kv_head_stride: u32_of(seq_len * head_dim, "kv head stride")?,
     };
+    let mut params = params;
+    // The destinations' layout: heads `stride[1]` apart, tokens `head_dim` apart.
+    if let Some((kd, vd)) = kv_dst {
+        let fits = |t: &Tensor| {
+            let st = t.stride();
+            t.dims() == [1, kv_heads, seq_len, head_dim]
+                && t.dtype() == dtype
+                && st[3] == 1
+                && (seq_len == 1 || st[2] == head_dim)
+        };
+        if batch != 1 || kv_heads == 0 || !fits(kd) || !fits(vd) || kd.stride()[1] != vd.stride()[1]
+        {
+            candle_core::bail!(
+                "qkv_prep: destinations {:?} / {:?} (strides {:?} / {:?}) for {kv_heads} heads, {seq_len} tokens of {head_dim}",
+                kd.dims(),
+                vd.dims(),
+                kd.stride(),
+                vd.stride()
+            );
+        }
+        params.kv_head_stride = u32_of(kd.stride()[1], "kv head stride")?;
+    }
     let func = load_kernel(&dev, &format!("qkv_prep_{}", tn(dtype)?), MODULE, PTX)?;
     let cfg = LaunchConfig {
         grid_dim: (
@@ -514,12 +553,12 @@ pub fn qkv_prep(
     let kv_len = (tokens * kv_heads * head_dim).max(1);
     by_dtype!(dtype, E, {
         // SAFETY: every head slot of every token is written by its block.
-        let (mut qo, mut ko, mut vo) = unsafe {
-            (
-                dev.alloc::<E>(q_len.max(1))?,
-                dev.alloc::<E>(kv_len)?,
-                dev.alloc::<E>(kv_len)?,
-            )
+        let mut qo = unsafe { dev.alloc::<E>(q_len.max(1))? };
+        // Fresh k/v outputs unless the caller gave destinations.
+        let mut fresh = match kv_dst {
+            // SAFETY: as above.
+            None => Some(unsafe { (dev.alloc::<E>(kv_len)?, dev.alloc::<E>(kv_len)?) }),
+            Some(_) => None,
         };
         if tokens > 0 {
             bind!(qv, q, E);
@@ -529,6 +568,15 @@ pub fn qkv_prep(
             bind!(kwv, kw, E);
             bind!(cv, cos, E);
             bind!(sv, sin, E);
+            let dst_guard =
+                kv_dst.map(|(kd, vd)| (kd.storage_and_layout(), vd.storage_and_layout()));
+            let dst_views = match &dst_guard {
+                Some(((ks_, kl), (vs_, vl))) => Some((
+                    view::<E>(cuda_storage(ks_)?, kl)?,
+                    view::<E>(cuda_storage(vs_)?, vl)?,
+                )),
+                None => None,
+            };
             let mut b = func.builder();
             b.arg(&params);
             b.arg(&qv);
@@ -539,17 +587,28 @@ pub fn qkv_prep(
             b.arg(&cv);
             b.arg(&sv);
             b.arg(&mut qo);
-            b.arg(&mut ko);
-            b.arg(&mut vo);
-            // SAFETY: arguments match the kernel's signature; rows and strides checked above.
+            match (&mut fresh, &dst_views) {
+                (Some((ko, vo)), _) => {
+                    b.arg(ko);
+                    b.arg(vo);
+                }
+                (None, Some((kdv, vdv))) => {
+                    b.arg(kdv);
+                    b.arg(vdv);
+                }
+                (None, None) => candle_core::bail!("qkv_prep: no k/v output"),
+            }
+            // SAFETY: arguments match the kernel's signature; rows and strides checked above,
+            // destinations cover kv_heads heads of seq_len tokens at their stride.
             unsafe { b.launch(cfg) }.w()?;
         }
         let q = wrap(qo, &dev, &[batch, n_heads, seq_len, head_dim]);
-        let kv = if kv_heads > 0 {
-            let shape = [batch, kv_heads, seq_len, head_dim];
-            Some((wrap(ko, &dev, &shape), wrap(vo, &dev, &shape)))
-        } else {
-            None
+        let kv = match fresh {
+            Some((ko, vo)) if kv_heads > 0 => {
+                let shape = [batch, kv_heads, seq_len, head_dim];
+                Some((wrap(ko, &dev, &shape), wrap(vo, &dev, &shape)))
+            }
+            _ => None,
         };
         Ok((q, kv))
     })
