@@ -265,9 +265,12 @@ pub(crate) struct QkvInput<'a> {
 }
 
 /// Whether [`qkv_prep`] writes k and v straight into destinations (`QkvInput::kv_dst`) for
-/// these projections: the CUDA kernel, batch of one.
+/// these projections: the CUDA kernel, batch of one; `CANDLE_GEMMA_KV_IN_PLACE=0` turns it off
+/// (the cache then copies them in, for comparison).
 pub(crate) fn writes_kv_in_place(q: &Tensor, q_norm: &RmsNorm) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     cfg!(feature = "cuda")
+        && *ON.get_or_init(|| std::env::var("CANDLE_GEMMA_KV_IN_PLACE").map_or(true, |v| v != "0"))
         && crate::kernels::fused_enabled(q.device())
         && q_norm.weight().dtype() == q.dtype()
         && q.dim(0).is_ok_and(|b| b == 1)

@@ -101,6 +101,33 @@ impl BatchCache {
     }
 }
 
+impl BatchCache {
+    /// A batch of one sequence: that sequence's [`LayerCache::reserve_slots`]; `None` for
+    /// larger batches (each sequence's slots lie elsewhere).
+    pub(crate) fn reserve_slots(
+        &mut self,
+        n: usize,
+        device: &candle_core::Device,
+    ) -> Result<Option<(Tensor, Tensor)>, CacheError> {
+        match self.seqs.as_mut_slice() {
+            [only] => only.reserve_slots(n, device),
+            _ => Ok(None),
+        }
+    }
+
+    /// Commits the slots of [`BatchCache::reserve_slots`]: the batch view `update` would have
+    /// returned.
+    pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
+        match self.seqs.as_mut_slice() {
+            [only] => Ok(KvView::Batch(vec![only.commit_slots(n)?])),
+            _ => Err(CacheError::Config {
+                field: "slots",
+                reason: "a batch of several sequences writes through `update`".into(),
+            }),
+        }
+    }
+}
+
 impl KvCache for BatchCache {
     /// Splits `k`, `v` along the batch axis, updates each sequence, and returns one view per
     /// sequence.

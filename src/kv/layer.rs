@@ -138,8 +138,8 @@ impl LayerCache {
 impl LayerCache {
     /// Dense storage for the next `n` tokens' keys and values (`[1, kv_heads, n, head_dim]`
     /// views on `device`) for a kernel that writes them in place, skipping a copy; `None` where
-    /// this cache cannot take them so (quantized and batch caches, a rotating write that wraps
-    /// or overwrites a needed key): the caller then calls `update`. A `Some` must be followed
+    /// this cache cannot take them so (quantized caches, batches of several sequences, a
+    /// rotating write that wraps or overwrites a needed key): the caller then calls `update`. A `Some` must be followed
     /// by [`LayerCache::commit_slots`] once the keys and values are written.
     ///
     /// # Errors
@@ -152,7 +152,8 @@ impl LayerCache {
         match self {
             LayerCache::Simple(c) => c.reserve_slots(n, device),
             LayerCache::Rotating(c) => c.reserve_slots(n, device),
-            LayerCache::Quantized(_) | LayerCache::Batch(_) => Ok(None),
+            LayerCache::Batch(c) => c.reserve_slots(n, device),
+            LayerCache::Quantized(_) => Ok(None),
         }
     }
 
@@ -165,7 +166,8 @@ impl LayerCache {
         match self {
             LayerCache::Simple(c) => c.commit_slots(n),
             LayerCache::Rotating(c) => c.commit_slots(n),
-            LayerCache::Quantized(_) | LayerCache::Batch(_) => Err(CacheError::Config {
+            LayerCache::Batch(c) => c.commit_slots(n),
+            LayerCache::Quantized(_) => Err(CacheError::Config {
                 field: "slots",
                 reason: "this cache kind writes through `update`; no slots were reserved".into(),
             }),

@@ -860,7 +860,23 @@ impl candle_core::InplaceOp1 for FillView {
 /// through `update`: single tokens, a prefill, and rings past their wrap.
 #[test]
 fn reserved_slots_written_in_place_match_update() {
-    for (mut cache, window) in all_kinds(4) {
+    let mut kinds = all_kinds(4);
+    // A batch of one sequence writes into that sequence's slots; a batch of two does not.
+    let one = |c: LayerCache| LayerCache::Batch(BatchCache::new(vec![c]).unwrap());
+    kinds.push((
+        one(LayerCache::Simple(SimpleCache::new(
+            &spec(None),
+            DType::F32,
+        ))),
+        None,
+    ));
+    let w = Some(4);
+    let ring = || LayerCache::Rotating(RotatingCache::new(&spec(w), DType::F32).unwrap());
+    kinds.push((one(ring()), w));
+    let mut two = LayerCache::Batch(BatchCache::new(vec![ring(), ring()]).unwrap());
+    assert!(matches!(two.reserve_slots(1, &Device::Cpu), Ok(None)));
+    assert!(two.commit_slots(1).is_err());
+    for (mut cache, window) in kinds {
         let kind = cache.kind();
         let mut hist = History::new();
         let mut in_place = 0;
@@ -892,7 +908,7 @@ fn reserved_slots_written_in_place_match_update() {
             assert!(max_diff(&got, &want) < 1e-5, "{kind} step {i}");
         }
         match kind {
-            CacheKind::Simple | CacheKind::Rotating { .. } => {
+            CacheKind::Simple | CacheKind::Rotating { .. } | CacheKind::Batch { sequences: 1 } => {
                 assert!(in_place >= 10, "{kind}: {in_place} in-place writes")
             }
             _ => {
