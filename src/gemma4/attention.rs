@@ -34,11 +34,12 @@ struct KvNorms {
 /// V is the raw K projection (full layers of k_eq_v models).
 #[derive(Debug, Clone)]
 enum InProj {
-    /// Dense q, k and v stacked row-wise into one `[q; k; v]` weight: one product per step
-    /// (CUDA).
+    /// q, k and v stacked row-wise into one `[q; k; v]` weight (dense, or packed alike): one
+    /// product per step (CUDA).
     /// The widths of the three parts (0 for an absent one).
     Stacked { weight: Linear, widths: [usize; 3] },
-    /// One product per part (off CUDA, or a part is packed).
+    /// One product per part (off CUDA, or parts that cannot stack: dense beside packed, or
+    /// packed at different bit widths or group sizes).
     Split {
         q: Linear,
         k: Option<Linear>,

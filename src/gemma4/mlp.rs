@@ -6,13 +6,13 @@ use super::Linear;
 use crate::error::Result;
 use crate::weights::WeightStore;
 
-/// The gate and up projections: stacked into one `[gate; up]` product when both are dense and
-/// the model runs on CUDA.
+/// The gate and up projections: stacked into one `[gate; up]` product when both are dense (or
+/// packed alike) and the model runs on CUDA.
 #[derive(Debug, Clone)]
 enum GateUp {
     /// `[2 * width, hidden]`: gate rows, then up rows.
     Stacked { weight: Linear, width: usize },
-    /// One product each (off CUDA, or packed weights).
+    /// One product each (off CUDA, or weights that cannot stack).
     Split { gate: Linear, up: Linear },
 }
 

@@ -174,6 +174,37 @@ impl PackedWeight {
         }))
     }
 
+    /// The matrices one above the other (`[sum out_i, in]`), or `None` when they differ in
+    /// bits, group size, scale dtype or inputs (or there are none).
+    ///
+    /// # Errors
+    /// Candle errors.
+    pub fn cat_rows(parts: &[&Self]) -> Result<Option<Self>> {
+        let Some(first) = parts.first() else {
+            return Ok(None);
+        };
+        let alike = parts.iter().all(|p| {
+            p.bits == first.bits
+                && p.group_size == first.group_size
+                && p.in_dim == first.in_dim
+                && p.scales.dtype() == first.scales.dtype()
+        });
+        if !alike {
+            return Ok(None);
+        }
+        let cat = |pick: fn(&Self) -> &Tensor| -> Result<Tensor> {
+            let ts: Vec<&Tensor> = parts.iter().map(|p| pick(p)).collect();
+            Ok(Tensor::cat(&ts, 0)?)
+        };
+        Ok(Some(Self {
+            codes: cat(|p| &p.codes)?,
+            scales: cat(|p| &p.scales)?,
+            biases: cat(|p| &p.biases)?,
+            out_dim: parts.iter().map(|p| p.out_dim).sum(),
+            ..(*first).clone()
+        }))
+    }
+
     /// The same matrix on `device`.
     ///
     /// # Errors
@@ -401,4 +432,64 @@ fn cpu_qmatmul(x: &Tensor, w: &PackedWeight) -> Result<Tensor> {
         .t()?
         .contiguous()?;
     Ok(y.to_dtype(x.dtype())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::quantize;
+
+    fn packed(rows: usize, bits: QuantBits, seed: f64) -> PackedWeight {
+        let w = (Tensor::arange(0f32, (rows * 64) as f32, &Device::Cpu)
+            .unwrap()
+            .reshape((rows, 64))
+            .unwrap()
+            * seed)
+            .unwrap()
+            .sin()
+            .unwrap();
+        let p = quantize(&w, bits, 32).unwrap();
+        PackedWeight::new(p.codes, p.scales, p.biases, rows, 64).unwrap()
+    }
+
+    #[test]
+    fn rows_stacked_alike_compute_every_part_in_one_product() {
+        let (a, b, c) = (
+            packed(8, QuantBits::Four, 0.1),
+            packed(4, QuantBits::Four, 0.2),
+            packed(4, QuantBits::Four, 0.3),
+        );
+        let all = PackedWeight::cat_rows(&[&a, &b, &c])
+            .unwrap()
+            .expect("alike");
+        assert_eq!((all.out_dim, all.in_dim), (16, 64));
+        let x = Tensor::arange(0f32, 64.0, &Device::Cpu)
+            .unwrap()
+            .reshape((1, 64))
+            .unwrap();
+        let got = qmatmul(&x, &all).unwrap();
+        let want = Tensor::cat(
+            &[
+                qmatmul(&x, &a).unwrap(),
+                qmatmul(&x, &b).unwrap(),
+                qmatmul(&x, &c).unwrap(),
+            ],
+            1,
+        )
+        .unwrap();
+        let diff = (got - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert_eq!(diff, 0.0);
+        // Another bit width does not stack.
+        let d = packed(4, QuantBits::Eight, 0.4);
+        assert!(PackedWeight::cat_rows(&[&a, &d]).unwrap().is_none());
+    }
 }
