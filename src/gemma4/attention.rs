@@ -130,43 +130,46 @@ impl Attention {
                 cfg.rms_norm_eps,
             ))
         };
-        let q = lin("q_proj", nh * hd, h)?;
-        let (k, v, kv) = match plan.kv {
-            KvSource::Shared { .. } => (None, None, None),
-            KvSource::Own => (
-                Some(lin("k_proj", kvh * hd, h)?),
-                if plan.has_v_proj {
-                    Some(lin("v_proj", kvh * hd, h)?)
-                } else {
-                    None
-                },
-                Some(KvNorms {
-                    k_norm: norm("k_norm")?,
-                    v_norm: RmsNorm::no_scale(hd, cfg.rms_norm_eps, vb.dtype(), vb.device())?,
-                }),
-            ),
+        let kv = match plan.kv {
+            KvSource::Shared { .. } => None,
+            KvSource::Own => Some(KvNorms {
+                k_norm: norm("k_norm")?,
+                v_norm: RmsNorm::no_scale(hd, cfg.rms_norm_eps, vb.dtype(), vb.device())?,
+            }),
         };
-        let parts: Vec<&Linear> = [Some(&q), k.as_ref(), v.as_ref()]
-            .into_iter()
-            .flatten()
-            .collect();
+        let (k_width, v_width) = match plan.kv {
+            KvSource::Shared { .. } => (0, 0),
+            KvSource::Own => (kvh * hd, if plan.has_v_proj { kvh * hd } else { 0 }),
+        };
+        let parts: Vec<(String, usize)> = [
+            ("q_proj", nh * hd),
+            ("k_proj", k_width),
+            ("v_proj", v_width),
+        ]
+        .into_iter()
+        .filter(|&(_, width)| width > 0)
+        .map(|(name, width)| (format!("{p}.{name}"), width))
+        .collect();
         // Stacked on CUDA, where one product instead of three saves launches; elsewhere the
         // products stay separate, summing exactly as the references' separate products do.
         let stacked = if vb.device().is_cuda() {
-            Linear::stack(&parts)?
+            vb.matrix_rows(&parts, l, h)?
         } else {
             None
         };
+        let part = |name: &str, width: usize| -> Result<Option<Linear>> {
+            (width > 0).then(|| lin(name, width, h)).transpose()
+        };
         let proj = match stacked {
             Some(weight) => InProj::Stacked {
-                weight,
-                widths: [
-                    nh * hd,
-                    if k.is_some() { kvh * hd } else { 0 },
-                    if v.is_some() { kvh * hd } else { 0 },
-                ],
+                weight: Linear::from_loaded(weight),
+                widths: [nh * hd, k_width, v_width],
             },
-            None => InProj::Split { q, k, v },
+            None => InProj::Split {
+                q: lin("q_proj", nh * hd, h)?,
+                k: part("k_proj", k_width)?,
+                v: part("v_proj", v_width)?,
+            },
         };
         Ok(Self {
             proj,

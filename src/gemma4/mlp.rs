@@ -42,17 +42,22 @@ impl Mlp {
                 &shape,
             )?))
         };
-        let gate = lin("gate_proj", [width, hidden])?;
-        let up = lin("up_proj", [width, hidden])?;
         // Stacked on CUDA only, as in attention.
         let stacked = if vb.device().is_cuda() {
-            Linear::stack(&[&gate, &up])?
+            let parts = ["gate_proj", "up_proj"].map(|name| (format!("{prefix}.{name}"), width));
+            vb.matrix_rows(&parts, Some(layer), hidden)?
         } else {
             None
         };
         let gate_up = match stacked {
-            Some(weight) => GateUp::Stacked { weight, width },
-            None => GateUp::Split { gate, up },
+            Some(weight) => GateUp::Stacked {
+                weight: Linear::from_loaded(weight),
+                width,
+            },
+            None => GateUp::Split {
+                gate: lin("gate_proj", [width, hidden])?,
+                up: lin("up_proj", [width, hidden])?,
+            },
         };
         Ok(Self {
             gate_up,

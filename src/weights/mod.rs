@@ -350,6 +350,60 @@ impl WeightStore {
         ))
     }
 
+    /// Matrices `[out_i, in_dim]` of one layer (`(module, out_i)` each) stacked row-wise into
+    /// one `[sum out_i, in_dim]` matrix, so one product computes them all. They are joined on
+    /// the host and moved to the device once, so the device never holds the parts beside the
+    /// whole. `None` unless all are dense or all packed alike (bits, group size, scale dtype):
+    /// the caller then loads them one by one. A random store generates the stacked matrix
+    /// directly.
+    ///
+    /// # Errors
+    /// As [`WeightStore::matrix`].
+    pub fn matrix_rows(
+        &self,
+        parts: &[(String, usize)],
+        layer: Option<usize>,
+        in_dim: usize,
+    ) -> Result<Option<LoadedMatrix>> {
+        let Some((first, _)) = parts.first() else {
+            return Ok(None);
+        };
+        let rows: usize = parts.iter().map(|(_, out)| out).sum();
+        if self.random.is_some() {
+            return Ok(Some(self.matrix(first, layer, &[rows, in_dim])?));
+        }
+        let host = Device::Cpu;
+        let loaded = parts
+            .iter()
+            .map(|(module, out)| self.matrix_on(module, layer, &[*out, in_dim], &host))
+            .collect::<Result<Vec<_>>>()?;
+        let dense: Option<Vec<&Tensor>> = loaded
+            .iter()
+            .map(|m| match m {
+                LoadedMatrix::Dense(t) => Some(t),
+                LoadedMatrix::Packed(_) => None,
+            })
+            .collect();
+        if let Some(ts) = dense {
+            let joined = Tensor::cat(&ts, 0)?.to_device(&self.device)?;
+            return Ok(Some(LoadedMatrix::Dense(joined)));
+        }
+        let packed: Option<Vec<&PackedWeight>> = loaded
+            .iter()
+            .map(|m| match m {
+                LoadedMatrix::Packed(p) => Some(p),
+                LoadedMatrix::Dense(_) => None,
+            })
+            .collect();
+        Ok(match packed {
+            Some(ps) => PackedWeight::cat_rows(&ps)?
+                .map(|p| p.to_device(&self.device))
+                .transpose()?
+                .map(LoadedMatrix::Packed),
+            None => None,
+        })
+    }
+
     /// [`WeightStore::matrix`] onto `device`.
     fn matrix_on(
         &self,
@@ -542,5 +596,99 @@ mod tests {
         let want = Tensor::cat(&[gate, up], 1).unwrap();
         assert_eq!(got.dims(), &[2, 8, 64]);
         assert!(max_diff(&got, &want) < 1e-6);
+    }
+}
+
+#[cfg(test)]
+mod stacking_tests {
+    use super::*;
+    use crate::kernels::{dequantize, quantize};
+    use crate::kv::QuantBits;
+
+    #[test]
+    fn rows_stack_when_alike_and_decline_otherwise() {
+        let dev = Device::Cpu;
+        let dir = std::env::temp_dir().join(format!("candle-gemma-rows-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let prefix = KeyLayout::Mlx.prefix();
+        let mut tensors = HashMap::new();
+        tensors.insert(
+            format!("{prefix}embed_tokens.weight"),
+            Tensor::zeros((4, 64), DType::F32, &dev).unwrap(),
+        );
+        let mut dense_of = HashMap::new();
+        for (name, rows, bits) in [
+            ("a", 4, Some(QuantBits::Four)),
+            ("b", 2, Some(QuantBits::Four)),
+            ("c", 2, Some(QuantBits::Eight)),
+            ("d", 3, None),
+        ] {
+            let w = Tensor::randn(0f32, 1.0, (rows, 64), &dev).unwrap();
+            let base = format!("{prefix}m.{name}");
+            match bits {
+                Some(bits) => {
+                    let p = quantize(&w, bits, 32).unwrap();
+                    dense_of.insert(name, dequantize(&p).unwrap());
+                    tensors.insert(format!("{base}.weight"), p.codes);
+                    tensors.insert(format!("{base}.scales"), p.scales);
+                    tensors.insert(format!("{base}.biases"), p.biases);
+                }
+                None => {
+                    dense_of.insert(name, w.clone());
+                    tensors.insert(format!("{base}.weight"), w);
+                }
+            }
+        }
+        candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
+        let store = WeightStore::open(&dir, &dev, DType::F32).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let parts = |names: &[(&str, usize)]| -> Vec<(String, usize)> {
+            names.iter().map(|(n, r)| (format!("m.{n}"), *r)).collect()
+        };
+        let want = |names: &[&str]| {
+            let ts: Vec<&Tensor> = names.iter().map(|n| &dense_of[n]).collect();
+            Tensor::cat(&ts, 0).unwrap()
+        };
+        let same = |a: &Tensor, b: &Tensor| {
+            let d: f32 = (a - b)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .max(0)
+                .unwrap()
+                .to_scalar()
+                .unwrap();
+            d == 0.0
+        };
+        // Packed alike: one packed matrix, the parts one above the other.
+        match store
+            .matrix_rows(&parts(&[("a", 4), ("b", 2)]), Some(0), 64)
+            .unwrap()
+        {
+            Some(LoadedMatrix::Packed(p)) => {
+                assert_eq!(p.out_dim, 6);
+                assert!(same(&p.dequantize(DType::F32).unwrap(), &want(&["a", "b"])));
+            }
+            other => panic!("expected one packed matrix, got {other:?}"),
+        }
+        // Dense parts stack dense.
+        match store
+            .matrix_rows(&parts(&[("d", 3), ("d", 3)]), Some(0), 64)
+            .unwrap()
+        {
+            Some(LoadedMatrix::Dense(t)) => assert!(same(&t, &want(&["d", "d"]))),
+            other => panic!("expected one dense matrix, got {other:?}"),
+        }
+        // Different bit widths, or packed beside dense, do not stack.
+        assert!(store
+            .matrix_rows(&parts(&[("a", 4), ("c", 2)]), Some(0), 64)
+            .unwrap()
+            .is_none());
+        assert!(store
+            .matrix_rows(&parts(&[("a", 4), ("d", 3)]), Some(0), 64)
+            .unwrap()
+            .is_none());
     }
 }
