@@ -129,38 +129,6 @@ fn dense_decode_product(_x: &Tensor, _w: &Tensor) -> crate::Result<Option<Tensor
     Ok(None)
 }
 
-impl Linear {
-    /// Stacks `[out_i, in]` weights into one `[sum out_i, in]` weight, so one product computes
-    /// them all: all dense, or all packed alike (bits, group size, scale dtype); `None` for a
-    /// mix (those keep one product each).
-    ///
-    /// # Errors
-    /// Mismatched input widths.
-    pub fn stack(parts: &[&Linear]) -> crate::Result<Option<Linear>> {
-        let dense: Option<Vec<Tensor>> = parts
-            .iter()
-            .map(|p| match p {
-                Linear::Dense(l) => Some(l.weight().clone()),
-                Linear::Packed(_) => None,
-            })
-            .collect();
-        if let Some(ws) = dense {
-            return Ok(Some(Linear::new(Tensor::cat(&ws, 0)?)));
-        }
-        let packed: Option<Vec<&PackedWeight>> = parts
-            .iter()
-            .map(|p| match p {
-                Linear::Packed(w) => Some(w),
-                Linear::Dense(_) => None,
-            })
-            .collect();
-        Ok(match packed {
-            Some(ws) => PackedWeight::cat_rows(&ws)?.map(Linear::Packed),
-            None => None,
-        })
-    }
-}
-
 /// Bytes a tensor holds.
 pub(crate) fn tensor_bytes(t: &Tensor) -> usize {
     t.elem_count() * t.dtype().size_in_bytes()

@@ -142,64 +142,44 @@ impl PackedWeight {
         })
     }
 
-    /// Interleaves two stacks of `n` packed matrices by rows: matrix `i` of the result is `a`'s
-    /// matrix `i` over `b`'s (the MoE gate and up projections as one product). `None` when the
-    /// two differ in bits, group size, scale dtype or inputs, or do not split into `n`.
+    /// Joins packed matrices by rows, block by block: each part is `blocks` equal blocks of
+    /// rows, and block `i` of the result is every part's block `i`, one above the other. With
+    /// one block this stacks the parts (q over k over v); with `n` it joins two stacks of `n`
+    /// matrices matrix by matrix (each MoE expert's gate over its up). `None` when the parts
+    /// differ in bits, group size, scale dtype or inputs, do not split into `blocks`, or are
+    /// none.
     ///
     /// # Errors
     /// Candle errors.
-    pub fn stack_rows(a: &Self, b: &Self, n: usize) -> Result<Option<Self>> {
-        let compatible = a.bits == b.bits
-            && a.group_size == b.group_size
-            && a.in_dim == b.in_dim
-            && a.scales.dtype() == b.scales.dtype()
-            && n > 0
-            && a.out_dim % n == 0
-            && b.out_dim % n == 0;
-        if !compatible {
-            return Ok(None);
-        }
-        let cat = |x: &Tensor, y: &Tensor| -> Result<Tensor> {
-            let (xr, c) = x.dims2()?;
-            let yr = y.dim(0)?;
-            let joined = Tensor::cat(&[x.reshape((n, xr / n, c))?, y.reshape((n, yr / n, c))?], 1)?;
-            Ok(joined.reshape((xr + yr, c))?)
-        };
-        Ok(Some(Self {
-            codes: cat(&a.codes, &b.codes)?,
-            scales: cat(&a.scales, &b.scales)?,
-            biases: cat(&a.biases, &b.biases)?,
-            out_dim: a.out_dim + b.out_dim,
-            ..a.clone()
-        }))
-    }
-
-    /// The matrices one above the other (`[sum out_i, in]`), or `None` when they differ in
-    /// bits, group size, scale dtype or inputs (or there are none).
-    ///
-    /// # Errors
-    /// Candle errors.
-    pub fn cat_rows(parts: &[&Self]) -> Result<Option<Self>> {
+    pub fn stack_rows(parts: &[&Self], blocks: usize) -> Result<Option<Self>> {
         let Some(first) = parts.first() else {
             return Ok(None);
         };
-        let alike = parts.iter().all(|p| {
-            p.bits == first.bits
-                && p.group_size == first.group_size
-                && p.in_dim == first.in_dim
-                && p.scales.dtype() == first.scales.dtype()
-        });
+        let alike = blocks > 0
+            && parts.iter().all(|p| {
+                p.bits == first.bits
+                    && p.group_size == first.group_size
+                    && p.in_dim == first.in_dim
+                    && p.scales.dtype() == first.scales.dtype()
+                    && p.out_dim % blocks == 0
+            });
         if !alike {
             return Ok(None);
         }
-        let cat = |pick: fn(&Self) -> &Tensor| -> Result<Tensor> {
-            let ts: Vec<&Tensor> = parts.iter().map(|p| pick(p)).collect();
-            Ok(Tensor::cat(&ts, 0)?)
+        let join = |pick: fn(&Self) -> &Tensor| -> Result<Tensor> {
+            let (mut rows, mut width) = (0, 0);
+            let mut ts = Vec::with_capacity(parts.len());
+            for p in parts {
+                let (r, c) = pick(p).dims2()?;
+                (rows, width) = (rows + r, c);
+                ts.push(pick(p).reshape((blocks, r / blocks, c))?);
+            }
+            Ok(Tensor::cat(&ts, 1)?.reshape((rows, width))?)
         };
         Ok(Some(Self {
-            codes: cat(|p| &p.codes)?,
-            scales: cat(|p| &p.scales)?,
-            biases: cat(|p| &p.biases)?,
+            codes: join(|p| &p.codes)?,
+            scales: join(|p| &p.scales)?,
+            biases: join(|p| &p.biases)?,
             out_dim: parts.iter().map(|p| p.out_dim).sum(),
             ..(*first).clone()
         }))
@@ -459,7 +439,7 @@ mod tests {
             packed(4, QuantBits::Four, 0.2),
             packed(4, QuantBits::Four, 0.3),
         );
-        let all = PackedWeight::cat_rows(&[&a, &b, &c])
+        let all = PackedWeight::stack_rows(&[&a, &b, &c], 1)
             .unwrap()
             .expect("alike");
         assert_eq!((all.out_dim, all.in_dim), (16, 64));
@@ -490,6 +470,6 @@ mod tests {
         assert_eq!(diff, 0.0);
         // Another bit width does not stack.
         let d = packed(4, QuantBits::Eight, 0.4);
-        assert!(PackedWeight::cat_rows(&[&a, &d]).unwrap().is_none());
+        assert!(PackedWeight::stack_rows(&[&a, &d], 1).unwrap().is_none());
     }
 }

@@ -3,8 +3,8 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::buffer::{Geometry, RingBuf};
-use super::simple::pair;
-use super::{CacheError, KvCache, KvData, KvView, LayerCacheSpec};
+use super::simple::{dense_view, pair};
+use super::{CacheError, KvCache, KvView, LayerCacheSpec};
 
 /// K/V of the last `window` tokens (plus optional slack slots) in a ring buffer.
 ///
@@ -175,11 +175,7 @@ impl RotatingCache {
     /// Counts `n` tokens written into reserved slots; returns what `update` would have.
     pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
         let (parts, positions) = self.ring.commit(n)?;
-        let (k, v) = pair(parts).ok_or_else(super::buffer::unallocated)?;
-        Ok(KvView::Single {
-            data: KvData::Dense { k, v },
-            positions,
-        })
+        dense_view(parts, positions)
     }
 }
 
@@ -189,11 +185,7 @@ impl KvCache for RotatingCache {
     fn update(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView, CacheError> {
         self.geometry.check(k, v)?;
         let (parts, positions) = self.ring.update(&[k.clone(), v.clone()])?;
-        let (k, v) = pair(parts).ok_or_else(super::buffer::unallocated)?;
-        Ok(KvView::Single {
-            data: KvData::Dense { k, v },
-            positions,
-        })
+        dense_view(parts, positions)
     }
 
     fn offsets(&self) -> Vec<usize> {

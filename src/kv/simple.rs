@@ -96,12 +96,7 @@ impl SimpleCache {
     /// Counts `n` tokens written into reserved storage; returns what `update` would have.
     pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
         let parts = self.buf.commit(n)?;
-        let positions = (0..self.buf.len()).collect();
-        let (k, v) = pair(parts).ok_or_else(super::buffer::unallocated)?;
-        Ok(KvView::Single {
-            data: KvData::Dense { k, v },
-            positions,
-        })
+        dense_view(parts, (0..self.buf.len()).collect())
     }
 }
 
@@ -110,18 +105,22 @@ pub(crate) fn pair(parts: Vec<Tensor>) -> Option<(Tensor, Tensor)> {
     Some((it.next()?, it.next()?))
 }
 
+/// The view of a dense cache's stored `[k, v]` parts at `positions`.
+pub(crate) fn dense_view(parts: Vec<Tensor>, positions: Vec<usize>) -> Result<KvView, CacheError> {
+    let (k, v) = pair(parts).ok_or_else(super::buffer::unallocated)?;
+    Ok(KvView::Single {
+        data: KvData::Dense { k, v },
+        positions,
+    })
+}
+
 impl KvCache for SimpleCache {
     /// Appends and returns every token held (`[1, kv_heads, offset, head_dim]`), positions
     /// `0..offset`.
     fn update(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView, CacheError> {
         self.geometry.check(k, v)?;
         let parts = self.buf.append(&[k.clone(), v.clone()])?;
-        let positions = (0..self.buf.len()).collect();
-        let (k, v) = pair(parts).ok_or_else(super::buffer::unallocated)?;
-        Ok(KvView::Single {
-            data: KvData::Dense { k, v },
-            positions,
-        })
+        dense_view(parts, (0..self.buf.len()).collect())
     }
 
     fn offsets(&self) -> Vec<usize> {

@@ -338,7 +338,7 @@ impl WeightStore {
         let a = self.matrix_on(first, layer, &shape, &host)?;
         let b = self.matrix_on(second, layer, &shape, &host)?;
         if let (LoadedMatrix::Packed(pa), LoadedMatrix::Packed(pb)) = (&a, &b) {
-            if let Some(p) = PackedWeight::stack_rows(pa, pb, n)? {
+            if let Some(p) = PackedWeight::stack_rows(&[pa, pb], n)? {
                 return Ok(LoadedMatrix::Packed(p.to_device(&self.device)?));
             }
         }
@@ -396,7 +396,7 @@ impl WeightStore {
             })
             .collect();
         Ok(match packed {
-            Some(ps) => PackedWeight::cat_rows(&ps)?
+            Some(ps) => PackedWeight::stack_rows(&ps, 1)?
                 .map(|p| p.to_device(&self.device))
                 .transpose()?
                 .map(LoadedMatrix::Packed),
@@ -518,16 +518,15 @@ mod tests {
     use crate::kernels::{dequantize, quantize};
     use crate::kv::QuantBits;
 
-    /// Writes an MLX-layout file holding two random expert stacks `[2, 4, 64]` (`m.gate_proj`
-    /// at `bits_gate`, `m.up_proj` at `bits_up`, group 32) and opens it; returns the store and
-    /// the dequantized stacks.
-    fn pair_store(
-        name: &str,
-        bits_gate: QuantBits,
-        bits_up: QuantBits,
-    ) -> (WeightStore, [Tensor; 2]) {
+    /// Writes an MLX-layout file holding random matrices `m.{name}` of the given shapes,
+    /// quantized at group 32 where bits are given, dense f32 otherwise, and opens it; returns
+    /// the store and each matrix's dense values (dequantized).
+    fn mlx_store(
+        tag: &str,
+        parts: &[(&str, &[usize], Option<QuantBits>)],
+    ) -> (WeightStore, HashMap<String, Tensor>) {
         let dev = Device::Cpu;
-        let dir = std::env::temp_dir().join(format!("candle-gemma-{name}-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("candle-gemma-{tag}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let prefix = KeyLayout::Mlx.prefix();
         let mut tensors = HashMap::new();
@@ -535,21 +534,28 @@ mod tests {
             format!("{prefix}embed_tokens.weight"),
             Tensor::zeros((4, 64), DType::F32, &dev).unwrap(),
         );
-        let mut dense = Vec::new();
-        for (module, bits) in [("gate_proj", bits_gate), ("up_proj", bits_up)] {
-            let w = Tensor::randn(0f32, 1.0, (2, 4, 64), &dev).unwrap();
-            let p = quantize(&w, bits, 32).unwrap();
-            dense.push(dequantize(&p).unwrap());
-            let base = format!("{prefix}m.{module}");
-            tensors.insert(format!("{base}.weight"), p.codes);
-            tensors.insert(format!("{base}.scales"), p.scales);
-            tensors.insert(format!("{base}.biases"), p.biases);
+        let mut dense = HashMap::new();
+        for &(name, shape, bits) in parts {
+            let w = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+            let base = format!("{prefix}m.{name}");
+            match bits {
+                Some(bits) => {
+                    let p = quantize(&w, bits, 32).unwrap();
+                    dense.insert(name.to_string(), dequantize(&p).unwrap());
+                    tensors.insert(format!("{base}.weight"), p.codes);
+                    tensors.insert(format!("{base}.scales"), p.scales);
+                    tensors.insert(format!("{base}.biases"), p.biases);
+                }
+                None => {
+                    dense.insert(name.to_string(), w.clone());
+                    tensors.insert(format!("{base}.weight"), w);
+                }
+            }
         }
         candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
         let store = WeightStore::open(&dir, &dev, DType::F32).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
-        let [gate, up]: [Tensor; 2] = dense.try_into().unwrap();
-        (store, [gate, up])
+        (store, dense)
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -565,12 +571,26 @@ mod tests {
             .unwrap()
     }
 
-    #[test]
-    fn expert_pairs_alike_stay_packed_and_join_matrix_by_matrix() {
-        let (store, [gate, up]) = pair_store("pair-alike", QuantBits::Four, QuantBits::Four);
+    /// `m.gate_proj` over `m.up_proj`, expert stacks `[2, 4, 64]`, and their dense join.
+    fn expert_pair(tag: &str, gate: QuantBits, up: QuantBits) -> (LoadedMatrix, Tensor) {
+        let shape: &[usize] = &[2, 4, 64];
+        let (store, dense) = mlx_store(
+            tag,
+            &[
+                ("gate_proj", shape, Some(gate)),
+                ("up_proj", shape, Some(up)),
+            ],
+        );
         let pair = store
             .matrix_pair("m.gate_proj", "m.up_proj", Some(0), [2, 4, 64])
             .unwrap();
+        let want = Tensor::cat(&[&dense["gate_proj"], &dense["up_proj"]], 1).unwrap();
+        (pair, want)
+    }
+
+    #[test]
+    fn expert_pairs_alike_stay_packed_and_join_matrix_by_matrix() {
+        let (pair, want) = expert_pair("pair-alike", QuantBits::Four, QuantBits::Four);
         let LoadedMatrix::Packed(p) = pair else {
             panic!("two 4-bit stacks should stay packed");
         };
@@ -580,115 +600,57 @@ mod tests {
             .unwrap()
             .reshape((2, 8, 64))
             .unwrap();
-        let want = Tensor::cat(&[gate, up], 1).unwrap();
         assert_eq!(max_diff(&got, &want), 0.0);
     }
 
     #[test]
     fn expert_pairs_of_different_bits_are_joined_dense() {
-        let (store, [gate, up]) = pair_store("pair-mixed", QuantBits::Four, QuantBits::Eight);
-        let pair = store
-            .matrix_pair("m.gate_proj", "m.up_proj", Some(0), [2, 4, 64])
-            .unwrap();
+        let (pair, want) = expert_pair("pair-mixed", QuantBits::Four, QuantBits::Eight);
         let LoadedMatrix::Dense(got) = pair else {
             panic!("4-bit over 8-bit cannot be one packed matrix");
         };
-        let want = Tensor::cat(&[gate, up], 1).unwrap();
         assert_eq!(got.dims(), &[2, 8, 64]);
         assert!(max_diff(&got, &want) < 1e-6);
     }
-}
-
-#[cfg(test)]
-mod stacking_tests {
-    use super::*;
-    use crate::kernels::{dequantize, quantize};
-    use crate::kv::QuantBits;
 
     #[test]
     fn rows_stack_when_alike_and_decline_otherwise() {
-        let dev = Device::Cpu;
-        let dir = std::env::temp_dir().join(format!("candle-gemma-rows-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let prefix = KeyLayout::Mlx.prefix();
-        let mut tensors = HashMap::new();
-        tensors.insert(
-            format!("{prefix}embed_tokens.weight"),
-            Tensor::zeros((4, 64), DType::F32, &dev).unwrap(),
+        let (store, dense) = mlx_store(
+            "rows",
+            &[
+                ("a", &[4, 64], Some(QuantBits::Four)),
+                ("b", &[2, 64], Some(QuantBits::Four)),
+                ("c", &[2, 64], Some(QuantBits::Eight)),
+                ("d", &[3, 64], None),
+            ],
         );
-        let mut dense_of = HashMap::new();
-        for (name, rows, bits) in [
-            ("a", 4, Some(QuantBits::Four)),
-            ("b", 2, Some(QuantBits::Four)),
-            ("c", 2, Some(QuantBits::Eight)),
-            ("d", 3, None),
-        ] {
-            let w = Tensor::randn(0f32, 1.0, (rows, 64), &dev).unwrap();
-            let base = format!("{prefix}m.{name}");
-            match bits {
-                Some(bits) => {
-                    let p = quantize(&w, bits, 32).unwrap();
-                    dense_of.insert(name, dequantize(&p).unwrap());
-                    tensors.insert(format!("{base}.weight"), p.codes);
-                    tensors.insert(format!("{base}.scales"), p.scales);
-                    tensors.insert(format!("{base}.biases"), p.biases);
-                }
-                None => {
-                    dense_of.insert(name, w.clone());
-                    tensors.insert(format!("{base}.weight"), w);
-                }
-            }
-        }
-        candle_core::safetensors::save(&tensors, dir.join("model.safetensors")).unwrap();
-        let store = WeightStore::open(&dir, &dev, DType::F32).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-        let parts = |names: &[(&str, usize)]| -> Vec<(String, usize)> {
-            names.iter().map(|(n, r)| (format!("m.{n}"), *r)).collect()
+        let rows = |names: &[&str]| {
+            let parts: Vec<(String, usize)> = names
+                .iter()
+                .map(|n| (format!("m.{n}"), dense[*n].dim(0).unwrap()))
+                .collect();
+            store.matrix_rows(&parts, Some(0), 64).unwrap()
         };
         let want = |names: &[&str]| {
-            let ts: Vec<&Tensor> = names.iter().map(|n| &dense_of[n]).collect();
+            let ts: Vec<&Tensor> = names.iter().map(|n| &dense[*n]).collect();
             Tensor::cat(&ts, 0).unwrap()
         };
-        let same = |a: &Tensor, b: &Tensor| {
-            let d: f32 = (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .max(0)
-                .unwrap()
-                .to_scalar()
-                .unwrap();
-            d == 0.0
-        };
         // Packed alike: one packed matrix, the parts one above the other.
-        match store
-            .matrix_rows(&parts(&[("a", 4), ("b", 2)]), Some(0), 64)
-            .unwrap()
-        {
+        match rows(&["a", "b"]) {
             Some(LoadedMatrix::Packed(p)) => {
                 assert_eq!(p.out_dim, 6);
-                assert!(same(&p.dequantize(DType::F32).unwrap(), &want(&["a", "b"])));
+                let got = p.dequantize(DType::F32).unwrap();
+                assert_eq!(max_diff(&got, &want(&["a", "b"])), 0.0);
             }
             other => panic!("expected one packed matrix, got {other:?}"),
         }
         // Dense parts stack dense.
-        match store
-            .matrix_rows(&parts(&[("d", 3), ("d", 3)]), Some(0), 64)
-            .unwrap()
-        {
-            Some(LoadedMatrix::Dense(t)) => assert!(same(&t, &want(&["d", "d"]))),
+        match rows(&["d", "d"]) {
+            Some(LoadedMatrix::Dense(t)) => assert_eq!(max_diff(&t, &want(&["d", "d"])), 0.0),
             other => panic!("expected one dense matrix, got {other:?}"),
         }
         // Different bit widths, or packed beside dense, do not stack.
-        assert!(store
-            .matrix_rows(&parts(&[("a", 4), ("c", 2)]), Some(0), 64)
-            .unwrap()
-            .is_none());
-        assert!(store
-            .matrix_rows(&parts(&[("a", 4), ("d", 3)]), Some(0), 64)
-            .unwrap()
-            .is_none());
+        assert!(rows(&["a", "c"]).is_none());
+        assert!(rows(&["a", "d"]).is_none());
     }
 }

@@ -714,9 +714,6 @@ pub fn grouped_qmatvec_gated(
     a: &Tensor,
     b: &Tensor,
 ) -> Result<Option<Tensor>> {
-    if a.dims() != b.dims() {
-        candle_core::bail!("grouped_qmatvec_gated: {:?} vs {:?}", a.dims(), b.dims());
-    }
     grouped_mv(
         ExpertStack::Packed(weights, experts),
         idx,
@@ -784,9 +781,6 @@ pub fn grouped_matvec_gated(
     a: &Tensor,
     b: &Tensor,
 ) -> Result<Option<Tensor>> {
-    if a.dims() != b.dims() {
-        candle_core::bail!("grouped_matvec_gated: {:?} vs {:?}", a.dims(), b.dims());
-    }
     grouped_mv(ExpertStack::Dense(weights), idx, a, Some(b), false)
 }
 
@@ -798,6 +792,11 @@ fn grouped_mv(
     x_per_token: bool,
 ) -> Result<Option<Tensor>> {
     let dtype = x.dtype();
+    if let Some(g) = gate {
+        if g.dims() != x.dims() {
+            candle_core::bail!("grouped_matvec gated: {:?} vs {:?}", x.dims(), g.dims());
+        }
+    }
     let mut ts = vec![x];
     ts.extend(gate);
     if let ExpertStack::Dense(w) = weights {
