@@ -317,6 +317,12 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
     };
     // Values of order 1-4 after the norms: allow a few ulps of the activation type.
     let lim = 4.0 * tol(dtype);
+    // Residual sums reach ~20 on thousands of random elements, where one bf16 step is 0.125:
+    // the same few ulps, relative to the largest expected value.
+    let sum_lim = |want: &Tensor| -> Result<f32> {
+        let top = want.to_dtype(DType::F32)?.abs()?.flatten_all()?.max(0)?;
+        Ok(lim * (top.to_scalar::<f32>()? / 4.0).max(1.0))
+    };
 
     // Residual add + norm, with the layer scalar and the next norm.
     let h = 2816;
@@ -338,7 +344,7 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
         Some(&g(&s)?),
         Some(&g(&w2)?),
     )?;
-    report("add_norm", max_abs(&got, &want)?, lim);
+    report("add_norm", max_abs(&got, &want)?, sum_lim(&want)?);
     // A 31B-wide row (several elements a thread).
     let hw = 5376;
     let (rw, yw, ww, w2w) = (
@@ -349,7 +355,11 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
     );
     let want_w = (&rw + rms_norm(&yw, &ww, eps as f32)?)?;
     let (got_w, next_w) = add_norm(&g(&rw)?, &g(&yw)?, &g(&ww)?, eps, None, Some(&g(&w2w)?))?;
-    report("add_norm wide", max_abs(&got_w, &want_w)?, lim);
+    report(
+        "add_norm wide",
+        max_abs(&got_w, &want_w)?,
+        sum_lim(&want_w)?,
+    );
     report(
         "add_norm wide next",
         max_abs(
@@ -385,7 +395,11 @@ fn check_fused(dtype: DType, gpu: &Device, stats: &mut BTreeMap<String, f32>) ->
         ..Default::default()
     };
     let (got, n1, n2) = add_norm_ext(&g(&res)?, &g(&y)?, &g(&w)?, eps, &extra)?;
-    report("add_norm two next: sum", max_abs(&got, &sum)?, lim);
+    report(
+        "add_norm two next: sum",
+        max_abs(&got, &sum)?,
+        sum_lim(&sum)?,
+    );
     report(
         "add_norm two next: first",
         max_abs(&n1.expect("requested"), &rms_norm(&sum, &w2, eps as f32)?)?,
