@@ -1,13 +1,16 @@
 //! Build script: compiles the CUDA kernels (`src/kernels/cuda/qkernels.cu`, the quantized ones, and
-//! `src/kernels/cuda/fused.cu`, the fused decoder-layer ones) to PTX with `nvcc` when the `cuda`
-//! feature is on. Without it, nothing is built and no CUDA toolkit is
-//! needed. The PTX is embedded by `src/kernels/cuda/launch.rs` and loaded at run time by candle's
-//! CUDA device.
+//! `src/kernels/cuda/fused.cu`, the fused decoder-layer ones) to fatbins with `nvcc` when the
+//! `cuda` feature is on: machine code for `CUDA_COMPUTE_CAP` plus PTX for newer GPUs. Without
+//! the feature, nothing is built and no CUDA toolkit is needed. The fatbins are embedded by
+//! `src/kernels/cuda/launch.rs` and `fused.rs` and loaded by `kernel_cache.rs`.
+//!
+//! Machine code rather than PTX alone: the driver would otherwise compile ~28 MB of PTX at the
+//! first launch of each module on every new machine, about a minute before the first token.
 //!
 //! Environment: `NVCC` (the compiler; else `$CUDA_ROOT/bin/nvcc`, else `nvcc` on `PATH`) and
 //! `CUDA_COMPUTE_CAP` (e.g. `90` for H100/H200; default 90).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
@@ -35,22 +38,44 @@ fn main() {
                 .find(|p| p.exists())
                 .unwrap_or_else(|| PathBuf::from("nvcc"))
         });
-    for name in ["qkernels", "fused"] {
-        let src = format!("src/kernels/cuda/{name}.cu");
-        let status = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "-std=c++17"])
-            .arg(format!("-arch=compute_{cap}"))
-            .arg("-o")
-            .arg(out_dir.join(format!("{name}.ptx")))
-            .arg(&src)
-            .status();
-        match status {
-            Ok(s) if s.success() => {}
-            Ok(s) => panic!("nvcc failed ({s}) compiling {src}"),
-            Err(e) => panic!(
-                "cannot run {} ({e}): the `cuda` feature needs nvcc (set NVCC or CUDA_ROOT)",
-                nvcc.display()
-            ),
+    println!("cargo:rustc-env=CANDLE_GEMMA_CUDA_CAP={cap}");
+    // Both modules at once: compiling them to machine code is most of the build's time.
+    let jobs: Vec<_> = ["qkernels", "fused"]
+        .into_iter()
+        .map(|name| {
+            let (nvcc, out_dir, cap) = (nvcc.clone(), out_dir.clone(), cap.clone());
+            std::thread::spawn(move || compile(&nvcc, &out_dir, &cap, name))
+        })
+        .collect();
+    for job in jobs {
+        if let Err(msg) = job
+            .join()
+            .unwrap_or_else(|_| Err("nvcc thread panicked".into()))
+        {
+            panic!("{msg}");
         }
+    }
+}
+
+/// Compiles `src/kernels/cuda/{name}.cu` into `{out_dir}/{name}.fatbin`: machine code for
+/// compute capability `cap` (no JIT compilation when the module loads on such a GPU) and its
+/// PTX (which the driver compiles for newer GPUs).
+fn compile(nvcc: &Path, out_dir: &Path, cap: &str, name: &str) -> Result<(), String> {
+    let src = format!("src/kernels/cuda/{name}.cu");
+    let status = Command::new(nvcc)
+        .args(["--fatbin", "-O3", "-std=c++17"])
+        .arg(format!("-gencode=arch=compute_{cap},code=sm_{cap}"))
+        .arg(format!("-gencode=arch=compute_{cap},code=compute_{cap}"))
+        .arg("-o")
+        .arg(out_dir.join(format!("{name}.fatbin")))
+        .arg(&src)
+        .status();
+    match status {
+        Ok(s) if s.success() => Ok(()),
+        Ok(s) => Err(format!("nvcc failed ({s}) compiling {src}")),
+        Err(e) => Err(format!(
+            "cannot run {} ({e}): the `cuda` feature needs nvcc (set NVCC or CUDA_ROOT)",
+            nvcc.display()
+        )),
     }
 }

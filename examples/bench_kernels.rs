@@ -5,6 +5,8 @@
 //! device-to-device copy measured in the same process. Times are medians of several repeats,
 //! each `iters` launches between two device synchronizations.
 //!
+//! `--experts`: the routed-expert grouped matvec (26B-A4B shapes), packed against bf16.
+//!
 //!     cargo run --release --features cuda --example bench_kernels [-- --quick]
 
 use anyhow::Result;
@@ -117,6 +119,9 @@ fn main() -> Result<()> {
     }
     if std::env::args().any(|a| a == "--launch-floor") {
         return bench_launch_floor(&dev);
+    }
+    if std::env::args().any(|a| a == "--experts") {
+        return bench_grouped_experts(&dev, copy_gbs);
     }
 
     // Quantized attention vs dense bf16.
@@ -329,6 +334,66 @@ fn bench_dense_matvec(dev: &Device, copy_gbs: f64) -> Result<()> {
             println!(
                 "{{\"bench\":\"gated_matvec\",\"shape\":\"{name}\",\"rows\":{rows},\"gated_seconds\":{t_gated:.6e},\"gate_then_matvec_seconds\":{t_split:.6e},\"gate_then_cublas_seconds\":{t_split_cublas:.6e},\"gated_fraction_of_copy\":{:.3}}}",
                 bytes / t_gated / 1e9 / copy_gbs,
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The routed-expert products of 26B-A4B decode (128 experts, 8 picked a token, hidden 2816,
+/// expert width 704): the grouped matvec over packed 4/8-bit experts against the same kernel
+/// over bf16 experts, with GB/s counted over the picked experts' bytes (packed codes, scales and
+/// biases) against the copy bandwidth. Each call picks 8 experts not picked in the previous 15
+/// calls, so the 128 experts' weights cycle through L2 (50 MB) instead of staying in it.
+fn bench_grouped_experts(dev: &Device, copy_gbs: f64) -> Result<()> {
+    use candle_gemma::kernels::cuda::fused::{grouped_matvec, grouped_qmatvec};
+    let (experts, top_k, hidden, width) = (128usize, 8usize, 2816usize, 704usize);
+    let picks: Vec<Tensor> = (0..experts / top_k)
+        .map(|set| {
+            let ids: Vec<u32> = (0..top_k)
+                .map(|j| (j * (experts / top_k) + set) as u32)
+                .collect();
+            Ok(Tensor::from_vec(ids, (1, top_k), dev)?)
+        })
+        .collect::<Result<_>>()?;
+    // (name, rows an expert, input width, inputs: one row a token or one a pick)
+    let shapes = [
+        ("26b_experts_gate_up", 2 * width, hidden, true),
+        ("26b_experts_down", hidden, width, false),
+    ];
+    for (name, out, inp, per_token) in shapes {
+        let x_rows = if per_token { 1 } else { top_k };
+        let x = Tensor::randn(0f32, 1.0, (x_rows, inp), dev)?.to_dtype(DType::BF16)?;
+        let dense = Tensor::randn(0f32, 0.02, (experts, out, inp), dev)?.to_dtype(DType::BF16)?;
+        let mut i = 0;
+        let t_bf16 = time(dev, 40, || {
+            i += 1;
+            grouped_matvec(&dense, &picks[i % picks.len()], &x, per_token)?;
+            Ok(())
+        })?;
+        drop(dense);
+        for (bits, group) in [(4usize, 32usize), (4, 64), (8, 32), (8, 64)] {
+            let p = packed(1, experts * out, inp, bits, group, dev)?;
+            let w = PackedWeight::new(
+                p.codes.squeeze(0)?.squeeze(0)?,
+                p.scales.squeeze(0)?.squeeze(0)?,
+                p.biases.squeeze(0)?.squeeze(0)?,
+                experts * out,
+                inp,
+            )?;
+            let bytes = w.packed_bytes() / experts * top_k;
+            let mut i = 0;
+            let t = time(dev, 40, || {
+                i += 1;
+                grouped_qmatvec(&w, experts, &picks[i % picks.len()], &x, per_token)?;
+                Ok(())
+            })?;
+            let gbs = bytes as f64 / t / 1e9;
+            println!(
+                "{{\"bench\":\"grouped_experts\",\"shape\":\"{name}\",\"experts\":{experts},\"picked\":{top_k},\"out\":{out},\"in\":{inp},\"bits\":{bits},\"group\":{group},\"seconds\":{t:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"picked_packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3}}}",
+                t_bf16 / t,
+                (top_k * out * inp * 2) as f64 / t_bf16 / 1e9,
+                gbs / copy_gbs
             );
         }
     }

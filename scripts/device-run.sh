@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 for f in .device/*.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; done
-chmod +x .device/kernel_check .device/bench_kernels .device/bench .device/generate .device/peer_ct 2>/dev/null
+chmod +x .device/kernel_check .device/bench_kernels .device/bench .device/generate .device/peer_ct .device/bench-old 2>/dev/null
 source .device/device-env.sh
 C=fixtures/real-configs
 B=.device/bench
@@ -267,6 +267,45 @@ PY
             --context 128 --steps 16 2>>"$OUT/bench.err" | tee -a "$OUT/attnab.jsonl" | cut -c1-160
         done
       done
+      ;;
+    coldstart)
+      # Wall time of a short E2B bench process with the driver's compile cache off, so every
+      # PTX module is compiled at load: .device/bench-old (a build that embeds PTX only, when
+      # carried) against .device/bench (fatbins with machine code), then .device/bench with the
+      # cache on (candle's own PTX modules compiled once before).
+      run_wall() {
+        local s e; s=$(date +%s.%N)
+        env "$@" --config $C/e2b-config.json --prefill 0 --batch 1 --context 128 --steps 4 --rounds 1 > /dev/null 2>>"$OUT/bench.err"
+        e=$(date +%s.%N); python3 -c "print(round($e - $s, 2))"
+      }
+      for b in bench-old bench; do
+        [ -x .device/$b ] || continue
+        for i in 1 2; do
+          echo "{\"binary\":\"$b\",\"compile_cache\":\"off\",\"run\":$i,\"wall_s\":$(run_wall CUDA_CACHE_DISABLE=1 .device/$b)}" | tee -a "$OUT/coldstart.jsonl"
+        done
+      done
+      for i in 1 2; do
+        echo "{\"binary\":\"bench\",\"compile_cache\":\"on\",\"run\":$i,\"wall_s\":$(run_wall CUDA_CACHE_DISABLE=0 .device/bench)}" | tee -a "$OUT/coldstart.jsonl"
+      done
+      ;;
+    experts)
+      .device/bench_kernels --experts 2>&1 | tee "$OUT/grouped-experts.jsonl" | cut -c1-220
+      ;;
+    hostsample)
+      # Where the host's time goes during batch-1 decode: cuda-gdb attaches to a running bench
+      # and prints the main thread's stack, SAMPLES times (there is no perf on these machines).
+      m=${SAMPLE_MODEL:-e2b}
+      $B --config $C/$m-config.json --prefill 0 --batch 1 --context 128 --steps ${SAMPLE_STEPS:-6000} \
+        --rounds 1 > "$OUT/hostsample-bench.jsonl" 2>>"$OUT/bench.err" &
+      pid=$!
+      sleep ${SAMPLE_WARMUP:-20}
+      for i in $(seq ${SAMPLES:-40}); do
+        kill -0 $pid 2>/dev/null || break
+        echo "=== sample $i"
+        timeout 20 cuda-gdb -q -batch -p $pid -ex "set pagination off" -ex "bt 60" 2>&1 | grep -E "^#" | sed -E 's/ \(.*//; s/0x[0-9a-f]+ in //'
+      done > "$OUT/hostsample-$m.txt"
+      kill $pid 2>/dev/null; wait $pid 2>/dev/null
+      grep -c "=== sample" "$OUT/hostsample-$m.txt"
       ;;
     kernels)
       .device/bench_kernels > "$OUT/bench-kernels.txt" 2>&1; tail -40 "$OUT/bench-kernels.txt"

@@ -172,13 +172,13 @@ pub(crate) fn attend_batch(
         &dev,
         &first.kernel_name(dtype, true)?,
         super::launch::MODULE,
-        super::launch::PTX,
+        super::launch::IMAGE,
     )?;
     let comb = load_kernel(
         &dev,
         &format!("qsdpa_combine_batch_{tn}"),
         super::launch::MODULE,
-        super::launch::PTX,
+        super::launch::IMAGE,
     )?;
     let main_cfg = LaunchConfig {
         grid_dim: (

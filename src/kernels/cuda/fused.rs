@@ -11,9 +11,10 @@ use super::kernel_cache::load_kernel;
 use super::launch::{contiguous_aligned16, cuda_dev, cuda_storage, kname, sm_count, view, wrap};
 use crate::kernels::qmatmul::PackedWeight;
 
-/// The kernels' PTX, built by `build.rs` from `fused.cu`.
-const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/fused.ptx"));
-/// Module name under which candle caches the loaded PTX.
+/// The kernels' image (machine code for the build's compute capability, plus PTX), built by
+/// `build.rs` from `fused.cu`.
+const IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/fused.fatbin"));
+/// Name under which the loaded module is cached.
 const MODULE: &str = "candle_gemma_fused";
 /// Threads of the norm kernels (`NORM_THREADS`).
 const NORM_THREADS: u32 = 256;
@@ -308,7 +309,7 @@ pub fn add_norm_ext(
     } else {
         "add_norm"
     };
-    let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), MODULE, IMAGE)?;
     let cfg = LaunchConfig {
         grid_dim: (params.rows, 1, 1),
         block_dim: (ADD_NORM_THREADS, 1, 1),
@@ -400,7 +401,7 @@ pub fn gelu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         b_stride: u32_of(sb, "stride")?,
     };
     let n = rows * width;
-    let func = load_kernel(&dev, &format!("gelu_mul_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("gelu_mul_{}", tn(dtype)?), MODULE, IMAGE)?;
     let cfg = grid_stride(n);
     by_dtype!(dtype, E, {
         // SAFETY: grid-stride loop writes every element.
@@ -539,7 +540,7 @@ pub fn qkv_prep_into(
         }
         params.kv_head_stride = u32_of(kd.stride()[1], "kv head stride")?;
     }
-    let func = load_kernel(&dev, &format!("qkv_prep_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("qkv_prep_{}", tn(dtype)?), MODULE, IMAGE)?;
     let cfg = LaunchConfig {
         grid_dim: (
             params.batch * params.seq_len,
@@ -636,7 +637,7 @@ pub fn moe_route(logits: &Tensor, scale: &Tensor, top_k: usize) -> Result<(Tenso
         top_k: u32_of(top_k, "top_k")?,
         pad_: 0,
     };
-    let func = load_kernel(&dev, &format!("moe_route_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("moe_route_{}", tn(dtype)?), MODULE, IMAGE)?;
     let cfg = LaunchConfig {
         grid_dim: (params.tokens.max(1), 1, 1),
         block_dim: (32, 1, 1),
@@ -862,7 +863,7 @@ fn grouped_mv(
         pad1: 0,
         pad2: 0,
     };
-    let func = load_kernel(&dev, &weights.kernel(gate.is_some(), dtype)?, MODULE, PTX)?;
+    let func = load_kernel(&dev, &weights.kernel(gate.is_some(), dtype)?, MODULE, IMAGE)?;
     let cfg = LaunchConfig {
         grid_dim: (
             u32_of(if by_slot { pairs } else { experts }, "experts")?,
@@ -965,7 +966,7 @@ pub fn moe_mix(y: &Tensor, mix: &Tensor) -> Result<Tensor> {
         pad2: 0,
     };
     let n = tokens * out_dim;
-    let func = load_kernel(&dev, &format!("moe_mix_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("moe_mix_{}", tn(dtype)?), MODULE, IMAGE)?;
     let cfg = grid_stride(n);
     by_dtype!(dtype, E, {
         // SAFETY: grid-stride loop writes every element.
@@ -1050,7 +1051,12 @@ pub fn masked_softmax(
         Some(t) => Some(dev.clone_htod(&t)?),
         None => None,
     };
-    let func = load_kernel(&dev, &format!("masked_softmax_{}", tn(dtype)?), MODULE, PTX)?;
+    let func = load_kernel(
+        &dev,
+        &format!("masked_softmax_{}", tn(dtype)?),
+        MODULE,
+        IMAGE,
+    )?;
     let cfg = LaunchConfig {
         grid_dim: (params.rows.max(1), 1, 1),
         block_dim: (NORM_THREADS, 1, 1),
@@ -1094,7 +1100,7 @@ pub fn device_copy(src: &Tensor, dst: &Tensor) -> Result<()> {
         candle_core::bail!("device_copy: two contiguous f32 tensors of one size (x16 bytes)");
     }
     let dev = cuda_dev(src)?;
-    let func = load_kernel(&dev, "copy_u4", MODULE, PTX)?;
+    let func = load_kernel(&dev, "copy_u4", MODULE, IMAGE)?;
     let n = (bytes / 16) as u64;
     let cfg = LaunchConfig {
         grid_dim: (132 * 16, 1, 1),
@@ -1124,7 +1130,7 @@ pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
     }
     let dev = cuda_dev(x)?;
     let x = x.contiguous()?;
-    let func = load_kernel(&dev, "argmax_rows_f32", MODULE, PTX)?;
+    let func = load_kernel(&dev, "argmax_rows_f32", MODULE, IMAGE)?;
     let cfg = LaunchConfig {
         grid_dim: (u32_of(rows, "rows")?.max(1), 1, 1),
         block_dim: (1024, 1, 1),
@@ -1390,7 +1396,7 @@ pub fn dense_matvec_geglu(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
         &dev,
         &format!("dense_mv_geglu_{}_sv{rpw}", tn(dtype)?),
         MODULE,
-        PTX,
+        IMAGE,
     )?;
     let cfg = LaunchConfig {
         grid_dim: (u32_of(width.div_ceil(SV_WARPS * rpw / 2), "blocks")?, 1, 1),
@@ -1543,7 +1549,7 @@ fn dense_mv_with(
             warps as usize * 32,
         ),
     };
-    let func = load_kernel(&dev, &name, MODULE, PTX)?;
+    let func = load_kernel(&dev, &name, MODULE, IMAGE)?;
     let cfg = LaunchConfig {
         grid_dim: (u32_of(out_dim.div_ceil(rows_per_block), "blocks")?, 1, 1),
         block_dim: (threads as u32, 1, 1),
@@ -1669,15 +1675,10 @@ pub fn probe_host_costs(x: &Tensor, n: usize) -> Result<Vec<(&'static str, f64)>
     out.push(("alloc_and_free", per(t)));
     let t = std::time::Instant::now();
     for _ in 0..n {
-        dev.get_or_load_custom_func(&name, MODULE, PTX)?;
-    }
-    out.push(("function_lookup_candle", per(t)));
-    let t = std::time::Instant::now();
-    for _ in 0..n {
-        load_kernel(&dev, &name, MODULE, PTX)?;
+        load_kernel(&dev, &name, MODULE, IMAGE)?;
     }
     out.push(("function_lookup_cached", per(t)));
-    let func = load_kernel(&dev, &name, MODULE, PTX)?;
+    let func = load_kernel(&dev, &name, MODULE, IMAGE)?;
     let (xc, rows, width, stride) = as_rows(x)?;
     let params = GeluMulParams {
         rows: u32_of(rows, "rows")?,

@@ -1,8 +1,10 @@
 //! Kernel handles looked up once per process, and their launches.
 //!
-//! candle's `get_or_load_custom_func` asks the driver for the function by name on every call
-//! (about 0.9 us of host time on the H100 machine, `bench_kernels --launch-floor`); a decode
-//! step of a small model launches several hundred of our kernels, so the handles are kept here.
+//! The crate's modules are loaded here from the fatbins `build.rs` embeds (machine code, so no
+//! JIT compilation at first use on the GPU they were built for), and every function handle is
+//! kept: candle's `get_or_load_custom_func` asks the driver for the function by name on every
+//! call (about 0.9 us of host time on the H100 machine, `bench_kernels --launch-floor`), and a
+//! decode step of a small model launches several hundred of our kernels.
 //!
 //! Launches use programmatic dependent launch on devices of compute capability 9.0 and up: a
 //! kernel's blocks may be scheduled while the previous kernel on the stream still runs, and wait
@@ -11,15 +13,17 @@
 //! saved is the launch latency and the block-scheduling ramp between kernels.
 //! `CANDLE_GEMMA_PDL=0` launches plainly.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
-    DriverError, LaunchConfig,
+    sys, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DevicePtrMut, DriverError, LaunchConfig,
 };
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDevice, DeviceId};
 
 /// A loaded kernel and the device's stream it launches on.
@@ -61,34 +65,65 @@ impl Kernel {
 /// Resident blocks per multiprocessor by (kernel handle, threads a block).
 type Occupancy = HashMap<(usize, u32), Option<usize>>;
 
-type Handles = HashMap<(DeviceId, &'static str), HashMap<String, CudaFunction>>;
+/// Loaded modules by (device, module name), and their functions by name.
+type Handles = HashMap<(DeviceId, &'static str), LoadedModule>;
 
-/// `name` from the PTX module `module` (loaded on first use), as [`Kernel`].
+/// A module loaded on one device and the functions looked up in it so far.
+struct LoadedModule {
+    module: Arc<CudaModule>,
+    functions: HashMap<String, CudaFunction>,
+}
+
+/// `name` from the module `module` (loaded from `image`, a fatbin that `build.rs` compiled, on
+/// first use), as [`Kernel`].
+///
+/// The image carries machine code for the build's compute capability, so a matching GPU loads
+/// it without compiling anything, and PTX, which the driver compiles for other GPUs on first
+/// load (it keeps the result in its own cache for later runs).
 ///
 /// # Errors
-/// The module does not load or has no such function.
+/// The module does not load on this device (no code for its architecture and PTX newer than
+/// its driver) or has no such function.
 pub(crate) fn load_kernel(
     dev: &CudaDevice,
     name: &str,
     module: &'static str,
-    ptx: &'static str,
+    image: &'static [u8],
 ) -> candle_core::Result<Kernel> {
     static HANDLES: OnceLock<Mutex<Handles>> = OnceLock::new();
     let handles = HANDLES.get_or_init(Mutex::default);
-    let key = (dev.id(), module);
-    let cached = handles
+    let mut handles = handles
         .lock()
-        .ok()
-        .and_then(|h| h.get(&key).and_then(|m| m.get(name)).cloned());
-    let func = match cached {
-        Some(f) => f,
+        .map_err(|_| candle_core::Error::Msg("kernel handle cache poisoned".into()))?;
+    let loaded = match handles.entry((dev.id(), module)) {
+        Entry::Occupied(e) => e.into_mut(),
+        Entry::Vacant(e) => {
+            let ctx = dev.cuda_stream().context().clone();
+            let module = ctx
+                .load_module(Ptx::from_binary(image.to_vec()))
+                .map_err(|err| {
+                    candle_core::Error::Msg(format!(
+                        "cannot load the CUDA module {module} ({} bytes) on device {}: {err} \
+                         (machine code for compute capability {}; set CUDA_COMPUTE_CAP \
+                         to the GPU's when building)",
+                        image.len(),
+                        ctx.ordinal(),
+                        env!("CANDLE_GEMMA_CUDA_CAP")
+                    ))
+                })?;
+            e.insert(LoadedModule {
+                module,
+                functions: HashMap::new(),
+            })
+        }
+    };
+    let func = match loaded.functions.get(name) {
+        Some(f) => f.clone(),
         None => {
-            let f = (*dev.get_or_load_custom_func(name, module, ptx)?).clone();
-            if let Ok(mut h) = handles.lock() {
-                h.entry(key)
-                    .or_default()
-                    .insert(name.to_string(), f.clone());
-            }
+            let f = loaded.module.load_function(name).map_err(|err| {
+                candle_core::Error::Msg(format!("no kernel {name} in module {module}: {err}"))
+            })?;
+            loaded.functions.insert(name.to_string(), f.clone());
             f
         }
     };

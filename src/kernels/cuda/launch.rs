@@ -1,4 +1,4 @@
-//! CUDA launchers for the quantized kernels in `qkernels.cu` (PTX embedded at build time, loaded
+//! CUDA launchers for the quantized kernels in `qkernels.cu` (IMAGE embedded at build time, loaded
 //! once per device by candle's module cache): fused quantized attention with flash-decoding
 //! splits, the quantized matrix-vector product, and row dequantization (prefill GEMM and
 //! embedding lookup).
@@ -19,9 +19,10 @@ use super::params::{
 use crate::kernels::{dense, QueryPlan};
 use crate::kv::{CacheError, PackedKv};
 
-/// The kernels' PTX, built by `build.rs` from `qkernels.cu`.
-pub(super) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/qkernels.ptx"));
-/// Module name under which candle caches the loaded PTX.
+/// The kernels' image (machine code for the build's compute capability, plus PTX), built by
+/// `build.rs` from `qkernels.cu`.
+pub(super) const IMAGE: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/qkernels.fatbin"));
+/// Name under which the loaded module is cached.
 pub(super) const MODULE: &str = "candle_gemma_qkernels";
 
 // SAFETY: both structs are `#[repr(C)]`, plain integers and floats, passed by value and read
@@ -496,7 +497,7 @@ pub(super) fn plan_seq(
     let sms = sm_count(dev);
     let resident = if tensor_cores {
         let name = kernel_name_of(dtype, head_dim, bits, nq, true, false)?;
-        load_kernel(dev, &name, MODULE, PTX)?
+        load_kernel(dev, &name, MODULE, IMAGE)?
             .resident_blocks(tc_threads(head_dim))
             .map_or(4 * sms, |n| n.max(1) * sms)
     } else {
@@ -588,8 +589,8 @@ fn attend_fused(
         block_dim: (QSDPA_COMBINE_THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
-    let func = load_kernel(&dev, &name, MODULE, PTX)?;
-    let comb = load_kernel(&dev, &format!("qsdpa_combine_{tn}"), MODULE, PTX)?;
+    let func = load_kernel(&dev, &name, MODULE, IMAGE)?;
+    let comb = load_kernel(&dev, &format!("qsdpa_combine_{tn}"), MODULE, IMAGE)?;
 
     macro_rules! go {
         ($t:ty) => {{
@@ -823,7 +824,7 @@ pub(crate) fn qmatvec(
             QMATVEC_WARPS,
         )
     };
-    let func = load_kernel(&dev, &name, MODULE, PTX)?;
+    let func = load_kernel(&dev, &name, MODULE, IMAGE)?;
     let cfg = LaunchConfig {
         grid_dim: (out_dim.div_ceil(rows_per_block) as u32, 1, 1),
         block_dim: ((warps * 32) as u32, 1, 1),
@@ -902,7 +903,7 @@ pub(crate) fn dequant_rows(
         in_dim: in_dim as u32,
         group_size: group_size as u32,
     };
-    let func = load_kernel(&dev, &format!("dequant_{tn}_{sn}_{bits}"), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("dequant_{tn}_{sn}_{bits}"), MODULE, IMAGE)?;
     let total = m * words;
     let cfg = LaunchConfig {
         grid_dim: (total.div_ceil(256).clamp(1, 132 * 16) as u32, 1, 1),
@@ -987,7 +988,7 @@ pub(crate) fn quantize(
         in_dim: dim as u32,
         group_size: group_size as u32,
     };
-    let func = load_kernel(&dev, &format!("quantize_{tn}_{b}"), MODULE, PTX)?;
+    let func = load_kernel(&dev, &format!("quantize_{tn}_{b}"), MODULE, IMAGE)?;
     let cfg = LaunchConfig {
         grid_dim: (groups.div_ceil(128).max(1) as u32, 1, 1),
         block_dim: (128, 1, 1),
