@@ -291,6 +291,18 @@ PY
     experts)
       .device/bench_kernels --experts 2>&1 | tee "$OUT/grouped-experts.jsonl" | cut -c1-220
       ;;
+    gmv)
+      # The packed grouped expert matvec: its kernel checks, the kernel bench, and 26B-A4B
+      # 4-bit decode. (Its variants were compared with CANDLE_GEMMA_GMV in the tenth session.)
+      .device/kernel_check > "$OUT/kernel-check.txt" 2>&1
+      echo "kernel_check exit $?: $(grep -c 'grouped_qmatvec.*PASS' "$OUT/kernel-check.txt") grouped PASS, $(grep -c FAIL "$OUT/kernel-check.txt") FAIL"
+      .device/bench_kernels --experts 2>&1 | grep grouped_experts | tee -a "$OUT/grouped-experts.jsonl" | python3 -c "
+import json,sys
+for l in sys.stdin:
+    d=json.loads(l); print(d['shape'],d['bits'],d['group'],round(d['seconds']*1e6,1),'us',d['fraction_of_copy'],'bf16',round(d['bf16_seconds']*1e6,1))"
+      $B --config $C/26b-a4b-config.json --weights q4 --prefill 0 --batch 1,8 --context 128 --steps 32 --rounds 3 \
+        2>>"$OUT/bench.err" | grep decode | tee -a "$OUT/gmv-decode.jsonl" | cut -c1-200
+      ;;
     hostsample)
       # Where the host's time goes during batch-1 decode: cuda-gdb attaches to a running bench
       # and prints the main thread's stack, SAMPLES times (there is no perf on these machines).

@@ -320,47 +320,68 @@ __device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __r
 }
 
 // Routed expert products grouped by expert: block (e, tile) finds the pairs routed to expert
-// e, then each warp takes one output row of e and computes it for every such pair, so each
+// e, then each warp takes Rows::R output rows of e and computes them for every such pair, so each
 // expert row is read from memory once per call however many tokens picked it.
 //   y[p, o] = W[e][o, :] . x[row(p), :]      for every pair p with idx[p] == e
 //
 // GATED: the pair rows are gelu_tanh(x) * xb (rows strided by x_stride and b_stride), computed
 // by the block for its pairs into dynamic shared memory first.
-// Rows of dense experts: W [E, out, in].
+// Rows of dense experts: W [E, out, in]. One row a warp.
 template <typename T> struct DenseExpertRows {
+    static constexpr int R = 1;
     const T* __restrict__ w;
-    __device__ __forceinline__ float dot(const GroupedMvParams& p, uint32_t e, int o,
-                                         const T* xrow) const {
-        return warp_dot(w + (size_t)e * p.expert_stride + (size_t)o * p.in_dim, xrow, p.in_dim);
+    __device__ __forceinline__ void dot(const GroupedMvParams& p, uint32_t e, int o0,
+                                        const T* xrow, float (&acc)[R]) const {
+        acc[0] = warp_dot(w + (size_t)e * p.expert_stride + (size_t)o0 * p.in_dim, xrow, p.in_dim);
     }
 };
 
 // Rows of MLX-packed experts, flattened to [E * out, in]: codes [E * out, in * BITS / 32],
-// scales/biases [E * out, in / group]. Each lane reads 16 bytes of codes a step (32 four-bit or
-// 16 eight-bit codes, inside one group) and applies the group's scale and bias to its partial
-// sums, as the one-row qmatvec does.
-template <typename T, typename S, int BITS> struct PackedExpertRows {
+// scales/biases [E * out, in / group]. A warp computes R rows at once: each lane reads 16 bytes
+// of codes of every row a step (32 four-bit or 16 eight-bit codes, inside one group), so R loads
+// are in flight together, and the activations and their sum are read once for the R rows. The
+// group's scale and bias apply to the partial sums, as in the one-row qmatvec. Codes become
+// floats through their bit pattern (2^23 + code, minus 2^23): exact, and without the integer to
+// float conversion, whose low throughput bounded the kernel.
+template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
+    static constexpr int R = ROWS;
     const uint32_t* __restrict__ codes;
     const S* __restrict__ scales;
     const S* __restrict__ biases;
-    __device__ __forceinline__ float dot(const GroupedMvParams& p, uint32_t e, int o,
-                                         const T* xrow) const {
+    __device__ __forceinline__ void dot(const GroupedMvParams& p, uint32_t e, int o0,
+                                        const T* xrow, float (&acc)[R]) const {
         constexpr int EPC = 128 / BITS;
         constexpr uint32_t MASK = (1u << BITS) - 1;
         const int lane = threadIdx.x & 31;
-        const size_t r = (size_t)e * p.out_dim + o;
         const int words = (int)p.in_dim * BITS / 32, groups = (int)(p.in_dim / p.group_size);
-        const uint32_t* wr = codes + r * words;
-        const S* sr = scales + r * groups;
-        const S* br = biases + r * groups;
-        float acc = 0.f;
+        const int last = (int)p.out_dim - 1;
+        const uint32_t* wr[R];
+        const S* sr[R];
+        const S* br[R];
+#pragma unroll
+        for (int m = 0; m < R; ++m) {
+            // Rows past the end repeat the last one (their sums are not stored).
+            const size_t r = (size_t)e * p.out_dim + min(o0 + m, last);
+            wr[m] = codes + r * words;
+            sr[m] = scales + r * groups;
+            br[m] = biases + r * groups;
+            acc[m] = 0.f;
+        }
 #pragma unroll 2
         for (int c = lane; c < words / 4; c += 32) {
-            const uint4 w4 = ld_stream4(wr + c * 4);
-            const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
             const int e0 = c * EPC;
-            const float sc = to_f(sr[e0 / p.group_size]), bi = to_f(br[e0 / p.group_size]);
-            float dot = 0.f, xs = 0.f;
+            const int g = e0 / (int)p.group_size;
+            uint4 w4[R];
+            float sc[R], bi[R];
+#pragma unroll
+            for (int m = 0; m < R; ++m) {
+                w4[m] = ld_stream4(wr[m] + c * 4);
+                sc[m] = to_f(sr[m][g]);
+                bi[m] = to_f(br[m][g]);
+            }
+            float dot[R], xs = 0.f;
+#pragma unroll
+            for (int m = 0; m < R; ++m) dot[m] = 0.f;
 #pragma unroll
             for (int k8 = 0; k8 < EPC; k8 += 8) {
                 float xv[8];
@@ -368,16 +389,25 @@ template <typename T, typename S, int BITS> struct PackedExpertRows {
 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
                     const int i = k8 + k;
-                    const uint32_t code = (w[(i * BITS) >> 5] >> ((i * BITS) & 31)) & MASK;
-                    dot = fmaf((float)code, xv[k], dot);
                     xs += xv[k];
+#pragma unroll
+                    for (int m = 0; m < R; ++m) {
+                        const uint32_t w[4] = {w4[m].x, w4[m].y, w4[m].z, w4[m].w};
+                        const uint32_t code = (w[(i * BITS) >> 5] >> ((i * BITS) & 31)) & MASK;
+                        const float cf = __uint_as_float(0x4B000000u | code) - 8388608.f;
+                        dot[m] = fmaf(cf, xv[k], dot[m]);
+                    }
                 }
             }
-            acc = fmaf(sc, dot, fmaf(bi, xs, acc));
+#pragma unroll
+            for (int m = 0; m < R; ++m) acc[m] = fmaf(sc[m], dot[m], fmaf(bi[m], xs, acc[m]));
         }
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-        return acc;
+        for (int m = 0; m < R; ++m) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1)
+                acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
+        }
     }
 };
 
@@ -415,14 +445,20 @@ __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const R
         __syncthreads();
     }
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int o = blockIdx.y * GMV_WARPS + warp;
-    if (o >= (int)p.out_dim) return;
+    constexpr int R = Rows::R;
+    const int o0 = (blockIdx.y * GMV_WARPS + warp) * R;
+    if (o0 >= (int)p.out_dim) return;
     for (uint32_t i = 0; i < n; ++i) {
         const uint32_t q = mine[i];
         const uint32_t row = p.x_per_token ? q / p.top_k : q;
         const T* xrow = GATED ? sx + (size_t)i * p.in_dim : x + (size_t)row * p.in_dim;
-        const float acc = rows.dot(p, e, o, xrow);
-        if (lane == 0) y[(size_t)q * p.out_dim + o] = from_f<T>(acc);
+        float acc[R];
+        rows.dot(p, e, o0, xrow, acc);
+        if (lane == 0) {
+#pragma unroll
+            for (int m = 0; m < R; ++m)
+                if (o0 + m < (int)p.out_dim) y[(size_t)q * p.out_dim + o0 + m] = from_f<T>(acc[m]);
+        }
     }
 }
 
@@ -595,25 +631,30 @@ FUSED_INST(f32, float)
 FUSED_INST(f16, __half)
 FUSED_INST(bf16, __nv_bfloat16)
 
-// Grouped products over MLX-packed experts (names grouped_qmv[_gated]_{T}_{S}_{BITS}); the gated
-// form only for 16-bit activations, as with dense experts.
-#define GROUPED_QMV_INST(TN, T, SN, S, BITS)                                                   \
-    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
-        grouped_qmv_##TN##_##SN##_##BITS(const GroupedMvParams p, const uint32_t* c,           \
-                                         const S* s, const S* b, const uint32_t* idx,          \
-                                         const T* x, T* y) {                                   \
-        pdl_entry();                                                                           \
-        grouped_mv_body<T, false>(p, PackedExpertRows<T, S, BITS>{c, s, b}, idx, x, x, y);     \
-    }
-#define GROUPED_QMV_GATED_INST(TN, T, SN, S, BITS)                                             \
-    GROUPED_QMV_INST(TN, T, SN, S, BITS)                                                       \
-    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
-        grouped_qmv_gated_##TN##_##SN##_##BITS(const GroupedMvParams p, const uint32_t* c,     \
+// Grouped products over MLX-packed experts (names grouped_qmv[_gated]_{T}_{S}_{BITS}_r{R}, R
+// output rows a warp); the gated form only for 16-bit activations, as with dense experts.
+#define GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, R, MINB, V)                                    \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, MINB)                         \
+        grouped_qmv_##TN##_##SN##_##BITS##_##V(const GroupedMvParams p, const uint32_t* c,     \
                                                const S* s, const S* b, const uint32_t* idx,    \
-                                               const T* x, const T* xb, T* y) {                \
+                                               const T* x, T* y) {                             \
         pdl_entry();                                                                           \
-        grouped_mv_body<T, true>(p, PackedExpertRows<T, S, BITS>{c, s, b}, idx, x, xb, y);     \
+        grouped_mv_body<T, false>(p, PackedExpertRows<T, S, BITS, R>{c, s, b}, idx, x, x, y);  \
     }
+#define GROUPED_QMV_GATED_KERNELS(TN, T, SN, S, BITS, R, MINB, V)                              \
+    GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, R, MINB, V)                                        \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, MINB)                         \
+        grouped_qmv_gated_##TN##_##SN##_##BITS##_##V(                                          \
+            const GroupedMvParams p, const uint32_t* c, const S* s, const S* b,                \
+            const uint32_t* idx, const T* x, const T* xb, T* y) {                              \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, true>(p, PackedExpertRows<T, S, BITS, R>{c, s, b}, idx, x, xb, y);  \
+    }
+// 4 rows a warp, 3 blocks a multiprocessor (80 registers a thread, no spills): against 1 or 2
+// rows and 2 blocks, the fastest measured (bench-results/h100-s10-grouped-experts-variants.jsonl).
+#define GROUPED_QMV_INST(TN, T, SN, S, BITS) GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, 4, 3, r4)
+#define GROUPED_QMV_GATED_INST(TN, T, SN, S, BITS) \
+    GROUPED_QMV_GATED_KERNELS(TN, T, SN, S, BITS, 4, 3, r4)
 #define GROUPED_QMV_BITS(INST, TN, T, SN, S) INST(TN, T, SN, S, 4) INST(TN, T, SN, S, 8)
 #define GROUPED_QMV_SCALES(INST, TN, T)                   \
     GROUPED_QMV_BITS(INST, TN, T, f32, float)             \
@@ -622,7 +663,6 @@ FUSED_INST(bf16, __nv_bfloat16)
 GROUPED_QMV_SCALES(GROUPED_QMV_INST, f32, float)
 GROUPED_QMV_SCALES(GROUPED_QMV_GATED_INST, f16, __half)
 GROUPED_QMV_SCALES(GROUPED_QMV_GATED_INST, bf16, __nv_bfloat16)
-
 struct DenseMvParams {
     uint32_t rows, out_dim, in_dim;
     // Row strides (elements) of x and, in the gated kernels, of the second input.

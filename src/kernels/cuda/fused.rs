@@ -25,8 +25,10 @@ const ADD_NORM_THREADS: u32 = 1024;
 pub const ADD_NORM_MAX_WIDTH: usize = 8 * ADD_NORM_THREADS as usize;
 /// Activation rows the dense matvec kernel takes (the mma's N).
 pub const DENSE_MV_MAX_ROWS: usize = 8;
-/// Output rows per grouped-matvec block (`GMV_WARPS`).
+/// Warps per grouped-matvec block (`GMV_WARPS`).
 const GMV_WARPS: usize = 8;
+/// Output rows a warp of the packed grouped matvec computes (`R` in `GROUPED_QMV_INST`).
+const GMV_PACKED_ROWS: usize = 4;
 /// Experts per lane of the router kernel (`ROUTE_MAX_PER_LANE`): at most 512 experts.
 const ROUTE_MAX_PER_LANE: usize = 16;
 
@@ -734,6 +736,14 @@ enum ExpertStack<'a> {
 }
 
 impl ExpertStack<'_> {
+    /// Output rows one warp computes (`Rows::R` of the kernel's row reader).
+    fn rows_per_warp(&self) -> usize {
+        match self {
+            ExpertStack::Dense(_) => 1,
+            ExpertStack::Packed(..) => GMV_PACKED_ROWS,
+        }
+    }
+
     /// `(experts, out, in)`.
     fn dims(&self) -> Result<(usize, usize, usize)> {
         match *self {
@@ -754,11 +764,9 @@ impl ExpertStack<'_> {
         Ok(match *self {
             ExpertStack::Dense(_) => format!("grouped_mv{g}_{t}"),
             ExpertStack::Packed(w, _) => {
-                format!(
-                    "grouped_qmv{g}_{t}_{}_{}",
-                    tn(w.scales.dtype())?,
-                    w.bits.bits()
-                )
+                let s = tn(w.scales.dtype())?;
+                let r = GMV_PACKED_ROWS;
+                format!("grouped_qmv{g}_{t}_{s}_{}_r{r}", w.bits.bits())
             }
         })
     }
@@ -867,7 +875,7 @@ fn grouped_mv(
     let cfg = LaunchConfig {
         grid_dim: (
             u32_of(if by_slot { pairs } else { experts }, "experts")?,
-            out_dim.div_ceil(GMV_WARPS) as u32,
+            out_dim.div_ceil(GMV_WARPS * weights.rows_per_warp()) as u32,
             1,
         ),
         block_dim: ((GMV_WARPS * 32) as u32, 1, 1),
