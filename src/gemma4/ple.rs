@@ -25,10 +25,13 @@ pub struct PerLayerEmbeddings {
 }
 
 /// Multiplies by a scale rounded to the activation dtype first, as the references do (an f32
-/// run uses the exact scale, a bf16 run the bf16-rounded one).
+/// run uses the f32 scale, a bf16 run the bf16-rounded one).
+///
+/// One `affine` op: candle rounds its factor to the tensor's dtype and multiplies in it, the
+/// same product as a multiply by a one-element tensor of that dtype, without uploading one.
+/// The factor goes through f32 first, as the references' scalar does.
 pub(crate) fn scale_in_dtype(x: &Tensor, scale: f64) -> Result<Tensor> {
-    let s = Tensor::new(&[scale as f32], x.device())?.to_dtype(x.dtype())?;
-    Ok(x.broadcast_mul(&s)?)
+    Ok(x.affine(f64::from(scale as f32), 0.0)?)
 }
 
 impl PerLayerEmbeddings {
@@ -96,5 +99,30 @@ impl PerLayerEmbeddings {
         self.embed_tokens_per_layer.resident_bytes()
             + self.per_layer_model_projection.resident_bytes()
             + self.per_layer_projection_norm.resident_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    #[test]
+    fn scaling_equals_a_product_with_the_scale_rounded_to_the_dtype() -> Result<()> {
+        let x = Tensor::randn(0f32, 3.0, (4, 257), &Device::Cpu)?;
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let x = x.to_dtype(dtype)?;
+            for scale in [1536f64.sqrt(), 2560f64.powf(-0.5), 0.5f64.sqrt(), 16.0] {
+                let s = Tensor::new(&[scale as f32], &Device::Cpu)?.to_dtype(dtype)?;
+                let want = x.broadcast_mul(&s)?.to_dtype(DType::F32)?;
+                let got = scale_in_dtype(&x, scale)?.to_dtype(DType::F32)?;
+                assert_eq!(
+                    got.to_vec2::<f32>()?,
+                    want.to_vec2::<f32>()?,
+                    "{dtype:?} {scale}"
+                );
+            }
+        }
+        Ok(())
     }
 }

@@ -57,10 +57,32 @@ impl Rope {
                 }
             }
         }
-        let shape = (offsets.len(), seq_len, half);
-        let cos = Tensor::from_vec(cos, shape, device)?.to_dtype(dtype)?;
-        let sin = Tensor::from_vec(sin, shape, device)?.to_dtype(dtype)?;
-        Ok((cos, sin))
+        // Both tables in one upload, rounded to the activations' dtype on the host (the same
+        // rounding as a device cast, without two cast launches a step).
+        let shape = (2, offsets.len(), seq_len, half);
+        cos.extend_from_slice(&sin);
+        let both = upload_in_dtype(cos, shape, dtype, device)?;
+        Ok((both.get(0)?, both.get(1)?))
+    }
+}
+
+/// `values` (f32) as a tensor of `dtype` on `device`, converted on the host.
+fn upload_in_dtype(
+    values: Vec<f32>,
+    shape: (usize, usize, usize, usize),
+    dtype: DType,
+    device: &Device,
+) -> Result<Tensor> {
+    match dtype {
+        DType::BF16 => {
+            let v: Vec<half::bf16> = values.into_iter().map(half::bf16::from_f32).collect();
+            Tensor::from_vec(v, shape, device)
+        }
+        DType::F16 => {
+            let v: Vec<half::f16> = values.into_iter().map(half::f16::from_f32).collect();
+            Tensor::from_vec(v, shape, device)
+        }
+        _ => Tensor::from_vec(values, shape, device)?.to_dtype(dtype),
     }
 }
 
@@ -89,5 +111,30 @@ mod tests {
         assert!(r.inv_freq[64..].iter().all(|&f| f == 0.0));
         let want = 1.0 / 1e6f64.powf(2.0 * 63.0 / 512.0);
         assert!((r.inv_freq[63] - want).abs() < 1e-15);
+    }
+
+    #[test]
+    fn tables_rounded_on_the_host_equal_f32_tables_cast_on_the_device() -> Result<()> {
+        let p = RopeParams {
+            theta: 10_000.0,
+            partial_rotary_factor: 1.0,
+            factor: 1.0,
+        };
+        let r = Rope::new(&p, 64);
+        let dev = Device::Cpu;
+        let (cos32, sin32) = r.tables(&[3, 1000], 5, DType::F32, &dev)?;
+        for dtype in [DType::BF16, DType::F16] {
+            let (cos, sin) = r.tables(&[3, 1000], 5, dtype, &dev)?;
+            assert_eq!(cos.dims(), &[2, 5, 32]);
+            for (got, want) in [(cos, &cos32), (sin, &sin32)] {
+                let want = want.to_dtype(dtype)?.to_dtype(DType::F32)?;
+                let got = got.to_dtype(DType::F32)?;
+                assert_eq!(
+                    got.flatten_all()?.to_vec1::<f32>()?,
+                    want.flatten_all()?.to_vec1::<f32>()?
+                );
+            }
+        }
+        Ok(())
     }
 }
