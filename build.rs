@@ -19,6 +19,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/kernels/cuda/fused.cu");
     println!("cargo:rerun-if-changed=src/kernels/cuda/common.cuh");
     println!("cargo:rerun-if-changed=src/kernels/cuda/qsdpa_tc.cuh");
+    println!("cargo:rerun-if-changed=src/kernels/cuda/norm_tail.cuh");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {

@@ -1028,6 +1028,74 @@ fn check_dense_matvec(
     Ok(pass && pass_g && pass_q && pass_n && pass_r)
 }
 
+/// The residual add + norm folded into the packed 4-bit one-row product (`qmv_row4_norm`)
+/// against the unfused path: the GPU's own packed product, then the add + norm on the CPU.
+fn check_packed_add_norm(
+    out_dim: usize,
+    in_dim: usize,
+    dtype: DType,
+    gpu: &Device,
+    stats: &mut BTreeMap<String, f32>,
+) -> Result<bool> {
+    use candle_gemma::kernels::cuda::fused::{packed_matvec_add_norm, AddNormExtra};
+    use candle_nn::ops::rms_norm;
+    let g = |t: &Tensor| t.to_device(gpu);
+    let w = Tensor::randn(0f32, 0.05, (out_dim, in_dim), &Device::Cpu)?.to_dtype(dtype)?;
+    let p = quantize(&w, QuantBits::from_bits(4)?, 64)?;
+    let wg = PackedWeight::new(g(&p.codes)?, g(&p.scales)?, g(&p.biases)?, out_dim, in_dim)?;
+    let x = rnd(&[1, in_dim], dtype)?;
+    let y = qmatmul(&g(&x)?, &wg)?.to_device(&Device::Cpu)?;
+    let (res, nw, n1, n2) = (
+        rnd(&[1, out_dim], dtype)?,
+        rnd(&[out_dim], dtype)?,
+        rnd(&[out_dim], dtype)?,
+        rnd(&[out_dim], dtype)?,
+    );
+    let s = Tensor::new(&[0.75f32], &Device::Cpu)?.to_dtype(dtype)?;
+    let (gres, gnw, gn1, gn2, gs) = (g(&res)?, g(&nw)?, g(&n1)?, g(&n2)?, g(&s)?);
+    let mut ok = true;
+    for with_scalar in [true, false] {
+        let mut sum = (&res + rms_norm(&y, &nw, 1e-6)?)?;
+        if with_scalar {
+            sum = sum.broadcast_mul(&s)?;
+        }
+        let extra = AddNormExtra {
+            scalar: with_scalar.then_some(&gs),
+            next: Some(&gn1),
+            next2: (!with_scalar).then_some(&gn2),
+            second_branch: None,
+        };
+        let got = packed_matvec_add_norm(&g(&x)?, &wg, &gres, &gnw, 1e-6, &extra)?;
+        let (err, pass) = match got {
+            Some((o, o1, o2)) => {
+                let e0 = max_abs(&o, &sum)?;
+                let e1 = match o1 {
+                    Some(o1) => max_abs(&o1, &rms_norm(&sum, &n1, 1e-6)?)?,
+                    None => f32::INFINITY,
+                };
+                let e2 = match (o2, with_scalar) {
+                    (Some(o2), false) => max_abs(&o2, &rms_norm(&sum, &n2, 1e-6)?)?,
+                    (None, true) => 0.0,
+                    _ => f32::INFINITY,
+                };
+                let e = e0.max(e1 / 2.0).max(e2 / 2.0);
+                (e, e <= 8.0 * tol(dtype))
+            }
+            None => (f32::INFINITY, false),
+        };
+        ok &= pass;
+        let st = stats
+            .entry(format!("packed_matvec_add_norm {dtype:?}"))
+            .or_insert(0.0);
+        *st = st.max(err);
+        println!(
+            "packed_matvec_add_norm scalar={with_scalar} dtype={dtype:?} [{out_dim}x{in_dim}] max_abs={err:.3e} {}",
+            if pass { "PASS" } else { "FAIL" }
+        );
+    }
+    Ok(ok)
+}
+
 fn main() -> Result<()> {
     let gpu = Device::new_cuda(0)?;
     let mut stats = BTreeMap::new();
@@ -1226,6 +1294,13 @@ fn main() -> Result<()> {
             for rows in [1, 3, 8] {
                 all_ok &= check_dense_matvec(out_dim, in_dim, rows, dtype, &gpu, &mut stats)?;
             }
+        }
+    }
+    // The packed product with the add + norm folded in: an odd row count (a partial warp),
+    // E4B/26B-A4B widths and the widest taken (PACKED_FOLD_MAX_WIDTH).
+    for dtype in [DType::BF16, DType::F16] {
+        for (out_dim, in_dim) in [(2560, 2048), (2816, 4096), (4096, 2048), (1001, 1024)] {
+            all_ok &= check_packed_add_norm(out_dim, in_dim, dtype, &gpu, &mut stats)?;
         }
     }
     println!("\nsummary (max abs error over all cases):");

@@ -303,6 +303,25 @@ for l in sys.stdin:
       $B --config $C/26b-a4b-config.json --weights q4 --prefill 0 --batch 1,8 --context 128 --steps 32 --rounds 3 \
         2>>"$OUT/bench.err" | grep decode | tee -a "$OUT/gmv-decode.jsonl" | cut -c1-200
       ;;
+    packedfold)
+      # The packed product with its add + norm folded in: kernel checks, bf16 fixture tokens
+      # with the fold and without (CANDLE_GEMMA_PACKED_FOLD=0), and 4-bit decode A/B.
+      .device/kernel_check > "$OUT/kernel-check.txt" 2>&1; echo "kernel_check exit $?"
+      grep -E "packed_matvec_add_norm" "$OUT/kernel-check.txt" | tail -4; sed -n '/^summary/,$p' "$OUT/kernel-check.txt" | grep -E "packed_matvec|ALL|FAIL"
+      python3 scripts/gpu_tokens_check.py .device/generate bf16 > "$OUT/tokens-bf16-fold.txt" 2>&1
+      CANDLE_GEMMA_PACKED_FOLD=0 python3 scripts/gpu_tokens_check.py .device/generate bf16 > "$OUT/tokens-bf16-nofold.txt" 2>&1
+      tail -1 "$OUT/tokens-bf16-fold.txt"; tail -1 "$OUT/tokens-bf16-nofold.txt"
+      if diff <(grep fixture "$OUT/tokens-bf16-fold.txt") <(grep fixture "$OUT/tokens-bf16-nofold.txt") > /dev/null; then echo "bf16 tokens: fold = no fold"; else echo "bf16 tokens DIFFER with the fold"; fi
+      for m in ${FOLD_MODELS:-e4b 26b-a4b 31b}; do
+        for v in 1 0 1 0; do
+          CANDLE_GEMMA_PACKED_FOLD=$v CANDLE_GEMMA_LAUNCH_STATS=1 $B --config $C/$m-config.json --weights q4 --prefill 0 --batch 1 --context 128 --steps 32 --rounds 3 \
+            2>>"$OUT/bench.err" | grep decode | sed "s/^{/{\"packed_fold\":$v,/" | tee -a "$OUT/packed-fold.jsonl" | python3 -c "
+import json,sys
+for l in sys.stdin:
+    d=json.loads(l); print(d['model'],'fold',d['packed_fold'],round(d['tok_s'],1),'tok/s step',round(d['step_ms'],3),'host',round(d['host_ms'],3),'launches',d['launch_stats'] and round(d['launch_stats']['launches_per_step'],1))"
+        done
+      done
+      ;;
     hostsample)
       # Where the host's time goes during batch-1 decode: cuda-gdb attaches to a running bench
       # and prints the main thread's stack, SAMPLES times (there is no perf on these machines).

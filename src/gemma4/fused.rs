@@ -178,7 +178,7 @@ fn folded_product_add_norm(
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_FOLD_NORM").is_ok_and(|v| v == "0"));
     let Some(w) = lin.dense_weight() else {
-        return Ok(None);
+        return folded_packed_product_add_norm(lin, x, gate, a, off);
     };
     let bytes = super::tensor_bytes(w);
     let wanted = match gate {
@@ -202,6 +202,56 @@ fn folded_product_add_norm(
     Ok(k::dense_matvec_add_norm(
         x,
         gate,
+        w,
+        a.res,
+        a.norm.weight(),
+        a.norm.eps(),
+        &extra,
+    )?)
+}
+
+/// [`folded_product_add_norm`] for a packed 4-bit weight at one row: the product and the add +
+/// norm in one launch (`qmv_row4_norm`); a gated input is computed first (`gelu_mul`).
+#[cfg(feature = "cuda")]
+fn folded_packed_product_add_norm(
+    lin: &Linear,
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    a: &ProductAddNorm<'_>,
+    off: bool,
+) -> Result<Option<k::AddNormOut>> {
+    let Linear::Packed(w) = lin else {
+        return Ok(None);
+    };
+    // `CANDLE_GEMMA_PACKED_FOLD=0` keeps packed products apart from their add + norm only.
+    static PACKED_OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let packed_off = *PACKED_OFF
+        .get_or_init(|| std::env::var("CANDLE_GEMMA_PACKED_FOLD").is_ok_and(|v| v == "0"));
+    if off
+        || packed_off
+        || !k::packed_matvec_folds_norm(x.dtype(), super::rows_of(x), w)
+        || !crate::kernels::fused_enabled(x.device())
+        || a.norm.weight().dtype() != a.res.dtype()
+        || (a.next2.is_some() && a.next.is_none())
+    {
+        return Ok(None);
+    }
+    let gated;
+    let input = match gate {
+        Some(g) => {
+            gated = gelu_mul(x, g)?;
+            &gated
+        }
+        None => x,
+    };
+    let extra = k::AddNormExtra {
+        scalar: a.scalar,
+        next: a.next.map(RmsNorm::weight),
+        next2: a.next2.map(RmsNorm::weight),
+        second_branch: None,
+    };
+    Ok(k::packed_matvec_add_norm(
+        input,
         w,
         a.res,
         a.norm.weight(),

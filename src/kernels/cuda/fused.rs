@@ -1661,6 +1661,156 @@ fn dense_mv_with(
     })
 }
 
+/// Widest output [`packed_matvec_add_norm`] takes: the norm tail's register path at 128
+/// threads (`last_block_add_norm`). Wider rows go through the tail's plain loop, which made
+/// 31B 4-bit decode (hidden 5376) slower folded than apart on the H100: 70.9 against
+/// 105.5 tok/s (`bench-results/h100-s10-packed-fold-ab.jsonl`).
+pub const PACKED_FOLD_MAX_WIDTH: usize = 4096;
+
+/// Whether [`packed_matvec_add_norm`] serves `rows` activation rows of `x_dtype` through `w`.
+pub fn packed_matvec_folds_norm(x_dtype: DType, rows: usize, w: &PackedWeight) -> bool {
+    rows == 1 && w.out_dim <= PACKED_FOLD_MAX_WIDTH && super::launch::takes_row_matvec(x_dtype, w)
+}
+
+/// [`dense_matvec_add_norm`] over a packed 4-bit weight: one activation row through
+/// `qmv_row4`, whose last block adds the residual and writes the norms asked for (one launch
+/// instead of the product's and the add + norm's). `None` where `qmv_row4` would not serve
+/// (more rows, 8 bits, other dtypes) or the extra asks for a second branch.
+///
+/// # Errors
+/// Shapes or dtypes that disagree, CUDA errors.
+pub fn packed_matvec_add_norm(
+    x: &Tensor,
+    w: &PackedWeight,
+    res: &Tensor,
+    norm_w: &Tensor,
+    eps: f64,
+    extra: &AddNormExtra<'_>,
+) -> Result<Option<AddNormOut>> {
+    let dtype = x.dtype();
+    let (out_dim, in_dim) = (w.out_dim, w.in_dim);
+    let rows = x.elem_count() / in_dim.max(1);
+    if extra.second_branch.is_some()
+        || x.dims().last() != Some(&in_dim)
+        || !packed_matvec_folds_norm(dtype, rows, w)
+    {
+        return Ok(None);
+    }
+    let mut shape = x.dims().to_vec();
+    if let Some(l) = shape.last_mut() {
+        *l = out_dim;
+    }
+    let mut ts = vec![res, norm_w];
+    ts.extend(extra.scalar);
+    ts.extend(extra.next);
+    ts.extend(extra.next2);
+    check_dtype(&ts, dtype)?;
+    if res.dims() != shape.as_slice()
+        || norm_w.dims() != [out_dim]
+        || extra.next.is_some_and(|t| t.dims() != [out_dim])
+        || extra.next2.is_some_and(|t| t.dims() != [out_dim])
+        || (extra.next2.is_some() && extra.next.is_none())
+    {
+        candle_core::bail!(
+            "packed_matvec_add_norm: residual {:?}, output {shape:?}, norm weight {:?}",
+            res.dims(),
+            norm_w.dims()
+        );
+    }
+    let dev = cuda_dev(x)?;
+    let params = super::params::QmatParams {
+        rows: 1,
+        out_dim: u32_of(out_dim, "output width")?,
+        in_dim: u32_of(in_dim, "input width")?,
+        group_size: u32_of(w.group_size, "group size")?,
+    };
+    let np = MvNormParams {
+        flags: u32::from(extra.scalar.is_some())
+            | (u32::from(extra.next.is_some()) << 1)
+            | (u32::from(extra.next2.is_some()) << 2),
+        eps: eps as f32,
+    };
+    let func = load_kernel(
+        &dev,
+        &format!("qmv_row4_norm_{}", tn(dtype)?),
+        super::launch::MODULE,
+        super::launch::IMAGE,
+    )?;
+    // Two output rows a warp (`qmv_row4_body`), QROW_NORM_WARPS warps a block (the norm tail
+    // is compiled for that block size).
+    let warps = super::params::QMATVEC_ROW_WARPS;
+    let cfg = LaunchConfig {
+        grid_dim: (u32_of(out_dim.div_ceil(2 * warps), "blocks")?, 1, 1),
+        block_dim: ((warps * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let (xc, codes) = (contiguous_aligned16(x)?, contiguous_aligned16(&w.codes)?);
+    let (scales, biases) = (w.scales.contiguous()?, w.biases.contiguous()?);
+    let (res, nw) = (res.contiguous()?, norm_w.contiguous()?);
+    by_dtype!(dtype, E, {
+        // SAFETY: every output is written by the warp owning it; the norm outputs by the last
+        // block, every element asked for.
+        let mut y = unsafe { dev.alloc::<E>(out_dim)? };
+        let mut out = unsafe { dev.alloc::<E>(out_dim)? };
+        let mut out2 = match extra.next {
+            // SAFETY: as above.
+            Some(_) => Some(unsafe { dev.alloc::<E>(out_dim)? }),
+            None => None,
+        };
+        let mut out3 = match extra.next2 {
+            // SAFETY: as above.
+            Some(_) => Some(unsafe { dev.alloc::<E>(out_dim)? }),
+            None => None,
+        };
+        with_norm_counter(&dev, |counter| {
+            bind!(xv, xc, E);
+            bind!(cv, codes, u32);
+            bind!(sv, scales, E);
+            bind!(bv, biases, E);
+            bind!(rv, res, E);
+            bind!(nwv, nw, E);
+            let sc = extra.scalar.unwrap_or(&nw);
+            bind!(scv, sc, E);
+            let n1 = extra.next.unwrap_or(&nw);
+            bind!(n1v, n1, E);
+            let n2 = extra.next2.unwrap_or(&nw);
+            bind!(n2v, n2, E);
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&xv);
+            b.arg(&cv);
+            b.arg(&sv);
+            b.arg(&bv);
+            b.arg(&mut y);
+            b.arg(&rv);
+            b.arg(&nwv);
+            b.arg(&scv);
+            b.arg(&n1v);
+            b.arg(&n2v);
+            b.arg(&mut out);
+            match out2.as_mut() {
+                Some(o) => b.arg(o),
+                None => b.arg(&rv),
+            };
+            match out3.as_mut() {
+                Some(o) => b.arg(o),
+                None => b.arg(&rv),
+            };
+            b.arg(counter);
+            b.arg(&np);
+            // SAFETY: arguments match qmv_row4_norm's signature; shapes checked above; the
+            // counter is zero between launches.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(())
+        })?;
+        Ok(Some((
+            wrap(out, &dev, &shape),
+            out2.map(|o| wrap(o, &dev, &shape)),
+            out3.map(|o| wrap(o, &dev, &shape)),
+        )))
+    })
+}
+
 /// Host microseconds per call of the pieces of one small-kernel launch, each timed over `n`
 /// calls (no synchronisation in the timed loops): `(what, microseconds)`. A diagnostic for
 /// `bench_kernels --launch-floor`, not part of the model's API.

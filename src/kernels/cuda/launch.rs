@@ -743,6 +743,19 @@ fn row_contiguous_matvec() -> bool {
     *ON.get_or_init(|| std::env::var("CANDLE_GEMMA_QROW").map_or(true, |v| v != "off"))
 }
 
+/// Whether one activation row of `x_dtype` through `w` takes `qmv_row4` (so `qmv_row4_norm`
+/// can fold the residual add + norm into it).
+pub(super) fn takes_row_matvec(x_dtype: DType, w: &crate::kernels::qmatmul::PackedWeight) -> bool {
+    dequantizes_before_mma(
+        x_dtype,
+        w.scales.dtype(),
+        w.biases.dtype(),
+        w.bits.bits(),
+        w.group_size,
+        w.in_dim,
+    ) && row_contiguous_matvec()
+}
+
 /// Warps a block of `qmv_row4`: [`QMATVEC_ROW_WARPS`], or `CANDLE_GEMMA_QROW_WARPS` (1, 2, 4
 /// or 8) to compare.
 fn row_matvec_warps() -> usize {

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "common.cuh"
+#include "norm_tail.cuh"
 
 #include <type_traits>
 
@@ -1032,6 +1033,22 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
     }
 QROW4_INST(f16, __half)
 QROW4_INST(bf16, __nv_bfloat16)
+
+// qmv_row4 with the residual add + norm of its output folded in (`last_block_add_norm`, as the
+// dense `_norm` kernels): one launch instead of two. Blocks of QROW_NORM_WARPS warps.
+constexpr int QROW_NORM_WARPS = 4;  // QMATVEC_ROW_WARPS
+#define QROW4_NORM_INST(TN, T)                                                                 \
+    extern "C" __global__ void __launch_bounds__(QROW_NORM_WARPS * 32) qmv_row4_norm_##TN(      \
+        const QmatParams p, const T* x, const uint32_t* c, const T* s, const T* b, T* y,       \
+        const T* res, const T* nw, const T* scalar, const T* w2, const T* w3, T* out, T* out2, \
+        T* out3, uint32_t* counter, const MvNormParams np) {                                   \
+        pdl_entry();                                                                           \
+        qmv_row4_body<T>(p, x, c, s, b, y);                                                    \
+        last_block_add_norm<T, QROW_NORM_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out,   \
+                                                     out2, out3, counter);                     \
+    }
+QROW4_NORM_INST(f16, __half)
+QROW4_NORM_INST(bf16, __nv_bfloat16)
 
 // Dequantizes rows of W into out [n, in] (out row i = W row `idx[i]`, or row i when idx is
 // null): one thread per u32 word.

@@ -1,0 +1,213 @@
+// The residual add + norm that a product's last block computes (`last_block_add_norm`), and
+// the helpers it shares with the fused kernels: included by fused.cu (dense products) and
+// qkernels.cu (packed products).
+#pragma once
+
+#include <stdint.h>
+
+#include "common.cuh"
+
+// Rounds an f32 to T and back (the rounding an unfused op would apply to its output).
+template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
+
+// Sum over the block (THREADS threads, 256 by default: NORM_THREADS in fused.cu); `red` holds
+// THREADS / 32 floats.
+template <int THREADS = 256>
+__device__ __forceinline__ float block_sum(float v, float* red) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < THREADS / 32; ++w) s += red[w];
+    return s;
+}
+
+// The residual add + norm folded into the product that feeds it (`_norm` kernels). Flags as in
+// AddNormParams: 1 scalar, 2 next norm, 4 second next norm.
+struct MvNormParams {
+    uint32_t flags;
+    float eps;
+};
+
+// Loads bypassing L1: rows other blocks of this launch wrote.
+template <typename T>
+__device__ __forceinline__ float ld_cg(const T* p) {
+    if constexpr (sizeof(T) == 4) {
+        return __ldcg(reinterpret_cast<const float*>(p));
+    } else {
+        const unsigned short u = __ldcg(reinterpret_cast<const unsigned short*>(p));
+        T v;
+        memcpy(&v, &u, sizeof(T));
+        return to_f(v);
+    }
+}
+
+// Two packed f16/bf16 elements as f32.
+template <typename T>
+__device__ __forceinline__ float2 unpack2(const uint32_t u) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xFFFF0000u));
+    } else {
+        __half2 h;
+        memcpy(&h, &u, 4);
+        return __half22float2(h);
+    }
+}
+
+// Eight f32 values as eight packed f16/bf16 elements.
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&v)[8]) {
+    uint4 r;
+    T* pr = reinterpret_cast<T*>(&r);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) pr[i] = from_f<T>(v[i]);
+    return r;
+}
+
+// Eight packed f16/bf16 elements as f32.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4 u, float (&v)[8]) {
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float2 f = unpack2<T>(w[j]);
+        v[2 * j] = f.x;
+        v[2 * j + 1] = f.y;
+    }
+}
+
+// After every block has stored its outputs, the last block to finish (a launch-wide counter,
+// left at zero for the next launch) computes for each row out = (res + rms(y) * w) [* scalar]
+// and the norms of out asked for, rounded as the add_norm kernel rounds them.
+// P: the product's parameters (`rows`, `out_dim`).
+template <typename T, int THREADS, typename P>
+__device__ __forceinline__ void last_block_add_norm(
+    const P& p, const MvNormParams& n, const T* __restrict__ y,
+    const T* __restrict__ res, const T* __restrict__ w, const T* __restrict__ scalar,
+    const T* __restrict__ w2, const T* __restrict__ w3, T* __restrict__ out, T* __restrict__ out2,
+    T* __restrict__ out3, uint32_t* __restrict__ counter) {
+    __shared__ float nred[THREADS / 32];
+    __shared__ uint32_t is_last;
+    // One thread fences for the block, after the barrier (fences are cumulative: they order
+    // the block's stores the barrier made visible to it); a fence in every thread costs
+    // microseconds a launch.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        if (is_last) {
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            *counter = 0u;
+        }
+    }
+    __syncthreads();
+    if (!is_last) return;
+    const int dim = (int)p.out_dim;
+    const float s = (n.flags & 1) ? to_f(scalar[0]) : 1.f;
+    // Rows up to 4096 wide whose rows and weights are 16-byte aligned: each thread keeps its
+    // elements in registers, reads and writes them 8 at a time and issues each pass's loads
+    // together (unconditional, clamped), so the single block pays a handful of memory
+    // latencies and few instructions.
+    constexpr int PV = 4096 / 8 / THREADS;  // 8-element vectors a thread
+    auto al = [](const void* q) { return ((uintptr_t)q & 15) == 0; };
+    if constexpr (sizeof(T) == 2 && PV >= 1) {
+        const int nv = dim / 8;
+        if (dim % 8 == 0 && nv <= PV * THREADS && al(y) && al(res) && al(w) && al(out) &&
+            al(w2) && al(w3) && (!(n.flags & 2) || al(out2)) && (!(n.flags & 4) || al(out3))) {
+            for (int r = 0; r < (int)p.rows; ++r) {
+                const size_t base = (size_t)r * dim;
+                // Every load of the row at once: the residual and the norm weights do not wait
+                // for the sums (w2 and w3 stand for w when not asked for, so always valid).
+                uint4 yv[PV], rv[PV], wv[PV], av[PV], bv[PV];
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const int ic = min((int)threadIdx.x + k * THREADS, nv - 1);
+                    yv[k] = __ldcg(reinterpret_cast<const uint4*>(y + base) + ic);
+                    rv[k] = reinterpret_cast<const uint4*>(res + base)[ic];
+                    wv[k] = reinterpret_cast<const uint4*>(w)[ic];
+                    av[k] = reinterpret_cast<const uint4*>(w2)[ic];
+                    bv[k] = reinterpret_cast<const uint4*>(w3)[ic];
+                }
+                float v[PV][8];
+                float ss = 0.f;
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const int i = threadIdx.x + k * THREADS;
+                    unpack8<T>(yv[k], v[k]);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        v[k][j] = i < nv ? v[k][j] : 0.f;
+                        ss += v[k][j] * v[k][j];
+                    }
+                }
+                const float inv = rsqrtf(block_sum<THREADS>(ss, nred) / dim + n.eps);
+                float ss2 = 0.f;
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const bool in = (int)threadIdx.x + k * THREADS < nv;
+                    float rf[8], wf[8];
+                    unpack8<T>(rv[k], rf);
+                    unpack8<T>(wv[k], wf);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        float o = rnd<T>(rf[j] + rnd<T>(v[k][j] * inv * wf[j]));
+                        if (n.flags & 1) o = rnd<T>(o * s);
+                        v[k][j] = in ? o : 0.f;
+                        ss2 += v[k][j] * v[k][j];
+                    }
+                }
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const int i = threadIdx.x + k * THREADS;
+                    if (i < nv) reinterpret_cast<uint4*>(out + base)[i] = pack8<T>(v[k]);
+                }
+                if (!(n.flags & 2)) continue;
+                const float inv2 = rsqrtf(block_sum<THREADS>(ss2, nred) / dim + n.eps);
+#pragma unroll
+                for (int k = 0; k < PV; ++k) {
+                    const int i = threadIdx.x + k * THREADS;
+                    if (i >= nv) continue;
+                    float af[8], bf[8], o2[8], o3[8];
+                    unpack8<T>(av[k], af);
+                    unpack8<T>(bv[k], bf);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) {
+                        o2[j] = v[k][j] * inv2 * af[j];
+                        o3[j] = v[k][j] * inv2 * bf[j];
+                    }
+                    reinterpret_cast<uint4*>(out2 + base)[i] = pack8<T>(o2);
+                    if (n.flags & 4) reinterpret_cast<uint4*>(out3 + base)[i] = pack8<T>(o3);
+                }
+            }
+            return;
+        }
+    }
+    for (int r = 0; r < (int)p.rows; ++r) {
+        const size_t base = (size_t)r * dim;
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < dim; i += THREADS) {
+            const float v = ld_cg(y + base + i);
+            ss += v * v;
+        }
+        const float inv = rsqrtf(block_sum<THREADS>(ss, nred) / dim + n.eps);
+        float ss2 = 0.f;
+        for (int i = threadIdx.x; i < dim; i += THREADS) {
+            float o = rnd<T>(to_f(res[base + i]) + rnd<T>(ld_cg(y + base + i) * inv * to_f(w[i])));
+            if (n.flags & 1) o = rnd<T>(o * s);
+            out[base + i] = from_f<T>(o);
+            ss2 += o * o;
+        }
+        if (!(n.flags & 2)) continue;
+        const float inv2 = rsqrtf(block_sum<THREADS>(ss2, nred) / dim + n.eps);
+        for (int i = threadIdx.x; i < dim; i += THREADS) {
+            const float o = to_f(out[base + i]);  // this thread's own store
+            out2[base + i] = from_f<T>(o * inv2 * to_f(w2[i]));
+            if (n.flags & 4) out3[base + i] = from_f<T>(o * inv2 * to_f(w3[i]));
+        }
+    }
+}
+
