@@ -322,6 +322,13 @@ for l in sys.stdin:
         done
       done
       ;;
+    decodeb1)
+      # Batch-1 decode, bf16 weights, context 128 and 4096, three rounds a point.
+      for m in ${DECODE_MODELS:-e2b e4b 26b-a4b}; do
+        $B --config $C/$m-config.json --prefill 0 --batch 1 --context 128,4096 --steps 32 --rounds 3 \
+          2>>"$OUT/bench.err" | grep decode | tee -a "$OUT/decode-b1.jsonl" | cut -c1-200
+      done
+      ;;
     hostsample)
       # Where the host's time goes during batch-1 decode: cuda-gdb attaches to a running bench
       # and prints the main thread's stack, SAMPLES times (there is no perf on these machines).
