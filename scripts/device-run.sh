@@ -329,6 +329,19 @@ for l in sys.stdin:
           2>>"$OUT/bench.err" | grep decode | tee -a "$OUT/decode-b1.jsonl" | cut -c1-200
       done
       ;;
+    scratchab)
+      # Batch-1 decode with the per-thread scratch buffers (default) and with a fresh buffer a
+      # launch (CANDLE_GEMMA_SCRATCH=0), alternating, three runs each.
+      for m in ${AB_MODELS:-e2b e4b}; do
+        for v in 1 0 1 0 1 0; do
+          CANDLE_GEMMA_SCRATCH=$v $B --config $C/$m-config.json --prefill 0 --batch 1 --context 128 --steps 32 --rounds 3 \
+            2>>"$OUT/bench.err" | grep decode | sed "s/^{/{\"scratch\":$v,/" | tee -a "$OUT/scratch-ab.jsonl" | python3 -c "
+import json,sys
+for l in sys.stdin:
+    d=json.loads(l); print(d['model'],'scratch',d['scratch'],round(d['tok_s'],1),'tok/s step',round(d['step_ms'],3),'host',round(d['host_ms'],3))"
+        done
+      done
+      ;;
     hostsample)
       # Where the host's time goes during batch-1 decode: cuda-gdb attaches to a running bench
       # and prints the main thread's stack, SAMPLES times (there is no perf on these machines).

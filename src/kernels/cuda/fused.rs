@@ -9,6 +9,7 @@ use candle_core::{DType, Result, Tensor};
 
 use super::kernel_cache::load_kernel;
 use super::launch::{contiguous_aligned16, cuda_dev, cuda_storage, kname, sm_count, view, wrap};
+use super::scratch::{with_kept, with_scratch};
 use crate::kernels::qmatmul::PackedWeight;
 
 /// The kernels' image (machine code for the build's compute capability, plus PTX), built by
@@ -1289,25 +1290,14 @@ pub(super) struct MvNormParams {
 // SAFETY: `#[repr(C)]` plain integer and float, read by the kernels with the same layout.
 unsafe impl DeviceRepr for MvNormParams {}
 
-/// Runs `f` with the device's launch counter of the folded add + norm: one `u32`, zero between
-/// launches (the last block of each launch resets it; launches on one stream do not overlap).
+/// Runs `f` with the launch counter of the folded add + norm (this thread's, on `dev`): one
+/// `u32`, zero between launches (the last block of each launch resets it; launches on one
+/// stream do not overlap).
 fn with_norm_counter<R>(
     dev: &candle_core::CudaDevice,
     f: impl FnOnce(&mut candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>) -> Result<R>,
 ) -> Result<R> {
-    use candle_core::cuda_backend::cudarc::driver::CudaSlice;
-    use std::collections::HashMap;
-    type Counters = HashMap<candle_core::cuda_backend::DeviceId, CudaSlice<u32>>;
-    static COUNTERS: std::sync::OnceLock<std::sync::Mutex<Counters>> = std::sync::OnceLock::new();
-    let mut map = COUNTERS
-        .get_or_init(Default::default)
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("norm counter lock poisoned".into()))?;
-    let counter = match map.entry(dev.id()) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(v) => v.insert(dev.alloc_zeros::<u32>(1)?),
-    };
-    f(counter)
+    with_kept::<u32, R>(dev, "norm_counter", 1, f)
 }
 
 /// `rms_norm(x) * norm_w` then `· Wᵀ`, the norm computed inside the product (the MoE router's
@@ -1565,10 +1555,9 @@ fn dense_mv_with(
     };
     by_dtype!(dtype, E, {
         let n = rows * out_dim;
-        // SAFETY: every (row, output) pair is written by the block owning the output; the
-        // norm outputs by the last block, every element of each row asked for.
-        let mut y = unsafe { dev.alloc::<E>(n)? };
         let Some(nf) = norm else {
+            // SAFETY: every (row, output) pair is written by the block owning the output.
+            let mut y = unsafe { dev.alloc::<E>(n)? };
             bind!(xv, xc, E);
             let gt = match (&gc, normed) {
                 (Some(g), _) => &g.0,
@@ -1611,47 +1600,51 @@ fn dense_mv_with(
         };
         let res = nf.res.contiguous()?;
         let nw = nf.w.contiguous()?;
-        with_norm_counter(&dev, |counter| {
-            bind!(xv, xc, E);
-            let gt = gc.as_ref().map_or(&xc, |g| &g.0);
-            bind!(gv, gt, E);
-            bind!(wv, w, E);
-            bind!(rv, res, E);
-            bind!(nwv, nw, E);
-            let sc = e.scalar.unwrap_or(&nw);
-            bind!(sv, sc, E);
-            let n1 = e.next.unwrap_or(&nw);
-            bind!(n1v, n1, E);
-            let n2 = e.next2.unwrap_or(&nw);
-            bind!(n2v, n2, E);
-            let mut b = func.builder();
-            b.arg(&params);
-            b.arg(&xv);
-            if gc.is_some() {
-                b.arg(&gv);
-            }
-            b.arg(&wv);
-            b.arg(&mut y);
-            b.arg(&rv);
-            b.arg(&nwv);
-            b.arg(&sv);
-            b.arg(&n1v);
-            b.arg(&n2v);
-            b.arg(&mut out);
-            match out2.as_mut() {
-                Some(o) => b.arg(o),
-                None => b.arg(&rv),
-            };
-            match out3.as_mut() {
-                Some(o) => b.arg(o),
-                None => b.arg(&rv),
-            };
-            b.arg(counter);
-            b.arg(&np);
-            // SAFETY: arguments match the kernel's signature; shapes checked above; the counter
-            // is zero between launches.
-            unsafe { b.launch(cfg) }.w()?;
-            Ok(())
+        // The product itself is only read back by the last block: a scratch buffer. The norm
+        // outputs are written by the last block, every element of each row asked for.
+        with_scratch::<E, _>(&dev, "norm_product", n, |y| {
+            with_norm_counter(&dev, |counter| {
+                bind!(xv, xc, E);
+                let gt = gc.as_ref().map_or(&xc, |g| &g.0);
+                bind!(gv, gt, E);
+                bind!(wv, w, E);
+                bind!(rv, res, E);
+                bind!(nwv, nw, E);
+                let sc = e.scalar.unwrap_or(&nw);
+                bind!(sv, sc, E);
+                let n1 = e.next.unwrap_or(&nw);
+                bind!(n1v, n1, E);
+                let n2 = e.next2.unwrap_or(&nw);
+                bind!(n2v, n2, E);
+                let mut b = func.builder();
+                b.arg(&params);
+                b.arg(&xv);
+                if gc.is_some() {
+                    b.arg(&gv);
+                }
+                b.arg(&wv);
+                b.arg(y);
+                b.arg(&rv);
+                b.arg(&nwv);
+                b.arg(&sv);
+                b.arg(&n1v);
+                b.arg(&n2v);
+                b.arg(&mut out);
+                match out2.as_mut() {
+                    Some(o) => b.arg(o),
+                    None => b.arg(&rv),
+                };
+                match out3.as_mut() {
+                    Some(o) => b.arg(o),
+                    None => b.arg(&rv),
+                };
+                b.arg(counter);
+                b.arg(&np);
+                // SAFETY: arguments match the kernel's signature; shapes checked above; the counter
+                // is zero between launches.
+                unsafe { b.launch(cfg) }.w()?;
+                Ok(())
+            })
         })?;
         Ok(Some((
             wrap(out, &dev, &shape),
@@ -1748,9 +1741,8 @@ pub fn packed_matvec_add_norm(
     let (scales, biases) = (w.scales.contiguous()?, w.biases.contiguous()?);
     let (res, nw) = (res.contiguous()?, norm_w.contiguous()?);
     by_dtype!(dtype, E, {
-        // SAFETY: every output is written by the warp owning it; the norm outputs by the last
-        // block, every element asked for.
-        let mut y = unsafe { dev.alloc::<E>(out_dim)? };
+        // SAFETY: the norm outputs are written by the last block, every element asked for
+        // (the product goes to a scratch buffer that only the last block reads back).
         let mut out = unsafe { dev.alloc::<E>(out_dim)? };
         let mut out2 = match extra.next {
             // SAFETY: as above.
@@ -1762,46 +1754,48 @@ pub fn packed_matvec_add_norm(
             Some(_) => Some(unsafe { dev.alloc::<E>(out_dim)? }),
             None => None,
         };
-        with_norm_counter(&dev, |counter| {
-            bind!(xv, xc, E);
-            bind!(cv, codes, u32);
-            bind!(sv, scales, E);
-            bind!(bv, biases, E);
-            bind!(rv, res, E);
-            bind!(nwv, nw, E);
-            let sc = extra.scalar.unwrap_or(&nw);
-            bind!(scv, sc, E);
-            let n1 = extra.next.unwrap_or(&nw);
-            bind!(n1v, n1, E);
-            let n2 = extra.next2.unwrap_or(&nw);
-            bind!(n2v, n2, E);
-            let mut b = func.builder();
-            b.arg(&params);
-            b.arg(&xv);
-            b.arg(&cv);
-            b.arg(&sv);
-            b.arg(&bv);
-            b.arg(&mut y);
-            b.arg(&rv);
-            b.arg(&nwv);
-            b.arg(&scv);
-            b.arg(&n1v);
-            b.arg(&n2v);
-            b.arg(&mut out);
-            match out2.as_mut() {
-                Some(o) => b.arg(o),
-                None => b.arg(&rv),
-            };
-            match out3.as_mut() {
-                Some(o) => b.arg(o),
-                None => b.arg(&rv),
-            };
-            b.arg(counter);
-            b.arg(&np);
-            // SAFETY: arguments match qmv_row4_norm's signature; shapes checked above; the
-            // counter is zero between launches.
-            unsafe { b.launch(cfg) }.w()?;
-            Ok(())
+        with_scratch::<E, _>(&dev, "norm_product", out_dim, |y| {
+            with_norm_counter(&dev, |counter| {
+                bind!(xv, xc, E);
+                bind!(cv, codes, u32);
+                bind!(sv, scales, E);
+                bind!(bv, biases, E);
+                bind!(rv, res, E);
+                bind!(nwv, nw, E);
+                let sc = extra.scalar.unwrap_or(&nw);
+                bind!(scv, sc, E);
+                let n1 = extra.next.unwrap_or(&nw);
+                bind!(n1v, n1, E);
+                let n2 = extra.next2.unwrap_or(&nw);
+                bind!(n2v, n2, E);
+                let mut b = func.builder();
+                b.arg(&params);
+                b.arg(&xv);
+                b.arg(&cv);
+                b.arg(&sv);
+                b.arg(&bv);
+                b.arg(y);
+                b.arg(&rv);
+                b.arg(&nwv);
+                b.arg(&scv);
+                b.arg(&n1v);
+                b.arg(&n2v);
+                b.arg(&mut out);
+                match out2.as_mut() {
+                    Some(o) => b.arg(o),
+                    None => b.arg(&rv),
+                };
+                match out3.as_mut() {
+                    Some(o) => b.arg(o),
+                    None => b.arg(&rv),
+                };
+                b.arg(counter);
+                b.arg(&np);
+                // SAFETY: arguments match qmv_row4_norm's signature; shapes checked above; the
+                // counter is zero between launches.
+                unsafe { b.launch(cfg) }.w()?;
+                Ok(())
+            })
         })?;
         Ok(Some((
             wrap(out, &dev, &shape),

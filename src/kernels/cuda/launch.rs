@@ -16,6 +16,7 @@ use super::params::{
     QMATVEC_ROW_WARPS, QMATVEC_WARPS, QSDPA_COMBINE_DIMS, QSDPA_COMBINE_THREADS, QSDPA_HEAD_DIMS,
     QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
 };
+use super::scratch::with_scratch;
 use crate::kernels::{dense, QueryPlan};
 use crate::kv::{CacheError, PackedKv};
 
@@ -562,17 +563,12 @@ fn attend_fused(
     } else {
         Some(dev.clone_htod(&table)?)
     };
-    // SAFETY: every element of the partial buffers that is read is written first (each split
-    // block writes all its rows), and the output is written in full by the kernel.
-    let parts: Option<(CudaSlice<f32>, CudaSlice<f32>)> = if n_split > 1 {
-        unsafe {
-            Some((
-                dev.alloc::<f32>(n_split * total_rows * 2)?,
-                dev.alloc::<f32>(n_split * total_rows * head_dim)?,
-            ))
-        }
+    // Every element of the partial buffers that is read is written first (each split block
+    // writes all its rows): per-thread scratch buffers, only used between the two launches.
+    let (ml_len, acc_len) = if n_split > 1 {
+        (n_split * total_rows * 2, n_split * total_rows * head_dim)
     } else {
-        None
+        (0, 0)
     };
 
     let main_cfg = LaunchConfig {
@@ -596,71 +592,78 @@ fn attend_fused(
         ($t:ty) => {{
             // SAFETY: uninitialised, then fully written by the kernel before it is read.
             let mut out = unsafe { dev.alloc::<$t>(out_len)? };
-            {
-                let (q_s, q_l) = q.storage_and_layout();
-                let (kc_s, kc_l) = ks.words.storage_and_layout();
-                let (ks_s, ks_l) = ks.scales.storage_and_layout();
-                let (kb_s, kb_l) = ks.biases.storage_and_layout();
-                let (vc_s, vc_l) = vs.words.storage_and_layout();
-                let (vs_s, vs_l) = vs.scales.storage_and_layout();
-                let (vb_s, vb_l) = vs.biases.storage_and_layout();
-                let qv = view::<$t>(cuda_storage(&q_s)?, q_l)?;
-                let ksv = view::<$t>(cuda_storage(&ks_s)?, ks_l)?;
-                let kbv = view::<$t>(cuda_storage(&kb_s)?, kb_l)?;
-                let vsv = view::<$t>(cuda_storage(&vs_s)?, vs_l)?;
-                let vbv = view::<$t>(cuda_storage(&vb_s)?, vb_l)?;
-                // Dense words are the elements themselves (the kernel reads them as u32 words).
-                let (kcv, vcv);
-                let (kcd, vcd);
-                let mut b = func.builder();
-                b.arg(&params);
-                b.arg(&qv);
-                if dense {
-                    kcd = view::<$t>(cuda_storage(&kc_s)?, kc_l)?;
-                    b.arg(&kcd);
-                } else {
-                    kcv = view::<u32>(cuda_storage(&kc_s)?, kc_l)?;
-                    b.arg(&kcv);
-                }
-                b.arg(&ksv);
-                b.arg(&kbv);
-                if dense {
-                    vcd = view::<$t>(cuda_storage(&vc_s)?, vc_l)?;
-                    b.arg(&vcd);
-                } else {
-                    vcv = view::<u32>(cuda_storage(&vc_s)?, vc_l)?;
-                    b.arg(&vcv);
-                }
-                b.arg(&vsv);
-                b.arg(&vbv);
-                match &pos_buf {
-                    Some(p) => b.arg(p),
-                    None => b.arg(&ksv),
-                };
-                b.arg(&mut out);
-                match &parts {
-                    Some((ml, acc)) => {
+            with_scratch::<f32, _>(&dev, "qsdpa_ml", ml_len, |ml| {
+                with_scratch::<f32, _>(&dev, "qsdpa_acc", acc_len, |acc| {
+                    let parts = (n_split > 1).then_some((&*ml, &*acc));
+                    {
+                        let (q_s, q_l) = q.storage_and_layout();
+                        let (kc_s, kc_l) = ks.words.storage_and_layout();
+                        let (ks_s, ks_l) = ks.scales.storage_and_layout();
+                        let (kb_s, kb_l) = ks.biases.storage_and_layout();
+                        let (vc_s, vc_l) = vs.words.storage_and_layout();
+                        let (vs_s, vs_l) = vs.scales.storage_and_layout();
+                        let (vb_s, vb_l) = vs.biases.storage_and_layout();
+                        let qv = view::<$t>(cuda_storage(&q_s)?, q_l)?;
+                        let ksv = view::<$t>(cuda_storage(&ks_s)?, ks_l)?;
+                        let kbv = view::<$t>(cuda_storage(&kb_s)?, kb_l)?;
+                        let vsv = view::<$t>(cuda_storage(&vs_s)?, vs_l)?;
+                        let vbv = view::<$t>(cuda_storage(&vb_s)?, vb_l)?;
+                        // Dense words are the elements themselves (the kernel reads them as
+                        // u32 words).
+                        let (kcv, vcv);
+                        let (kcd, vcd);
+                        let mut b = func.builder();
+                        b.arg(&params);
+                        b.arg(&qv);
+                        if dense {
+                            kcd = view::<$t>(cuda_storage(&kc_s)?, kc_l)?;
+                            b.arg(&kcd);
+                        } else {
+                            kcv = view::<u32>(cuda_storage(&kc_s)?, kc_l)?;
+                            b.arg(&kcv);
+                        }
+                        b.arg(&ksv);
+                        b.arg(&kbv);
+                        if dense {
+                            vcd = view::<$t>(cuda_storage(&vc_s)?, vc_l)?;
+                            b.arg(&vcd);
+                        } else {
+                            vcv = view::<u32>(cuda_storage(&vc_s)?, vc_l)?;
+                            b.arg(&vcv);
+                        }
+                        b.arg(&vsv);
+                        b.arg(&vbv);
+                        match &pos_buf {
+                            Some(p) => b.arg(p),
+                            None => b.arg(&ksv),
+                        };
+                        b.arg(&mut out);
+                        match parts {
+                            Some((ml, acc)) => {
+                                b.arg(ml);
+                                b.arg(acc);
+                            }
+                            None => {
+                                b.arg(&ksv);
+                                b.arg(&ksv);
+                            }
+                        }
+                        // SAFETY: argument list and types match the kernel's signature; grid within
+                        // the buffers' sizes (checked shapes above).
+                        unsafe { b.launch(main_cfg) }.w()?;
+                    }
+                    if let Some((ml, acc)) = parts {
+                        let mut b = comb.builder();
+                        b.arg(&params);
                         b.arg(ml);
                         b.arg(acc);
+                        b.arg(&mut out);
+                        // SAFETY: as above.
+                        unsafe { b.launch(comb_cfg) }.w()?;
                     }
-                    None => {
-                        b.arg(&ksv);
-                        b.arg(&ksv);
-                    }
-                }
-                // SAFETY: argument list and types match the kernel's signature; grid within
-                // the buffers' sizes (checked shapes above).
-                unsafe { b.launch(main_cfg) }.w()?;
-            }
-            if let Some((ml, acc)) = &parts {
-                let mut b = comb.builder();
-                b.arg(&params);
-                b.arg(ml);
-                b.arg(acc);
-                b.arg(&mut out);
-                // SAFETY: as above.
-                unsafe { b.launch(comb_cfg) }.w()?;
-            }
+                    Ok(())
+                })
+            })?;
             wrap(out, &dev, &[1, n_heads, q_len, head_dim])
         }};
     }

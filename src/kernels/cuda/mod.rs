@@ -14,6 +14,8 @@ pub mod fused;
 mod kernel_cache;
 #[cfg(feature = "cuda")]
 pub mod launch;
+#[cfg(feature = "cuda")]
+mod scratch;
 
 #[cfg(feature = "cuda")]
 pub use kernel_cache::launch_stats;
