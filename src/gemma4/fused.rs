@@ -168,6 +168,10 @@ pub(crate) fn product_add_norm(
 #[cfg(feature = "cuda")]
 use crate::kernels::cuda::fused as k;
 
+/// The product, the add and the norms in one launch where a kernel serves: a dense weight
+/// (`dense_mv_norm`), or a packed 4-bit one at one row (`qmv_row4_norm`; a gated input is
+/// computed first, by `gelu_mul`). `CANDLE_GEMMA_FOLD_NORM=0` keeps both apart,
+/// `CANDLE_GEMMA_PACKED_FOLD=0` only packed products.
 #[cfg(feature = "cuda")]
 fn folded_product_add_norm(
     lin: &Linear,
@@ -175,89 +179,60 @@ fn folded_product_add_norm(
     gate: Option<&Tensor>,
     a: &ProductAddNorm<'_>,
 ) -> Result<Option<k::AddNormOut>> {
+    fn env_off(cell: &'static std::sync::OnceLock<bool>, var: &str) -> bool {
+        *cell.get_or_init(|| std::env::var(var).is_ok_and(|v| v == "0"))
+    }
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_FOLD_NORM").is_ok_and(|v| v == "0"));
-    let Some(w) = lin.dense_weight() else {
-        return folded_packed_product_add_norm(lin, x, gate, a, off);
-    };
-    let bytes = super::tensor_bytes(w);
-    let wanted = match gate {
-        Some(_) => k::gated_matvec_wanted(bytes, super::rows_of(x)),
-        None => k::dense_matvec_wanted(bytes, super::rows_of(x)),
-    };
-    if off
-        || !wanted
-        || !crate::kernels::fused_enabled(x.device())
-        || a.norm.weight().dtype() != a.res.dtype()
-        || (a.next2.is_some() && a.next.is_none())
-    {
-        return Ok(None);
-    }
-    let extra = k::AddNormExtra {
-        scalar: a.scalar,
-        next: a.next.map(RmsNorm::weight),
-        next2: a.next2.map(RmsNorm::weight),
-        second_branch: None,
-    };
-    Ok(k::dense_matvec_add_norm(
-        x,
-        gate,
-        w,
-        a.res,
-        a.norm.weight(),
-        a.norm.eps(),
-        &extra,
-    )?)
-}
-
-/// [`folded_product_add_norm`] for a packed 4-bit weight at one row: the product and the add +
-/// norm in one launch (`qmv_row4_norm`); a gated input is computed first (`gelu_mul`).
-#[cfg(feature = "cuda")]
-fn folded_packed_product_add_norm(
-    lin: &Linear,
-    x: &Tensor,
-    gate: Option<&Tensor>,
-    a: &ProductAddNorm<'_>,
-    off: bool,
-) -> Result<Option<k::AddNormOut>> {
-    let Linear::Packed(w) = lin else {
-        return Ok(None);
-    };
-    // `CANDLE_GEMMA_PACKED_FOLD=0` keeps packed products apart from their add + norm only.
     static PACKED_OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let packed_off = *PACKED_OFF
-        .get_or_init(|| std::env::var("CANDLE_GEMMA_PACKED_FOLD").is_ok_and(|v| v == "0"));
-    if off
-        || packed_off
-        || !k::packed_matvec_folds_norm(x.dtype(), super::rows_of(x), w)
+    if env_off(&OFF, "CANDLE_GEMMA_FOLD_NORM")
         || !crate::kernels::fused_enabled(x.device())
         || a.norm.weight().dtype() != a.res.dtype()
         || (a.next2.is_some() && a.next.is_none())
     {
         return Ok(None);
     }
-    let gated;
-    let input = match gate {
-        Some(g) => {
-            gated = gelu_mul(x, g)?;
-            &gated
-        }
-        None => x,
-    };
+    let rows = super::rows_of(x);
     let extra = k::AddNormExtra {
         scalar: a.scalar,
         next: a.next.map(RmsNorm::weight),
         next2: a.next2.map(RmsNorm::weight),
         second_branch: None,
     };
-    Ok(k::packed_matvec_add_norm(
-        input,
-        w,
-        a.res,
-        a.norm.weight(),
-        a.norm.eps(),
-        &extra,
-    )?)
+    let (norm_w, eps) = (a.norm.weight(), a.norm.eps());
+    match lin {
+        Linear::Dense(l) => {
+            let w = l.weight();
+            let bytes = super::tensor_bytes(w);
+            let wanted = match gate {
+                Some(_) => k::gated_matvec_wanted(bytes, rows),
+                None => k::dense_matvec_wanted(bytes, rows),
+            };
+            if !wanted {
+                return Ok(None);
+            }
+            Ok(k::dense_matvec_add_norm(
+                x, gate, w, a.res, norm_w, eps, &extra,
+            )?)
+        }
+        Linear::Packed(w) => {
+            if env_off(&PACKED_OFF, "CANDLE_GEMMA_PACKED_FOLD")
+                || !k::packed_matvec_folds_norm(x.dtype(), rows, w)
+            {
+                return Ok(None);
+            }
+            let gated;
+            let input = match gate {
+                Some(g) => {
+                    gated = gelu_mul(x, g)?;
+                    &gated
+                }
+                None => x,
+            };
+            Ok(k::packed_matvec_add_norm(
+                input, w, a.res, norm_w, eps, &extra,
+            )?)
+        }
+    }
 }
 
 /// `lin(norm(x))`: on CUDA decode with a dense weight the norm is computed inside the product

@@ -3,7 +3,7 @@
 //! block. Each takes the place of a chain of candle ops on CUDA; `crate::gemma4::fused` picks
 //! between them and the candle chain, which stays the reference on every other device.
 
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
 
@@ -1279,6 +1279,111 @@ struct NormFuse<'a> {
     extra: &'a AddNormExtra<'a>,
 }
 
+impl NormFuse<'_> {
+    /// Checks the residual, the norm weights and their dtype against the product's output
+    /// `shape` (last axis the output width) and `dtype`; `what` names the caller in the error.
+    fn check(&self, shape: &[usize], dtype: DType, what: &str) -> Result<()> {
+        let e = self.extra;
+        let mut ts = vec![self.res, self.w];
+        ts.extend(e.scalar);
+        ts.extend(e.next);
+        ts.extend(e.next2);
+        check_dtype(&ts, dtype)?;
+        let width = [shape.last().copied().unwrap_or(0)];
+        if self.res.dims() != shape
+            || self.w.dims() != width
+            || e.next.is_some_and(|t| t.dims() != width)
+            || e.next2.is_some_and(|t| t.dims() != width)
+            || (e.next2.is_some() && e.next.is_none())
+        {
+            candle_core::bail!(
+                "{what}: residual {:?}, output {shape:?}, norm weight {:?}",
+                self.res.dims(),
+                self.w.dims()
+            );
+        }
+        Ok(())
+    }
+
+    /// The tail's `MvNormParams`: which of the scalar and the next norms it applies.
+    fn params(&self) -> MvNormParams {
+        let e = self.extra;
+        MvNormParams {
+            flags: u32::from(e.scalar.is_some())
+                | (u32::from(e.next.is_some()) << 1)
+                | (u32::from(e.next2.is_some()) << 2),
+            eps: self.eps as f32,
+        }
+    }
+}
+
+/// What a norm tail writes: the sum, and the norms of it asked for (`n` elements each).
+struct NormOutputs<E> {
+    out: CudaSlice<E>,
+    out2: Option<CudaSlice<E>>,
+    out3: Option<CudaSlice<E>>,
+}
+
+impl<E: DeviceRepr + candle_core::cuda_backend::CudaDType> NormOutputs<E> {
+    /// Uninitialised outputs for `nf`.
+    fn alloc(dev: &candle_core::CudaDevice, n: usize, nf: &NormFuse<'_>) -> Result<Self> {
+        // SAFETY: the last block writes every element of each output asked for.
+        unsafe {
+            Ok(Self {
+                out: dev.alloc::<E>(n)?,
+                out2: nf.extra.next.map(|_| dev.alloc::<E>(n)).transpose()?,
+                out3: nf.extra.next2.map(|_| dev.alloc::<E>(n)).transpose()?,
+            })
+        }
+    }
+
+    /// The outputs as tensors of `shape`.
+    fn wrap(self, dev: &candle_core::CudaDevice, shape: &[usize]) -> AddNormOut {
+        (
+            wrap(self.out, dev, shape),
+            self.out2.map(|o| wrap(o, dev, shape)),
+            self.out3.map(|o| wrap(o, dev, shape)),
+        )
+    }
+}
+
+/// Pushes a norm tail's arguments (`DMV_NORM_ARGS` in fused.cu) after the product's output on
+/// the launch `$b`, then launches it under `$cfg`. The argument views are bound here, at the
+/// call site, so that they live until the launch.
+macro_rules! launch_with_norm_tail {
+    ($b:ident, $nf:expr, $res:expr, $nw:expr, $outs:expr, $counter:expr, $ty:ty, $cfg:expr) => {{
+        let e = $nf.extra;
+        bind!(rv, $res, $ty);
+        bind!(nwv, $nw, $ty);
+        let sc = e.scalar.unwrap_or(&$nw);
+        bind!(sv, sc, $ty);
+        let n1 = e.next.unwrap_or(&$nw);
+        bind!(n1v, n1, $ty);
+        let n2 = e.next2.unwrap_or(&$nw);
+        bind!(n2v, n2, $ty);
+        let np = $nf.params();
+        $b.arg(&rv);
+        $b.arg(&nwv);
+        $b.arg(&sv);
+        $b.arg(&n1v);
+        $b.arg(&n2v);
+        $b.arg(&mut $outs.out);
+        match $outs.out2.as_mut() {
+            Some(o) => $b.arg(o),
+            None => $b.arg(&rv),
+        };
+        match $outs.out3.as_mut() {
+            Some(o) => $b.arg(o),
+            None => $b.arg(&rv),
+        };
+        $b.arg($counter);
+        $b.arg(&np);
+        // SAFETY: the caller pushed the product's arguments in the kernel's order; these follow
+        // DMV_NORM_ARGS; the counter is zero between launches.
+        unsafe { $b.launch($cfg) }.w()?;
+    }};
+}
+
 /// `struct MvNormParams` in `fused.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
@@ -1509,24 +1614,7 @@ fn dense_mv_with(
         *l = out_dim;
     }
     if let Some(n) = norm {
-        let e = n.extra;
-        let mut ts = vec![n.res, n.w];
-        ts.extend(e.scalar);
-        ts.extend(e.next);
-        ts.extend(e.next2);
-        check_dtype(&ts, dtype)?;
-        if n.res.dims() != shape.as_slice()
-            || n.w.dims() != [out_dim]
-            || e.next.is_some_and(|t| t.dims() != [out_dim])
-            || e.next2.is_some_and(|t| t.dims() != [out_dim])
-            || (e.next2.is_some() && e.next.is_none())
-        {
-            candle_core::bail!(
-                "dense_matvec_add_norm: residual {:?}, output {shape:?}, norm weight {:?}",
-                n.res.dims(),
-                n.w.dims()
-            );
-        }
+        n.check(&shape, dtype, "dense_matvec_add_norm")?;
     }
     let kind = match (gc.is_some(), normed.is_some(), norm.is_some()) {
         (_, true, _) => "dense_mv_normed",
@@ -1579,43 +1667,16 @@ fn dense_mv_with(
             drop(b);
             return Ok(Some((wrap(y, &dev, &shape), None, None)));
         };
-        let e = nf.extra;
-        // SAFETY: as above.
-        let mut out = unsafe { dev.alloc::<E>(n)? };
-        let mut out2 = match e.next {
-            // SAFETY: as above.
-            Some(_) => Some(unsafe { dev.alloc::<E>(n)? }),
-            None => None,
-        };
-        let mut out3 = match e.next2 {
-            // SAFETY: as above.
-            Some(_) => Some(unsafe { dev.alloc::<E>(n)? }),
-            None => None,
-        };
-        let np = MvNormParams {
-            flags: u32::from(e.scalar.is_some())
-                | (u32::from(e.next.is_some()) << 1)
-                | (u32::from(e.next2.is_some()) << 2),
-            eps: nf.eps as f32,
-        };
+        let mut outs = NormOutputs::<E>::alloc(&dev, n, nf)?;
         let res = nf.res.contiguous()?;
         let nw = nf.w.contiguous()?;
-        // The product itself is only read back by the last block: a scratch buffer. The norm
-        // outputs are written by the last block, every element of each row asked for.
+        // The product itself is only read back by the last block: a scratch buffer.
         with_scratch::<E, _>(&dev, "norm_product", n, |y| {
             with_norm_counter(&dev, |counter| {
                 bind!(xv, xc, E);
                 let gt = gc.as_ref().map_or(&xc, |g| &g.0);
                 bind!(gv, gt, E);
                 bind!(wv, w, E);
-                bind!(rv, res, E);
-                bind!(nwv, nw, E);
-                let sc = e.scalar.unwrap_or(&nw);
-                bind!(sv, sc, E);
-                let n1 = e.next.unwrap_or(&nw);
-                bind!(n1v, n1, E);
-                let n2 = e.next2.unwrap_or(&nw);
-                bind!(n2v, n2, E);
                 let mut b = func.builder();
                 b.arg(&params);
                 b.arg(&xv);
@@ -1624,33 +1685,11 @@ fn dense_mv_with(
                 }
                 b.arg(&wv);
                 b.arg(y);
-                b.arg(&rv);
-                b.arg(&nwv);
-                b.arg(&sv);
-                b.arg(&n1v);
-                b.arg(&n2v);
-                b.arg(&mut out);
-                match out2.as_mut() {
-                    Some(o) => b.arg(o),
-                    None => b.arg(&rv),
-                };
-                match out3.as_mut() {
-                    Some(o) => b.arg(o),
-                    None => b.arg(&rv),
-                };
-                b.arg(counter);
-                b.arg(&np);
-                // SAFETY: arguments match the kernel's signature; shapes checked above; the counter
-                // is zero between launches.
-                unsafe { b.launch(cfg) }.w()?;
+                launch_with_norm_tail!(b, nf, res, nw, outs, counter, E, cfg);
                 Ok(())
             })
         })?;
-        Ok(Some((
-            wrap(out, &dev, &shape),
-            out2.map(|o| wrap(o, &dev, &shape)),
-            out3.map(|o| wrap(o, &dev, &shape)),
-        )))
+        Ok(Some(outs.wrap(&dev, &shape)))
     })
 }
 
@@ -1693,35 +1732,19 @@ pub fn packed_matvec_add_norm(
     if let Some(l) = shape.last_mut() {
         *l = out_dim;
     }
-    let mut ts = vec![res, norm_w];
-    ts.extend(extra.scalar);
-    ts.extend(extra.next);
-    ts.extend(extra.next2);
-    check_dtype(&ts, dtype)?;
-    if res.dims() != shape.as_slice()
-        || norm_w.dims() != [out_dim]
-        || extra.next.is_some_and(|t| t.dims() != [out_dim])
-        || extra.next2.is_some_and(|t| t.dims() != [out_dim])
-        || (extra.next2.is_some() && extra.next.is_none())
-    {
-        candle_core::bail!(
-            "packed_matvec_add_norm: residual {:?}, output {shape:?}, norm weight {:?}",
-            res.dims(),
-            norm_w.dims()
-        );
-    }
+    let nf = NormFuse {
+        res,
+        w: norm_w,
+        eps,
+        extra,
+    };
+    nf.check(&shape, dtype, "packed_matvec_add_norm")?;
     let dev = cuda_dev(x)?;
     let params = super::params::QmatParams {
         rows: 1,
         out_dim: u32_of(out_dim, "output width")?,
         in_dim: u32_of(in_dim, "input width")?,
         group_size: u32_of(w.group_size, "group size")?,
-    };
-    let np = MvNormParams {
-        flags: u32::from(extra.scalar.is_some())
-            | (u32::from(extra.next.is_some()) << 1)
-            | (u32::from(extra.next2.is_some()) << 2),
-        eps: eps as f32,
     };
     let func = load_kernel(
         &dev,
@@ -1741,33 +1764,14 @@ pub fn packed_matvec_add_norm(
     let (scales, biases) = (w.scales.contiguous()?, w.biases.contiguous()?);
     let (res, nw) = (res.contiguous()?, norm_w.contiguous()?);
     by_dtype!(dtype, E, {
-        // SAFETY: the norm outputs are written by the last block, every element asked for
-        // (the product goes to a scratch buffer that only the last block reads back).
-        let mut out = unsafe { dev.alloc::<E>(out_dim)? };
-        let mut out2 = match extra.next {
-            // SAFETY: as above.
-            Some(_) => Some(unsafe { dev.alloc::<E>(out_dim)? }),
-            None => None,
-        };
-        let mut out3 = match extra.next2 {
-            // SAFETY: as above.
-            Some(_) => Some(unsafe { dev.alloc::<E>(out_dim)? }),
-            None => None,
-        };
+        let mut outs = NormOutputs::<E>::alloc(&dev, out_dim, &nf)?;
+        // The product goes to a scratch buffer that only the last block reads back.
         with_scratch::<E, _>(&dev, "norm_product", out_dim, |y| {
             with_norm_counter(&dev, |counter| {
                 bind!(xv, xc, E);
                 bind!(cv, codes, u32);
                 bind!(sv, scales, E);
                 bind!(bv, biases, E);
-                bind!(rv, res, E);
-                bind!(nwv, nw, E);
-                let sc = extra.scalar.unwrap_or(&nw);
-                bind!(scv, sc, E);
-                let n1 = extra.next.unwrap_or(&nw);
-                bind!(n1v, n1, E);
-                let n2 = extra.next2.unwrap_or(&nw);
-                bind!(n2v, n2, E);
                 let mut b = func.builder();
                 b.arg(&params);
                 b.arg(&xv);
@@ -1775,33 +1779,11 @@ pub fn packed_matvec_add_norm(
                 b.arg(&sv);
                 b.arg(&bv);
                 b.arg(y);
-                b.arg(&rv);
-                b.arg(&nwv);
-                b.arg(&scv);
-                b.arg(&n1v);
-                b.arg(&n2v);
-                b.arg(&mut out);
-                match out2.as_mut() {
-                    Some(o) => b.arg(o),
-                    None => b.arg(&rv),
-                };
-                match out3.as_mut() {
-                    Some(o) => b.arg(o),
-                    None => b.arg(&rv),
-                };
-                b.arg(counter);
-                b.arg(&np);
-                // SAFETY: arguments match qmv_row4_norm's signature; shapes checked above; the
-                // counter is zero between launches.
-                unsafe { b.launch(cfg) }.w()?;
+                launch_with_norm_tail!(b, nf, res, nw, outs, counter, E, cfg);
                 Ok(())
             })
         })?;
-        Ok(Some((
-            wrap(out, &dev, &shape),
-            out2.map(|o| wrap(o, &dev, &shape)),
-            out3.map(|o| wrap(o, &dev, &shape)),
-        )))
+        Ok(Some(outs.wrap(&dev, &shape)))
     })
 }
 
