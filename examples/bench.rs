@@ -279,11 +279,16 @@ fn main() -> Result<()> {
                                    "driver_launch_ms_per_step": (z.1 - a.1) as f64 / steps / 1e6})
                         });
                         let bytes = wbytes + kv_bytes;
+                        // Whether batch-1 steps replayed a CUDA graph (and if not, why).
+                        #[cfg(feature = "cuda")]
+                        let graph = model.text_model().cuda_graph_state();
+                        #[cfg(not(feature = "cuda"))]
+                        let graph = "cuda feature off";
                         println!(
                             "{}",
                             json!({
                                 "model": name, "weights": weights, "kv": kv, "fused": fused,
-                                "op": "decode", "batch": b, "context": ctx,
+                                "op": "decode", "batch": b, "context": ctx, "cuda_graph": graph,
                                 "tok_s": b as f64 / secs, "step_ms": secs * 1e3, "host_ms": host_ms,
                                 "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,
                                 "launch_stats": launches,

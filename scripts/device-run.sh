@@ -329,6 +329,24 @@ for l in sys.stdin:
           2>>"$OUT/bench.err" | grep decode | tee -a "$OUT/decode-b1.jsonl" | cut -c1-200
       done
       ;;
+    graph)
+      # Batch-1 decode with CUDA graphs (default) and without (CANDLE_GEMMA_CUDA_GRAPH=0),
+      # alternating; then every fixture's bf16 greedy ids with and without graphs (they must be
+      # identical: the replayed kernels are the captured ones).
+      for m in ${GRAPH_MODELS:-e2b e4b}; do
+        for v in 1 0 1 0; do
+          CANDLE_GEMMA_CUDA_GRAPH=$v $B --config $C/$m-config.json --prefill 0 --batch 1 --context 128,4096 --steps 32 --rounds 3 \
+            2>>"$OUT/bench.err" | grep decode | sed "s/^{/{\"graph_env\":$v,/" | tee -a "$OUT/graph-ab.jsonl" | cut -c1-260
+        done
+      done
+      python3 scripts/gpu_tokens_check.py .device/generate bf16 > "$OUT/tokens-bf16-graph.txt" 2>&1
+      CANDLE_GEMMA_CUDA_GRAPH=0 python3 scripts/gpu_tokens_check.py .device/generate bf16 > "$OUT/tokens-bf16-nograph.txt" 2>&1
+      if diff <(grep -o '"ids".*' "$OUT/tokens-bf16-graph.txt") <(grep -o '"ids".*' "$OUT/tokens-bf16-nograph.txt") >/dev/null; then
+        echo "bf16 fixture ids: graph == no graph ($(grep -c '"ids"' "$OUT/tokens-bf16-graph.txt") cases)"
+      else
+        echo "bf16 fixture ids DIFFER with and without graphs"
+      fi
+      ;;
     scratchab)
       # Batch-1 decode with the per-thread scratch buffers (default) and with a fresh buffer a
       # launch (CANDLE_GEMMA_SCRATCH=0), alternating, three runs each.

@@ -30,7 +30,7 @@ def main(binary, dtype="f32"):
             total += 1
             ok += same
             print(json.dumps({"fixture": golden.parent.name, "case": i, "dtype": dtype, "compared": k,
-                              "equal_up_to_near_tie": same, "agreeing_prefix": agree}), flush=True)
+                              "equal_up_to_near_tie": same, "agreeing_prefix": agree, "ids": ids}), flush=True)
     print(f"{ok} passed, {total - ok} failed")
 
 

@@ -3,6 +3,8 @@
 
 pub mod attention;
 pub(crate) mod fused;
+#[cfg(feature = "cuda")]
+pub(crate) mod graph;
 pub mod layer;
 pub mod mlp;
 pub mod model;

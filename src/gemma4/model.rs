@@ -29,12 +29,15 @@ pub struct TextModel {
     norm: RmsNorm,
     /// `[V, H]` when the head is not tied.
     lm_head: Option<Linear>,
-    rope_sliding: Rope,
-    rope_full: Rope,
+    pub(super) rope_sliding: Rope,
+    pub(super) rope_full: Rope,
     /// `producers[i]`: some later layer reads layer i's K/V.
-    producers: Vec<bool>,
+    pub(super) producers: Vec<bool>,
     dtype: DType,
     device: Device,
+    /// Captured batch-1 decode steps (shared by clones of the model).
+    #[cfg(feature = "cuda")]
+    graphs: std::sync::Arc<super::graph::DecodeGraphs>,
 }
 
 impl TextModel {
@@ -78,6 +81,8 @@ impl TextModel {
             dtype: vb.dtype(),
             device: vb.device().clone(),
             config,
+            #[cfg(feature = "cuda")]
+            graphs: Default::default(),
         })
     }
 
@@ -95,6 +100,12 @@ impl TextModel {
                 .sum::<usize>()
             + self.norm.resident_bytes()
             + self.lm_head.as_ref().map_or(0, Linear::resident_bytes)
+    }
+
+    /// Whether batch-1 decode steps run as a CUDA graph, and if not, why (one line).
+    #[cfg(feature = "cuda")]
+    pub fn cuda_graph_state(&self) -> String {
+        self.graphs.describe()
     }
 
     /// The validated config.
@@ -205,20 +216,26 @@ impl TextModel {
     /// One chunk of [`TextModel::forward`].
     fn forward_chunk(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
         let offsets = cache.offsets();
-        let seq_len = self.validate(batch, &offsets)?;
+        self.validate(batch, &offsets)?;
+        #[cfg(feature = "cuda")]
+        if let Some(logits) = self.graphs.decode(self, batch, cache)? {
+            return Ok(logits);
+        }
+        self.run_eager(batch, offsets, cache)
+    }
+
+    /// Uploads `batch`'s ids and the rotary tables of its positions (`offsets`) and runs them.
+    pub(super) fn run_eager(
+        &self,
+        batch: &[Vec<u32>],
+        offsets: Vec<usize>,
+        cache: &mut ModelCache,
+    ) -> Result<Tensor> {
+        let seq_len = batch.first().map_or(0, Vec::len);
         let b = batch.len();
         let flat: Vec<u32> = batch.iter().flatten().copied().collect();
         let ids = Tensor::from_vec(flat, (b, seq_len), &self.device)?;
-
-        let emb = self.embed_tokens.lookup(&ids.flatten_all()?, self.dtype)?;
-        let emb = emb.reshape((b, seq_len, self.config.hidden_size))?;
-        // The references multiply by sqrt(H) rounded to the activation dtype (39.25 in bf16).
-        let mut x = scale_in_dtype(&emb, (self.config.hidden_size as f64).sqrt())?;
-        let mut ple_all = match &self.ple {
-            Some(p) => Some(p.forward(&ids, &x)?),
-            None => None,
-        };
-        let mut step = Step::new(
+        let step = Step::new(
             offsets,
             seq_len,
             &self.rope_sliding,
@@ -226,6 +243,26 @@ impl TextModel {
             self.dtype,
             &self.device,
         )?;
+        self.run(&ids, step, cache)
+    }
+
+    /// Runs token ids `[batch, seq_len]` at `step`'s positions through the stack, appending to
+    /// `cache`; returns the f32 logits of each sequence's last position.
+    pub(super) fn run(
+        &self,
+        ids: &Tensor,
+        mut step: Step,
+        cache: &mut ModelCache,
+    ) -> Result<Tensor> {
+        let (b, seq_len) = ids.dims2()?;
+        let emb = self.embed_tokens.lookup(&ids.flatten_all()?, self.dtype)?;
+        let emb = emb.reshape((b, seq_len, self.config.hidden_size))?;
+        // The references multiply by sqrt(H) rounded to the activation dtype (39.25 in bf16).
+        let mut x = scale_in_dtype(&emb, (self.config.hidden_size as f64).sqrt())?;
+        let mut ple_all = match &self.ple {
+            Some(p) => Some(p.forward(ids, &x)?),
+            None => None,
+        };
 
         let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
         // The next layer's input norm, computed by the previous layer's last residual add.

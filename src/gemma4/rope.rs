@@ -43,9 +43,54 @@ impl Rope {
         dtype: DType,
         device: &Device,
     ) -> Result<(Tensor, Tensor)> {
+        let both = self.both(offsets, seq_len, dtype, device)?;
+        Ok((both.get(0)?, both.get(1)?))
+    }
+
+    /// Both tables as one tensor `[2, batch, seq_len, head_dim / 2]` (cos, then sin): what
+    /// [`Rope::tables`] returns the two halves of.
+    ///
+    /// # Errors
+    /// Allocation failure.
+    pub fn both(
+        &self,
+        offsets: &[usize],
+        seq_len: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor> {
+        let shape = (2, offsets.len(), seq_len, self.inv_freq.len());
+        // Both tables in one upload, rounded to the activations' dtype on the host (the same
+        // rounding as a device cast, without two cast launches a step).
+        upload_in_dtype(self.values(offsets, seq_len), shape, dtype, device)
+    }
+
+    /// The bytes of [`Rope::both`] in `dtype` (f32, f16 or bf16), little-endian, for writing
+    /// into an existing table.
+    ///
+    /// # Errors
+    /// Another dtype.
+    pub fn both_bytes(&self, offsets: &[usize], seq_len: usize, dtype: DType) -> Result<Vec<u8>> {
+        let values = self.values(offsets, seq_len);
+        Ok(match dtype {
+            DType::BF16 => values
+                .into_iter()
+                .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            DType::F16 => values
+                .into_iter()
+                .flat_map(|v| half::f16::from_f32(v).to_le_bytes())
+                .collect(),
+            DType::F32 => values.into_iter().flat_map(f32::to_le_bytes).collect(),
+            other => candle_core::bail!("rotary tables in {other:?}: f32, f16 or bf16 only"),
+        })
+    }
+
+    /// Every cos, then every sin, in f32 (`[2, batch, seq_len, head_dim / 2]` order).
+    fn values(&self, offsets: &[usize], seq_len: usize) -> Vec<f32> {
         let half = self.inv_freq.len();
         let n = offsets.len() * seq_len * half;
-        let (mut cos, mut sin) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut cos, mut sin) = (Vec::with_capacity(2 * n), Vec::with_capacity(n));
         for &start in offsets {
             for s in 0..seq_len {
                 // Like the references: f32 inverse frequencies times an exact f32 position.
@@ -57,12 +102,8 @@ impl Rope {
                 }
             }
         }
-        // Both tables in one upload, rounded to the activations' dtype on the host (the same
-        // rounding as a device cast, without two cast launches a step).
-        let shape = (2, offsets.len(), seq_len, half);
         cos.extend_from_slice(&sin);
-        let both = upload_in_dtype(cos, shape, dtype, device)?;
-        Ok((both.get(0)?, both.get(1)?))
+        cos
     }
 }
 
@@ -135,6 +176,29 @@ mod tests {
                 );
             }
         }
+        Ok(())
+    }
+
+    #[test]
+    fn table_bytes_equal_the_uploaded_tables() -> Result<()> {
+        let p = RopeParams {
+            theta: 1_000_000.0,
+            partial_rotary_factor: 0.25,
+            factor: 1.0,
+        };
+        let r = Rope::new(&p, 32);
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            let both = r.both(&[77], 1, dtype, &Device::Cpu)?;
+            let bytes = r.both_bytes(&[77], 1, dtype)?;
+            let from_bytes = Tensor::from_raw_buffer(&bytes, dtype, both.dims(), &Device::Cpu)?;
+            let flat = |t: &Tensor| -> Result<Vec<f32>> {
+                t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+            };
+            assert_eq!(flat(&from_bytes)?, flat(&both)?);
+            // Not all ones and zeros: position 77 rotates the first pairs.
+            assert!(flat(&both)?.iter().any(|&v| v != 0.0 && v != 1.0));
+        }
+        assert!(r.both_bytes(&[1], 1, DType::U8).is_err());
         Ok(())
     }
 }

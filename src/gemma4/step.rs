@@ -40,6 +40,25 @@ impl Step {
         })
     }
 
+    /// A step whose tables are the two halves of `sliding` and `full` (each `[2, batch, seq_len,
+    /// head_dim / 2]`, as [`Rope::both`] makes them): views, no copy.
+    ///
+    /// # Errors
+    /// Tables of another shape.
+    pub fn from_both(
+        offsets: Vec<usize>,
+        seq_len: usize,
+        sliding: &Tensor,
+        full: &Tensor,
+    ) -> Result<Self> {
+        Ok(Self {
+            sliding: (sliding.get(0)?, sliding.get(1)?),
+            full: (full.get(0)?, full.get(1)?),
+            offsets,
+            seq_len,
+        })
+    }
+
     /// The tables of a layer kind.
     pub fn rope(&self, kind: LayerKind) -> (&Tensor, &Tensor) {
         let t = match kind {

@@ -96,6 +96,18 @@ pub fn attend(
             found: vec![q_offsets.len()],
         });
     }
+    // A step being captured into a CUDA graph reads its attention parameters from the graph's
+    // parameter area (see `cuda::graph`).
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && cuda::graph::recording() {
+        return match q_offsets {
+            [q_offset] => cuda::batched::attend_recorded(q, view, *q_offset, window, scale),
+            _ => Err(CacheError::BatchSize {
+                expected: 1,
+                found: batch,
+            }),
+        };
+    }
     match view {
         KvView::Single { data, positions } => {
             if batch != 1 {

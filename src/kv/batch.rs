@@ -115,6 +115,13 @@ impl BatchCache {
         }
     }
 
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// The sequences' caches, mutably (crate only: their count must not change behind the
+    /// batch's back).
+    pub(crate) fn sequences_mut(&mut self) -> &mut [LayerCache] {
+        &mut self.seqs
+    }
+
     /// Commits the slots of [`BatchCache::reserve_slots`]: the batch view `update` would have
     /// returned.
     pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {

@@ -178,6 +178,18 @@ impl GrowBuf {
         self.len -= n.min(self.len);
     }
 
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// The counter a commit advances (see [`crate::kv::CacheMark`]).
+    pub fn mark(&self) -> usize {
+        self.len
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Sets the counter back to `len` (storage untouched).
+    pub fn restore(&mut self, len: usize) {
+        self.len = len.min(self.cap);
+    }
+
     /// Frees the storage.
     pub fn reset(&mut self) {
         *self = Self::default();
@@ -416,6 +428,19 @@ impl RingBuf {
     pub fn trim(&mut self, n: usize) {
         self.offset -= n.min(self.offset);
         self.first = self.first.min(self.offset);
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// The counters a commit advances: `(first, offset)` (see [`crate::kv::CacheMark`]).
+    pub fn mark(&self) -> (usize, usize) {
+        (self.first, self.offset)
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Sets the counters back (storage untouched).
+    pub fn restore(&mut self, (first, offset): (usize, usize)) {
+        self.first = first;
+        self.offset = offset;
     }
 
     /// Frees the storage.

@@ -175,6 +175,65 @@ impl LayerCache {
     }
 }
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+/// The counters of a dense cache that writing a token advances, taken before a step and put
+/// back if the step is abandoned before any kernel ran (storage is never touched).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum CacheMark {
+    /// A [`SimpleCache`]'s tokens held.
+    Simple(usize),
+    /// A [`RotatingCache`]'s `(first, offset)`.
+    Rotating((usize, usize)),
+    /// One mark per sequence of a [`BatchCache`].
+    Batch(Vec<CacheMark>),
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl LayerCache {
+    /// The counters to restore this cache to; `None` for kinds without marks (quantized).
+    pub(crate) fn mark(&self) -> Option<CacheMark> {
+        Some(match self {
+            LayerCache::Simple(c) => CacheMark::Simple(c.mark()),
+            LayerCache::Rotating(c) => CacheMark::Rotating(c.mark()),
+            LayerCache::Batch(b) => CacheMark::Batch(
+                b.sequences()
+                    .iter()
+                    .map(LayerCache::mark)
+                    .collect::<Option<Vec<_>>>()?,
+            ),
+            LayerCache::Quantized(_) => return None,
+        })
+    }
+
+    /// Puts back the counters of [`LayerCache::mark`]; a mark of another kind is ignored.
+    pub(crate) fn restore(&mut self, mark: &CacheMark) {
+        match (self, mark) {
+            (LayerCache::Simple(c), CacheMark::Simple(m)) => c.restore(*m),
+            (LayerCache::Rotating(c), CacheMark::Rotating(m)) => c.restore(*m),
+            (LayerCache::Batch(b), CacheMark::Batch(marks)) => {
+                for (c, m) in b.sequences_mut().iter_mut().zip(marks) {
+                    c.restore(m);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The dtype of a dense cache's K/V (a batch's when it holds one sequence); `None` for
+    /// quantized caches and larger batches.
+    pub(crate) fn dense_dtype(&self) -> Option<candle_core::DType> {
+        match self {
+            LayerCache::Simple(c) => Some(c.dtype()),
+            LayerCache::Rotating(c) => Some(c.dtype()),
+            LayerCache::Batch(b) => match b.sequences() {
+                [only] => only.dense_dtype(),
+                _ => None,
+            },
+            LayerCache::Quantized(_) => None,
+        }
+    }
+}
+
 impl KvCache for LayerCache {
     fn update(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView, CacheError> {
         match self {

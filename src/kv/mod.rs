@@ -24,6 +24,7 @@ mod view;
 pub use batch::BatchCache;
 pub use config::{CacheConfig, CacheMode, LayerCacheSpec, QuantSpec};
 pub use error::CacheError;
+pub(crate) use layer::CacheMark;
 pub use layer::{CacheKind, LayerCache};
 pub use model_cache::ModelCache;
 pub use prompt::{CacheMeta, PromptCache};

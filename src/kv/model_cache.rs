@@ -2,7 +2,7 @@
 
 use candle_core::{DType, Device};
 
-use super::{BatchCache, CacheConfig, CacheError, KvCache, LayerCache, LayerCacheSpec};
+use super::{BatchCache, CacheConfig, CacheError, CacheMark, KvCache, LayerCache, LayerCacheSpec};
 
 /// Caches of a whole model: `layers[l]` is `Some` for a KV-owning layer and `None` for a
 /// KV-consumer layer, which reads its producer's view of the current step and owns no cache.
@@ -71,6 +71,28 @@ impl ModelCache {
             c.trim(n)?;
         }
         Ok(())
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Every layer's [`LayerCache::mark`]; `None` when some layer has no marks.
+    pub(crate) fn marks(&self) -> Option<Vec<Option<CacheMark>>> {
+        self.layers
+            .iter()
+            .map(|c| match c {
+                Some(c) => c.mark().map(Some),
+                None => Some(None),
+            })
+            .collect()
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Puts back the counters of [`ModelCache::marks`].
+    pub(crate) fn restore(&mut self, marks: &[Option<CacheMark>]) {
+        for (c, m) in self.layers.iter_mut().zip(marks) {
+            if let (Some(c), Some(m)) = (c, m) {
+                c.restore(m);
+            }
+        }
     }
 
     /// How many tokens every layer can roll back.

@@ -95,6 +95,11 @@ impl RotatingCache {
         (self.geometry.kv_heads, self.geometry.head_dim)
     }
 
+    /// The dtype K and V are stored in.
+    pub fn dtype(&self) -> DType {
+        self.geometry.dtype
+    }
+
     /// How many tokens [`KvCache::trim`] can roll back now: every key the next query needs
     /// must still be in the ring.
     pub fn trimmable(&self) -> usize {
@@ -176,6 +181,18 @@ impl RotatingCache {
     pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
         let (parts, positions) = self.ring.commit(n)?;
         dense_view(parts, positions)
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// The ring's counters (see [`crate::kv::CacheMark`]).
+    pub(crate) fn mark(&self) -> (usize, usize) {
+        self.ring.mark()
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Sets the counters back to a [`RotatingCache::mark`].
+    pub(crate) fn restore(&mut self, mark: (usize, usize)) {
+        self.ring.restore(mark);
     }
 }
 

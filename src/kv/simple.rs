@@ -61,6 +61,11 @@ impl SimpleCache {
         (self.geometry.kv_heads, self.geometry.head_dim)
     }
 
+    /// The dtype K and V are stored in.
+    pub fn dtype(&self) -> DType {
+        self.geometry.dtype
+    }
+
     /// How many tokens [`KvCache::trim`] can roll back now (all of them).
     pub fn trimmable(&self) -> usize {
         self.buf.len()
@@ -97,6 +102,18 @@ impl SimpleCache {
     pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
         let parts = self.buf.commit(n)?;
         dense_view(parts, (0..self.buf.len()).collect())
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Tokens held (see [`crate::kv::CacheMark`]).
+    pub(crate) fn mark(&self) -> usize {
+        self.buf.mark()
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Sets the tokens held back to a [`SimpleCache::mark`].
+    pub(crate) fn restore(&mut self, len: usize) {
+        self.buf.restore(len);
     }
 }
 

@@ -21,7 +21,7 @@ use crate::kv::{CacheError, KvData, KvView};
 /// `struct QsdpaSeq` in `qkernels.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
-pub(super) struct QsdpaSeq {
+pub(crate) struct QsdpaSeq {
     p: QsdpaParams,
     kc: u64,
     ks: u64,
@@ -46,7 +46,7 @@ fn enabled() -> bool {
 }
 
 /// Device address of `t`'s first element.
-fn address(t: &Tensor, dev: &CudaDevice) -> candle_core::Result<u64> {
+pub(crate) fn address(t: &Tensor, dev: &CudaDevice) -> candle_core::Result<u64> {
     let (s, l) = t.storage_and_layout();
     let cs = cuda_storage(&s)?;
     let stream = dev.cuda_stream();
@@ -125,9 +125,6 @@ pub(crate) fn attend_batch(
     if !same_kernel || batch * n_split_max > u16::MAX as usize {
         return Ok(None);
     }
-    let row_blocks = first.row_blocks;
-    let kv_heads = first.params.kv_heads as usize;
-    let total_rows = n_heads * q_len;
 
     // Position tables of all sequences in one buffer.
     let mut tables = Vec::new();
@@ -147,35 +144,64 @@ pub(crate) fn attend_batch(
     };
     let mut descs = Vec::with_capacity(batch);
     for (p, &at) in plans.iter().zip(&table_at) {
-        let kc = address(&p.ks.words, &dev)?;
-        descs.push(QsdpaSeq {
-            p: p.params,
-            kc,
-            ks: address(&p.ks.scales, &dev)?,
-            kb: address(&p.ks.biases, &dev)?,
-            vc: address(&p.vs.words, &dev)?,
-            vs: address(&p.vs.scales, &dev)?,
-            vb: address(&p.vs.biases, &dev)?,
-            // Read only by sequences with a table (position mode 2).
-            pos: if p.table.is_empty() {
-                kc
-            } else {
-                tables_base + 4 * at as u64
-            },
-            pad_: 0,
-        });
+        descs.push(descriptor(
+            p,
+            (!p.table.is_empty()).then_some(tables_base + 4 * at as u64),
+            &dev,
+        )?);
     }
     let descs = dev.clone_htod(&descs)?;
+    let descs_at = descs.device_ptr(&dev.cuda_stream()).0;
+    let out = launch_seqs(q, first, batch, n_split_max, descs_at, &dev)?;
+    drop(descs);
+    drop(plans);
+    Ok(Some(out))
+}
 
+/// The descriptor of one planned sequence; `table` is the device address of its position
+/// table when it has one.
+fn descriptor(p: &SeqPlan, table: Option<u64>, dev: &CudaDevice) -> candle_core::Result<QsdpaSeq> {
+    let kc = address(&p.ks.words, dev)?;
+    Ok(QsdpaSeq {
+        p: p.params,
+        kc,
+        ks: address(&p.ks.scales, dev)?,
+        kb: address(&p.ks.biases, dev)?,
+        vc: address(&p.vs.words, dev)?,
+        vs: address(&p.vs.scales, dev)?,
+        vb: address(&p.vs.biases, dev)?,
+        // Read only by sequences with a table (position mode 2).
+        pos: table.unwrap_or(kc),
+        pad_: 0,
+    })
+}
+
+/// Launches the batch kernel (and its combine when any sequence may split) over `batch`
+/// sequences whose descriptors sit at device address `descs`, each split at most `n_split_max`
+/// ways; `first` is any sequence's plan (they share the kernel). `q` is `[batch, n_heads, q_len,
+/// head_dim]`.
+fn launch_seqs(
+    q: &Tensor,
+    first: &SeqPlan,
+    batch: usize,
+    n_split_max: usize,
+    descs: u64,
+    dev: &CudaDevice,
+) -> Result<Tensor, CacheError> {
+    let (_, n_heads, q_len, head_dim) = q.dims4()?;
+    let dtype = q.dtype();
+    let row_blocks = first.row_blocks;
+    let kv_heads = first.params.kv_heads as usize;
+    let total_rows = n_heads * q_len;
     let tn = kname(dtype)?;
     let func = load_kernel(
-        &dev,
+        dev,
         &first.kernel_name(dtype, true)?,
         super::launch::MODULE,
         super::launch::IMAGE,
     )?;
     let comb = load_kernel(
-        &dev,
+        dev,
         &format!("qsdpa_combine_batch_{tn}"),
         super::launch::MODULE,
         super::launch::IMAGE,
@@ -238,8 +264,8 @@ pub(crate) fn attend_batch(
                     }
                 }
                 // SAFETY: argument list and types match the kernel's signature; every
-                // descriptor addresses live tensors held by `plans` until after the launches,
-                // with strides and key counts planned from their layouts.
+                // descriptor addresses live tensors (held by the caller until after the
+                // launches), with strides and key counts planned from their layouts.
                 unsafe { b.launch(main_cfg) }.w()?;
             }
             if let Some((ml, acc)) = &parts {
@@ -252,14 +278,125 @@ pub(crate) fn attend_batch(
                 // SAFETY: as above; sequences with one split return at once.
                 unsafe { b.launch(comb_cfg) }.w()?;
             }
-            wrap(out, &dev, &[batch, n_heads, q_len, head_dim])
+            wrap(out, dev, &[batch, n_heads, q_len, head_dim])
         }};
     }
-    let out = match dtype {
+    Ok(match dtype {
         DType::F32 => go!(f32),
         DType::F16 => go!(half::f16),
         _ => go!(half::bf16),
+    })
+}
+
+/// The one dense sequence of `view` (a single view, or a batch of one).
+fn single_dense(view: &KvView) -> Option<(&Tensor, &Tensor, &[usize])> {
+    match view {
+        KvView::Single {
+            data: KvData::Dense { k, v },
+            positions,
+        } => Some((k, v, positions.as_slice())),
+        KvView::Batch(views) if views.len() == 1 => single_dense(&views[0]),
+        _ => None,
+    }
+}
+
+/// What a captured decode step's attention reads for one sequence: its descriptor, planned
+/// from `view` (dense K/V in `dtype`, positions that need no table), and its plan. Called by
+/// the capture and by each replay, so both plan alike.
+///
+/// # Errors
+/// [`CacheError::Shape`] for a view this path cannot take (packed, another dtype, positions
+/// needing a table) or that does not fit the queries.
+#[allow(clippy::too_many_arguments)] // the query's shape and dtype, the view, the query plan
+pub(crate) fn step_descriptor(
+    n_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    view: &KvView,
+    q_offset: usize,
+    window: Option<usize>,
+    scale: f64,
+    dev: &CudaDevice,
+) -> Result<QsdpaSeq, CacheError> {
+    let plan = QueryPlan {
+        q_offset,
+        window,
+        scale,
     };
-    drop(plans);
-    Ok(Some(out))
+    Ok(plan_step(n_heads, head_dim, dtype, view, &plan, dev)?.0)
+}
+
+/// [`step_descriptor`] with the plan it came from.
+fn plan_step(
+    n_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    view: &KvView,
+    plan: &QueryPlan,
+    dev: &CudaDevice,
+) -> Result<(QsdpaSeq, SeqPlan), CacheError> {
+    let unsupported = |what: &str| CacheError::Shape {
+        what: "captured decode attention",
+        expected: format!("one sequence of dense K/V in the activations' dtype ({what})"),
+        found: vec![n_heads, head_dim],
+    };
+    let (k, v, positions) = single_dense(view).ok_or_else(|| unsupported("view"))?;
+    if k.dtype() != dtype || v.dtype() != dtype || !QSDPA_HEAD_DIMS.contains(&head_dim) {
+        return Err(unsupported("dtype or head dim"));
+    }
+    check_view(n_heads, head_dim, view_data(view), positions)?;
+    let seq = plan_seq(
+        n_heads,
+        1,
+        head_dim,
+        dtype,
+        KvOperand::Dense(k),
+        KvOperand::Dense(v),
+        positions,
+        plan,
+        dev,
+    )?;
+    if !seq.table.is_empty() {
+        return Err(unsupported("positions in one or two runs"));
+    }
+    Ok((descriptor(&seq, None, dev)?, seq))
+}
+
+/// The data of the one sequence of `view`.
+fn view_data(view: &KvView) -> &KvData {
+    match view {
+        KvView::Single { data, .. } => data,
+        KvView::Batch(views) => view_data(&views[0]),
+    }
+}
+
+/// One decode query `q` `[1, n_heads, 1, head_dim]` attending `view` while a step is captured:
+/// the descriptor goes to the step's parameter area and the launch reads it from there, with
+/// as many splits as the shape can ever take (the unused ones return at once).
+///
+/// # Errors
+/// As [`step_descriptor`]; not recording.
+pub(crate) fn attend_recorded(
+    q: &Tensor,
+    view: &KvView,
+    q_offset: usize,
+    window: Option<usize>,
+    scale: f64,
+) -> Result<Tensor, CacheError> {
+    let (_, n_heads, _, head_dim) = q.dims4()?;
+    let dev = cuda_dev(q)?;
+    let plan = QueryPlan {
+        q_offset,
+        window,
+        scale,
+    };
+    let (desc, plan) = plan_step(n_heads, head_dim, q.dtype(), view, &plan, &dev)?;
+    let at = super::graph::record(super::graph::Slot::Attention, &desc)?.ok_or_else(|| {
+        CacheError::Candle(candle_core::Error::Msg(
+            "attend_recorded called outside a capture".to_string(),
+        ))
+    })?;
+    let out = launch_seqs(q, &plan, 1, plan.split_bound, at, &dev)?;
+    drop(plan);
+    Ok(out)
 }

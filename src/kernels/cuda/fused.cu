@@ -206,6 +206,13 @@ __device__ __forceinline__ void qkv_prep_body(const QkvPrepParams p, const T* __
     }
 }
 
+// Where a captured decode step writes its K and V: read from device memory at run time, so
+// one CUDA graph serves every step (the cache slot moves, the graph does not change).
+struct QkvDst {
+    uint64_t k, v;
+    uint32_t kv_head_stride, pad_;
+};
+
 // Router top-k: per token, the top_k largest logits (ties: lower expert first), a softmax over
 // them, times per_expert_scale of each pick. One warp per token; experts <= 32 * ROUTE_MAX_PER_LANE.
 constexpr int ROUTE_MAX_PER_LANE = 16;
@@ -580,6 +587,16 @@ extern "C" __global__ void __launch_bounds__(1024)
                       const T* qw, const T* kw, const T* cos, const T* sin, T* q, T* k, T* v) { \
         pdl_entry();                                                                            \
         qkv_prep_body<T>(p, qs, ks, vs, qw, kw, cos, sin, q, k, v);                            \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
+        qkv_prep_dyn_##TN(const QkvPrepParams p, const QkvDst* dst, const T* qs, const T* ks,  \
+                          const T* vs, const T* qw, const T* kw, const T* cos, const T* sin,    \
+                          T* q) {                                                               \
+        pdl_entry();                                                                            \
+        QkvPrepParams pd = p;                                                                   \
+        pd.kv_head_stride = dst->kv_head_stride;                                                \
+        qkv_prep_body<T>(pd, qs, ks, vs, qw, kw, cos, sin, q, reinterpret_cast<T*>(dst->k),     \
+                         reinterpret_cast<T*>(dst->v));                                         \
     }                                                                                          \
     extern "C" __global__ void moe_route_##TN(const RouteParams p, const T* logits,             \
                                               const float* scale, uint32_t* idx, float* mix) {  \

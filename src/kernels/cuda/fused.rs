@@ -7,6 +7,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchCon
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
 
+use super::graph;
 use super::kernel_cache::load_kernel;
 use super::launch::{contiguous_aligned16, cuda_dev, cuda_storage, kname, sm_count, view, wrap};
 use super::scratch::{with_kept, with_scratch};
@@ -543,7 +544,20 @@ pub fn qkv_prep_into(
         }
         params.kv_head_stride = u32_of(kd.stride()[1], "kv head stride")?;
     }
-    let func = load_kernel(&dev, &format!("qkv_prep_{}", tn(dtype)?), MODULE, IMAGE)?;
+    // A step being captured writes K and V where the parameter area says (the slot moves
+    // from step to step; the graph does not).
+    let recorded = match kv_dst {
+        Some((kd, vd)) => graph::record(graph::Slot::KvDestination, &kv_destination(kd, vd)?)?,
+        None if kv_heads > 0 && graph::recording() => {
+            candle_core::bail!("qkv_prep: a captured step must write K/V into the cache in place")
+        }
+        None => None,
+    };
+    let name = match recorded {
+        Some(_) => format!("qkv_prep_dyn_{}", tn(dtype)?),
+        None => format!("qkv_prep_{}", tn(dtype)?),
+    };
+    let func = load_kernel(&dev, &name, MODULE, IMAGE)?;
     let cfg = LaunchConfig {
         grid_dim: (
             params.batch * params.seq_len,
@@ -583,6 +597,9 @@ pub fn qkv_prep_into(
             };
             let mut b = func.builder();
             b.arg(&params);
+            if let Some(at) = &recorded {
+                b.arg(at);
+            }
             b.arg(&qv);
             b.arg(&kv);
             b.arg(&vv);
@@ -592,6 +609,8 @@ pub fn qkv_prep_into(
             b.arg(&sv);
             b.arg(&mut qo);
             match (&mut fresh, &dst_views) {
+                // The recorded block holds the destinations.
+                (None, Some(_)) if recorded.is_some() => {}
                 (Some((ko, vo)), _) => {
                     b.arg(ko);
                     b.arg(vo);
@@ -615,6 +634,37 @@ pub fn qkv_prep_into(
             _ => None,
         };
         Ok((q, kv))
+    })
+}
+
+/// `struct QkvDst` in `fused.cu`: where a captured step's K and V go.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct QkvDst {
+    k: u64,
+    v: u64,
+    kv_head_stride: u32,
+    pad_: u32,
+}
+
+/// The [`QkvDst`] of destinations `kd`, `vd` (`[1, kv_heads, n, head_dim]` views, heads equally
+/// spaced, as [`qkv_prep_into`] takes them).
+///
+/// # Errors
+/// Views of another layout, or not on a CUDA device.
+pub(crate) fn kv_destination(kd: &Tensor, vd: &Tensor) -> Result<QkvDst> {
+    let (ks, vs) = (kd.stride(), vd.stride());
+    if ks.len() != 4 || ks != vs || ks[3] != 1 || kd.dtype() != vd.dtype() {
+        candle_core::bail!(
+            "qkv_prep: destinations with strides {ks:?} / {vs:?} cannot be written in place"
+        );
+    }
+    let dev = cuda_dev(kd)?;
+    Ok(QkvDst {
+        k: super::batched::address(kd, &dev)?,
+        v: super::batched::address(vd, &dev)?,
+        kv_head_stride: u32_of(ks[1], "kv head stride")?,
+        pad_: 0,
     })
 }
 

@@ -12,9 +12,9 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 
 use super::kernel_cache::load_kernel;
 use super::params::{
-    split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS,
-    QMATVEC_ROW_WARPS, QMATVEC_WARPS, QSDPA_COMBINE_DIMS, QSDPA_COMBINE_THREADS, QSDPA_HEAD_DIMS,
-    QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
+    split_bound, split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_MMA_ROWS,
+    QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS, QSDPA_COMBINE_DIMS, QSDPA_COMBINE_THREADS,
+    QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use super::scratch::with_scratch;
 use crate::kernels::{dense, QueryPlan};
@@ -351,6 +351,8 @@ pub(super) struct SeqPlan {
     pub(super) nq: usize,
     pub(super) row_blocks: usize,
     pub(super) n_split: usize,
+    /// The most splits this shape takes at any number of keys.
+    pub(super) split_bound: usize,
     /// Bits per K/V element as the kernel names them (4/8 packed, 16/32 dense).
     pub(super) bits: usize,
     pub(super) dense: bool,
@@ -512,6 +514,7 @@ pub(super) fn plan_seq(
     );
     params.n_split = u32_of(n_split)?;
     params.keys_per_split = u32_of(per)?;
+    let split_bound = split_bound(row_blocks * kv_heads, resident);
 
     Ok(SeqPlan {
         params,
@@ -521,6 +524,7 @@ pub(super) fn plan_seq(
         nq,
         row_blocks,
         n_split,
+        split_bound,
         bits,
         dense: matches!(k, KvOperand::Dense(_)),
         tensor_cores,

@@ -11,6 +11,8 @@ pub(crate) mod batched;
 #[cfg(feature = "cuda")]
 pub mod fused;
 #[cfg(feature = "cuda")]
+pub(crate) mod graph;
+#[cfg(feature = "cuda")]
 mod kernel_cache;
 #[cfg(feature = "cuda")]
 pub mod launch;

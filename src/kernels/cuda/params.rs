@@ -205,6 +205,16 @@ fn ascending_run(p: &[usize]) -> usize {
     done
 }
 
+/// The most splits [`split_keys`] gives `base_blocks` blocks on a device holding
+/// `resident_blocks` at once, whatever the number of keys (a captured decode step launches this
+/// many and the extra ones return at once).
+pub fn split_bound(base_blocks: usize, resident_blocks: usize) -> usize {
+    resident_blocks
+        .max(1)
+        .div_ceil(base_blocks.max(1))
+        .clamp(1, QSDPA_MAX_SPLIT)
+}
+
 /// Chooses the flash-decoding split: about `resident_blocks` blocks in all (what the GPU holds
 /// at once), each split keeping at least `min_keys` keys. Returns `(n_split, keys_per_split)`.
 pub fn split_keys(
@@ -214,7 +224,7 @@ pub fn split_keys(
     min_keys: usize,
 ) -> (usize, usize) {
     let step = QSDPA_WARPS * QSDPA_UNROLL;
-    let target = resident_blocks.max(1).div_ceil(base_blocks.max(1));
+    let target = split_bound(base_blocks, resident_blocks);
     // Short views split too (down to `min_keys` a split): a decode over a few hundred keys
     // otherwise runs on a handful of blocks.
     let max_split = keys.div_ceil(min_keys.max(1)).clamp(1, QSDPA_MAX_SPLIT);

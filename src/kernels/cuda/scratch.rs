@@ -68,6 +68,11 @@ where
     let held = BUFFERS.with(|b| b.borrow_mut().remove(&k));
     let mut buf = match held.and_then(|b| b.downcast::<CudaSlice<E>>().ok()) {
         Some(b) if b.len() >= len.max(1) => b,
+        // Memory allocated while a graph is captured belongs to the graph: a buffer kept past
+        // the capture would be freed under the thread.
+        _ if super::graph::recording() => candle_core::bail!(
+            "scratch buffer `{key}` would grow during a CUDA graph capture ({len} elements)"
+        ),
         _ => Box::new(dev.alloc_zeros::<E>(len.max(1) * 2)?),
     };
     let out = f(&mut buf);

@@ -1,0 +1,155 @@
+//! CUDA graphs for batch-1 decode: the host side.
+//!
+//! A decode step of a small model is a few hundred short kernels, and enqueueing them costs more
+//! host time than the GPU spends running them. A captured graph enqueues them all with one call.
+//! A graph replays its launches with the arguments they had at capture, so the arguments that
+//! change from step to step (where K and V are written, how many keys attention reads, where the
+//! query sits) are not kernel arguments on this path: the launches read them from a parameter
+//! area in device memory, which the host rewrites before each replay. Everything else a step
+//! reads (token id, rotary tables) sits in fixed buffers that are rewritten the same way.
+//!
+//! While a thread records, [`record`] appends one parameter block and returns the device address
+//! the kernel will read it from. The capture and each replay record the same blocks in the same
+//! order; [`StepParams::slots`] lets the caller check that.
+
+use std::cell::RefCell;
+
+use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaGraph};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+
+/// What a parameter block feeds, recorded with it so a replay can be checked against the
+/// capture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// Where a layer's new K and V go (`QkvDst`).
+    KvDestination,
+    /// One attention launch's sequence descriptor (`QsdpaSeq`).
+    Attention,
+}
+
+/// Alignment of each block (the widest field of the kernels' structs is 8 bytes).
+const BLOCK_ALIGN: usize = 16;
+
+/// The parameter blocks of one step, in launch order, laid out as they go to the device.
+#[derive(Debug)]
+pub(crate) struct StepParams {
+    bytes: Vec<u8>,
+    slots: Vec<Slot>,
+    /// Device address of the parameter area.
+    base: u64,
+    /// Bytes the area holds.
+    capacity: usize,
+}
+
+impl StepParams {
+    /// An empty record for an area of `capacity` bytes at device address `base`.
+    pub(crate) fn new(base: u64, capacity: usize) -> Self {
+        Self {
+            bytes: Vec::with_capacity(capacity.min(1 << 16)),
+            slots: Vec::new(),
+            base,
+            capacity,
+        }
+    }
+
+    /// What each block feeds, in order.
+    pub(crate) fn slots(&self) -> &[Slot] {
+        &self.slots
+    }
+
+    /// Appends `value`'s bytes and returns the device address it will be read from.
+    ///
+    /// # Errors
+    /// The area is full.
+    pub(crate) fn push<T: Copy>(&mut self, slot: Slot, value: &T) -> candle_core::Result<u64> {
+        let at = self.bytes.len().div_ceil(BLOCK_ALIGN) * BLOCK_ALIGN;
+        let size = std::mem::size_of::<T>();
+        if at + size > self.capacity {
+            candle_core::bail!(
+                "CUDA graph parameter area full: {} bytes, a block of {size} more needed",
+                self.capacity
+            );
+        }
+        self.bytes.resize(at, 0);
+        // SAFETY: `T` is a `#[repr(C)]` struct of integers and floats (the kernels' parameter
+        // blocks); its bytes are read as they are.
+        let raw = unsafe { std::slice::from_raw_parts((value as *const T).cast::<u8>(), size) };
+        self.bytes.extend_from_slice(raw);
+        self.slots.push(slot);
+        Ok(self.base + at as u64)
+    }
+
+    /// Copies the blocks into the device area (ordered on `dev`'s stream).
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub(crate) fn upload(&self, dev: &CudaDevice) -> candle_core::Result<()> {
+        upload_bytes(dev, self.base, &self.bytes)
+    }
+}
+
+thread_local! {
+    static RECORDING: RefCell<Option<StepParams>> = const { RefCell::new(None) };
+}
+
+/// Whether this thread is recording a step's parameter blocks (a capture is under way).
+pub(crate) fn recording() -> bool {
+    RECORDING.with(|r| r.borrow().is_some())
+}
+
+/// While recording: appends `value` as the next block and returns its device address; `None`
+/// when this thread is not recording.
+///
+/// # Errors
+/// The area is full.
+pub(crate) fn record<T: Copy>(slot: Slot, value: &T) -> candle_core::Result<Option<u64>> {
+    RECORDING.with(|r| match r.borrow_mut().as_mut() {
+        Some(p) => p.push(slot, value).map(Some),
+        None => Ok(None),
+    })
+}
+
+/// Runs `f` with this thread recording into `params`; returns `f`'s result and the record.
+pub(crate) fn with_recording<R>(params: StepParams, f: impl FnOnce() -> R) -> (R, StepParams) {
+    let previous = RECORDING.with(|r| r.borrow_mut().replace(params));
+    let out = f();
+    let params = RECORDING.with(|r| std::mem::replace(&mut *r.borrow_mut(), previous));
+    // `f` cannot remove the record (only this function installs and takes it).
+    (out, params.unwrap_or_else(|| StepParams::new(0, 0)))
+}
+
+/// Copies `bytes` to device address `dst` on `dev`'s stream.
+///
+/// # Errors
+/// CUDA errors.
+pub(crate) fn upload_bytes(dev: &CudaDevice, dst: u64, bytes: &[u8]) -> candle_core::Result<()> {
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    let stream = dev.cuda_stream();
+    stream.context().bind_to_thread().w()?;
+    // SAFETY: `dst` is the address of a live device buffer of at least `bytes.len()` bytes (the
+    // caller's buffers); the host bytes are staged by the driver before the call returns.
+    unsafe { result::memcpy_htod_async(dst, bytes, stream.cu_stream()) }.w()
+}
+
+/// Starts capturing `dev`'s stream into a graph (relaxed mode: other threads are unaffected).
+///
+/// # Errors
+/// CUDA errors (the stream is already capturing, ...).
+pub(crate) fn begin_capture(dev: &CudaDevice) -> candle_core::Result<()> {
+    dev.cuda_stream()
+        .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+        .w()
+}
+
+/// Ends the capture begun by [`begin_capture`] and instantiates the graph; `None` when nothing
+/// was captured.
+///
+/// # Errors
+/// CUDA errors, including a capture invalidated by an operation graphs cannot hold.
+pub(crate) fn end_capture(dev: &CudaDevice) -> candle_core::Result<Option<CudaGraph>> {
+    dev.cuda_stream()
+        .end_capture(sys::CUgraphInstantiate_flags_enum(0))
+        .w()
+}
