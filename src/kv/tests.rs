@@ -918,3 +918,57 @@ fn reserved_slots_written_in_place_match_update() {
         }
     }
 }
+
+/// A step abandoned after its slots were committed (a failed graph capture, a replay that
+/// cannot run) leaves the cache as a mark taken before it found it: same offsets, same
+/// trimmable count, and the next token attends exactly as if the step had never been tried,
+/// also after a ring has wrapped.
+#[test]
+fn restoring_a_mark_undoes_committed_slots() {
+    let one = |c: LayerCache| LayerCache::Batch(BatchCache::new(vec![c]).unwrap());
+    let w = Some(4);
+    let ring = || LayerCache::Rotating(RotatingCache::new(&spec(w), DType::F32).unwrap());
+    let simple = || LayerCache::Simple(SimpleCache::new(&spec(None), DType::F32));
+    let kinds = vec![
+        (simple(), None),
+        (ring(), w),
+        (one(simple()), None),
+        (one(ring()), w),
+    ];
+    for (mut cache, window) in kinds {
+        let kind = cache.kind();
+        let mut hist = History::new();
+        for (i, n) in [3usize, 1, 1, 1, 1, 1].into_iter().enumerate() {
+            let k = rand(2000 + i as u64, (1, KVH, n, HD));
+            let v = rand(3000 + i as u64, (1, KVH, n, HD));
+            cache.update(&k, &v).unwrap();
+            hist.push(&k, &v);
+        }
+        let mark = cache.mark().expect("dense caches have marks");
+        let (offsets, trimmable) = (cache.offsets(), cache.trimmable());
+        // Two abandoned steps: slots committed, never written.
+        for _ in 0..2 {
+            assert!(cache.reserve_slots(1, &Device::Cpu).unwrap().is_some());
+            cache.commit_slots(1).unwrap();
+        }
+        assert_ne!(cache.offsets(), offsets, "{kind}");
+        cache.restore(&mark);
+        assert_eq!(cache.offsets(), offsets, "{kind}");
+        assert_eq!(cache.trimmable(), trimmable, "{kind}");
+        let q_off = offsets[0];
+        let k = rand(4000, (1, KVH, 1, HD));
+        let v = rand(4001, (1, KVH, 1, HD));
+        let q = rand(4002, (1, NH, 1, HD));
+        let view = cache.update(&k, &v).unwrap();
+        hist.push(&k, &v);
+        let got = attend(&q, &view, &[q_off], window, 1.0).unwrap();
+        let want = hist.attend(&q, q_off, window, None);
+        assert!(max_diff(&got, &want) < 1e-5, "{kind}");
+    }
+    // Quantized caches have no marks (they never take the graph path).
+    let (quantized, _) = all_kinds(4)
+        .into_iter()
+        .find(|(c, _)| matches!(c.kind(), CacheKind::Quantized { .. }))
+        .expect("all_kinds holds a quantized cache");
+    assert!(quantized.mark().is_none());
+}
