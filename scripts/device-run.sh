@@ -346,6 +346,25 @@ for l in sys.stdin:
       else
         echo "bf16 fixture ids DIFFER with and without graphs"
       fi
+      # Long runs (rings wrap, simple caches grow during replays), graphs on and off.
+      for kv in simple rotating; do
+        for v in 1 0; do
+          CANDLE_GEMMA_CUDA_GRAPH=$v .device/generate --model fixtures/e2b-hf --prompt-ids 2,100,200,300 \
+            --max-tokens 600 --ignore-eos --json --dtype bf16 --kv-cache $kv 2>>"$OUT/bench.err" | tail -1 \
+            | python3 -c "import json,sys; print(json.load(sys.stdin)['sequences'][0]['ids'])" > "$OUT/long-$kv-$v.txt"
+        done
+        cmp -s "$OUT/long-$kv-1.txt" "$OUT/long-$kv-0.txt" && echo "600 tokens, $kv cache: graph == no graph" \
+          || echo "600 tokens, $kv cache: DIFFER"
+      done
+      ;;
+    graphq)
+      # Batch-1 decode of 4-bit and 8-bit weights with CUDA graphs (default) and without.
+      for m in ${GRAPH_MODELS:-e2b e4b 31b}; do
+        for v in 1 0; do
+          CANDLE_GEMMA_CUDA_GRAPH=$v $B --config $C/$m-config.json --weights q4,q8 --prefill 0 --batch 1 --context 128 --steps 32 --rounds 3 \
+            2>>"$OUT/bench.err" | grep decode | sed "s/^{/{\"graph_env\":$v,/" | tee -a "$OUT/graph-q.jsonl" | cut -c1-260
+        done
+      done
       ;;
     scratchab)
       # Batch-1 decode with the per-thread scratch buffers (default) and with a fresh buffer a

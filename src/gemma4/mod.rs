@@ -186,6 +186,19 @@ impl Embedding {
         }
     }
 
+    /// [`Embedding::lookup`] of ids already checked against the vocabulary (the model checks
+    /// them on the host before the forward): packed tables gather on the device without
+    /// reading the ids back.
+    ///
+    /// # Errors
+    /// Candle errors.
+    pub(crate) fn lookup_checked_ids(&self, ids: &Tensor, dtype: DType) -> crate::Result<Tensor> {
+        match self {
+            Embedding::Dense(t) => Ok(t.index_select(ids, 0)?),
+            Embedding::Packed(p) => crate::kernels::qmatmul::qembedding_checked_ids(ids, p, dtype),
+        }
+    }
+
     /// `x · Tableᵀ` (the tied head): `[.., width] → [.., vocab]`.
     ///
     /// # Errors

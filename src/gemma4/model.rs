@@ -163,16 +163,25 @@ impl TextModel {
                 offsets.len()
             )));
         }
+        // Ids index the embedding and, with PLE, the per-layer table: both are checked here, so
+        // the lookups on the device need not read the ids back.
+        let vocab_size = match &self.ple {
+            Some(_) => self
+                .config
+                .vocab_size
+                .min(self.config.vocab_size_per_layer_input),
+            None => self.config.vocab_size,
+        };
         for seq in batch {
             if let Some((position, &id)) = seq
                 .iter()
                 .enumerate()
-                .find(|(_, &id)| id as usize >= self.config.vocab_size)
+                .find(|(_, &id)| id as usize >= vocab_size)
             {
                 return Err(Error::TokenOutOfVocab {
                     id,
                     position,
-                    vocab_size: self.config.vocab_size,
+                    vocab_size,
                 });
             }
         }
@@ -255,12 +264,16 @@ impl TextModel {
         cache: &mut ModelCache,
     ) -> Result<Tensor> {
         let (b, seq_len) = ids.dims2()?;
-        let emb = self.embed_tokens.lookup(&ids.flatten_all()?, self.dtype)?;
+        // Ids were checked against the vocabulary by `validate`.
+        let emb = self
+            .embed_tokens
+            .lookup_checked_ids(&ids.flatten_all()?, self.dtype)?;
         let emb = emb.reshape((b, seq_len, self.config.hidden_size))?;
         // The references multiply by sqrt(H) rounded to the activation dtype (39.25 in bf16).
         let mut x = scale_in_dtype(&emb, (self.config.hidden_size as f64).sqrt())?;
         let mut ple_all = match &self.ple {
-            Some(p) => Some(p.forward(ids, &x)?),
+            // Ids were checked against the PLE table by `validate`.
+            Some(p) => Some(p.forward_checked_ids(ids, &x)?),
             None => None,
         };
 

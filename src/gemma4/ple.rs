@@ -71,12 +71,29 @@ impl PerLayerEmbeddings {
     /// # Errors
     /// Ids outside the PLE table, shape mismatch.
     pub fn forward(&self, ids: &Tensor, h0: &Tensor) -> Result<Tensor> {
+        self.forward_with(ids, h0, false)
+    }
+
+    /// [`PerLayerEmbeddings::forward`] for ids the caller has checked against the PLE table
+    /// (packed tables then gather without reading the ids back to the host).
+    ///
+    /// # Errors
+    /// Shape mismatch.
+    pub(crate) fn forward_checked_ids(&self, ids: &Tensor, h0: &Tensor) -> Result<Tensor> {
+        self.forward_with(ids, h0, true)
+    }
+
+    fn forward_with(&self, ids: &Tensor, h0: &Tensor, ids_checked: bool) -> Result<Tensor> {
         let (b, s) = ids.dims2()?;
         let (l, p) = (self.layers, self.width);
-        let tokens = self
-            .embed_tokens_per_layer
-            .lookup(&ids.flatten_all()?, h0.dtype())?
-            .reshape((b, s, l, p))?;
+        let flat = ids.flatten_all()?;
+        let tokens = if ids_checked {
+            self.embed_tokens_per_layer
+                .lookup_checked_ids(&flat, h0.dtype())?
+        } else {
+            self.embed_tokens_per_layer.lookup(&flat, h0.dtype())?
+        }
+        .reshape((b, s, l, p))?;
         let tokens = scale_in_dtype(&tokens, (p as f64).sqrt())?;
         let ctx = self.per_layer_model_projection.forward(h0)?;
         let ctx = scale_in_dtype(&ctx, (self.hidden as f64).powf(-0.5))?.reshape((b, s, l, p))?;

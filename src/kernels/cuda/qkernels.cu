@@ -1065,16 +1065,22 @@ __device__ __forceinline__ void dequant_body(const QmatParams p, const uint32_t*
          t += (size_t)gridDim.x * blockDim.x) {
         const size_t i = t / words, wi = t % words;
         const size_t src = idx ? idx[i] : i;
-        const uint32_t w = codes[src * words + wi];
         const size_t e0 = wi * PER;
-        const int gi = (int)(e0 / p.group_size);
-        const float sc = to_f(scales[src * groups + gi]);
-        const float bi = to_f(biases[src * groups + gi]);
         // One vector store of the word's PER outputs (16 or 32 bytes for 4-bit, 8 or 16 for 8-bit).
         struct alignas(PER * sizeof(T)) Vec { T v[PER]; } vec;
+        if (src >= p.out_dim) {
+            // An id past the table (callers check ids on the host first): zeros, no stray read.
 #pragma unroll
-        for (int k = 0; k < PER; ++k)
-            vec.v[k] = from_f<T>(fmaf(sc, u2f((w >> (k * BITS)) & ((1u << BITS) - 1)), bi));
+            for (int k = 0; k < PER; ++k) vec.v[k] = from_f<T>(0.f);
+        } else {
+            const uint32_t w = codes[src * words + wi];
+            const int gi = (int)(e0 / p.group_size);
+            const float sc = to_f(scales[src * groups + gi]);
+            const float bi = to_f(biases[src * groups + gi]);
+#pragma unroll
+            for (int k = 0; k < PER; ++k)
+                vec.v[k] = from_f<T>(fmaf(sc, u2f((w >> (k * BITS)) & ((1u << BITS) - 1)), bi));
+        }
         *reinterpret_cast<Vec*>(out + i * p.in_dim + e0) = vec;
     }
 }
