@@ -333,7 +333,7 @@ for l in sys.stdin:
       # Batch-1 decode with CUDA graphs (default) and without (CANDLE_GEMMA_CUDA_GRAPH=0),
       # alternating; then every fixture's bf16 greedy ids with and without graphs (they must be
       # identical: the replayed kernels are the captured ones).
-      for m in ${GRAPH_MODELS:-e2b e4b}; do
+      for m in ${GRAPH_MODELS:-e2b e4b 26b-a4b}; do
         for v in 1 0 1 0; do
           CANDLE_GEMMA_CUDA_GRAPH=$v $B --config $C/$m-config.json --prefill 0 --batch 1 --context 128,4096 --steps 32 --rounds 3 \
             2>>"$OUT/bench.err" | grep decode | sed "s/^{/{\"graph_env\":$v,/" | tee -a "$OUT/graph-ab.jsonl" | cut -c1-260

@@ -13,9 +13,10 @@
 //!
 //! Eligible steps: one sequence, one new token, on CUDA with the fused kernels, every
 //! KV-owning layer's cache dense in the activations' dtype (simple, rotating, or a batch of
-//! one of those), and no MoE layers (their routing reads the picks back on the host).
-//! `CANDLE_GEMMA_CUDA_GRAPH=0` turns graphs off. A capture that fails turns them off for the
-//! model, and the step runs eagerly; the reason is in [`TextModel::cuda_graph_state`].
+//! one of those). `CANDLE_GEMMA_CUDA_GRAPH=0` turns graphs off. A capture that fails (an op
+//! that reads back to the host, such as MoE routing on the sorted path, or an upload candle
+//! has not cached) turns them off for the model, rolls the caches back and runs the step
+//! eagerly; the reason is in [`TextModel::cuda_graph_state`].
 
 use std::sync::{Mutex, TryLockError};
 use std::thread::ThreadId;
@@ -90,6 +91,13 @@ struct Captured {
 // SAFETY: the graph's handles may be used from any thread once the context is bound (every
 // launch binds it); the state is only touched under the mutex.
 unsafe impl Send for Captured {}
+
+// Models are shared across threads.
+const _: fn() = || {
+    fn shared<T: Send + Sync>() {}
+    shared::<DecodeGraphs>();
+    shared::<TextModel>();
+};
 
 fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -174,8 +182,7 @@ impl DecodeGraphs {
 /// checks the rest).
 fn eligible(model: &TextModel, cache: &ModelCache) -> bool {
     let dtype = model.dtype();
-    model.config().moe.is_none()
-        && matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
+    matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
         && crate::kernels::fused_enabled(model.device())
         && cache.layers.len() == model.config().layers.len()
         && model
