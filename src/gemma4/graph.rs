@@ -86,6 +86,16 @@ struct Captured {
     out: Tensor,
     /// Kept alive for the graph.
     _inputs: (Tensor, Tensor, Tensor),
+    /// The device the graph runs on (to wait for its last replay before it is destroyed).
+    dev: CudaDevice,
+}
+
+impl Drop for Captured {
+    fn drop(&mut self) {
+        // The graph and its memory go only once its last replay has finished (a failed wait
+        // has no one to report to).
+        let _ = self.dev.cuda_stream().synchronize();
+    }
 }
 
 // SAFETY: the graph's handles may be used from any thread once the context is bound (every
@@ -173,7 +183,17 @@ impl DecodeGraphs {
                 }
             },
             State::Ready(c) if c.thread != std::thread::current().id() => Ok(None),
-            State::Ready(c) => replay(model, dev, c, id, cache),
+            State::Ready(c) => match replay(model, dev, c, id, cache)? {
+                Replayed::Logits(logits) => Ok(Some(logits)),
+                Replayed::NotThisStep => Ok(None),
+                Replayed::Outgrown => {
+                    // Capture again at the next step (this one runs eagerly).
+                    *state = State::Cold {
+                        eager_steps: EAGER_STEPS,
+                    };
+                    Ok(None)
+                }
+            },
         }
     }
 }
@@ -250,7 +270,12 @@ fn record_step(
         ) else {
             return Ok(false);
         };
-        rec.push(Slot::Attention, &desc)?;
+        rec.push(
+            Slot::Attention {
+                splits: desc.p.n_split,
+            },
+            &desc,
+        )?;
         if model.producers[i] {
             views[i] = Some(view);
         }
@@ -328,29 +353,50 @@ fn capture(
         rope_at: [address(&rope_s, dev)?, address(&rope_f, dev)?],
         out,
         _inputs: (ids, rope_s, rope_f),
+        dev: dev.clone(),
     };
     Ok(Ok((captured, logits)))
 }
 
-/// Replays the captured step for token `id`; `None` (cache untouched) when this step cannot
-/// take the graph.
+/// What a replay did.
+enum Replayed {
+    Logits(Tensor),
+    /// This step cannot take the graph (cache untouched): run it eagerly.
+    NotThisStep,
+    /// Some attention needs more key splits than the graph covers (cache untouched).
+    Outgrown,
+}
+
+/// Replays the captured step for token `id`.
 fn replay(
     model: &TextModel,
     dev: &CudaDevice,
     c: &Captured,
     id: u32,
     cache: &mut ModelCache,
-) -> Result<Option<Tensor>> {
+) -> Result<Replayed> {
     let Some(marks) = cache.marks() else {
-        return Ok(None);
+        return Ok(Replayed::NotThisStep);
     };
     let pos = cache.offsets().first().copied().unwrap_or(0);
     let mut rec = StepParams::new(c.params_at, PARAM_BYTES);
-    match record_step(model, dev, cache, pos, &mut rec) {
-        Ok(true) if rec.slots() == c.slots.as_slice() => {}
+    let recorded = record_step(model, dev, cache, pos, &mut rec);
+    let same_launches = rec.slots().len() == c.slots.len()
+        && rec
+            .slots()
+            .iter()
+            .zip(&c.slots)
+            .all(|(a, b)| std::mem::discriminant(a) == std::mem::discriminant(b));
+    let fits = same_launches && rec.slots().iter().zip(&c.slots).all(|(a, b)| a.fits(*b));
+    match recorded {
+        Ok(true) if fits => {}
+        Ok(true) if same_launches => {
+            cache.restore(&marks);
+            return Ok(Replayed::Outgrown);
+        }
         Ok(_) => {
             cache.restore(&marks);
-            return Ok(None);
+            return Ok(Replayed::NotThisStep);
         }
         Err(e) => {
             cache.restore(&marks);
@@ -367,5 +413,5 @@ fn replay(
     }
     rec.upload(dev)?;
     c.graph.launch().map_err(candle_core::Error::wrap)?;
-    Ok(Some(c.out.copy()?))
+    Ok(Replayed::Logits(c.out.copy()?))
 }

@@ -22,7 +22,7 @@ use crate::kv::{CacheError, KvData, KvView};
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct QsdpaSeq {
-    p: QsdpaParams,
+    pub(crate) p: QsdpaParams,
     kc: u64,
     ks: u64,
     kb: u64,
@@ -391,12 +391,16 @@ pub(crate) fn attend_recorded(
         scale,
     };
     let (desc, plan) = plan_step(n_heads, head_dim, q.dtype(), view, &plan, &dev)?;
-    let at = super::graph::record(super::graph::Slot::Attention, &desc)?.ok_or_else(|| {
+    let splits = super::graph::covered_splits(plan.n_split, plan.split_bound);
+    let slot = super::graph::Slot::Attention {
+        splits: splits as u32,
+    };
+    let at = super::graph::record(slot, &desc)?.ok_or_else(|| {
         CacheError::Candle(candle_core::Error::Msg(
             "attend_recorded called outside a capture".to_string(),
         ))
     })?;
-    let out = launch_seqs(q, &plan, 1, plan.split_bound, at, &dev)?;
+    let out = launch_seqs(q, &plan, 1, splits, at, &dev)?;
     drop(plan);
     Ok(out)
 }

@@ -23,8 +23,29 @@ use candle_core::cuda_backend::{CudaDevice, WrapErr};
 pub(crate) enum Slot {
     /// Where a layer's new K and V go (`QkvDst`).
     KvDestination,
-    /// One attention launch's sequence descriptor (`QsdpaSeq`).
-    Attention,
+    /// One attention launch's sequence descriptor (`QsdpaSeq`), with its key splits: at
+    /// capture, the most the launch covers; at a replay, the ones the step needs.
+    Attention { splits: u32 },
+}
+
+impl Slot {
+    /// Whether a replay's block fits the captured launch that reads it.
+    pub(crate) fn fits(self, captured: Slot) -> bool {
+        match (self, captured) {
+            (Slot::KvDestination, Slot::KvDestination) => true,
+            (Slot::Attention { splits }, Slot::Attention { splits: most }) => splits <= most,
+            _ => false,
+        }
+    }
+}
+
+/// Key splits a captured attention launch covers when the step it captures needs `n_split`:
+/// twice that (at least 8), at most `bound` (what the shape can ever take). Each split block
+/// past a step's own returns at once but still costs a launch slot, so the graph covers a
+/// margin rather than every split, and is captured again when a step outgrows it (keys
+/// double between captures).
+pub(crate) fn covered_splits(n_split: usize, bound: usize) -> usize {
+    (2 * n_split).max(8).min(bound).max(n_split)
 }
 
 /// Alignment of each block (the widest field of the kernels' structs is 8 bytes).
