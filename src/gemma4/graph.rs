@@ -32,6 +32,7 @@ use crate::error::{Error, Result};
 use crate::kernels::cuda::batched::{address, step_descriptor};
 use crate::kernels::cuda::fused::kv_destination;
 use crate::kernels::cuda::graph::{self, Slot, StepParams};
+use crate::kernels::QueryPlan;
 use crate::kv::{KvView, ModelCache};
 
 /// Bytes of the parameter area: two blocks a layer (a `QsdpaSeq` is 192 bytes), ample for
@@ -258,14 +259,17 @@ fn record_step(
                 ))
             })?,
         };
+        let query = QueryPlan {
+            q_offset: pos,
+            window: window_of(model, plan.kind),
+            scale: 1.0,
+        };
         let Ok(desc) = step_descriptor(
             config.num_attention_heads,
             plan.head_dim,
             model.dtype(),
             &view,
-            pos,
-            window_of(model, plan.kind),
-            1.0,
+            &query,
             dev,
         ) else {
             return Ok(false);

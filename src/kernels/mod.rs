@@ -101,7 +101,14 @@ pub fn attend(
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && cuda::graph::recording() {
         return match q_offsets {
-            [q_offset] => cuda::batched::attend_recorded(q, view, *q_offset, window, scale),
+            [q_offset] => {
+                let plan = QueryPlan {
+                    q_offset: *q_offset,
+                    window,
+                    scale,
+                };
+                cuda::batched::attend_recorded(q, view, &plan)
+            }
             _ => Err(CacheError::BatchSize {
                 expected: 1,
                 found: batch,

@@ -291,41 +291,6 @@ pub fn qmatmul(x: &Tensor, w: &PackedWeight) -> Result<Tensor> {
 /// # Errors
 /// [`Error::Shape`] when an id is not below `w.out_dim`; candle errors.
 pub fn qembedding(ids: &Tensor, w: &PackedWeight, dtype: DType) -> Result<Tensor> {
-    qembedding_with(ids, w, dtype, true)
-}
-
-/// [`qembedding`] for ids the caller has already checked against the table: on CUDA the rows
-/// are gathered straight from the device ids, with no copy to the host (a decode step stays
-/// free of host synchronisation, and can be captured into a CUDA graph); an id past the table
-/// would give a row of zeros there. Elsewhere, as [`qembedding`].
-///
-/// # Errors
-/// As [`qembedding`] off CUDA; candle errors.
-pub(crate) fn qembedding_checked_ids(
-    ids: &Tensor,
-    w: &PackedWeight,
-    dtype: DType,
-) -> Result<Tensor> {
-    qembedding_with(ids, w, dtype, false)
-}
-
-fn qembedding_with(ids: &Tensor, w: &PackedWeight, dtype: DType, check: bool) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if !check && w.codes.device().is_cuda() {
-        let mut out_dims = ids.dims().to_vec();
-        out_dims.push(w.in_dim);
-        let dense = super::cuda::launch::dequant_rows(
-            &w.codes,
-            &w.scales,
-            &w.biases,
-            w.bits.bits(),
-            w.group_size,
-            Some(ids),
-            dtype,
-        )?;
-        return Ok(dense.reshape(out_dims)?);
-    }
-    let _ = check;
     let flat: Vec<u32> = ids.to_dtype(DType::U32)?.flatten_all()?.to_vec1()?;
     if let Some(&bad_id) = flat.iter().find(|&&i| i as usize >= w.out_dim) {
         return Err(Error::Shape {
@@ -359,6 +324,36 @@ fn qembedding_with(ids: &Tensor, w: &PackedWeight, dtype: DType, check: bool) ->
         }
     };
     Ok(dense.reshape(out_dims)?)
+}
+
+/// [`qembedding`] for ids the caller has already checked against the table: on CUDA the rows
+/// are gathered straight from the device ids, with no copy to the host (a decode step stays
+/// free of host synchronisation, and can be captured into a CUDA graph); an id past the table
+/// would give a row of zeros there. Elsewhere, as [`qembedding`].
+///
+/// # Errors
+/// As [`qembedding`] off CUDA; candle errors.
+pub(crate) fn qembedding_checked_ids(
+    ids: &Tensor,
+    w: &PackedWeight,
+    dtype: DType,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if w.codes.device().is_cuda() {
+        let mut out_dims = ids.dims().to_vec();
+        out_dims.push(w.in_dim);
+        let dense = super::cuda::launch::dequant_rows(
+            &w.codes,
+            &w.scales,
+            &w.biases,
+            w.bits.bits(),
+            w.group_size,
+            Some(ids),
+            dtype,
+        )?;
+        return Ok(dense.reshape(out_dims)?);
+    }
+    qembedding(ids, w, dtype)
 }
 
 /// Host copies of a packed weight: codes `[out, words]`, scales and biases `[out, groups]` f32.

@@ -288,42 +288,31 @@ fn launch_seqs(
     })
 }
 
-/// The one dense sequence of `view` (a single view, or a batch of one).
-fn single_dense(view: &KvView) -> Option<(&Tensor, &Tensor, &[usize])> {
+/// The one sequence of `view` (a single view, or a batch of one).
+fn single(view: &KvView) -> Option<(&KvData, &[usize])> {
     match view {
-        KvView::Single {
-            data: KvData::Dense { k, v },
-            positions,
-        } => Some((k, v, positions.as_slice())),
-        KvView::Batch(views) if views.len() == 1 => single_dense(&views[0]),
-        _ => None,
+        KvView::Single { data, positions } => Some((data, positions.as_slice())),
+        KvView::Batch(views) if views.len() == 1 => single(&views[0]),
+        KvView::Batch(_) => None,
     }
 }
 
 /// What a captured decode step's attention reads for one sequence: its descriptor, planned
-/// from `view` (dense K/V in `dtype`, positions that need no table), and its plan. Called by
-/// the capture and by each replay, so both plan alike.
+/// from `view` (dense K/V in `dtype`, positions that need no table). Called by the capture
+/// and by each replay, so both plan alike.
 ///
 /// # Errors
 /// [`CacheError::Shape`] for a view this path cannot take (packed, another dtype, positions
 /// needing a table) or that does not fit the queries.
-#[allow(clippy::too_many_arguments)] // the query's shape and dtype, the view, the query plan
 pub(crate) fn step_descriptor(
     n_heads: usize,
     head_dim: usize,
     dtype: DType,
     view: &KvView,
-    q_offset: usize,
-    window: Option<usize>,
-    scale: f64,
+    plan: &QueryPlan,
     dev: &CudaDevice,
 ) -> Result<QsdpaSeq, CacheError> {
-    let plan = QueryPlan {
-        q_offset,
-        window,
-        scale,
-    };
-    Ok(plan_step(n_heads, head_dim, dtype, view, &plan, dev)?.0)
+    Ok(plan_step(n_heads, head_dim, dtype, view, plan, dev)?.0)
 }
 
 /// [`step_descriptor`] with the plan it came from.
@@ -340,11 +329,14 @@ fn plan_step(
         expected: format!("one sequence of dense K/V in the activations' dtype ({what})"),
         found: vec![n_heads, head_dim],
     };
-    let (k, v, positions) = single_dense(view).ok_or_else(|| unsupported("view"))?;
+    let (data, positions) = single(view).ok_or_else(|| unsupported("view"))?;
+    let KvData::Dense { k, v } = data else {
+        return Err(unsupported("packed K/V"));
+    };
     if k.dtype() != dtype || v.dtype() != dtype || !QSDPA_HEAD_DIMS.contains(&head_dim) {
         return Err(unsupported("dtype or head dim"));
     }
-    check_view(n_heads, head_dim, view_data(view), positions)?;
+    check_view(n_heads, head_dim, data, positions)?;
     let seq = plan_seq(
         n_heads,
         1,
@@ -362,36 +354,22 @@ fn plan_step(
     Ok((descriptor(&seq, None, dev)?, seq))
 }
 
-/// The data of the one sequence of `view`.
-fn view_data(view: &KvView) -> &KvData {
-    match view {
-        KvView::Single { data, .. } => data,
-        KvView::Batch(views) => view_data(&views[0]),
-    }
-}
-
 /// One decode query `q` `[1, n_heads, 1, head_dim]` attending `view` while a step is captured:
-/// the descriptor goes to the step's parameter area and the launch reads it from there, with
-/// as many splits as the shape can ever take (the unused ones return at once).
+/// the descriptor goes to the step's parameter area and the launch reads it from there,
+/// covering more key splits than this step needs (see [`super::graph::covered_splits`]; the
+/// unused ones return at once).
 ///
 /// # Errors
 /// As [`step_descriptor`]; not recording.
 pub(crate) fn attend_recorded(
     q: &Tensor,
     view: &KvView,
-    q_offset: usize,
-    window: Option<usize>,
-    scale: f64,
+    plan: &QueryPlan,
 ) -> Result<Tensor, CacheError> {
     let (_, n_heads, _, head_dim) = q.dims4()?;
     let dev = cuda_dev(q)?;
-    let plan = QueryPlan {
-        q_offset,
-        window,
-        scale,
-    };
-    let (desc, plan) = plan_step(n_heads, head_dim, q.dtype(), view, &plan, &dev)?;
-    let splits = super::graph::covered_splits(plan.n_split, plan.split_bound);
+    let (desc, seq) = plan_step(n_heads, head_dim, q.dtype(), view, plan, &dev)?;
+    let splits = super::graph::covered_splits(seq.n_split, seq.split_bound);
     let slot = super::graph::Slot::Attention {
         splits: splits as u32,
     };
@@ -400,7 +378,5 @@ pub(crate) fn attend_recorded(
             "attend_recorded called outside a capture".to_string(),
         ))
     })?;
-    let out = launch_seqs(q, &plan, 1, splits, at, &dev)?;
-    drop(plan);
-    Ok(out)
+    launch_seqs(q, &seq, 1, splits, at, &dev)
 }
