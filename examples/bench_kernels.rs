@@ -14,7 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_gemma::kernels::attend;
 use candle_gemma::kernels::cuda::{attend_packed_cuda, QsdpaPath};
 use candle_gemma::kernels::qmatmul::{qmatmul, PackedWeight};
-use candle_gemma::kv::{KvData, KvView, PackedKv, QuantBits};
+use candle_gemma::kv::{KeyPositions, KvData, KvView, PackedKv, QuantBits};
 use std::time::Instant;
 
 /// Median seconds per call of `f`.
@@ -145,7 +145,7 @@ fn main() -> Result<()> {
                 let iters = if q_len == 1 { 50 } else { 3 };
                 let q =
                     Tensor::randn(0f32, 1.0, (1, nh, q_len, hd), &dev)?.to_dtype(DType::BF16)?;
-                let pos: Vec<usize> = (0..keys).collect();
+                let pos = KeyPositions::range(0..keys);
                 let q_off = keys - q_len;
                 let scale = 1.0 / (hd as f64).sqrt();
                 let kd =

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_gemma::kernels::cuda::{attend_packed_cuda, QsdpaPath};
 use candle_gemma::kernels::qmatmul::{qembedding, qmatmul, PackedWeight};
 use candle_gemma::kernels::{attend, quantize};
-use candle_gemma::kv::{KvData, KvView, PackedKv, QuantBits};
+use candle_gemma::kv::{KeyPositions, KvData, KvView, PackedKv, QuantBits};
 use std::collections::BTreeMap;
 
 fn to_dev(p: &PackedKv, dev: &Device) -> Result<PackedKv> {
@@ -62,8 +62,8 @@ struct Case {
     pos: Pos,
 }
 
-fn positions(keys: usize, pos: Pos, seed: u64) -> Vec<usize> {
-    match pos {
+fn positions(keys: usize, pos: Pos, seed: u64) -> KeyPositions {
+    let list: Vec<usize> = match pos {
         Pos::Linear => (0..keys).collect(),
         // A wrapped ring: newest keys first in storage after the wrap point.
         Pos::Ring => {
@@ -89,7 +89,8 @@ fn positions(keys: usize, pos: Pos, seed: u64) -> Vec<usize> {
             }
             p
         }
-    }
+    };
+    list.into()
 }
 
 fn check_qsdpa(c: &Case, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Result<bool> {
@@ -282,10 +283,10 @@ fn check_quantize(dtype: DType, gpu: &Device) -> Result<bool> {
     Ok(ok)
 }
 
-fn view_positions(v: &KvView) -> Vec<usize> {
+fn view_positions(v: &KvView) -> KeyPositions {
     match v {
         KvView::Single { positions, .. } => positions.clone(),
-        KvView::Batch(_) => Vec::new(),
+        KvView::Batch(_) => KeyPositions::new(),
     }
 }
 

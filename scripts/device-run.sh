@@ -258,6 +258,20 @@ PY
       echo "simt exit $?"
       python3 scripts/attn_table.py "$OUT/attn-tc.jsonl" "$OUT/attn-simt.jsonl"
       ;;
+    attngpu)
+      # GPU time of every attention launch (ncu, one call a point, --quick: 1k and 32k keys),
+      # then ncu sections for the tensor-core kernel's launches at 32k keys.
+      BENCH_KERNELS_ONCE=1 ncu --clock-control none --cache-control none -k "regex:qsdpa" \
+        --metrics gpu__time_duration.sum --csv --log-file "$OUT/attn-gpu.csv" \
+        .device/bench_kernels --attention-only --quick > "$OUT/attn-gpu-bench.jsonl" 2>&1
+      echo "attngpu exit $?"; wc -l "$OUT/attn-gpu.csv"
+      [ -n "${ATTN_SECTIONS:-}" ] || continue
+      BENCH_KERNELS_ONCE=1 ncu --clock-control none --cache-control all -k "regex:qsdpa_tc" \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis --section InstructionStats --csv --page details \
+        --log-file "$OUT/attn-detail.csv" .device/bench_kernels --attention-only --quick > /dev/null 2>&1
+      echo "attn detail exit $?"; wc -l "$OUT/attn-detail.csv"
+      ;;
     attnab)
       # Batch-1 decode at context 128 with the attention variants in ATTN_VARIANTS.
       for m in ${AB_MODELS:-e2b e4b}; do

@@ -17,7 +17,7 @@ pub use quant::{check_group_size, dequantize, quantize, GROUP_SIZES};
 
 use candle_core::{Device, Tensor};
 
-use crate::kv::{CacheError, KvData, KvView};
+use crate::kv::{CacheError, KeyPositions, KvData, KvView};
 
 /// Whether the fused CUDA kernels (`cuda` feature, tensors on a CUDA device) run instead of the
 /// candle op chains they replace. `CANDLE_GEMMA_UNFUSED=1` switches them off, to measure what
@@ -158,7 +158,7 @@ pub fn attend(
 fn attend_one(
     q: &Tensor,
     data: &KvData,
-    positions: &[usize],
+    positions: &KeyPositions,
     plan: &QueryPlan,
 ) -> Result<Tensor, CacheError> {
     let (_, n_heads, _, head_dim) = q.dims4()?;
@@ -174,19 +174,19 @@ fn attend_one(
             {
                 return cuda::launch::attend_dense_fused(q, k, v, positions, plan);
             }
-            dense::attend_dense(q, k, v, positions, plan)
+            dense::attend_dense(q, k, v, &positions.to_vec(), plan)
         }
         KvData::Packed { k, v } => match q.device() {
-            Device::Cpu => cpu::attend_packed(q, k, v, positions, plan),
+            Device::Cpu => cpu::attend_packed(q, k, v, &positions.to_vec(), plan),
             #[cfg(feature = "cuda")]
             Device::Cuda(_) => {
                 cuda::launch::attend_packed(q, k, v, positions, plan, cuda::QsdpaPath::Auto)
             }
             #[cfg(feature = "metal")]
-            Device::Metal(_) => metal::attend_packed(q, k, v, positions, plan),
+            Device::Metal(_) => metal::attend_packed(q, k, v, &positions.to_vec(), plan),
             _ => {
                 let (kd, vd) = (dequantize(k)?, dequantize(v)?);
-                dense::attend_dense(q, &kd, &vd, positions, plan)
+                dense::attend_dense(q, &kd, &vd, &positions.to_vec(), plan)
             }
         },
     }
@@ -199,7 +199,7 @@ pub(crate) fn check_view(
     n_heads: usize,
     head_dim: usize,
     data: &KvData,
-    positions: &[usize],
+    positions: &KeyPositions,
 ) -> Result<(), CacheError> {
     let (k_dims, v_dims) = match data {
         KvData::Dense { k, v } => (k.dims().to_vec(), v.dims().to_vec()),

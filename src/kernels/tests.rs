@@ -91,7 +91,7 @@ fn dense_view(k: &Tensor, v: &Tensor, positions: Vec<usize>) -> KvView {
             k: k.clone(),
             v: v.clone(),
         },
-        positions,
+        positions: positions.into(),
     }
 }
 
@@ -157,7 +157,7 @@ fn packed_reference_matches_dequantize_then_dense() {
                     k: pk.clone(),
                     v: pv.clone(),
                 },
-                positions: positions.clone(),
+                positions: positions.clone().into(),
             };
             let got = attend(&q, &packed, &[q_off], window, 1.0).unwrap();
             let (dk, dv) = (dequantize(&pk).unwrap(), dequantize(&pv).unwrap());
@@ -209,7 +209,7 @@ fn packed_error_against_full_precision_is_bounded() {
                 &q,
                 &KvView::Single {
                     data,
-                    positions: positions.clone(),
+                    positions: positions.clone().into(),
                 },
                 &[keys - 1],
                 None,
@@ -279,7 +279,10 @@ fn bf16_dense_and_packed_agree_roughly() {
     };
     let packed = attend(
         &q,
-        &KvView::Single { data, positions },
+        &KvView::Single {
+            data,
+            positions: positions.into(),
+        },
         &[keys - 2],
         None,
         1.0,

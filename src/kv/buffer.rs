@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::CacheError;
+use super::{CacheError, KeyPositions};
 
 /// Token axis of every stored tensor (`[1, heads, tokens, width]`).
 const T: usize = 2;
@@ -219,7 +219,7 @@ impl GrowBuf {
 }
 
 /// Stored parts and the absolute position of each of their tokens.
-type Positioned = (Vec<Tensor>, Vec<usize>);
+type Positioned = (Vec<Tensor>, KeyPositions);
 
 /// A ring of `size` slots: position `p` lives in slot `p % size`. Live positions are
 /// `first..offset` (at most `size` of them). Storage grows up to `size` slots while the ring
@@ -324,13 +324,14 @@ impl RingBuf {
         }
         let s0 = self.first % self.size;
         if count == self.cap && !ordered {
-            // Every slot live: slot s holds the position congruent to s.
-            let positions = (0..self.cap)
-                .map(|s| self.first + (s + self.size - s0) % self.size)
-                .collect();
+            // Every slot live: slot s holds the position congruent to s, so slots 0..s0 hold
+            // the newest positions and slots s0.. the oldest.
+            let mut positions = KeyPositions::new();
+            positions.push_run(self.first + self.size - s0, s0);
+            positions.push_run(self.first, self.cap - s0);
             return Ok(Some((parts.clone(), positions)));
         }
-        let positions = (self.first..self.offset).collect();
+        let positions = KeyPositions::range(self.first..self.offset);
         if s0 + count <= self.cap {
             return Ok(Some((narrow_all(parts, s0, count)?, positions)));
         }
@@ -360,14 +361,17 @@ impl RingBuf {
         }
         let dense = match self.view(false)? {
             Some((old, mut positions)) => {
-                positions.extend(self.offset..self.offset + n);
+                positions.push_run(self.offset, n);
                 let new_c: Vec<Tensor> = new
                     .iter()
                     .map(|t| t.contiguous())
                     .collect::<candle_core::Result<_>>()?;
                 (cat_all(&old, &new_c)?, positions)
             }
-            None => (new.to_vec(), (self.offset..self.offset + n).collect()),
+            None => (
+                new.to_vec(),
+                KeyPositions::range(self.offset..self.offset + n),
+            ),
         };
         self.store(new, n)?;
         Ok(dense)

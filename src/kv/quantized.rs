@@ -6,7 +6,9 @@ use candle_core::{DType, Tensor};
 use super::buffer::{unallocated, Geometry, GrowBuf, RingBuf};
 use super::rotating::{ring_trim, window_of};
 use super::simple::pair;
-use super::{CacheError, KvCache, KvData, KvView, LayerCacheSpec, PackedKv, QuantSpec};
+use super::{
+    CacheError, KeyPositions, KvCache, KvData, KvView, LayerCacheSpec, PackedKv, QuantSpec,
+};
 use crate::kernels::{check_group_size, quantize};
 
 /// Growing (full layers) or ring (sliding layers) storage.
@@ -290,7 +292,7 @@ impl KvCache for QuantizedCache {
         let (parts, positions) = match &mut self.store {
             Store::Grow(b) => {
                 let parts = b.append(&new)?;
-                (parts, (0..b.len()).collect())
+                (parts, KeyPositions::range(0..b.len()))
             }
             Store::Ring(r) => r.update(&new)?,
         };

@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::buffer::{Geometry, GrowBuf};
-use super::{CacheError, KvCache, KvData, KvView, LayerCacheSpec};
+use super::{CacheError, KeyPositions, KvCache, KvData, KvView, LayerCacheSpec};
 
 /// Dense K/V of every token seen, stored in preallocated buffers `[1, kv_heads, capacity,
 /// head_dim]` that double when full; each update writes only its new tokens.
@@ -101,7 +101,7 @@ impl SimpleCache {
     /// Counts `n` tokens written into reserved storage; returns what `update` would have.
     pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
         let parts = self.buf.commit(n)?;
-        dense_view(parts, (0..self.buf.len()).collect())
+        dense_view(parts, KeyPositions::range(0..self.buf.len()))
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -123,7 +123,10 @@ pub(crate) fn pair(parts: Vec<Tensor>) -> Option<(Tensor, Tensor)> {
 }
 
 /// The view of a dense cache's stored `[k, v]` parts at `positions`.
-pub(crate) fn dense_view(parts: Vec<Tensor>, positions: Vec<usize>) -> Result<KvView, CacheError> {
+pub(crate) fn dense_view(
+    parts: Vec<Tensor>,
+    positions: KeyPositions,
+) -> Result<KvView, CacheError> {
     let (k, v) = pair(parts).ok_or_else(super::buffer::unallocated)?;
     Ok(KvView::Single {
         data: KvData::Dense { k, v },
@@ -137,7 +140,7 @@ impl KvCache for SimpleCache {
     fn update(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView, CacheError> {
         self.geometry.check(k, v)?;
         let parts = self.buf.append(&[k.clone(), v.clone()])?;
-        dense_view(parts, (0..self.buf.len()).collect())
+        dense_view(parts, KeyPositions::range(0..self.buf.len()))
     }
 
     fn offsets(&self) -> Vec<usize> {

@@ -237,7 +237,7 @@ fn one_token_decode_on_a_full_ring_returns_exactly_the_window() {
     let KvView::Single { positions, .. } = view else {
         panic!("single")
     };
-    let mut p = positions.clone();
+    let mut p = positions.to_vec();
     p.sort();
     assert_eq!(p, vec![6, 7, 8, 9]);
     assert_eq!(c.offsets(), vec![10]);
@@ -340,7 +340,7 @@ fn quantized_start_converts_once_and_returns_packed() {
     else {
         panic!("packed after start")
     };
-    assert_eq!(positions, (0..6).collect::<Vec<_>>());
+    assert_eq!(positions.to_vec(), (0..6).collect::<Vec<_>>());
     assert_eq!(k.codes.dims(), &[1, KVH, 6, HD * 8 / 32]);
     assert!(c.is_packed());
 }

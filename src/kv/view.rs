@@ -1,6 +1,7 @@
 //! What a cache update hands to attention: dense or packed K/V plus the absolute position of
 //! every key, so masks are built from positions and a ring buffer needs no reordering.
 
+use super::KeyPositions;
 use candle_core::Tensor;
 
 /// Bit width of a packed (affine-quantized) K/V cache.
@@ -82,8 +83,8 @@ pub enum KvView {
     Single {
         /// Dense or packed K/V.
         data: KvData,
-        /// `positions[j]` is the absolute token index of key `j`.
-        positions: Vec<usize>,
+        /// The absolute token index of each key, in storage order.
+        positions: KeyPositions,
     },
     /// One view per sequence of a batch, in batch order.
     Batch(Vec<KvView>),

@@ -12,11 +12,12 @@ use candle_core::{DType, Tensor};
 
 use super::kernel_cache::load_kernel;
 use super::launch::{
-    cuda_dev, cuda_storage, kname, plan_seq, view, wrap, KvOperand, SeqPlan, FUSED_MAX_Q_LEN,
+    combine_kernel_name, cuda_dev, cuda_storage, kname, plan_seq, view, wrap, KvOperand, SeqPlan,
+    FUSED_MAX_Q_LEN,
 };
 use super::params::{QsdpaParams, QSDPA_COMBINE_DIMS, QSDPA_COMBINE_THREADS, QSDPA_HEAD_DIMS};
 use crate::kernels::{check_view, QueryPlan};
-use crate::kv::{CacheError, KvData, KvView};
+use crate::kv::{CacheError, KeyPositions, KvData, KvView};
 
 /// `struct QsdpaSeq` in `qkernels.cu`.
 #[repr(C)]
@@ -98,7 +99,7 @@ pub(crate) fn attend_batch(
             KvData::Dense { .. } => return Ok(None),
             KvData::Packed { k, v } => (KvOperand::Packed(k), KvOperand::Packed(v)),
         };
-        seqs.push((k, v, positions.as_slice(), q_offset));
+        seqs.push((k, v, positions, q_offset));
     }
     let dev = cuda_dev(q)?;
     let mut plans: Vec<SeqPlan> = Vec::with_capacity(batch);
@@ -202,7 +203,7 @@ fn launch_seqs(
     )?;
     let comb = load_kernel(
         dev,
-        &format!("qsdpa_combine_batch_{tn}"),
+        &combine_kernel_name(tn, true),
         super::launch::MODULE,
         super::launch::IMAGE,
     )?;
@@ -289,9 +290,9 @@ fn launch_seqs(
 }
 
 /// The one sequence of `view` (a single view, or a batch of one).
-fn single(view: &KvView) -> Option<(&KvData, &[usize])> {
+fn single(view: &KvView) -> Option<(&KvData, &KeyPositions)> {
     match view {
-        KvView::Single { data, positions } => Some((data, positions.as_slice())),
+        KvView::Single { data, positions } => Some((data, positions)),
         KvView::Batch(views) if views.len() == 1 => single(&views[0]),
         KvView::Batch(_) => None,
     }

@@ -18,7 +18,7 @@ use super::params::{
 };
 use super::scratch::with_scratch;
 use crate::kernels::{dense, QueryPlan};
-use crate::kv::{CacheError, PackedKv};
+use crate::kv::{CacheError, KeyPositions, PackedKv};
 
 /// The kernels' image (machine code for the build's compute capability, plus PTX), built by
 /// `build.rs` from `qkernels.cu`.
@@ -153,7 +153,7 @@ pub fn attend_packed_cuda(
     q: &Tensor,
     k: &PackedKv,
     v: &PackedKv,
-    positions: &[usize],
+    positions: &KeyPositions,
     q_offset: usize,
     window: Option<usize>,
     scale: f64,
@@ -172,7 +172,7 @@ pub(crate) fn attend_packed(
     q: &Tensor,
     k: &PackedKv,
     v: &PackedKv,
-    positions: &[usize],
+    positions: &KeyPositions,
     plan: &QueryPlan,
     path: QsdpaPath,
 ) -> Result<Tensor, CacheError> {
@@ -193,7 +193,7 @@ pub(crate) fn attend_packed(
     } else {
         let kd = dequantize_kv(k, q.dtype())?;
         let vd = dequantize_kv(v, q.dtype())?;
-        dense::attend_dense(q, &kd, &vd, positions, plan)
+        dense::attend_dense(q, &kd, &vd, &positions.to_vec(), plan)
     }
 }
 
@@ -333,7 +333,7 @@ pub(crate) fn attend_dense_fused(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    positions: &[usize],
+    positions: &KeyPositions,
     plan: &QueryPlan,
 ) -> Result<Tensor, CacheError> {
     attend_fused(q, KvOperand::Dense(k), KvOperand::Dense(v), positions, plan)
@@ -375,6 +375,18 @@ impl SeqPlan {
             (QSDPA_WARPS * 32) as u32
         }
     }
+}
+
+/// The split-combining kernel for queries of type `tn`, for one sequence or (`batch`) a batch
+/// launch: the two-pass kernel, or with `CANDLE_GEMMA_COMBINE=onepass` the one-pass kernel
+/// (compiled, but not yet run on a GPU: see `qkernels.cu`).
+pub(super) fn combine_kernel_name(tn: &str, batch: bool) -> String {
+    static ONE_PASS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let one_pass = *ONE_PASS
+        .get_or_init(|| std::env::var("CANDLE_GEMMA_COMBINE").is_ok_and(|v| v == "onepass"));
+    let v = if one_pass { "onepass_" } else { "" };
+    let b = if batch { "batch_" } else { "" };
+    format!("qsdpa_combine_{v}{b}{tn}")
 }
 
 /// Threads a tensor-core attention block: one warp per 128 head dims.
@@ -424,7 +436,7 @@ pub(super) fn plan_seq(
     dtype: DType,
     k: KvOperand<'_>,
     v: KvOperand<'_>,
-    positions: &[usize],
+    positions: &KeyPositions,
     plan: &QueryPlan,
     dev: &CudaDevice,
 ) -> Result<SeqPlan, CacheError> {
@@ -478,7 +490,7 @@ pub(super) fn plan_seq(
         scale: plan.scale as f32,
         ..Default::default()
     };
-    let code = PositionCode::encode(positions).ok_or_else(too_big)?;
+    let code = PositionCode::of(positions).ok_or_else(too_big)?;
     let table: Vec<u32> = code
         .apply(&mut params)
         .map(|t| t.to_vec())
@@ -535,7 +547,7 @@ fn attend_fused(
     q: &Tensor,
     k: KvOperand<'_>,
     v: KvOperand<'_>,
-    positions: &[usize],
+    positions: &KeyPositions,
     plan: &QueryPlan,
 ) -> Result<Tensor, CacheError> {
     let (_, n_heads, q_len, head_dim) = q.dims4()?;
@@ -590,7 +602,7 @@ fn attend_fused(
         shared_mem_bytes: 0,
     };
     let func = load_kernel(&dev, &name, MODULE, IMAGE)?;
-    let comb = load_kernel(&dev, &format!("qsdpa_combine_{tn}"), MODULE, IMAGE)?;
+    let comb = load_kernel(&dev, &combine_kernel_name(tn, false), MODULE, IMAGE)?;
 
     macro_rules! go {
         ($t:ty) => {{

@@ -3,6 +3,8 @@
 //! order matches `struct QsdpaParams` / `struct QmatParams` in `qkernels.cu` and
 //! `../metal/qkernels.metal`.
 
+use crate::kv::KeyPositions;
+
 /// Warps per quantized-attention block (`QS_WARPS` in the kernels).
 pub const QSDPA_WARPS: usize = 4;
 /// Query rows per quantized-attention block (the kernels' `NQ`; 2 is also instantiated).
@@ -124,33 +126,32 @@ pub enum PositionCode {
 }
 
 impl PositionCode {
-    /// Encodes `positions`, or `None` when one does not fit in `u32`.
+    /// Encodes a list of positions, or `None` when one does not fit in `u32`.
     pub fn encode(positions: &[usize]) -> Option<Self> {
+        Self::of(&KeyPositions::from(positions))
+    }
+
+    /// Encodes `positions` from their runs (no per-key work unless there are more than two
+    /// runs), or `None` when one does not fit in `u32`.
+    pub fn of(positions: &KeyPositions) -> Option<Self> {
         let small = |x: usize| u32::try_from(x).ok();
-        let Some(&p0) = positions.first() else {
-            return Some(Self::Linear { base: 0 });
-        };
-        let first = ascending_run(positions);
-        if first == positions.len() {
-            small(p0 + (first - 1))?;
-            return Some(Self::Linear { base: small(p0)? });
+        small(positions.max().unwrap_or(0))?;
+        match positions.runs() {
+            [] => Some(Self::Linear { base: 0 }),
+            [r] => Some(Self::Linear {
+                base: small(r.start)?,
+            }),
+            [r1, r2] => Some(Self::TwoRuns {
+                base: small(r1.start)?,
+                split: small(r1.len)?,
+                base2: small(r2.start)?,
+            }),
+            _ => positions
+                .iter()
+                .map(small)
+                .collect::<Option<Vec<u32>>>()
+                .map(Self::Table),
         }
-        let p1 = positions[first];
-        let second = ascending_run(&positions[first..]);
-        if first + second == positions.len() {
-            small(p0 + (first - 1))?;
-            small(p1 + (second - 1))?;
-            return Some(Self::TwoRuns {
-                base: small(p0)?,
-                split: small(first)?,
-                base2: small(p1)?,
-            });
-        }
-        positions
-            .iter()
-            .map(|&x| small(x))
-            .collect::<Option<Vec<u32>>>()
-            .map(Self::Table)
     }
 
     /// Writes the mode fields of `params`; returns the table to upload, if any.
@@ -176,43 +177,13 @@ impl PositionCode {
     }
 }
 
-/// Length of the run `p[0], p[0] + 1, ..` that starts `p` (at least 1 for a non-empty slice).
-/// Runs are checked a chunk at a time with no early exit inside a chunk, which the compiler
-/// vectorizes: a decode step encodes every attention layer's positions, tens of thousands of
-/// keys at long contexts.
-fn ascending_run(p: &[usize]) -> usize {
-    const CHUNK: usize = 64;
-    let Some(&start) = p.first() else {
-        return 0;
-    };
-    let mut done = 0;
-    for chunk in p.chunks(CHUNK) {
-        let base = start.wrapping_add(done);
-        let all = chunk
-            .iter()
-            .enumerate()
-            .fold(true, |ok, (i, &x)| ok & (x == base.wrapping_add(i)));
-        if !all {
-            let k = chunk
-                .iter()
-                .enumerate()
-                .take_while(|&(i, &x)| x == base.wrapping_add(i))
-                .count();
-            return done + k;
-        }
-        done += chunk.len();
-    }
-    done
-}
-
 /// The most splits [`split_keys`] gives `base_blocks` blocks on a device holding
 /// `resident_blocks` at once, whatever the number of keys (a captured decode step launches this
-/// many and the extra ones return at once).
+/// many and the extra ones return at once). Rounded down: one block past a full wave waits for
+/// a whole block's time (31B sliding 4-bit at 32k keys took 50 splits x 16 heads = 800 blocks
+/// for 792 slots on an H100, and its SMs were busy 62% of the kernel's time under ncu).
 pub fn split_bound(base_blocks: usize, resident_blocks: usize) -> usize {
-    resident_blocks
-        .max(1)
-        .div_ceil(base_blocks.max(1))
-        .clamp(1, QSDPA_MAX_SPLIT)
+    (resident_blocks / base_blocks.max(1)).clamp(1, QSDPA_MAX_SPLIT)
 }
 
 /// Chooses the flash-decoding split: about `resident_blocks` blocks in all (what the GPU holds
@@ -293,6 +264,28 @@ mod tests {
                 n * per >= keys && (n - 1) * per < keys,
                 "{keys}: {n} x {per}"
             );
+        }
+    }
+
+    #[test]
+    fn splits_fit_in_one_wave() {
+        for (base, resident) in [
+            (16, 792),
+            (2, 396),
+            (4, 396),
+            (2, 792),
+            (7, 100),
+            (500, 264),
+        ] {
+            let bound = split_bound(base, resident);
+            assert!(
+                bound >= 1 && (bound == 1 || base * bound <= resident),
+                "{base} {resident}"
+            );
+            for keys in [1000, 32768, 131072] {
+                let (n, _) = split_keys(keys, base, resident, 32);
+                assert!(n <= bound, "{keys} keys: {n} splits, bound {bound}");
+            }
         }
     }
 
