@@ -272,6 +272,21 @@ PY
         --log-file "$OUT/attn-detail.csv" .device/bench_kernels --attention-only --quick > /dev/null 2>&1
       echo "attn detail exit $?"; wc -l "$OUT/attn-detail.csv"
       ;;
+    combineab)
+      # Split-combine block size, same machine: ncu GPU time of every attention launch (--quick)
+      # and the wall-time attention bench, by split count (default) and fixed at 8 and 32 warps,
+      # twice each in turn.
+      for round in 1 2; do
+        for w in default 8 32; do
+          e=$([ $w = default ] || echo CANDLE_GEMMA_COMBINE_WARPS=$w)
+          env $e BENCH_KERNELS_ONCE=1 ncu --clock-control none --cache-control none -k "regex:qsdpa" \
+            --metrics gpu__time_duration.sum --csv --log-file "$OUT/combine-$w-$round.csv" \
+            .device/bench_kernels --attention-only --quick > /dev/null 2>&1
+          env $e .device/bench_kernels --attention-only > "$OUT/combine-$w-$round.jsonl" 2>&1
+          echo "combine warps $w round $round exit $?"
+        done
+      done
+      ;;
     attnab)
       # Batch-1 decode at context 128 with the attention variants in ATTN_VARIANTS.
       for m in ${AB_MODELS:-e2b e4b}; do

@@ -15,7 +15,7 @@ use super::launch::{
     combine_kernel_name, cuda_dev, cuda_storage, kname, plan_seq, view, wrap, KvOperand, SeqPlan,
     FUSED_MAX_Q_LEN,
 };
-use super::params::{QsdpaParams, QSDPA_COMBINE_DIMS, QSDPA_COMBINE_THREADS, QSDPA_HEAD_DIMS};
+use super::params::{combine_threads, QsdpaParams, QSDPA_COMBINE_DIMS, QSDPA_HEAD_DIMS};
 use crate::kernels::{check_view, QueryPlan};
 use crate::kv::{CacheError, KeyPositions, KvData, KvView};
 
@@ -222,7 +222,7 @@ fn launch_seqs(
             batch as u32,
             head_dim.div_ceil(QSDPA_COMBINE_DIMS) as u32,
         ),
-        block_dim: (QSDPA_COMBINE_THREADS, 1, 1),
+        block_dim: (combine_threads(n_split_max), 1, 1),
         shared_mem_bytes: 0,
     };
     let q = q.contiguous()?;

@@ -12,8 +12,8 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 
 use super::kernel_cache::load_kernel;
 use super::params::{
-    split_bound, split_keys, PositionCode, QmatParams, QsdpaParams, QMATVEC_MMA_ROWS,
-    QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS, QSDPA_COMBINE_DIMS, QSDPA_COMBINE_THREADS,
+    combine_threads, split_bound, split_keys, PositionCode, QmatParams, QsdpaParams,
+    QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS, QSDPA_COMBINE_DIMS,
     QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use super::scratch::with_scratch;
@@ -378,15 +378,10 @@ impl SeqPlan {
 }
 
 /// The split-combining kernel for queries of type `tn`, for one sequence or (`batch`) a batch
-/// launch: the two-pass kernel, or with `CANDLE_GEMMA_COMBINE=onepass` the one-pass kernel
-/// (compiled, but not yet run on a GPU: see `qkernels.cu`).
+/// launch.
 pub(super) fn combine_kernel_name(tn: &str, batch: bool) -> String {
-    static ONE_PASS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let one_pass = *ONE_PASS
-        .get_or_init(|| std::env::var("CANDLE_GEMMA_COMBINE").is_ok_and(|v| v == "onepass"));
-    let v = if one_pass { "onepass_" } else { "" };
     let b = if batch { "batch_" } else { "" };
-    format!("qsdpa_combine_{v}{b}{tn}")
+    format!("qsdpa_combine_{b}{tn}")
 }
 
 /// Threads a tensor-core attention block: one warp per 128 head dims.
@@ -598,7 +593,7 @@ fn attend_fused(
             head_dim.div_ceil(QSDPA_COMBINE_DIMS) as u32,
             1,
         ),
-        block_dim: (QSDPA_COMBINE_THREADS, 1, 1),
+        block_dim: (combine_threads(n_split), 1, 1),
         shared_mem_bytes: 0,
     };
     let func = load_kernel(&dev, &name, MODULE, IMAGE)?;

@@ -9,8 +9,27 @@ use crate::kv::KeyPositions;
 pub const QSDPA_WARPS: usize = 4;
 /// Query rows per quantized-attention block (the kernels' `NQ`; 2 is also instantiated).
 pub const QSDPA_ROWS: usize = 4;
-/// Threads a block of the split-combining kernel (`QS_COMBINE_THREADS`).
-pub const QSDPA_COMBINE_THREADS: u32 = 256;
+/// Most threads a block of the split-combining kernel (`QS_COMBINE_THREADS`).
+pub const QSDPA_COMBINE_THREADS: u32 = 1024;
+
+/// Threads a block of the split-combining kernel for `n_split` splits: more warps take fewer
+/// rounds of dependent loads but sum longer at the end, so few splits keep 8 warps (H100, ncu:
+/// 342 splits 8.3 us with 8 warps, 6.8 with 32; 32 splits 4.4 with 8, 5.0 with 32).
+/// `CANDLE_GEMMA_COMBINE_WARPS=1..32` fixes the warp count instead (for A/B runs).
+pub fn combine_threads(n_split: usize) -> u32 {
+    static FIXED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let fixed = *FIXED.get_or_init(|| {
+        std::env::var("CANDLE_GEMMA_COMBINE_WARPS")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .filter(|w| (1..=QSDPA_COMBINE_THREADS / 32).contains(w))
+    });
+    match fixed {
+        Some(warps) => warps * 32,
+        None if n_split > 128 => QSDPA_COMBINE_THREADS,
+        None => 256,
+    }
+}
 /// Head dims a block of the split-combining kernel merges (`QS_COMBINE_DIMS`).
 pub const QSDPA_COMBINE_DIMS: usize = 128;
 /// Query rows per tensor-core attention block (the N of `mma.m16n8k16`, `QT_ROWS`).
@@ -265,6 +284,18 @@ mod tests {
                 "{keys}: {n} x {per}"
             );
         }
+    }
+
+    #[test]
+    fn combine_blocks_are_whole_warps_within_the_kernels_bound() {
+        for n in [1, 2, 32, 128, 129, 342, QSDPA_MAX_SPLIT] {
+            let t = combine_threads(n);
+            assert!(
+                t % 32 == 0 && t >= 32 && t <= QSDPA_COMBINE_THREADS,
+                "{n} splits: {t}"
+            );
+        }
+        assert!(combine_threads(342) > combine_threads(32));
     }
 
     #[test]

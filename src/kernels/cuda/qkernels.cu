@@ -294,23 +294,24 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
     }
 }
 
-// Merges the splits: one block of 256 threads per global row and 128 head dims (grid y or z:
-// the dim chunk). Two versions (n_split <= QS_MAX_SPLIT, enforced by the host):
-// * two passes (the default): the split weights w_s = exp(m_s - M) go to shared memory first;
-//   then each warp sums every 8th split for 4 dims a lane (16-byte loads, 8 in flight), and the
-//   eight warps' sums meet in shared memory. Three dependent rounds of loads and four barriers:
-//   4.4-8.3 us a call on an H100 under ncu whatever the work (`device-run.sh attngpu`).
-// * one pass (`CANDLE_GEMMA_COMBINE=onepass`, not yet run on a GPU): each warp merges every 8th
-//   split with an online softmax over the splits' (m, l), its loads not waiting on a running
-//   max, and the warps' (m, l, sums) meet in shared memory once.
+// Merges the splits: one block per global row and 128 head dims (grid y or z: the dim chunk;
+// n_split <= QS_MAX_SPLIT, enforced by the host), of any whole number of warps up to
+// QS_COMBINE_THREADS (the host picks it from the split count). The split weights
+// w_s = exp(m_s - M) go to shared memory first; then each warp sums every W-th split (W warps)
+// for 4 dims a lane (16-byte loads, 8 in flight), and the warps' sums meet in shared memory.
+// The time is latency: a row has few blocks, so the sums run as rounds of dependent loads, and
+// more warps mean fewer rounds but a longer final sum (on an H100 under ncu, `device-run.sh
+// attngpu`: 342 splits took 8.3 us with 8 warps, 6.8 with 32; 32 splits 4.4 with 8, 5.0 with
+// 32). A one-pass version (an online softmax over each warp's splits, one barrier) measured
+// slower on an H200 at 128-342 splits (thirteenth session).
 constexpr int QS_MAX_SPLIT = 1024;
-constexpr int QS_COMBINE_THREADS = 256;
+constexpr int QS_COMBINE_THREADS = 1024;
 constexpr int QS_COMBINE_DIMS = 128;
 
 // Max or sum over the block: shuffles within each warp, then every thread reads the warps'
-// results (two barriers, where a shared-memory tree over 256 threads takes eight).
+// results (two barriers, where a shared-memory tree over the block takes ten).
 __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
-    constexpr int WARPS = QS_COMBINE_THREADS / 32;
+    const int warps = blockDim.x >> 5;
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
         const float o = __shfl_xor_sync(0xffffffffu, v, off);
@@ -319,8 +320,7 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
     __syncthreads();
     float r = red[0];
-#pragma unroll
-    for (int w = 1; w < WARPS; ++w) r = is_max ? fmaxf(r, red[w]) : r + red[w];
+    for (int w = 1; w < warps; ++w) r = is_max ? fmaxf(r, red[w]) : r + red[w];
     __syncthreads();  // `red` is written again by the next call
     return r;
 }
@@ -330,10 +330,10 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
                                                    const float* __restrict__ part_ml,
                                                    const float* __restrict__ part_acc,
                                                    T* __restrict__ out, const int chunk) {
-    constexpr int LANES = QS_COMBINE_THREADS / 32;  // warps, each taking every LANES-th split
+    const int threads = blockDim.x, warps = threads >> 5;  // warp i takes splits i, i + warps, ..
     __shared__ float w[QS_MAX_SPLIT];
     __shared__ float red[QS_COMBINE_THREADS / 32];
-    __shared__ float4 sums[LANES][32];
+    __shared__ float4 sums[QS_COMBINE_THREADS / 32][32];
     const int hd = p.head_dim;
     const int group = p.n_heads / p.kv_heads;
     const int rows = group * p.q_len;
@@ -343,13 +343,13 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
     const int qi = r / group, hh = r % group, head = g * group + hh;
     const int n = min((int)p.n_split, QS_MAX_SPLIT);
     float mloc = -INFINITY;
-    for (int s = threadIdx.x; s < n; s += QS_COMBINE_THREADS) {
+    for (int s = threadIdx.x; s < n; s += threads) {
         const float* ml = part_ml + ((size_t)s * total + grow) * 2;
         if (ml[1] > 0.f) mloc = fmaxf(mloc, ml[0]);
     }
     const float M = block_reduce(mloc, red, true);
     float lloc = 0.f;
-    for (int s = threadIdx.x; s < n; s += QS_COMBINE_THREADS) {
+    for (int s = threadIdx.x; s < n; s += threads) {
         const float* ml = part_ml + ((size_t)s * total + grow) * 2;
         const float ws = ml[1] > 0.f ? __expf(ml[0] - M) : 0.f;
         w[s] = ws;
@@ -364,7 +364,7 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
         const float* a = part_acc + (size_t)grow * hd + d;
         const size_t step = (size_t)total * hd;
 #pragma unroll 8
-        for (int s = sl; s < n; s += LANES) {
+        for (int s = sl; s < n; s += warps) {
             const float4 v = *reinterpret_cast<const float4*>(a + s * step);
             const float ws = w[s];
             A.x = fmaf(ws, v.x, A.x); A.y = fmaf(ws, v.y, A.y);
@@ -374,8 +374,7 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
     sums[sl][lane] = A;
     __syncthreads();
     if (sl == 0 && d < hd) {
-#pragma unroll
-        for (int o = 1; o < LANES; ++o) {
+        for (int o = 1; o < warps; ++o) {
             const float4 v = sums[o][lane];
             A.x += v.x; A.y += v.y; A.z += v.z; A.w += v.w;
         }
@@ -385,74 +384,6 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
         dst[2] = from_f<T>(A.z * inv);
         dst[3] = from_f<T>(A.w * inv);
     }
-}
-
-template <typename T>
-__device__ __forceinline__ void qsdpa_combine_onepass_body(const QsdpaParams& p,
-                                                           const float* __restrict__ part_ml,
-                                                           const float* __restrict__ part_acc,
-                                                           T* __restrict__ out, const int chunk) {
-    constexpr int WARPS = QS_COMBINE_THREADS / 32;  // warp w takes splits w, w + WARPS, ..
-    __shared__ float4 sums[WARPS][32];
-    __shared__ float2 wml[WARPS];
-    const int hd = p.head_dim;
-    const int group = p.n_heads / p.kv_heads;
-    const int rows = group * p.q_len;
-    const int total = p.kv_heads * rows;
-    const int grow = blockIdx.x;
-    const int g = grow / rows, r = grow % rows;
-    const int qi = r / group, hh = r % group, head = g * group + hh;
-    const int n = min((int)p.n_split, QS_MAX_SPLIT);
-    const int lane = threadIdx.x & 31, sl = threadIdx.x >> 5;
-    const int d = chunk * QS_COMBINE_DIMS + 4 * lane;
-    const bool dok = d < hd;
-    const float* a = part_acc + (size_t)grow * hd + (dok ? d : 0);
-    const size_t step = (size_t)total * hd;
-    // Running max, weighted row sum and weighted dims of this warp's splits. A split whose keys
-    // were all masked (l = 0) adds nothing.
-    float m = -INFINITY, l = 0.f;
-    float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int s = sl; s < n; s += WARPS) {
-        const float2 ml = *reinterpret_cast<const float2*>(part_ml + ((size_t)s * total + grow) * 2);
-        const float4 v = dok ? *reinterpret_cast<const float4*>(a + s * step)
-                             : make_float4(0.f, 0.f, 0.f, 0.f);
-        if (ml.y > 0.f) {
-            const float mn = fmaxf(m, ml.x);
-            const float c = __expf(m - mn), w = __expf(ml.x - mn);
-            l = fmaf(l, c, w * ml.y);
-            A.x = fmaf(A.x, c, w * v.x); A.y = fmaf(A.y, c, w * v.y);
-            A.z = fmaf(A.z, c, w * v.z); A.w = fmaf(A.w, c, w * v.w);
-            m = mn;
-        }
-    }
-    sums[sl][lane] = A;
-    if (lane == 0) wml[sl] = make_float2(m, l);
-    __syncthreads();
-    if (sl != 0 || !dok) return;
-    float M = -INFINITY;
-#pragma unroll
-    for (int o = 0; o < WARPS; ++o) {
-        if (wml[o].y > 0.f) M = fmaxf(M, wml[o].x);
-    }
-    float L = 0.f;
-    float4 S = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int o = 0; o < WARPS; ++o) {
-        const float2 o_ml = wml[o];
-        if (!(o_ml.y > 0.f)) continue;
-        const float w = __expf(o_ml.x - M);
-        const float4 v = sums[o][lane];
-        L = fmaf(w, o_ml.y, L);
-        S.x = fmaf(w, v.x, S.x); S.y = fmaf(w, v.y, S.y);
-        S.z = fmaf(w, v.z, S.z); S.w = fmaf(w, v.w, S.w);
-    }
-    const float inv = L > 0.f ? 1.f / L : 0.f;
-    T* dst = out + ((size_t)head * p.q_len + qi) * hd + d;
-    dst[0] = from_f<T>(S.x * inv);
-    dst[1] = from_f<T>(S.y * inv);
-    dst[2] = from_f<T>(S.z * inv);
-    dst[3] = from_f<T>(S.w * inv);
 }
 
 // Entry of the batch kernels: the block's sequence (grid z = sequence x split) from its
@@ -505,32 +436,32 @@ __device__ __forceinline__ void qsdpa_batch_entry(const QsdpaSeq* seqs, uint32_t
     QSDPA_INST(TN, T, 256, BITS)    \
     QSDPA_INST(TN, T, 512, BITS)
 
-// The split-combining kernels of one body: `qsdpa_combine_<V>TN` (one sequence) and
-// `qsdpa_combine_<V>batch_TN` (grid y = sequence).
-#define QSDPA_COMBINE_INST(TN, T, V, BODY)                                                     \
-    extern "C" __global__ void qsdpa_combine_##V##TN(const QsdpaParams p, const float* part_ml, \
-                                                     const float* part_acc, T* out) {          \
+// The split-combining kernels: `qsdpa_combine_TN` (one sequence) and `qsdpa_combine_batch_TN`
+// (grid y = sequence).
+#define QSDPA_COMBINE_INST(TN, T)                                                              \
+    extern "C" __global__ void __launch_bounds__(QS_COMBINE_THREADS)                           \
+        qsdpa_combine_##TN(const QsdpaParams p, const float* part_ml, const float* part_acc,    \
+                           T* out) {                                                           \
         pdl_entry();                                                                           \
-        BODY<T>(p, part_ml, part_acc, out, blockIdx.y);                                        \
+        qsdpa_combine_body<T>(p, part_ml, part_acc, out, blockIdx.y);                          \
     }                                                                                          \
-    extern "C" __global__ void qsdpa_combine_##V##batch_##TN(const QsdpaSeq* seqs,              \
-                                                             uint32_t n_split_max, T* out,      \
-                                                             const float* part_ml,              \
-                                                             const float* part_acc) {           \
+    extern "C" __global__ void __launch_bounds__(QS_COMBINE_THREADS)                           \
+        qsdpa_combine_batch_##TN(const QsdpaSeq* seqs, uint32_t n_split_max, T* out,            \
+                                 const float* part_ml, const float* part_acc) {                \
         pdl_entry();                                                                           \
         const QsdpaParams p = seqs[blockIdx.y].p;                                              \
         if (p.n_split <= 1) return;                                                            \
         const size_t qn = (size_t)p.n_heads * p.q_len * p.head_dim;                            \
         const size_t pr = (size_t)n_split_max * p.n_heads * p.q_len;                           \
-        BODY<T>(p, part_ml + blockIdx.y * pr * 2, part_acc + blockIdx.y * pr * p.head_dim,     \
-                out + blockIdx.y * qn, blockIdx.z);                                            \
+        qsdpa_combine_body<T>(p, part_ml + blockIdx.y * pr * 2,                                \
+                              part_acc + blockIdx.y * pr * p.head_dim, out + blockIdx.y * qn,  \
+                              blockIdx.z);                                                     \
     }
 
 #define QSDPA_INST_T(TN, T)                                                                    \
     QSDPA_INST_HD(TN, T, 4)                                                                    \
     QSDPA_INST_HD(TN, T, 8)                                                                    \
-    QSDPA_COMBINE_INST(TN, T, , qsdpa_combine_body)                                            \
-    QSDPA_COMBINE_INST(TN, T, onepass_, qsdpa_combine_onepass_body)
+    QSDPA_COMBINE_INST(TN, T)
 
 QSDPA_INST_T(f32, float)
 QSDPA_INST_T(f16, __half)
