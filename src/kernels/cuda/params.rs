@@ -291,7 +291,7 @@ mod tests {
         for n in [1, 2, 32, 128, 129, 342, QSDPA_MAX_SPLIT] {
             let t = combine_threads(n);
             assert!(
-                t % 32 == 0 && t >= 32 && t <= QSDPA_COMBINE_THREADS,
+                t % 32 == 0 && (32..=QSDPA_COMBINE_THREADS).contains(&t),
                 "{n} splits: {t}"
             );
         }
