@@ -30,21 +30,46 @@ fn time<F: FnMut() -> Result<()>>(dev: &Device, iters: usize, mut f: F) -> Resul
     }
     dev.synchronize()?;
     let mut v = Vec::new();
+    let mut enq = Vec::new();
     for _ in 0..5 {
         let t = Instant::now();
         for _ in 0..iters {
             f()?;
         }
+        enq.push(t.elapsed().as_secs_f64() / iters as f64);
         dev.synchronize()?;
         v.push(t.elapsed().as_secs_f64() / iters as f64);
     }
     v.sort_by(|a, b| a.total_cmp(b));
+    enq.sort_by(|a, b| a.total_cmp(b));
+    LAST_ENQUEUE.with(|c| c.set(enq[2]));
     Ok(v[2])
+}
+
+thread_local! {
+    /// Host seconds per call of the last `time`'s median timing, before its synchronize: near
+    /// the call's seconds, the host (not the GPU) set the pace.
+    static LAST_ENQUEUE: std::cell::Cell<f64> = const { std::cell::Cell::new(0.0) };
+}
+
+fn last_enqueue() -> f64 {
+    LAST_ENQUEUE.with(|c| c.get())
 }
 
 fn rand_codes(shape: (usize, usize, usize, usize), dev: &Device) -> Result<Tensor> {
     // Random 24-bit patterns (exact in f32); the code values do not change the timing.
     Ok(Tensor::rand(0f32, 16777215.0, shape, dev)?.to_dtype(DType::U32)?)
+}
+
+/// K/V copies an attention point rotates through so that L2 (50 MB on an H100) cannot keep
+/// them between calls, as in a decode step where every other layer's weights and caches pass
+/// through L2 in between: enough for 200 MB (at most 256), or one with `l2_resident`.
+fn kv_copies(bytes: usize, l2_resident: bool) -> usize {
+    if l2_resident {
+        1
+    } else {
+        200_000_000usize.div_ceil(bytes.max(1)).clamp(1, 256)
+    }
 }
 
 fn packed(
@@ -68,6 +93,9 @@ fn packed(
 
 fn main() -> Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
+    // `--l2-resident`: one K/V copy a point (the earlier sessions' attention figures), so small
+    // caches stay in L2 between calls; by default copies rotate as the weights do.
+    let l2_resident = std::env::args().any(|a| a == "--l2-resident");
     // `--matmul-only`: skip the attention benches (the matvec kernels alone).
     let attention = !std::env::args().any(|a| a == "--matmul-only");
     // `--dense-only`: only the dense bf16 matvec (tensor-core kernel vs cuBLAS).
@@ -148,22 +176,37 @@ fn main() -> Result<()> {
                 let pos = KeyPositions::range(0..keys);
                 let q_off = keys - q_len;
                 let scale = 1.0 / (hd as f64).sqrt();
-                let kd =
-                    Tensor::randn(0f32, 1.0, (1, kvh, keys, hd), &dev)?.to_dtype(DType::BF16)?;
-                let vd =
-                    Tensor::randn(0f32, 1.0, (1, kvh, keys, hd), &dev)?.to_dtype(DType::BF16)?;
-                let dview = KvView::Single {
-                    data: KvData::Dense { k: kd, v: vd },
-                    positions: pos.clone(),
-                };
+                let dense_bytes = 2 * kvh * keys * hd * 2;
+                let dense_copies = kv_copies(dense_bytes, l2_resident);
+                let dviews: Vec<KvView> = (0..dense_copies)
+                    .map(|_| {
+                        let shape = (1, kvh, keys, hd);
+                        let k = Tensor::randn(0f32, 1.0, shape, &dev)?.to_dtype(DType::BF16)?;
+                        let v = Tensor::randn(0f32, 1.0, shape, &dev)?.to_dtype(DType::BF16)?;
+                        Ok(KvView::Single {
+                            data: KvData::Dense { k, v },
+                            positions: pos.clone(),
+                        })
+                    })
+                    .collect::<Result<_>>()?;
+                let mut i = 0;
                 let t_dense = time(&dev, iters, || {
-                    attend(&q, &dview, &[q_off], None, scale)?;
+                    i += 1;
+                    attend(&q, &dviews[i % dense_copies], &[q_off], None, scale)?;
                     Ok(())
                 })?;
-                drop(dview);
+                drop(dviews);
                 for bits in [4usize, 8] {
-                    let k = packed(kvh, keys, hd, bits, 64, &dev)?;
-                    let v = packed(kvh, keys, hd, bits, 64, &dev)?;
+                    let kv_bytes = 2 * kvh * keys * (hd * bits / 8 + 2 * 2 * hd / 64);
+                    let copies = kv_copies(kv_bytes, l2_resident);
+                    let kvs: Vec<(PackedKv, PackedKv)> = (0..copies)
+                        .map(|_| {
+                            Ok((
+                                packed(kvh, keys, hd, bits, 64, &dev)?,
+                                packed(kvh, keys, hd, bits, 64, &dev)?,
+                            ))
+                        })
+                        .collect::<Result<_>>()?;
                     let paths: &[QsdpaPath] = if q_len == 1 {
                         &[QsdpaPath::Fused]
                     } else if keys <= 8192 {
@@ -172,13 +215,15 @@ fn main() -> Result<()> {
                         &[QsdpaPath::DequantDense]
                     };
                     for &path in paths {
+                        let mut i = 0;
                         let t = time(&dev, iters, || {
-                            attend_packed_cuda(&q, &k, &v, &pos, q_off, None, scale, path)?;
+                            i += 1;
+                            let (k, v) = &kvs[i % copies];
+                            attend_packed_cuda(&q, k, v, &pos, q_off, None, scale, path)?;
                             Ok(())
                         })?;
-                        let kv_bytes = 2 * kvh * keys * (hd * bits / 8 + 2 * 2 * hd / 64);
                         println!(
-                            "{{\"bench\":\"qsdpa\",\"shape\":\"{name}\",\"heads\":{nh},\"kv_heads\":{kvh},\"head_dim\":{hd},\"keys\":{keys},\"q_len\":{q_len},\"bits\":{bits},\"group\":64,\"path\":\"{path:?}\",\"seconds\":{t:.6e},\"dense_bf16_seconds\":{t_dense:.6e},\"speedup\":{:.3},\"kv_gb_per_s\":{:.1}}}",
+                            "{{\"bench\":\"qsdpa\",\"shape\":\"{name}\",\"heads\":{nh},\"kv_heads\":{kvh},\"head_dim\":{hd},\"keys\":{keys},\"q_len\":{q_len},\"bits\":{bits},\"group\":64,\"path\":\"{path:?}\",\"kv_copies\":{copies},\"dense_copies\":{dense_copies},\"seconds\":{t:.6e},\"dense_bf16_seconds\":{t_dense:.6e},\"speedup\":{:.3},\"kv_gb_per_s\":{:.1}}}",
                             t_dense / t,
                             kv_bytes as f64 / t / 1e9
                         );
@@ -193,13 +238,16 @@ fn main() -> Result<()> {
         return Ok(());
     }
     // Quantized matvec / GEMM vs bf16 on the 31B projections ([out, in]).
-    let projs: [(&str, usize, usize); 3] = [
+    // The 31B projections, and E4B's down_proj (few row pairs: `qmv_row4` splits its input).
+    let projs: [(&str, usize, usize); 4] = [
         ("q_proj_sliding", 8192, 5376),
         ("mlp_gate_up", 21504, 5376),
         ("mlp_down", 5376, 21504),
+        ("e4b_mlp_down", 2560, 10240),
     ];
-    let rot = 4; // weight copies rotated so that L2 (50 MB) cannot hold them
     for &(name, out, inp) in &projs {
+        // Weight copies rotated so that L2 (50 MB) cannot hold them: 200 MB of 4-bit codes.
+        let rot = 200_000_000usize.div_ceil(out * inp / 2).clamp(4, 16);
         for rows in [1usize, 8, 512] {
             let iters = if rows <= 8 { 40 } else { 5 };
             let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?.to_dtype(DType::BF16)?;
@@ -238,9 +286,10 @@ fn main() -> Result<()> {
                     qmatmul(&x, &wq[i % rot])?;
                     Ok(())
                 })?;
+                let enqueue = last_enqueue();
                 let gbs = bytes as f64 / t / 1e9;
                 println!(
-                    "{{\"bench\":\"qmatmul\",\"kernel\":\"{}\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"bits\":{bits},\"group\":{group},\"seconds\":{t:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3}}}",
+                    "{{\"bench\":\"qmatmul\",\"kernel\":\"{}\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"bits\":{bits},\"group\":{group},\"seconds\":{t:.6e},\"enqueue_seconds\":{enqueue:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3}}}",
                     matvec_kernel(rows, bits, group),
                     t_bf16 / t,
                     dense_bytes as f64 / t_bf16 / 1e9,

@@ -1254,6 +1254,13 @@ fn main() -> Result<()> {
                     all_ok &=
                         check_qmatmul(203, 3072, bits, group, sdtype, xdtype, 1, &gpu, &mut stats)?;
                 }
+                // Few long rows, so qmv_row4 splits each row pair's input over 2 and over 4
+                // warps (`row_matvec_split_for`), with a leftover step.
+                for (out_dim, in_dim) in [(203, 9472), (37, 17664)] {
+                    all_ok &= check_qmatmul(
+                        out_dim, in_dim, bits, 128, sdtype, xdtype, 1, &gpu, &mut stats,
+                    )?;
+                }
                 for group in [32, 64, 128] {
                     all_ok &= check_grouped_packed(xdtype, sdtype, bits, group, &gpu, &mut stats)?;
                 }

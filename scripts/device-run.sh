@@ -215,6 +215,81 @@ for l in open(sys.argv[1]):
         print(f'{j["variant"]:>4} {j["kernel"]:>20} {j["shape"]:>15} g{j["group"]:<4} {j["seconds"]*1e6:7.1f}us {j["fraction_of_copy"]:.3f}')
 PY
       ;;
+    qsplit)
+      # qmv_row4 variants (4-bit, one row), QSPLIT_ROUNDS rounds of QSPLIT_VARIANTS
+      # (split:steps; split auto = row_matvec_split_for, else warps a row pair; steps 1 or 2
+      # loads before their math), then the median per variant and point.
+      for r in $(seq ${QSPLIT_ROUNDS:-2}); do
+        for v in ${QSPLIT_VARIANTS:-auto:2 auto:1 1:2 2:2}; do
+          IFS=: read sp st <<< "$v"
+          env $([ $sp = auto ] || echo CANDLE_GEMMA_QROW_SPLIT=$sp) $([ $st = auto ] || echo CANDLE_GEMMA_QROW_STEPS=$st) \
+            .device/bench_kernels --matmul-only 2>&1 \
+            | grep -E '"bits":4|"copy"' | grep -E '"rows":1,|"copy"' \
+            | sed "s/^{/{\"variant\":\"$v\",/" >> "$OUT/qsplit.jsonl"
+        done
+      done
+      python3 - "$OUT/qsplit.jsonl" <<'PY'
+import json, statistics, sys
+from collections import defaultdict
+pts = defaultdict(list)
+for l in open(sys.argv[1]):
+    j = json.loads(l)
+    if j.get("bench") == "qmatmul":
+        pts[(j["variant"], j["shape"], j["group"])].append((j["seconds"], j["fraction_of_copy"]))
+    else:
+        print(f'{j["variant"]:>10} copy {j["gb_per_s"]} GB/s')
+print("split:steps  shape  group  median us  median share of copy  (runs)")
+for (v, sh, g), x in sorted(pts.items(), key=lambda k: (k[0][1], k[0][2], k[0][0])):
+    print(f'{v:>10} {sh:>15} g{g:<4} {statistics.median(a for a, _ in x)*1e6:7.2f}us {statistics.median(b for _, b in x):.3f} ({len(x)})')
+PY
+      ;;
+    qmvgpu)
+      # GPU time (ncu, caches flushed before each launch) of the one-row 4-bit matvec at each
+      # bench_kernels --matmul-only point, against the copy bandwidth of a plain run.
+      copy=$(.device/bench_kernels --matmul-only 2>&1 | grep '"copy"' | sed 's/.*gb_per_s":\([0-9.]*\).*/\1/')
+      BENCH_KERNELS_ONCE=1 ncu --clock-control none --cache-control all -k "regex:qmv_row4" \
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum --csv .device/bench_kernels --matmul-only \
+        > "$OUT/qmvgpu.csv" 2>&1; echo "ncu exit $?"
+      python3 - "$OUT/qmvgpu.csv" "$copy" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+head, rows = rows[0], rows[1:]
+ix = {h: i for i, h in enumerate(head)}
+vals = {}
+for r in rows:
+    unit = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3,
+            "msecond": 1e-3, "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9,
+            "KB": 1e3, "MB": 1e6, "GB": 1e9}.get(r[ix["Metric Unit"]], 1)
+    vals.setdefault(r[ix["ID"]], {})[r[ix["Metric Name"]]] = float(r[ix["Metric Value"]].replace(",", "")) * unit
+shapes = [("q_proj_sliding", 8192, 5376), ("mlp_gate_up", 21504, 5376), ("mlp_down", 5376, 21504), ("e4b_mlp_down", 2560, 10240)]
+points = [(s, o, i, g) for s, o, i in shapes for g in (32, 64, 128)]
+copy = float(sys.argv[2])
+print(f"copy {copy} GB/s (bench_kernels, same machine)")
+for (s, o, i, g), (k, v) in zip(points, sorted(vals.items(), key=lambda kv: int(kv[0]))):
+    b = o * i // 2 + 2 * o * (i // g) * 2
+    t = v["gpu__time_duration.sum"]
+    print(f"{s:>15} g{g:<4} {t*1e6:7.2f}us  {b/t/1e9:7.1f} GB/s  {b/t/1e9/copy:.3f} of copy  dram read {v['dram__bytes_read.sum']/b:.3f}x packed")
+PY
+      ;;
+    qrowe2e)
+      # Batch-1 decode with 4-bit weights (E4B and 31B, context 4096) under each
+      # CANDLE_GEMMA_QROW_STEPS (1, 2, unset = the launcher's choice), E2E_ROUNDS interleaved rounds.
+      for r in $(seq ${E2E_ROUNDS:-2}); do
+        for v in 1 2 default; do
+          for m in e4b 31b; do
+            env $([ $v = default ] || echo CANDLE_GEMMA_QROW_STEPS=$v) $B --config $C/$m-config.json \
+              --weights q4 --prefill 0 --batch 1 --context 4096 2>/dev/null | grep '"decode"' \
+              | sed "s/^{/{\"variant\":\"steps=$v\",\"model\":\"$m\",/" >> "$OUT/qrowe2e.jsonl"
+          done
+        done
+      done
+      python3 - "$OUT/qrowe2e.jsonl" <<'PY'
+import json, sys
+for l in open(sys.argv[1]):
+    j = json.loads(l)
+    print(j["variant"], j["model"], {k: v for k, v in j.items() if "tok" in k})
+PY
+      ;;
     qtc)
       # The 4-bit dequantize-then-mma matvec, uncapped registers and capped for 4 blocks an SM.
       for v in 1 2 4; do
@@ -257,6 +332,16 @@ PY
       CANDLE_GEMMA_QSDPA_TC=0 .device/bench_kernels --attention-only > "$OUT/attn-simt.jsonl" 2>&1
       echo "simt exit $?"
       python3 scripts/attn_table.py "$OUT/attn-tc.jsonl" "$OUT/attn-simt.jsonl"
+      ;;
+    attnrot)
+      # Decode attention with K/V copies rotated past L2 (the default), ATTN_RUNS runs, and one
+      # run with a single copy a point (--l2-resident, as the sessions before the fourteenth).
+      for r in $(seq ${ATTN_RUNS:-3}); do
+        .device/bench_kernels --attention-only > "$OUT/attn-rot-$r.jsonl" 2>&1; echo "run $r exit $?"
+      done
+      .device/bench_kernels --attention-only --l2-resident > "$OUT/attn-l2.jsonl" 2>&1
+      python3 scripts/attn_runs_table.py "$OUT"/attn-rot-*.jsonl
+      python3 scripts/attn_runs_table.py "$OUT/attn-l2.jsonl"
       ;;
     attngpu)
       # GPU time of every attention launch (ncu, one call a point, --quick: 1k and 32k keys),

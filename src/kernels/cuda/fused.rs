@@ -1798,7 +1798,11 @@ pub fn packed_matvec_add_norm(
     };
     let func = load_kernel(
         &dev,
-        &format!("qmv_row4_norm_{}", tn(dtype)?),
+        &format!(
+            "qmv_row4_norm_{}{}",
+            tn(dtype)?,
+            super::launch::row_matvec_variant(1, in_dim)
+        ),
         super::launch::MODULE,
         super::launch::IMAGE,
     )?;

@@ -12,9 +12,9 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 
 use super::kernel_cache::load_kernel;
 use super::params::{
-    combine_threads, split_bound, split_keys, PositionCode, QmatParams, QsdpaParams,
-    QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS, QSDPA_COMBINE_DIMS,
-    QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
+    combine_threads, row_matvec_split_for, split_bound, split_keys, PositionCode, QmatParams,
+    QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS,
+    QROW_MAX_WARPS, QSDPA_COMBINE_DIMS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use super::scratch::with_scratch;
 use crate::kernels::{dense, QueryPlan};
@@ -783,6 +783,42 @@ fn row_matvec_warps() -> usize {
     })
 }
 
+/// Kernel-name suffix of the `qmv_row4` variant for a launch over rows of `in_dim` codes with
+/// `split` warps a row pair: `_u2` issues two steps' loads before their math, `_u1` one. Two
+/// for unsplit rows of at least five 1024-code steps, else one. Measured on H100s:
+/// `bench_kernels`, two steps 4-7% faster on the 31B q_proj and gate_up (5376 codes a row),
+/// ~1% on down, 6% slower on E4B's down split over 2 warps; 4-bit batch-1 decode, two steps
+/// everywhere: 31B 95.0-95.6 -> 97.2-99.1 tok/s, E4B (rows of 2048-4096 codes but its down)
+/// 307-308 -> 294-305. `CANDLE_GEMMA_QROW_STEPS=1|2` fixes it, to compare.
+pub(super) fn row_matvec_variant(split: usize, in_dim: usize) -> &'static str {
+    static FIXED: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
+    let fixed = *FIXED.get_or_init(
+        || match std::env::var("CANDLE_GEMMA_QROW_STEPS").as_deref() {
+            Ok("1") => Some("_u1"),
+            Ok("2") => Some("_u2"),
+            _ => None,
+        },
+    );
+    fixed.unwrap_or(if split == 1 && in_dim >= 5 * 1024 {
+        "_u2"
+    } else {
+        "_u1"
+    })
+}
+
+/// Warps that share each row pair of `qmv_row4`, splitting the input (1, 2 or 4):
+/// [`row_matvec_split_for`] of the launch, or `CANDLE_GEMMA_QROW_SPLIT` to compare.
+fn row_matvec_split(dev: &CudaDevice, out_dim: usize, in_dim: usize) -> usize {
+    static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let fixed = *FIXED.get_or_init(|| {
+        std::env::var("CANDLE_GEMMA_QROW_SPLIT")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|s| matches!(s, 1 | 2 | 4))
+    });
+    fixed.unwrap_or_else(|| row_matvec_split_for(out_dim, in_dim, sm_count(dev)))
+}
+
 /// `t` itself when contiguous and starting on a 16-byte boundary, else a copy into a fresh
 /// buffer (`contiguous` alone keeps a contiguous view's start).
 pub(super) fn contiguous_aligned16(t: &Tensor) -> candle_core::Result<Tensor> {
@@ -822,7 +858,9 @@ pub(crate) fn qmatvec(
         in_dim: in_dim as u32,
         group_size: group_size as u32,
     };
-    // Tensor-core kernels: 16 output rows a block; SIMT kernel: one warp per output row.
+    // Tensor-core kernels: 16 output rows a block; SIMT kernel: one warp per output row;
+    // `qmv_row4`: two output rows a warp index, times `split` warps over the input.
+    let mut split = 1;
     let (name, rows_per_block, warps) = if dequantizes_before_mma(
         x.dtype(),
         scales.dtype(),
@@ -832,8 +870,13 @@ pub(crate) fn qmatvec(
         in_dim,
     ) {
         if rows == 1 && row_contiguous_matvec() {
-            let warps = row_matvec_warps();
-            (format!("qmv_row4_{tn}"), warps * 2, warps)
+            split = row_matvec_split(&dev, out_dim, in_dim);
+            let warps = row_matvec_warps().min(QROW_MAX_WARPS / split);
+            (
+                format!("qmv_row4_{tn}{}", row_matvec_variant(split, in_dim)),
+                warps * 2,
+                warps,
+            )
         } else {
             (
                 format!("qmv_tc4_{tn}_b{}", tc4_blocks()),
@@ -854,7 +897,7 @@ pub(crate) fn qmatvec(
     let func = load_kernel(&dev, &name, MODULE, IMAGE)?;
     let cfg = LaunchConfig {
         grid_dim: (out_dim.div_ceil(rows_per_block) as u32, 1, 1),
-        block_dim: ((warps * 32) as u32, 1, 1),
+        block_dim: ((warps * 32) as u32, split as u32, 1),
         shared_mem_bytes: 0,
     };
     // The kernels read x and the codes 16 bytes at a time: views starting elsewhere are copied.

@@ -46,6 +46,25 @@ pub const QMATVEC_MMA_WARPS: usize = 8;
 /// `QROW_MAX_WARPS`): each warp owns whole output rows, so the block size only sets the launch
 /// granularity.
 pub const QMATVEC_ROW_WARPS: usize = 4;
+/// Most warps a block of `qmv_row4` holds (`QROW_MAX_WARPS`): row-pair warps times the
+/// warps splitting each pair's input.
+pub const QROW_MAX_WARPS: usize = 8;
+
+/// Warps a `qmv_row4` row pair takes for `[out_dim, in_dim]` on `sms` multiprocessors: 1
+/// unless the row pairs leave the device under-filled (fewer than 12 warps a multiprocessor;
+/// 24 fit) and each warp would still walk at least four 1024-code steps. The 31B projections
+/// (at least 20 row-pair warps a multiprocessor of an H100) do not split: there a split of 2
+/// or 4 was 5-8% slower on one H100 and 0-10% faster on another.
+pub fn row_matvec_split_for(out_dim: usize, in_dim: usize, sms: usize) -> usize {
+    let pairs = out_dim.div_ceil(2);
+    let steps = in_dim.div_ceil(1024);
+    let mut split = 1;
+    while split < 4 && pairs * split < 12 * sms && steps / (2 * split) >= 4 {
+        split *= 2;
+    }
+    split
+}
+
 /// Most key splits the combine kernel merges (`QS_MAX_SPLIT`).
 pub const QSDPA_MAX_SPLIT: usize = 1024;
 /// Head dimensions the quantized attention kernels are instantiated for.
@@ -296,6 +315,26 @@ mod tests {
             );
         }
         assert!(combine_threads(342) > combine_threads(32));
+    }
+
+    #[test]
+    fn row_matvec_splits_only_when_row_pairs_leave_the_device_short() {
+        // On an H100 the 31B projections do not split; E4B's down_proj (2560 rows of 10240)
+        // takes two warps a row pair.
+        assert_eq!(row_matvec_split_for(5376, 21504, 132), 1);
+        assert_eq!(row_matvec_split_for(8192, 5376, 132), 1);
+        assert_eq!(row_matvec_split_for(21504, 5376, 132), 1);
+        assert_eq!(row_matvec_split_for(2560, 10240, 132), 2);
+        // Short rows never split, however few: a warp keeps at least four steps.
+        assert_eq!(row_matvec_split_for(64, 4096, 132), 1);
+        assert_eq!(row_matvec_split_for(64, 1 << 16, 132), 4);
+        for (out, inp) in [(1, 32), (5376, 21504), (64, 1 << 20), (262144, 5376)] {
+            let s = row_matvec_split_for(out, inp, 132);
+            assert!(
+                matches!(s, 1 | 2 | 4) && QROW_MAX_WARPS % s == 0,
+                "{out}x{inp}: {s}"
+            );
+        }
     }
 
     #[test]

@@ -425,15 +425,15 @@ __device__ __forceinline__ void qsdpa_batch_entry(const QsdpaSeq* seqs, uint32_t
                                  [](const auto&... a) { qsdpa_body<T, HD, BITS, NQ>(a...); });         \
     }
 
-#define QSDPA_INST(TN, T, HD, BITS)      \
+#define QSDPA_INST(TN, T, HD, BITS)                                                            \
     QSDPA_INST_NQ(TN, T, HD, BITS, 2)    \
     QSDPA_INST_NQ(TN, T, HD, BITS, 4)
 
 #define QSDPA_INST_HD(TN, T, BITS)  \
-    QSDPA_INST(TN, T, 32, BITS)     \
-    QSDPA_INST(TN, T, 64, BITS)     \
-    QSDPA_INST(TN, T, 128, BITS)    \
-    QSDPA_INST(TN, T, 256, BITS)    \
+    QSDPA_INST(TN, T, 32, BITS)                                                                \
+    QSDPA_INST(TN, T, 64, BITS)                                                                \
+    QSDPA_INST(TN, T, 128, BITS)                                                               \
+    QSDPA_INST(TN, T, 256, BITS)                                                               \
     QSDPA_INST(TN, T, 512, BITS)
 
 // The split-combining kernels: `qsdpa_combine_TN` (one sequence) and `qsdpa_combine_batch_TN`
@@ -759,7 +759,7 @@ __device__ __forceinline__ void qmv_mma_body(const QmatParams p, const T* __rest
     store_mma_tiles<T, 1, QMMA_WARPS>(tot, red, tile0, last, (int)p.rows, (int)p.out_dim, y);
 }
 
-#define QMMA_INST(TN, T, SN, S, BITS, G)                                                        \
+#define QMMA_INST(TN, T, SN, S, BITS, G)                                                       \
     extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32)                               \
         qmv_mma_##TN##_##SN##_##BITS##_##G(const QmatParams p, const T* x, const uint32_t* c,    \
                                           const S* s, const S* b, T* y) {                      \
@@ -767,8 +767,8 @@ __device__ __forceinline__ void qmv_mma_body(const QmatParams p, const T* __rest
         qmv_mma_body<T, S, BITS, G>(p, x, c, s, b, y);                                          \
     }
 #define QMMA_INST_G(TN, T, SN, S, BITS) \
-    QMMA_INST(TN, T, SN, S, BITS, 32)   \
-    QMMA_INST(TN, T, SN, S, BITS, 64)   \
+    QMMA_INST(TN, T, SN, S, BITS, 32)                                                          \
+    QMMA_INST(TN, T, SN, S, BITS, 64)                                                          \
     QMMA_INST(TN, T, SN, S, BITS, 128)
 #define QMMA_INST_S(TN, T, SN, S)    \
     QMMA_INST_G(TN, T, SN, S, 4)     \
@@ -918,8 +918,8 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
         qmv_tc4_body<T, U>(p, x, c, s, b, y);                                                  \
     }
 #define QTC4_INST_T(TN, T) \
-    QTC4_INST(TN, T, 1, 2) \
-    QTC4_INST(TN, T, 2, 4) \
+    QTC4_INST(TN, T, 1, 2)                                                                     \
+    QTC4_INST(TN, T, 2, 4)                                                                     \
     QTC4_INST(TN, T, 4, 2)
 QTC4_INST_T(f16, __half)
 QTC4_INST_T(bf16, __nv_bfloat16)
@@ -938,75 +938,89 @@ QTC4_INST_T(bf16, __nv_bfloat16)
 // exactly as qmv_tc4 does (the weight rounded once to the activation type), so one row and a
 // batch of rows round alike.
 //
-// A warp owns two consecutive rows, whole, and issues one step's loads before that step's math.
-// Measured slower on the H100 (bench_kernels, 31B shapes): two steps of register loads (ptxas
-// schedules the second step's loads after the first step's math), the next step's loads before
-// this step's math, cp.async through shared memory with 2 or 4 steps in flight, L2 prefetches 2
-// or 4 steps ahead, and four rows a warp.
+// A warp owns two consecutive rows and issues U steps' loads before their math (`_u2`: two,
+// with registers capped at 80 so that ptxas keeps them together; 1-2% faster than one step on
+// every 31B point, H100). Measured slower on the H100 (bench_kernels, 31B shapes): the next
+// step's loads before this step's math, cp.async through shared memory with 2 or 4 steps in
+// flight, L2 prefetches 2 or 4 steps ahead (and of 1 or 2 steps before the PDL wait: no gain),
+// and four rows a warp.
+//
+// Split input (blockDim.y > 1): the blockDim.y warps at one threadIdx.x warp index share the
+// same two rows, warp y taking steps y, y + blockDim.y, ...; their partial sums meet in shared
+// memory. For launches with too few row pairs to fill the device (`row_matvec_split_for`).
 // ---------------------------------------------------------------------------------------------
-constexpr int QROW_MAX_WARPS = 8;  // the launcher's block is 1-8 warps (QMATVEC_ROW_WARPS)
+constexpr int QROW_MAX_WARPS = 8;  // blockDim.x / 32 * blockDim.y, 1-8 (QMATVEC_ROW_WARPS)
 
-template <typename T>
+// U: steps whose loads a warp issues before their math (1 or 2).
+template <typename T, int U>
 __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __restrict__ x,
                                               const uint32_t* __restrict__ codes,
                                               const T* __restrict__ scales,
                                               const T* __restrict__ biases,
                                               T* __restrict__ y) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int part = threadIdx.y, parts = blockDim.y;
     const int gq = lane >> 2;
     const int row0 = (blockIdx.x * (blockDim.x >> 5) + warp) * 2;  // any block of whole warps
     const int last = (int)p.out_dim - 1;
     const int in_dim = (int)p.in_dim;
     const int gs = (int)p.group_size;
     const int groups = in_dim / gs;
-    const int gstep = 1024 / gs;  // groups a 1024-code step advances
+    const int gstep = 1024 / gs * parts;  // groups a warp's step advances
     const uint4* wp[2];
     const T* sp[2];
     const T* bp[2];
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
         const size_t row = (size_t)min(row0 + m, last);
-        wp[m] = reinterpret_cast<const uint4*>(codes + row * (in_dim / 8)) + lane;
-        sp[m] = scales + row * groups + 32 * lane / gs;
-        bp[m] = biases + row * groups + 32 * lane / gs;
+        wp[m] = reinterpret_cast<const uint4*>(codes + row * (in_dim / 8)) + 32 * part + lane;
+        sp[m] = scales + row * groups + (1024 * part + 32 * lane) / gs;
+        bp[m] = biases + row * groups + (1024 * part + 32 * lane) / gs;
     }
-    const uint4* xp = reinterpret_cast<const uint4*>(x) + 4 * lane;
+    const uint4* xp = reinterpret_cast<const uint4*>(x) + 128 * part + 4 * lane;
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
 
-    // One step: its loads (`ok` false: zeros, nothing read), then its mma. Pointers advance.
-    auto step = [&](const bool ok) {
+    // A step's operands: the lane's 16 bytes of codes of each row, their groups' scale and bias
+    // (splatted), and the lane's 32 x values.
+    struct Step {
         uint4 w[2], xv[4];
         uint32_t sc[2], bi[2];
+    };
+    // Loads one step (`ok` false: zeros, nothing read) and advances the pointers.
+    auto load = [&](Step& t, const bool ok) {
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
             if (ok) {
-                w[m] = ld_stream4(reinterpret_cast<const uint32_t*>(wp[m]));
-                sc[m] = splat(*sp[m]);
-                bi[m] = splat(*bp[m]);
+                t.w[m] = ld_stream4(reinterpret_cast<const uint32_t*>(wp[m]));
+                t.sc[m] = splat(*sp[m]);
+                t.bi[m] = splat(*bp[m]);
             } else {
-                w[m] = make_uint4(0u, 0u, 0u, 0u);
-                sc[m] = bi[m] = 0u;
+                t.w[m] = make_uint4(0u, 0u, 0u, 0u);
+                t.sc[m] = t.bi[m] = 0u;
             }
-            wp[m] += 32;
+            wp[m] += 32 * parts;
             sp[m] += gstep;
             bp[m] += gstep;
         }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) xv[j] = ok ? xp[j] : make_uint4(0u, 0u, 0u, 0u);
-        xp += 128;
+        for (int j = 0; j < 4; ++j) t.xv[j] = ok ? xp[j] : make_uint4(0u, 0u, 0u, 0u);
+        xp += 128 * parts;
+    };
+    auto math = [&](const Step& t) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const uint4 r = xv[j];
+            const uint4 r = t.xv[j];
             // (x_p, x_{p+4}) for p = 0..3: the order the code pairs come in.
             const uint32_t b0[2] = {__byte_perm(r.x, r.z, 0x5410), __byte_perm(r.x, r.z, 0x7632)};
             const uint32_t b1[2] = {__byte_perm(r.y, r.w, 0x5410), __byte_perm(r.y, r.w, 0x7632)};
             uint32_t d[2][4];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const uint32_t wj = j == 0 ? w[h].x : j == 1 ? w[h].y : j == 2 ? w[h].z : w[h].w;
+                const uint4 w = t.w[h];
+                const uint32_t wj = j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;
 #pragma unroll
                 for (int pp = 0; pp < 4; ++pp)
-                    d[h][pp] = dequant_pair<T>(qt_nibbles<T>(wj >> (4 * pp)), sc[h], bi[h]);
+                    d[h][pp] = dequant_pair<T>(qt_nibbles<T>(wj >> (4 * pp)), t.sc[h], t.bi[h]);
             }
             const uint32_t f0[4] = {d[0][0], d[1][0], d[0][1], d[1][1]};
             const uint32_t f1[4] = {d[0][2], d[1][2], d[0][3], d[1][3]};
@@ -1014,9 +1028,28 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
             mma_16816<T>(acc, f1, b1);
         }
     };
-    const int full = in_dim / 1024;
-    for (int s = 0; s < full; ++s) step(true);
-    if (full * 1024 < in_dim) step(full * 1024 + 32 * lane < in_dim);
+    // Steps of 1024 codes, U a round: whole rounds of whole steps, then at most one round with
+    // the last steps, where only the lanes whose 32 codes exist load (in_dim is a multiple of
+    // the group size, so of 32) and steps past the end load nothing and add zeros.
+    const int full = in_dim / 1024, steps = (in_dim + 1023) / 1024;
+    int s = part;
+    for (; s + (U - 1) * parts < full; s += U * parts) {
+        Step t[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) load(t[u], true);
+#pragma unroll
+        for (int u = 0; u < U; ++u) math(t[u]);
+    }
+    if (s < steps) {
+        Step t[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int k = s + u * parts;
+            load(t[u], k < steps && k * 1024 + 32 * lane < in_dim);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) math(t[u]);
+    }
 
     // D[gq][gq] sits in lane q = gq / 2 of the quad, column gq % 2; D[gq + 8][gq] likewise.
     const bool diag = (lane & 3) == (gq >> 1);
@@ -1027,37 +1060,53 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
         v0 += __shfl_xor_sync(0xffffffffu, v0, off);
         v1 += __shfl_xor_sync(0xffffffffu, v1, off);
     }
-    if (lane == 0) {
+    if (parts > 1) {
+        __shared__ float2 red[QROW_MAX_WARPS];
+        const int wx = blockDim.x >> 5;
+        if (lane == 0) red[part * wx + warp] = make_float2(v0, v1);
+        __syncthreads();
+        for (int k = 1; k < parts; ++k) {
+            v0 += red[k * wx + warp].x;
+            v1 += red[k * wx + warp].y;
+        }
+    }
+    if (lane == 0 && part == 0) {
         if (row0 <= last) y[row0] = from_f<T>(v0);
         if (row0 + 1 <= last) y[row0 + 1] = from_f<T>(v1);
     }
 }
 
-#define QROW4_INST(TN, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(QROW_MAX_WARPS * 32)                          \
-        qmv_row4_##TN(const QmatParams p, const T* x, const uint32_t* c, const T* s,           \
-                      const T* b, T* y) {                                                      \
+// qmv_row4_{T}_u{U}: U steps' loads before their math; U = 2 caps registers for 24 warps an
+// SM (80 a thread).
+#define QROW4_INST(TN, T, U, MINB)                                                             \
+    extern "C" __global__ void __launch_bounds__(QROW_MAX_WARPS * 32, MINB)                    \
+        qmv_row4_##TN##_u##U(const QmatParams p, const T* x, const uint32_t* c, const T* s,    \
+                             const T* b, T* y) {                                              \
         pdl_entry();                                                                           \
-        qmv_row4_body<T>(p, x, c, s, b, y);                                                    \
+        qmv_row4_body<T, U>(p, x, c, s, b, y);                                                 \
     }
-QROW4_INST(f16, __half)
-QROW4_INST(bf16, __nv_bfloat16)
 
 // qmv_row4 with the residual add + norm of its output folded in (`last_block_add_norm`, as the
 // dense `_norm` kernels): one launch instead of two. Blocks of QROW_NORM_WARPS warps.
 constexpr int QROW_NORM_WARPS = 4;  // QMATVEC_ROW_WARPS
-#define QROW4_NORM_INST(TN, T)                                                                 \
-    extern "C" __global__ void __launch_bounds__(QROW_NORM_WARPS * 32) qmv_row4_norm_##TN(      \
-        const QmatParams p, const T* x, const uint32_t* c, const T* s, const T* b, T* y,       \
-        const T* res, const T* nw, const T* scalar, const T* w2, const T* w3, T* out, T* out2, \
-        T* out3, uint32_t* counter, const MvNormParams np) {                                   \
+#define QROW4_NORM_INST(TN, T, U, MINB)                                                        \
+    extern "C" __global__ void __launch_bounds__(QROW_NORM_WARPS * 32, MINB * 2)               \
+        qmv_row4_norm_##TN##_u##U(const QmatParams p, const T* x, const uint32_t* c,           \
+                                   const T* s, const T* b, T* y, const T* res, const T* nw,    \
+                                   const T* scalar, const T* w2, const T* w3, T* out, T* out2, \
+                                   T* out3, uint32_t* counter, const MvNormParams np) {        \
         pdl_entry();                                                                           \
-        qmv_row4_body<T>(p, x, c, s, b, y);                                                    \
+        qmv_row4_body<T, U>(p, x, c, s, b, y);                                                 \
         last_block_add_norm<T, QROW_NORM_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out,   \
                                                      out2, out3, counter);                     \
     }
-QROW4_NORM_INST(f16, __half)
-QROW4_NORM_INST(bf16, __nv_bfloat16)
+#define QROW4_VARIANTS(INST, TN, T)                                                            \
+    INST(TN, T, 1, 1)                                                                          \
+    INST(TN, T, 2, 3)
+QROW4_VARIANTS(QROW4_INST, f16, __half)
+QROW4_VARIANTS(QROW4_INST, bf16, __nv_bfloat16)
+QROW4_VARIANTS(QROW4_NORM_INST, f16, __half)
+QROW4_VARIANTS(QROW4_NORM_INST, bf16, __nv_bfloat16)
 
 // Dequantizes rows of W into out [n, in] (out row i = W row `idx[i]`, or row i when idx is
 // null): one thread per u32 word.
