@@ -272,11 +272,12 @@ for (s, o, i, g), (k, v) in zip(points, sorted(vals.items(), key=lambda kv: int(
 PY
       ;;
     qrowe2e)
-      # Batch-1 decode with 4-bit weights (E4B and 31B, context 4096) under each
-      # CANDLE_GEMMA_QROW_STEPS (1, 2, unset = the launcher's choice), E2E_ROUNDS interleaved rounds.
+      # Batch-1 decode with 4-bit weights (E2E_MODELS, context 4096) under each E2E_VARIANTS
+      # CANDLE_GEMMA_QROW_STEPS (default: 1, 2, unset = the launcher's choice), E2E_ROUNDS
+      # interleaved rounds.
       for r in $(seq ${E2E_ROUNDS:-2}); do
-        for v in 1 2 default; do
-          for m in e4b 31b; do
+        for v in ${E2E_VARIANTS:-1 2 default}; do
+          for m in ${E2E_MODELS:-e4b 31b}; do
             env $([ $v = default ] || echo CANDLE_GEMMA_QROW_STEPS=$v) $B --config $C/$m-config.json \
               --weights q4 --prefill 0 --batch 1 --context 4096 2>/dev/null | grep '"decode"' \
               | sed "s/^{/{\"variant\":\"steps=$v\",\"model\":\"$m\",/" >> "$OUT/qrowe2e.jsonl"

@@ -784,18 +784,23 @@ fn row_matvec_warps() -> usize {
 }
 
 /// Kernel-name suffix of the `qmv_row4` variant for a launch over rows of `in_dim` codes with
-/// `split` warps a row pair: `_u2` issues two steps' loads before their math, `_u1` one. Two
-/// for unsplit rows of at least five 1024-code steps, else one. Measured on H100s:
-/// `bench_kernels`, two steps 4-7% faster on the 31B q_proj and gate_up (5376 codes a row),
-/// ~1% on down, 6% slower on E4B's down split over 2 warps; 4-bit batch-1 decode, two steps
-/// everywhere: 31B 95.0-95.6 -> 97.2-99.1 tok/s, E4B (rows of 2048-4096 codes but its down)
-/// 307-308 -> 294-305. `CANDLE_GEMMA_QROW_STEPS=1|2` fixes it, to compare.
+/// `split` warps a row pair: `_u1` issues one step's loads before its math, `_u2` two, `_u2l`
+/// two with x read in the math (64 registers, 32 warps an SM). Unsplit rows of at least 5120
+/// codes take `_u2`, the rest `_u1`. Measured on H100s (`bench_kernels`, same machine):
+/// against `_u1`, `_u2` is 4-7% faster on the 31B q_proj and gate/up, ~1% on down, 6% slower
+/// on E4B's down split over 2 warps. 4-bit batch-1 decode, `_u2` for rows of 5120+ codes:
+/// 31B 97.7 -> 99.8-100.3 tok/s; `_u2` everywhere cost E4B (rows of 2048-4096 codes but its
+/// down) 317 -> 301-304. `_u2l` is 6-8% faster than `_u2` on the 31B q_proj alone, even on
+/// gate/up, 20-30% slower on rows of 10240+ codes, and as the 31B q/k/v and gate/up choice it
+/// gave 97.4-97.8 tok/s against 98.1-99.7 for `_u2`, so it is not the default.
+/// `CANDLE_GEMMA_QROW_STEPS=1|2|2l` fixes the variant, to compare.
 pub(super) fn row_matvec_variant(split: usize, in_dim: usize) -> &'static str {
     static FIXED: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
     let fixed = *FIXED.get_or_init(
         || match std::env::var("CANDLE_GEMMA_QROW_STEPS").as_deref() {
             Ok("1") => Some("_u1"),
             Ok("2") => Some("_u2"),
+            Ok("2l") => Some("_u2l"),
             _ => None,
         },
     );

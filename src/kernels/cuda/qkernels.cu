@@ -951,8 +951,9 @@ QTC4_INST_T(bf16, __nv_bfloat16)
 // ---------------------------------------------------------------------------------------------
 constexpr int QROW_MAX_WARPS = 8;  // blockDim.x / 32 * blockDim.y, 1-8 (QMATVEC_ROW_WARPS)
 
-// U: steps whose loads a warp issues before their math (1 or 2).
-template <typename T, int U>
+// U: steps whose loads a warp issues before their math (1 or 2). LATE_X: x is read in the
+// math (from L1) rather than with the step's weight loads, for fewer live registers.
+template <typename T, int U, bool LATE_X>
 __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __restrict__ x,
                                               const uint32_t* __restrict__ codes,
                                               const T* __restrict__ scales,
@@ -983,8 +984,10 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
     // A step's operands: the lane's 16 bytes of codes of each row, their groups' scale and bias
     // (splatted), and the lane's 32 x values.
     struct Step {
-        uint4 w[2], xv[4];
+        uint4 w[2], xv[LATE_X ? 1 : 4];
         uint32_t sc[2], bi[2];
+        const uint4* xs;
+        bool ok;
     };
     // Loads one step (`ok` false: zeros, nothing read) and advances the pointers.
     auto load = [&](Step& t, const bool ok) {
@@ -1002,14 +1005,24 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
             sp[m] += gstep;
             bp[m] += gstep;
         }
+        if constexpr (LATE_X) {
+            t.xs = xp;
+            t.ok = ok;
+        } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) t.xv[j] = ok ? xp[j] : make_uint4(0u, 0u, 0u, 0u);
+            for (int j = 0; j < 4; ++j) t.xv[j] = ok ? xp[j] : make_uint4(0u, 0u, 0u, 0u);
+        }
         xp += 128 * parts;
     };
     auto math = [&](const Step& t) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const uint4 r = t.xv[j];
+            uint4 r;
+            if constexpr (LATE_X) {
+                r = t.ok ? t.xs[j] : make_uint4(0u, 0u, 0u, 0u);
+            } else {
+                r = t.xv[j];
+            }
             // (x_p, x_{p+4}) for p = 0..3: the order the code pairs come in.
             const uint32_t b0[2] = {__byte_perm(r.x, r.z, 0x5410), __byte_perm(r.x, r.z, 0x7632)};
             const uint32_t b1[2] = {__byte_perm(r.y, r.w, 0x5410), __byte_perm(r.y, r.w, 0x7632)};
@@ -1076,33 +1089,34 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
     }
 }
 
-// qmv_row4_{T}_u{U}: U steps' loads before their math; U = 2 caps registers for 24 warps an
-// SM (80 a thread).
-#define QROW4_INST(TN, T, U, MINB)                                                             \
+// qmv_row4_{T}_u1 / _u2: one or two steps' loads before their math (two: registers capped at
+// 80, 24 warps an SM); _u2l: two steps, x read in the math, registers capped at 64 (32 warps).
+#define QROW4_INST(TN, T, SUFFIX, U, LATE, MINB)                                               \
     extern "C" __global__ void __launch_bounds__(QROW_MAX_WARPS * 32, MINB)                    \
-        qmv_row4_##TN##_u##U(const QmatParams p, const T* x, const uint32_t* c, const T* s,    \
+        qmv_row4_##TN##SUFFIX(const QmatParams p, const T* x, const uint32_t* c, const T* s,   \
                              const T* b, T* y) {                                              \
         pdl_entry();                                                                           \
-        qmv_row4_body<T, U>(p, x, c, s, b, y);                                                 \
+        qmv_row4_body<T, U, LATE>(p, x, c, s, b, y);                                           \
     }
 
 // qmv_row4 with the residual add + norm of its output folded in (`last_block_add_norm`, as the
 // dense `_norm` kernels): one launch instead of two. Blocks of QROW_NORM_WARPS warps.
 constexpr int QROW_NORM_WARPS = 4;  // QMATVEC_ROW_WARPS
-#define QROW4_NORM_INST(TN, T, U, MINB)                                                        \
+#define QROW4_NORM_INST(TN, T, SUFFIX, U, LATE, MINB)                                          \
     extern "C" __global__ void __launch_bounds__(QROW_NORM_WARPS * 32, MINB * 2)               \
-        qmv_row4_norm_##TN##_u##U(const QmatParams p, const T* x, const uint32_t* c,           \
+        qmv_row4_norm_##TN##SUFFIX(const QmatParams p, const T* x, const uint32_t* c,          \
                                    const T* s, const T* b, T* y, const T* res, const T* nw,    \
                                    const T* scalar, const T* w2, const T* w3, T* out, T* out2, \
                                    T* out3, uint32_t* counter, const MvNormParams np) {        \
         pdl_entry();                                                                           \
-        qmv_row4_body<T, U>(p, x, c, s, b, y);                                                 \
+        qmv_row4_body<T, U, LATE>(p, x, c, s, b, y);                                           \
         last_block_add_norm<T, QROW_NORM_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out,   \
                                                      out2, out3, counter);                     \
     }
 #define QROW4_VARIANTS(INST, TN, T)                                                            \
-    INST(TN, T, 1, 1)                                                                          \
-    INST(TN, T, 2, 3)
+    INST(TN, T, _u1, 1, false, 1)                                                              \
+    INST(TN, T, _u2, 2, false, 3)                                                              \
+    INST(TN, T, _u2l, 2, true, 4)
 QROW4_VARIANTS(QROW4_INST, f16, __half)
 QROW4_VARIANTS(QROW4_INST, bf16, __nv_bfloat16)
 QROW4_VARIANTS(QROW4_NORM_INST, f16, __half)
