@@ -195,6 +195,7 @@ fn main() -> Result<()> {
                     attend(&q, &dviews[i % dense_copies], &[q_off], None, scale)?;
                     Ok(())
                 })?;
+                let dense_enqueue = last_enqueue();
                 drop(dviews);
                 for bits in [4usize, 8] {
                     let kv_bytes = 2 * kvh * keys * (hd * bits / 8 + 2 * 2 * hd / 64);
@@ -222,8 +223,9 @@ fn main() -> Result<()> {
                             attend_packed_cuda(&q, k, v, &pos, q_off, None, scale, path)?;
                             Ok(())
                         })?;
+                        let enqueue = last_enqueue();
                         println!(
-                            "{{\"bench\":\"qsdpa\",\"shape\":\"{name}\",\"heads\":{nh},\"kv_heads\":{kvh},\"head_dim\":{hd},\"keys\":{keys},\"q_len\":{q_len},\"bits\":{bits},\"group\":64,\"path\":\"{path:?}\",\"kv_copies\":{copies},\"dense_copies\":{dense_copies},\"seconds\":{t:.6e},\"dense_bf16_seconds\":{t_dense:.6e},\"speedup\":{:.3},\"kv_gb_per_s\":{:.1}}}",
+                            "{{\"bench\":\"qsdpa\",\"shape\":\"{name}\",\"heads\":{nh},\"kv_heads\":{kvh},\"head_dim\":{hd},\"keys\":{keys},\"q_len\":{q_len},\"bits\":{bits},\"group\":64,\"path\":\"{path:?}\",\"kv_copies\":{copies},\"dense_copies\":{dense_copies},\"seconds\":{t:.6e},\"enqueue_seconds\":{enqueue:.6e},\"dense_bf16_seconds\":{t_dense:.6e},\"dense_enqueue_seconds\":{dense_enqueue:.6e},\"speedup\":{:.3},\"kv_gb_per_s\":{:.1}}}",
                             t_dense / t,
                             kv_bytes as f64 / t / 1e9
                         );

@@ -11,7 +11,10 @@ use candle_core::{DType, Device, Tensor};
 use candle_gemma::kernels::cuda::{attend_packed_cuda, QsdpaPath};
 use candle_gemma::kernels::qmatmul::{qembedding, qmatmul, PackedWeight};
 use candle_gemma::kernels::{attend, quantize};
-use candle_gemma::kv::{KeyPositions, KvData, KvView, PackedKv, QuantBits};
+use candle_gemma::kv::{
+    KeyPositions, KvCache, KvData, KvView, LayerCacheSpec, PackedKv, QuantBits, QuantSpec,
+    QuantizedCache,
+};
 use std::collections::BTreeMap;
 
 fn to_dev(p: &PackedKv, dev: &Device) -> Result<PackedKv> {
@@ -275,6 +278,83 @@ fn check_quantize(dtype: DType, gpu: &Device) -> Result<bool> {
             ok &= pass;
             println!(
                 "quantize dtype={dtype:?} bits={} group={group} {}",
+                bits.bits(),
+                if pass { "PASS (bit-exact)" } else { "FAIL" }
+            );
+        }
+    }
+    Ok(ok)
+}
+
+/// A quantized cache fed the same K/V on the CPU and on the GPU (where packed updates quantize
+/// straight into the storage's slots) holds bit-identical codes, scales and biases at the same
+/// positions after every update: growing and ring caches, one-token steps and multi-token
+/// writes (a ring write that wraps takes the quantize-and-copy path).
+fn check_quantized_cache(dtype: DType, gpu: &Device) -> Result<bool> {
+    let mut ok = true;
+    for bits in [QuantBits::Four, QuantBits::Eight] {
+        for window in [None, Some(16)] {
+            let spec = LayerCacheSpec {
+                kv_heads: 2,
+                head_dim: 256,
+                window,
+            };
+            let quant = QuantSpec {
+                bits,
+                group_size: 64,
+                start: 0,
+            };
+            let mut cpu_cache = QuantizedCache::new(&spec, &quant, dtype)?;
+            let mut gpu_cache = QuantizedCache::new(&spec, &quant, dtype)?;
+            let mut pass = true;
+            for (step, n) in [
+                5usize, 1, 1, 3, 1, 7, 1, 1, 1, 9, 1, 1, 2, 1, 1, 1, 1, 1, 4, 1,
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let k = (rnd(&[1, 2, n, 256], dtype)? * 2.0)?;
+                let v = rnd(&[1, 2, n, 256], dtype)?;
+                let want = cpu_cache.update(&k, &v)?;
+                let got = gpu_cache.update(&k.to_device(gpu)?, &v.to_device(gpu)?)?;
+                let same = match (&want, &got) {
+                    (
+                        KvView::Single {
+                            data: KvData::Packed { k: wk, v: wv },
+                            positions: wp,
+                        },
+                        KvView::Single {
+                            data: KvData::Packed { k: gk, v: gv },
+                            positions: gp,
+                        },
+                    ) => {
+                        let mut same = wp.to_vec() == gp.to_vec();
+                        for (a, b) in [(wk, gk), (wv, gv)] {
+                            let words = |t: &Tensor| -> Result<Vec<u32>> {
+                                Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u32>()?)
+                            };
+                            let f32s = |t: &Tensor| -> Result<Vec<f32>> {
+                                Ok(t.to_device(&Device::Cpu)?
+                                    .to_dtype(DType::F32)?
+                                    .flatten_all()?
+                                    .to_vec1::<f32>()?)
+                            };
+                            same &= words(&a.codes)? == words(&b.codes)?
+                                && f32s(&a.scales)? == f32s(&b.scales)?
+                                && f32s(&a.biases)? == f32s(&b.biases)?;
+                        }
+                        same
+                    }
+                    _ => false,
+                };
+                if !same {
+                    println!("quantized-cache step {step} ({n} tokens) differs");
+                }
+                pass &= same;
+            }
+            ok &= pass;
+            println!(
+                "quantized-cache dtype={dtype:?} bits={} window={window:?} {}",
                 bits.bits(),
                 if pass { "PASS (bit-exact)" } else { "FAIL" }
             );
@@ -1233,6 +1313,7 @@ fn main() -> Result<()> {
     for dtype in [DType::F32, DType::BF16, DType::F16] {
         all_ok &= check_fused(dtype, &gpu, &mut stats)?;
         all_ok &= check_quantize(dtype, &gpu)?;
+        all_ok &= check_quantized_cache(dtype, &gpu)?;
     }
     for xdtype in [DType::F32, DType::BF16, DType::F16] {
         for sdtype in [DType::BF16, DType::F16, DType::F32] {

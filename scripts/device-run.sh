@@ -344,6 +344,32 @@ PY
       python3 scripts/attn_runs_table.py "$OUT"/attn-rot-*.jsonl
       python3 scripts/attn_runs_table.py "$OUT/attn-l2.jsonl"
       ;;
+    kvq)
+      # Quantized KV cache: greedy ids on the GPU against the CPU (same binary) and against the
+      # GPU's quantize-and-copy path, then batch-1 decode at context 4096 (KVQ_MODELS) with
+      # dense/q4/q8 caches, slots written in place against CANDLE_GEMMA_KVQ_IN_PLACE=0, in turn.
+      python3 scripts/gpu_kvq_check.py .device/generate > "$OUT/kvq-ids.txt" 2>&1; echo "kvq ids exit $?"
+      tail -1 "$OUT/kvq-ids.txt"
+      for round in 1 2; do
+        for inplace in 1 0; do
+          for m in ${KVQ_MODELS:-e2b e4b}; do
+            CANDLE_GEMMA_KVQ_IN_PLACE=$inplace $B --config $C/$m-config.json --prefill 0 --batch 1 \
+              --context 4096 --steps 16 --kv dense,q4,q8 2>>"$OUT/bench.err" | grep decode \
+              | sed "s/^{/{\"in_place\":$inplace,/" >> "$OUT/kvq-decode.jsonl"
+          done
+        done
+      done
+      python3 -c "
+import json, sys
+from collections import defaultdict
+d = defaultdict(list)
+for l in open(sys.argv[1]):
+    j = json.loads(l)
+    d[(j['model'], j['kv'], j['in_place'])].append('%.1f tok/s (host %.2f ms, step %.2f ms)' % (j['tok_s'], j['host_ms'], j['step_ms']))
+for k in sorted(d):
+    print(*k, '|', '; '.join(d[k]))
+" "$OUT/kvq-decode.jsonl"
+      ;;
     attngpu)
       # GPU time of every attention launch (ncu, one call a point, --quick: 1k and 32k keys),
       # then ncu sections for the tensor-core kernel's launches at 32k keys.

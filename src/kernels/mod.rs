@@ -13,6 +13,7 @@ pub mod metal;
 pub mod qmatmul;
 mod quant;
 
+pub(crate) use quant::quantize_kv_into;
 pub use quant::{check_group_size, dequantize, quantize, GROUP_SIZES};
 
 use candle_core::{Device, Tensor};

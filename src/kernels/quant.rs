@@ -95,6 +95,30 @@ pub(crate) fn code_at(words: &[u32], e: usize, bits: usize) -> u32 {
     (words[e / per_word] >> ((e % per_word) * bits)) & mask
 }
 
+/// Quantizes new K and V rows (`[1, kv_heads, n, head_dim]`, as [`quantize`] would) straight
+/// into a packed cache's reserved slots `dst` (codes, scales, biases of K, then of V), in one
+/// CUDA launch. Returns `Ok(false)`, writing nothing, off CUDA or when `dst` is not laid out as
+/// the kernel writes it; the caller then quantizes and copies.
+///
+/// # Errors
+/// Candle/CUDA errors.
+pub(crate) fn quantize_kv_into(
+    k: &Tensor,
+    v: &Tensor,
+    bits: QuantBits,
+    group_size: usize,
+    dst: &[Tensor],
+) -> Result<bool, CacheError> {
+    #[cfg(feature = "cuda")]
+    if k.device().is_cuda() {
+        return Ok(super::cuda::launch::quantize_kv_into(
+            k, v, bits, group_size, dst,
+        )?);
+    }
+    let _ = (k, v, bits, group_size, dst);
+    Ok(false)
+}
+
 /// Quantizes `x` (`[..., dim]`, a float dtype) group-wise along its last axis.
 ///
 /// Returns codes `[..., dim * bits / 32]` (`u32`) and scales/biases `[..., dim / group_size]` in

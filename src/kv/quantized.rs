@@ -3,13 +3,13 @@
 
 use candle_core::{DType, Tensor};
 
-use super::buffer::{unallocated, Geometry, GrowBuf, RingBuf};
+use super::buffer::{unallocated, Geometry, GrowBuf, PartSpec, RingBuf};
 use super::rotating::{ring_trim, window_of};
 use super::simple::pair;
 use super::{
     CacheError, KeyPositions, KvCache, KvData, KvView, LayerCacheSpec, PackedKv, QuantSpec,
 };
-use crate::kernels::{check_group_size, quantize};
+use crate::kernels::{check_group_size, quantize, quantize_kv_into};
 
 /// Growing (full layers) or ring (sliding layers) storage.
 #[derive(Debug)]
@@ -131,6 +131,62 @@ impl QuantizedCache {
             group_size,
         };
         Ok(KvData::Packed { k, v })
+    }
+
+    /// The six packed parts of this cache on `device`.
+    fn packed_parts(&self, device: &candle_core::Device) -> PartSpec {
+        let g = &self.geometry;
+        let words = g.head_dim * self.quant.bits.bits() / 32;
+        let groups = g.head_dim / self.quant.group_size;
+        let side = [
+            (g.kv_heads, words, DType::U32),
+            (g.kv_heads, groups, g.dtype),
+            (g.kv_heads, groups, g.dtype),
+        ];
+        PartSpec {
+            parts: side.iter().chain(side.iter()).copied().collect(),
+            device: device.clone(),
+        }
+    }
+
+    /// Packed `update` that quantizes the new rows straight into the storage's next slots (one
+    /// CUDA launch instead of two quantizations, six fresh tensors and six copies); `None`,
+    /// having written nothing, where that cannot be done (off CUDA, a ring write that wraps or
+    /// overwrites a needed key).
+    /// `CANDLE_GEMMA_KVQ_IN_PLACE=0` turns it off (the quantize-and-copy path, for A/B runs).
+    fn update_in_place(&mut self, k: &Tensor, v: &Tensor) -> Result<Option<KvView>, CacheError> {
+        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let off =
+            *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_KVQ_IN_PLACE").is_ok_and(|v| v == "0"));
+        if off || !k.device().is_cuda() {
+            return Ok(None);
+        }
+        let n = k.dim(2)?;
+        let spec = self.packed_parts(k.device());
+        let (bits, group_size) = (self.quant.bits, self.quant.group_size);
+        let (parts, positions) = match &mut self.store {
+            Store::Grow(b) => {
+                let slots = b.reserve(&spec, n)?;
+                if !quantize_kv_into(k, v, bits, group_size, &slots)? {
+                    return Ok(None);
+                }
+                let parts = b.commit(n)?;
+                (parts, KeyPositions::range(0..b.len()))
+            }
+            Store::Ring(r) => {
+                let Some(slots) = r.reserve(&spec, n)? else {
+                    return Ok(None);
+                };
+                if !quantize_kv_into(k, v, bits, group_size, &slots)? {
+                    return Ok(None);
+                }
+                r.commit(n)?
+            }
+        };
+        Ok(Some(KvView::Single {
+            data: self.data(parts)?,
+            positions,
+        }))
     }
 
     /// Converts everything held to packed form (the `start` threshold was reached).
@@ -283,6 +339,11 @@ impl KvCache for QuantizedCache {
         self.geometry.check(k, v)?;
         if !self.packed && self.offset() >= self.quant.start {
             self.convert()?;
+        }
+        if self.packed {
+            if let Some(view) = self.update_in_place(k, v)? {
+                return Ok(view);
+            }
         }
         let new = if self.packed {
             self.pack(k, v)?

@@ -1119,6 +1119,106 @@ pub(crate) fn quantize(
     })
 }
 
+/// [`quantize`] of new K and V rows (`k`, `v`: `[1, kv_heads, n, head_dim]`) written straight
+/// into a packed cache's reserved slots `dst` (codes, scales, biases of K, then of V; each
+/// `[1, kv_heads, n, width]`), one launch for both, bit-exact with [`quantize`]. Returns
+/// `Ok(false)` without writing when the destinations are not laid out as the kernel writes them
+/// (tokens of a head contiguous, K and V alike, scales in `k`'s dtype): the caller then
+/// quantizes and copies.
+///
+/// # Errors
+/// Candle/CUDA errors.
+pub(crate) fn quantize_kv_into(
+    k: &Tensor,
+    v: &Tensor,
+    bits: crate::kv::QuantBits,
+    group_size: usize,
+    dst: &[Tensor],
+) -> candle_core::Result<bool> {
+    let (b, kvh, n, hd) = k.dims4()?;
+    let dtype = k.dtype();
+    let Ok(tn) = kname(dtype) else {
+        return Ok(false);
+    };
+    let nb = bits.bits();
+    if b != 1 || v.dims() != k.dims() || v.dtype() != dtype || dst.len() != 6 || group_size == 0 {
+        return Ok(false);
+    }
+    let (words, groups) = (hd * nb / 32, hd / group_size);
+    let fits = |t: &Tensor, width: usize, dt: DType| {
+        let st = t.stride();
+        t.dims() == [1, kvh, n, width]
+            && t.dtype() == dt
+            && st[3] == 1
+            && (n == 1 || st[2] == width)
+    };
+    let codes_ok = fits(&dst[0], words, DType::U32)
+        && fits(&dst[3], words, DType::U32)
+        && dst[0].stride()[1] == dst[3].stride()[1];
+    let s_sh = dst[1].stride()[1];
+    let scales_ok = [1, 2, 4, 5]
+        .iter()
+        .all(|&i| fits(&dst[i], groups, dtype) && dst[i].stride()[1] == s_sh);
+    let (Ok(c_sh), Ok(s_sh)) = (u32::try_from(dst[0].stride()[1]), u32::try_from(s_sh)) else {
+        return Ok(false);
+    };
+    if !(codes_ok && scales_ok) {
+        return Ok(false);
+    }
+    let per_side = kvh * n * groups;
+    if per_side == 0 {
+        return Ok(true);
+    }
+    let dev = cuda_dev(k)?;
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let params = QmatParams {
+        rows: u32::try_from(per_side).map_err(candle_core::Error::wrap)?,
+        out_dim: u32::try_from(n * groups).map_err(candle_core::Error::wrap)?,
+        in_dim: hd as u32,
+        group_size: group_size as u32,
+    };
+    let func = load_kernel(&dev, &format!("quantize_into_{tn}_{nb}"), MODULE, IMAGE)?;
+    let cfg = LaunchConfig {
+        grid_dim: (per_side.div_ceil(128) as u32, 2, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    macro_rules! go {
+        ($t:ty) => {{
+            let (k_s, k_l) = k.storage_and_layout();
+            let (v_s, v_l) = v.storage_and_layout();
+            let kv_ = view::<$t>(cuda_storage(&k_s)?, k_l)?;
+            let vv_ = view::<$t>(cuda_storage(&v_s)?, v_l)?;
+            let guards: Vec<_> = dst.iter().map(|t| t.storage_and_layout()).collect();
+            let codes = |i: usize| view::<u32>(cuda_storage(&guards[i].0)?, guards[i].1);
+            let scal = |i: usize| view::<$t>(cuda_storage(&guards[i].0)?, guards[i].1);
+            let (kc, ks, kb) = (codes(0)?, scal(1)?, scal(2)?);
+            let (vc, vs, vb) = (codes(3)?, scal(4)?, scal(5)?);
+            let mut bl = func.builder();
+            bl.arg(&params);
+            bl.arg(&c_sh);
+            bl.arg(&s_sh);
+            bl.arg(&kv_);
+            bl.arg(&vv_);
+            bl.arg(&kc);
+            bl.arg(&ks);
+            bl.arg(&kb);
+            bl.arg(&vc);
+            bl.arg(&vs);
+            bl.arg(&vb);
+            // SAFETY: arguments match the kernel's signature; one thread per group of each
+            // side, every destination checked above to hold kv_heads x n groups at its strides.
+            unsafe { bl.launch(cfg) }.w()?;
+        }};
+    }
+    match dtype {
+        DType::F32 => go!(f32),
+        DType::F16 => go!(half::f16),
+        _ => go!(half::bf16),
+    }
+    Ok(true)
+}
+
 /// The stream-ordered memory pool candle allocates from (the device's default pool).
 fn default_pool(dev: &CudaDevice) -> candle_core::Result<sys::CUmemoryPool> {
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();

@@ -1197,14 +1197,11 @@ QW_INST_T(bf16, __nv_bfloat16)
 // and bias rounded to T for storage. One thread per group; p.rows = number of groups,
 // p.group_size elements each.
 // ---------------------------------------------------------------------------------------------
+// One group of `g` elements at `xs`: its scale and bias to `sc`/`bi`, its codes to `cw`.
 template <typename T, int BITS>
-__device__ __forceinline__ void quantize_body(const QmatParams p, const T* __restrict__ x,
-                                              uint32_t* __restrict__ codes, T* __restrict__ scales,
-                                              T* __restrict__ biases) {
-    const size_t gi = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (gi >= p.rows) return;
-    const int g = p.group_size;
-    const T* xs = x + gi * g;
+__device__ __forceinline__ void quantize_group(const T* __restrict__ xs, const int g,
+                                               uint32_t* __restrict__ cw, T* __restrict__ sc,
+                                               T* __restrict__ bi) {
     const float n_bins = (float)((1u << BITS) - 1);
     float w_min = INFINITY, w_max = -INFINITY;
     for (int e = 0; e < g; ++e) {
@@ -1222,10 +1219,9 @@ __device__ __forceinline__ void quantize_body(const QmatParams p, const T* __res
         scale = __fdiv_rn(edge, q0);
         bias = edge;
     }
-    scales[gi] = from_f<T>(scale);
-    biases[gi] = from_f<T>(bias);
+    *sc = from_f<T>(scale);
+    *bi = from_f<T>(bias);
     constexpr int PER = 32 / BITS;
-    uint32_t* cw = codes + gi * g / PER;
     for (int w = 0; w < g / PER; ++w) {
         uint32_t word = 0;
 #pragma unroll
@@ -1238,11 +1234,46 @@ __device__ __forceinline__ void quantize_body(const QmatParams p, const T* __res
     }
 }
 
+template <typename T, int BITS>
+__device__ __forceinline__ void quantize_body(const QmatParams p, const T* __restrict__ x,
+                                              uint32_t* __restrict__ codes, T* __restrict__ scales,
+                                              T* __restrict__ biases) {
+    const size_t gi = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gi >= p.rows) return;
+    const int g = p.group_size;
+    quantize_group<T, BITS>(x + gi * g, g, codes + gi * g / (32 / BITS), scales + gi, biases + gi);
+}
+
+// New K and V rows (`[1, kv_heads, n, head_dim]`, contiguous) quantized straight into a packed
+// cache's slots: blockIdx.y 0 = K, 1 = V; p.rows = groups a side, p.out_dim = groups a head
+// (n x head_dim / group); within a head the slots' groups are contiguous, heads `c_sh` code
+// words and `s_sh` scales apart (the same for K and V, scales and biases).
+template <typename T, int BITS>
+__device__ __forceinline__ void quantize_into_body(const QmatParams p, const uint32_t c_sh,
+                                                   const uint32_t s_sh, const T* __restrict__ k,
+                                                   const T* __restrict__ v, uint32_t* kc, T* ks,
+                                                   T* kb, uint32_t* vc, T* vs, T* vb) {
+    const size_t gi = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gi >= p.rows) return;
+    const bool is_v = blockIdx.y == 1;
+    const size_t h = gi / p.out_dim, r = gi % p.out_dim;
+    const int g = p.group_size;
+    quantize_group<T, BITS>((is_v ? v : k) + gi * g, g,
+                            (is_v ? vc : kc) + h * c_sh + r * (g / (32 / BITS)),
+                            (is_v ? vs : ks) + h * s_sh + r, (is_v ? vb : kb) + h * s_sh + r);
+}
+
 #define QUANT_INST(TN, T, BITS)                                                                \
     extern "C" __global__ void quantize_##TN##_##BITS(const QmatParams p, const T* x,          \
                                                        uint32_t* codes, T* scales, T* biases) { \
         pdl_entry();                                                                            \
         quantize_body<T, BITS>(p, x, codes, scales, biases);                                   \
+    }                                                                                          \
+    extern "C" __global__ void quantize_into_##TN##_##BITS(                                    \
+        const QmatParams p, const uint32_t c_sh, const uint32_t s_sh, const T* k, const T* v,  \
+        uint32_t* kc, T* ks, T* kb, uint32_t* vc, T* vs, T* vb) {                              \
+        pdl_entry();                                                                           \
+        quantize_into_body<T, BITS>(p, c_sh, s_sh, k, v, kc, ks, kb, vc, vs, vb);              \
     }
 QUANT_INST(f32, float, 4)
 QUANT_INST(f32, float, 8)
