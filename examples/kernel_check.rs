@@ -265,16 +265,7 @@ fn check_quantize(dtype: DType, gpu: &Device) -> Result<bool> {
             let x = (rnd(&[2, 3, 5, 256], dtype)? * 3.0)?;
             let want = quantize(&x, bits, group)?;
             let got = quantize(&x.to_device(gpu)?, bits, group)?;
-            let same = |a: &Tensor, b: &Tensor| -> Result<bool> {
-                Ok(a.dims() == b.dims()
-                    && max_abs(&a.to_dtype(DType::F32)?, &b.to_dtype(DType::F32)?)? == 0.0)
-            };
-            let words = |t: &Tensor| -> Result<Vec<u32>> {
-                Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u32>()?)
-            };
-            let pass = words(&want.codes)? == words(&got.codes)?
-                && same(&want.scales, &got.scales)?
-                && same(&want.biases, &got.biases)?;
+            let pass = packed_identical(&want, &got)?;
             ok &= pass;
             println!(
                 "quantize dtype={dtype:?} bits={} group={group} {}",
@@ -284,6 +275,26 @@ fn check_quantize(dtype: DType, gpu: &Device) -> Result<bool> {
         }
     }
     Ok(ok)
+}
+
+/// Whether two packed tensors (on any devices) hold the same shapes, the same code words and
+/// bit-identical scales and biases (f16/bf16 values are exact in f32).
+fn packed_identical(a: &PackedKv, b: &PackedKv) -> Result<bool> {
+    let words = |t: &Tensor| -> Result<Vec<u32>> {
+        Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u32>()?)
+    };
+    let f32s = |t: &Tensor| -> Result<Vec<f32>> {
+        Ok(t.to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?)
+    };
+    Ok(a.codes.dims() == b.codes.dims()
+        && a.scales.dims() == b.scales.dims()
+        && a.biases.dims() == b.biases.dims()
+        && words(&a.codes)? == words(&b.codes)?
+        && f32s(&a.scales)? == f32s(&b.scales)?
+        && f32s(&a.biases)? == f32s(&b.biases)?)
 }
 
 /// A quantized cache fed the same K/V on the CPU and on the GPU (where packed updates quantize
@@ -328,22 +339,9 @@ fn check_quantized_cache(dtype: DType, gpu: &Device) -> Result<bool> {
                             positions: gp,
                         },
                     ) => {
-                        let mut same = wp.to_vec() == gp.to_vec();
-                        for (a, b) in [(wk, gk), (wv, gv)] {
-                            let words = |t: &Tensor| -> Result<Vec<u32>> {
-                                Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u32>()?)
-                            };
-                            let f32s = |t: &Tensor| -> Result<Vec<f32>> {
-                                Ok(t.to_device(&Device::Cpu)?
-                                    .to_dtype(DType::F32)?
-                                    .flatten_all()?
-                                    .to_vec1::<f32>()?)
-                            };
-                            same &= words(&a.codes)? == words(&b.codes)?
-                                && f32s(&a.scales)? == f32s(&b.scales)?
-                                && f32s(&a.biases)? == f32s(&b.biases)?;
-                        }
-                        same
+                        wp.to_vec() == gp.to_vec()
+                            && packed_identical(wk, gk)?
+                            && packed_identical(wv, gv)?
                     }
                     _ => false,
                 };
