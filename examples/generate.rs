@@ -233,6 +233,7 @@ fn run_single(args: &Args, model: &Model, opts: GenOptions, prompt: &[u32]) -> R
                     "prefill_tok_s": stats.prefill_tok_s(),
                     "decode_tok_s": stats.decode_tok_s(),
                     "kv_bytes": stats.kv_bytes,
+                    "cuda_graph": graph_state(model),
                 }
             })
         );
@@ -249,6 +250,19 @@ fn run_single(args: &Args, model: &Model, opts: GenOptions, prompt: &[u32]) -> R
         );
     }
     Ok(())
+}
+
+/// Whether batch-1 decode steps replayed a CUDA graph, and if not, why.
+fn graph_state(model: &Model) -> String {
+    #[cfg(feature = "cuda")]
+    {
+        model.text_model().cuda_graph_state()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = model;
+        "cuda feature off".to_string()
+    }
 }
 
 fn run_batch(args: &Args, model: &Model, opts: GenOptions, prompts: &[Vec<u32>]) -> Result<()> {

@@ -498,6 +498,32 @@ for l in sys.stdin:
           || echo "600 tokens, $kv cache: DIFFER"
       done
       ;;
+    graphkvq)
+      # Quantized KV caches under CUDA graphs: fixture ids with graphs on and off (identical,
+      # every graph run captured), then batch-1 decode at context 4096 (KVQ_MODELS) with dense,
+      # q4 and q8 caches, graphs on and off, in turn.
+      python3 scripts/gpu_graph_kvq_check.py .device/generate > "$OUT/graph-kvq-ids.txt" 2>&1; echo "graph kvq ids exit $?"
+      tail -1 "$OUT/graph-kvq-ids.txt"
+      for round in 1 2; do
+        for v in 1 0; do
+          for m in ${KVQ_MODELS:-e2b e4b}; do
+            CANDLE_GEMMA_CUDA_GRAPH=$v $B --config $C/$m-config.json --prefill 0 --batch 1 \
+              --context 4096 --steps 16 --kv dense,q4,q8 2>>"$OUT/bench.err" | grep decode \
+              | sed "s/^{/{\"graph_env\":$v,/" >> "$OUT/graph-kvq-decode.jsonl"
+          done
+        done
+      done
+      python3 -c "
+import json, sys
+from collections import defaultdict
+d = defaultdict(list)
+for l in open(sys.argv[1]):
+    j = json.loads(l)
+    d[(j['model'], j['kv'], j['graph_env'])].append('%.1f tok/s (host %.2f ms, step %.2f ms; %s)' % (j['tok_s'], j['host_ms'], j['step_ms'], j['cuda_graph'][:24]))
+for k in sorted(d):
+    print(*k, '|', '; '.join(d[k]))
+" "$OUT/graph-kvq-decode.jsonl"
+      ;;
     graphq)
       # Batch-1 decode of 4-bit and 8-bit weights with CUDA graphs (default) and without.
       for m in ${GRAPH_MODELS:-e2b e4b 31b}; do

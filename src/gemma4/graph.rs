@@ -13,7 +13,10 @@
 //!
 //! Eligible steps: one sequence, one new token, on CUDA with the fused kernels, every
 //! KV-owning layer's cache dense in the activations' dtype (simple, rotating, or a batch of
-//! one of those). `CANDLE_GEMMA_CUDA_GRAPH=0` turns graphs off. A capture that fails (an op
+//! one of those) or quantized and already packed with scales in that dtype (growing or ring,
+//! or a batch of one; a quantized cache still below its `start` runs eagerly until the update
+//! that packs it). Quantized layers write K/V to a fresh buffer and quantize it into the
+//! slots their parameter block names. `CANDLE_GEMMA_CUDA_GRAPH=0` turns graphs off. A capture that fails (an op
 //! that reads back to the host, such as MoE routing on the sorted path, or an upload candle
 //! has not cached) turns them off for the model, rolls the caches back and runs the step
 //! eagerly; the reason is in [`TextModel::cuda_graph_state`].
@@ -32,8 +35,9 @@ use crate::error::{Error, Result};
 use crate::kernels::cuda::batched::{address, step_descriptor};
 use crate::kernels::cuda::fused::kv_destination;
 use crate::kernels::cuda::graph::{self, Slot, StepParams};
+use crate::kernels::cuda::launch::kvq_destination;
 use crate::kernels::QueryPlan;
-use crate::kv::{KvView, ModelCache};
+use crate::kv::{KvView, LayerCache, ModelCache};
 
 /// Bytes of the parameter area: two blocks a layer (a `QsdpaSeq` is 192 bytes), ample for
 /// every Gemma 4 depth.
@@ -212,10 +216,24 @@ fn eligible(model: &TextModel, cache: &ModelCache) -> bool {
             .iter()
             .zip(&cache.layers)
             .all(|(plan, c)| match (&plan.kv, c) {
-                (KvSource::Own, Some(c)) => c.dense_dtype() == Some(dtype),
+                (KvSource::Own, Some(c)) => {
+                    c.dense_dtype() == Some(dtype) || c.packed_dtype() == Some(dtype)
+                }
                 (KvSource::Shared { .. }, None) => true,
                 _ => false,
             })
+}
+
+/// `(bits, group size)` of a quantized cache (a batch's when it holds one sequence).
+fn packing(c: &LayerCache) -> Option<(usize, usize)> {
+    match c {
+        LayerCache::Quantized(q) => Some((q.quant().bits.bits(), q.quant().group_size)),
+        LayerCache::Batch(b) => match b.sequences() {
+            [only] => packing(only),
+            _ => None,
+        },
+        LayerCache::Simple(_) | LayerCache::Rotating(_) => None,
+    }
 }
 
 /// The sliding window of a layer kind, as attention applies it.
@@ -247,10 +265,17 @@ fn record_step(
                         "layer {i} owns K/V but the cache has no entry for it"
                     ))
                 })?;
-                let Some((kd, vd)) = c.reserve_slots(1, model.device())? else {
+                if let Some((kd, vd)) = c.reserve_slots(1, model.device())? {
+                    rec.push(Slot::KvDestination, &kv_destination(&kd, &vd)?)?;
+                } else if let Some(parts) = c.reserve_packed_slots(1, model.device())? {
+                    let (bits, group_size) = packing(c).ok_or_else(|| {
+                        Error::Input(format!("layer {i}'s packed slots have no quantization"))
+                    })?;
+                    let dst = kvq_destination(&parts, bits, group_size, model.dtype())?;
+                    rec.push(Slot::KvQuantDestination, &dst)?;
+                } else {
                     return Ok(false);
-                };
-                rec.push(Slot::KvDestination, &kv_destination(&kd, &vd)?)?;
+                }
                 c.commit_slots(1)?
             }
             KvSource::Shared { producer } => views[producer].clone().ok_or_else(|| {
@@ -302,7 +327,8 @@ fn capture(
     // to the graph and must not outlive it inside a cache.
     for (l, c) in cache.layers.iter_mut().enumerate() {
         if let Some(c) = c {
-            if c.reserve_slots(1, device)?.is_none() {
+            if c.reserve_slots(1, device)?.is_none() && c.reserve_packed_slots(1, device)?.is_none()
+            {
                 return Ok(Err(format!(
                     "layer {l}'s cache cannot write a token in place"
                 )));

@@ -116,13 +116,28 @@ impl BatchCache {
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// A batch of one sequence: that sequence's [`LayerCache::reserve_packed_slots`]; `None`
+    /// for larger batches.
+    pub(crate) fn reserve_packed_slots(
+        &mut self,
+        n: usize,
+        device: &candle_core::Device,
+    ) -> Result<Option<Vec<Tensor>>, CacheError> {
+        match self.seqs.as_mut_slice() {
+            [only] => only.reserve_packed_slots(n, device),
+            _ => Ok(None),
+        }
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// The sequences' caches, mutably (crate only: their count must not change behind the
     /// batch's back).
     pub(crate) fn sequences_mut(&mut self) -> &mut [LayerCache] {
         &mut self.seqs
     }
 
-    /// Commits the slots of [`BatchCache::reserve_slots`]: the batch view `update` would have
+    /// Commits the slots of [`BatchCache::reserve_slots`] or
+    /// [`BatchCache::reserve_packed_slots`]: the batch view `update` would have
     /// returned.
     pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
         match self.seqs.as_mut_slice() {

@@ -3,6 +3,7 @@
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
+use super::quantized::QuantMark;
 use super::{BatchCache, CacheError, KvCache, KvView, QuantizedCache, RotatingCache, SimpleCache};
 
 /// The cache of one KV-owning layer.
@@ -157,8 +158,29 @@ impl LayerCache {
         }
     }
 
-    /// Counts `n` tokens written into storage from [`LayerCache::reserve_slots`] and returns
-    /// the view `update` would have returned.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Packed storage for the next `n` tokens of a packed quantized cache (a batch's when it
+    /// holds one sequence): the six parts, codes, scales and biases of K then of V, as
+    /// `[1, kv_heads, n, ..]` views, for a kernel that quantizes them in place; `None` for
+    /// dense caches, a quantized cache not packed yet, or a ring write that wraps or overwrites
+    /// a needed key. A `Some` must be followed by [`LayerCache::commit_slots`].
+    ///
+    /// # Errors
+    /// Allocation errors.
+    pub(crate) fn reserve_packed_slots(
+        &mut self,
+        n: usize,
+        device: &candle_core::Device,
+    ) -> Result<Option<Vec<Tensor>>, CacheError> {
+        match self {
+            LayerCache::Quantized(c) => c.reserve_slots(n, device),
+            LayerCache::Batch(c) => c.reserve_packed_slots(n, device),
+            LayerCache::Simple(_) | LayerCache::Rotating(_) => Ok(None),
+        }
+    }
+
+    /// Counts `n` tokens written into storage from [`LayerCache::reserve_slots`] or
+    /// [`LayerCache::reserve_packed_slots`] and returns the view `update` would have returned.
     ///
     /// # Errors
     /// [`CacheError::Config`] when no such storage was reserved.
@@ -167,10 +189,7 @@ impl LayerCache {
             LayerCache::Simple(c) => c.commit_slots(n),
             LayerCache::Rotating(c) => c.commit_slots(n),
             LayerCache::Batch(c) => c.commit_slots(n),
-            LayerCache::Quantized(_) => Err(CacheError::Config {
-                field: "slots",
-                reason: "this cache kind writes through `update`; no slots were reserved".into(),
-            }),
+            LayerCache::Quantized(c) => c.commit_slots(n),
         }
     }
 }
@@ -184,6 +203,8 @@ pub(crate) enum CacheMark {
     Simple(usize),
     /// A [`RotatingCache`]'s `(first, offset)`.
     Rotating((usize, usize)),
+    /// A packed [`QuantizedCache`]'s storage counters.
+    Quantized(QuantMark),
     /// One mark per sequence of a [`BatchCache`].
     Batch(Vec<CacheMark>),
 }
@@ -201,7 +222,7 @@ impl LayerCache {
                     .map(LayerCache::mark)
                     .collect::<Option<Vec<_>>>()?,
             ),
-            LayerCache::Quantized(_) => return None,
+            LayerCache::Quantized(c) => CacheMark::Quantized(c.mark()?),
         })
     }
 
@@ -210,12 +231,26 @@ impl LayerCache {
         match (self, mark) {
             (LayerCache::Simple(c), CacheMark::Simple(m)) => c.restore(*m),
             (LayerCache::Rotating(c), CacheMark::Rotating(m)) => c.restore(*m),
+            (LayerCache::Quantized(c), CacheMark::Quantized(m)) => c.restore(*m),
             (LayerCache::Batch(b), CacheMark::Batch(marks)) => {
                 for (c, m) in b.sequences_mut().iter_mut().zip(marks) {
                     c.restore(m);
                 }
             }
             _ => {}
+        }
+    }
+
+    /// The dtype of a packed quantized cache's scales and biases (a batch's when it holds one
+    /// sequence); `None` for dense caches, quantized caches not packed yet and larger batches.
+    pub(crate) fn packed_dtype(&self) -> Option<candle_core::DType> {
+        match self {
+            LayerCache::Quantized(c) => c.packed_dtype(),
+            LayerCache::Batch(b) => match b.sequences() {
+                [only] => only.packed_dtype(),
+                _ => None,
+            },
+            LayerCache::Simple(_) | LayerCache::Rotating(_) => None,
         }
     }
 
@@ -236,7 +271,14 @@ impl LayerCache {
 
 impl KvCache for LayerCache {
     fn update(&mut self, k: &Tensor, v: &Tensor) -> Result<KvView, CacheError> {
+        let dense_in_capture = || CacheError::Config {
+            field: "dense cache",
+            reason: "a captured decode step must write K/V into reserved slots in place".into(),
+        };
         match self {
+            LayerCache::Simple(_) | LayerCache::Rotating(_) if super::capturing_graph() => {
+                Err(dense_in_capture())
+            }
             LayerCache::Simple(c) => c.update(k, v),
             LayerCache::Rotating(c) => c.update(k, v),
             LayerCache::Quantized(c) => c.update(k, v),

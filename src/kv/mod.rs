@@ -68,3 +68,17 @@ pub trait KvCache {
 
 #[cfg(test)]
 mod tests;
+
+/// Whether this thread is capturing a CUDA graph (never without the `cuda` feature): cache
+/// writes must then go to reserved slots, whose addresses each replay rewrites; a copy into
+/// storage would be replayed at the address it had at capture.
+pub(crate) fn capturing_graph() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::kernels::cuda::graph::recording()
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}

@@ -4,12 +4,23 @@
 use candle_core::{DType, Tensor};
 
 use super::buffer::{unallocated, Geometry, GrowBuf, PartSpec, RingBuf};
+use super::capturing_graph;
 use super::rotating::{ring_trim, window_of};
 use super::simple::pair;
 use super::{
     CacheError, KeyPositions, KvCache, KvData, KvView, LayerCacheSpec, PackedKv, QuantSpec,
 };
 use crate::kernels::{check_group_size, quantize, quantize_kv_into};
+
+/// The storage counters of a packed [`QuantizedCache`], to put back if a step is abandoned
+/// before any kernel ran.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum QuantMark {
+    /// A growing store's tokens held.
+    Grow(usize),
+    /// A ring's `(first, offset)`.
+    Ring((usize, usize)),
+}
 
 /// Growing (full layers) or ring (sliding layers) storage.
 #[derive(Debug)]
@@ -149,6 +160,75 @@ impl QuantizedCache {
         }
     }
 
+    /// Packed storage for the next `n` tokens (the six parts, codes, scales and biases of K
+    /// then of V, as `[1, kv_heads, n, ..]` views on `device`) for a kernel that quantizes
+    /// them in place; `None` where this cache cannot take them so (not packed yet, so the next
+    /// update may first convert; a ring write that wraps or overwrites a needed key). A `Some`
+    /// must be followed by [`QuantizedCache::commit_slots`] once they are written.
+    ///
+    /// # Errors
+    /// Allocation errors.
+    pub(crate) fn reserve_slots(
+        &mut self,
+        n: usize,
+        device: &candle_core::Device,
+    ) -> Result<Option<Vec<Tensor>>, CacheError> {
+        if !self.packed {
+            return Ok(None);
+        }
+        let spec = self.packed_parts(device);
+        match &mut self.store {
+            Store::Grow(b) => b.reserve(&spec, n).map(Some),
+            Store::Ring(r) => r.reserve(&spec, n),
+        }
+    }
+
+    /// Counts `n` tokens written into the storage of [`QuantizedCache::reserve_slots`]; returns
+    /// what `update` would have.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] when no such storage was reserved.
+    pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
+        let (parts, positions) = match &mut self.store {
+            Store::Grow(b) => {
+                let parts = b.commit(n)?;
+                (parts, KeyPositions::range(0..b.len()))
+            }
+            Store::Ring(r) => r.commit(n)?,
+        };
+        Ok(KvView::Single {
+            data: self.data(parts)?,
+            positions,
+        })
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// The storage counters (see [`crate::kv::CacheMark`]); `None` before the cache is packed
+    /// (the next update may convert it, which no mark can undo).
+    pub(crate) fn mark(&self) -> Option<QuantMark> {
+        self.packed.then(|| match &self.store {
+            Store::Grow(b) => QuantMark::Grow(b.mark()),
+            Store::Ring(r) => QuantMark::Ring(r.mark()),
+        })
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// Sets the counters back to a [`QuantizedCache::mark`]; a mark of the other store kind
+    /// is ignored.
+    pub(crate) fn restore(&mut self, mark: QuantMark) {
+        match (&mut self.store, mark) {
+            (Store::Grow(b), QuantMark::Grow(len)) => b.restore(len),
+            (Store::Ring(r), QuantMark::Ring(m)) => r.restore(m),
+            _ => {}
+        }
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    /// The dtype of the scales and biases once packed (the activations'); `None` before.
+    pub(crate) fn packed_dtype(&self) -> Option<DType> {
+        self.packed.then_some(self.geometry.dtype)
+    }
+
     /// Packed `update` that quantizes the new rows straight into the storage's next slots (one
     /// CUDA launch instead of two quantizations, six fresh tensors and six copies); `None`,
     /// having written nothing, where that cannot be done (off CUDA, a ring write that wraps or
@@ -162,31 +242,13 @@ impl QuantizedCache {
             return Ok(None);
         }
         let n = k.dim(2)?;
-        let spec = self.packed_parts(k.device());
-        let (bits, group_size) = (self.quant.bits, self.quant.group_size);
-        let (parts, positions) = match &mut self.store {
-            Store::Grow(b) => {
-                let slots = b.reserve(&spec, n)?;
-                if !quantize_kv_into(k, v, bits, group_size, &slots)? {
-                    return Ok(None);
-                }
-                let parts = b.commit(n)?;
-                (parts, KeyPositions::range(0..b.len()))
-            }
-            Store::Ring(r) => {
-                let Some(slots) = r.reserve(&spec, n)? else {
-                    return Ok(None);
-                };
-                if !quantize_kv_into(k, v, bits, group_size, &slots)? {
-                    return Ok(None);
-                }
-                r.commit(n)?
-            }
+        let Some(slots) = self.reserve_slots(n, k.device())? else {
+            return Ok(None);
         };
-        Ok(Some(KvView::Single {
-            data: self.data(parts)?,
-            positions,
-        }))
+        if !quantize_kv_into(k, v, self.quant.bits, self.quant.group_size, &slots)? {
+            return Ok(None);
+        }
+        self.commit_slots(n).map(Some)
     }
 
     /// Converts everything held to packed form (the `start` threshold was reached).
@@ -344,6 +406,15 @@ impl KvCache for QuantizedCache {
             if let Some(view) = self.update_in_place(k, v)? {
                 return Ok(view);
             }
+        }
+        // A step captured into a CUDA graph must write where the graph's parameter area says;
+        // the paths below would write to addresses fixed at capture.
+        if capturing_graph() {
+            return Err(CacheError::Config {
+                field: "quantized cache",
+                reason: "a captured decode step must quantize K/V into reserved slots in place"
+                    .into(),
+            });
         }
         let new = if self.packed {
             self.pack(k, v)?

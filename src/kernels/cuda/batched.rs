@@ -327,30 +327,52 @@ fn plan_step(
 ) -> Result<(QsdpaSeq, SeqPlan), CacheError> {
     let unsupported = |what: &str| CacheError::Shape {
         what: "captured decode attention",
-        expected: format!("one sequence of dense K/V in the activations' dtype ({what})"),
+        expected: format!(
+            "one sequence of dense K/V, or packed K/V with scales, in the activations' dtype \
+             ({what})"
+        ),
         found: vec![n_heads, head_dim],
     };
     let (data, positions) = single(view).ok_or_else(|| unsupported("view"))?;
-    let KvData::Dense { k, v } = data else {
-        return Err(unsupported("packed K/V"));
+    let (k, v, parts) = match data {
+        KvData::Dense { k, v } if k.dtype() == dtype && v.dtype() == dtype => (
+            KvOperand::Dense(k),
+            KvOperand::Dense(v),
+            vec![k.id(), v.id()],
+        ),
+        KvData::Packed { k, v }
+            if [&k.scales, &k.biases, &v.scales, &v.biases]
+                .iter()
+                .all(|t| t.dtype() == dtype) =>
+        {
+            let ids = [k, v]
+                .iter()
+                .flat_map(|p| [p.codes.id(), p.scales.id(), p.biases.id()])
+                .collect();
+            (KvOperand::Packed(k), KvOperand::Packed(v), ids)
+        }
+        _ => return Err(unsupported("dtype")),
     };
-    if k.dtype() != dtype || v.dtype() != dtype || !QSDPA_HEAD_DIMS.contains(&head_dim) {
-        return Err(unsupported("dtype or head dim"));
+    if !QSDPA_HEAD_DIMS.contains(&head_dim) {
+        return Err(unsupported("head dim"));
     }
     check_view(n_heads, head_dim, data, positions)?;
-    let seq = plan_seq(
-        n_heads,
-        1,
-        head_dim,
-        dtype,
-        KvOperand::Dense(k),
-        KvOperand::Dense(v),
-        positions,
-        plan,
-        dev,
-    )?;
+    let seq = plan_seq(n_heads, 1, head_dim, dtype, k, v, positions, plan, dev)?;
     if !seq.table.is_empty() {
         return Err(unsupported("positions in one or two runs"));
+    }
+    // The descriptor must name the cache's own storage: an operand the planning copied (to
+    // align or convert it) would be freed before a replay reads it.
+    let read = if seq.dense {
+        vec![seq.ks.words.id(), seq.vs.words.id()]
+    } else {
+        [&seq.ks, &seq.vs]
+            .iter()
+            .flat_map(|s| [s.words.id(), s.scales.id(), s.biases.id()])
+            .collect()
+    };
+    if read != parts {
+        return Err(unsupported("storage the kernel reads in place"));
     }
     Ok((descriptor(&seq, None, dev)?, seq))
 }

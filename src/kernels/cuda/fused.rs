@@ -545,12 +545,11 @@ pub fn qkv_prep_into(
         params.kv_head_stride = u32_of(kd.stride()[1], "kv head stride")?;
     }
     // A step being captured writes K and V where the parameter area says (the slot moves
-    // from step to step; the graph does not).
+    // from step to step; the graph does not). Without destinations it writes fresh buffers,
+    // which a quantized cache then quantizes into its slots (the caches refuse any other
+    // write during a capture).
     let recorded = match kv_dst {
         Some((kd, vd)) => graph::record(graph::Slot::KvDestination, &kv_destination(kd, vd)?)?,
-        None if kv_heads > 0 && graph::recording() => {
-            candle_core::bail!("qkv_prep: a captured step must write K/V into the cache in place")
-        }
         None => None,
     };
     let name = match recorded {

@@ -23,6 +23,8 @@ use candle_core::cuda_backend::{CudaDevice, WrapErr};
 pub(crate) enum Slot {
     /// Where a layer's new K and V go (`QkvDst`).
     KvDestination,
+    /// Where a layer's new K and V are quantized to (`KvqDst`).
+    KvQuantDestination,
     /// One attention launch's sequence descriptor (`QsdpaSeq`), with its key splits: at
     /// capture, the most the launch covers; at a replay, the ones the step needs.
     Attention { splits: u32 },
@@ -33,6 +35,7 @@ impl Slot {
     pub(crate) fn fits(self, captured: Slot) -> bool {
         match (self, captured) {
             (Slot::KvDestination, Slot::KvDestination) => true,
+            (Slot::KvQuantDestination, Slot::KvQuantDestination) => true,
             (Slot::Attention { splits }, Slot::Attention { splits: most }) => splits <= most,
             _ => false,
         }

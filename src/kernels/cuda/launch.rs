@@ -1144,27 +1144,10 @@ pub(crate) fn quantize_kv_into(
     if b != 1 || v.dims() != k.dims() || v.dtype() != dtype || dst.len() != 6 || group_size == 0 {
         return Ok(false);
     }
-    let (words, groups) = (hd * nb / 32, hd / group_size);
-    let fits = |t: &Tensor, width: usize, dt: DType| {
-        let st = t.stride();
-        t.dims() == [1, kvh, n, width]
-            && t.dtype() == dt
-            && st[3] == 1
-            && (n == 1 || st[2] == width)
-    };
-    let codes_ok = fits(&dst[0], words, DType::U32)
-        && fits(&dst[3], words, DType::U32)
-        && dst[0].stride()[1] == dst[3].stride()[1];
-    let s_sh = dst[1].stride()[1];
-    let scales_ok = [1, 2, 4, 5]
-        .iter()
-        .all(|&i| fits(&dst[i], groups, dtype) && dst[i].stride()[1] == s_sh);
-    let (Ok(c_sh), Ok(s_sh)) = (u32::try_from(dst[0].stride()[1]), u32::try_from(s_sh)) else {
+    let Some((c_sh, s_sh)) = packed_slot_strides(dst, kvh, n, hd, nb, group_size, dtype) else {
         return Ok(false);
     };
-    if !(codes_ok && scales_ok) {
-        return Ok(false);
-    }
+    let groups = hd / group_size;
     let per_side = kvh * n * groups;
     if per_side == 0 {
         return Ok(true);
@@ -1177,12 +1160,43 @@ pub(crate) fn quantize_kv_into(
         in_dim: hd as u32,
         group_size: group_size as u32,
     };
-    let func = load_kernel(&dev, &format!("quantize_into_{tn}_{nb}"), MODULE, IMAGE)?;
     let cfg = LaunchConfig {
         grid_dim: (per_side.div_ceil(128) as u32, 2, 1),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
+    // A step being captured quantizes into the slots the parameter area names (they move from
+    // step to step; the graph does not).
+    if super::graph::recording() {
+        let block = kvq_destination(dst, nb, group_size, dtype)?;
+        let at = super::graph::record(super::graph::Slot::KvQuantDestination, &block)?
+            .ok_or_else(|| candle_core::Error::Msg("not capturing a step".into()))?;
+        let func = load_kernel(&dev, &format!("quantize_into_dyn_{tn}_{nb}"), MODULE, IMAGE)?;
+        macro_rules! go_dyn {
+            ($t:ty) => {{
+                let (k_s, k_l) = k.storage_and_layout();
+                let (v_s, v_l) = v.storage_and_layout();
+                let kv_ = view::<$t>(cuda_storage(&k_s)?, k_l)?;
+                let vv_ = view::<$t>(cuda_storage(&v_s)?, v_l)?;
+                let mut bl = func.builder();
+                bl.arg(&params);
+                bl.arg(&at);
+                bl.arg(&kv_);
+                bl.arg(&vv_);
+                // SAFETY: arguments match the kernel's signature; the recorded block holds the
+                // addresses and strides checked above, rewritten before each replay with slots
+                // checked the same way (`kvq_destination`).
+                unsafe { bl.launch(cfg) }.w()?;
+            }};
+        }
+        match dtype {
+            DType::F32 => go_dyn!(f32),
+            DType::F16 => go_dyn!(half::f16),
+            _ => go_dyn!(half::bf16),
+        }
+        return Ok(true);
+    }
+    let func = load_kernel(&dev, &format!("quantize_into_{tn}_{nb}"), MODULE, IMAGE)?;
     macro_rules! go {
         ($t:ty) => {{
             let (k_s, k_l) = k.storage_and_layout();
@@ -1217,6 +1231,99 @@ pub(crate) fn quantize_kv_into(
         _ => go!(half::bf16),
     }
     Ok(true)
+}
+
+/// `struct KvqDst` in `qkernels.cu`: where a captured step quantizes its K and V (the six slot
+/// addresses and their head strides, in code words and in scales).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct KvqDst {
+    kc: u64,
+    ks: u64,
+    kb: u64,
+    vc: u64,
+    vs: u64,
+    vb: u64,
+    c_sh: u32,
+    s_sh: u32,
+}
+
+/// The head strides `(code words, scales)` of packed slots `dst` (codes, scales, biases of K
+/// then of V, `[1, kvh, n, ..]` views) as `quantize_into` writes them: rows of one head
+/// contiguous, K and V codes at one head stride, the four scale/bias views at another, scales
+/// in `dtype`. `None` for any other layout.
+fn packed_slot_strides(
+    dst: &[Tensor],
+    kvh: usize,
+    n: usize,
+    hd: usize,
+    bits: usize,
+    group_size: usize,
+    dtype: DType,
+) -> Option<(u32, u32)> {
+    if dst.len() != 6 || group_size == 0 {
+        return None;
+    }
+    let (words, groups) = (hd * bits / 32, hd / group_size);
+    let fits = |t: &Tensor, width: usize, dt: DType| {
+        let st = t.stride();
+        t.dims() == [1, kvh, n, width]
+            && t.dtype() == dt
+            && st[3] == 1
+            && (n == 1 || st[2] == width)
+    };
+    let codes_ok = fits(&dst[0], words, DType::U32)
+        && fits(&dst[3], words, DType::U32)
+        && dst[0].stride()[1] == dst[3].stride()[1];
+    let s_sh = dst[1].stride()[1];
+    let scales_ok = [1, 2, 4, 5]
+        .iter()
+        .all(|&i| fits(&dst[i], groups, dtype) && dst[i].stride()[1] == s_sh);
+    if !(codes_ok && scales_ok) {
+        return None;
+    }
+    Some((
+        u32::try_from(dst[0].stride()[1]).ok()?,
+        u32::try_from(s_sh).ok()?,
+    ))
+}
+
+/// The [`KvqDst`] of packed slots `dst` for one token of K/V `[1, kvh, 1, hd]` in `dtype`
+/// quantized to `bits` in groups of `group_size` (what a replay writes for the captured
+/// `quantize_into_dyn` launch).
+///
+/// # Errors
+/// Slots of another layout than `quantize_into` writes, or not on a CUDA device.
+pub(crate) fn kvq_destination(
+    dst: &[Tensor],
+    bits: usize,
+    group_size: usize,
+    dtype: DType,
+) -> candle_core::Result<KvqDst> {
+    let (_, kvh, n, words) = dst
+        .first()
+        .ok_or_else(|| candle_core::Error::Msg("kvq_destination: no slots".into()))?
+        .dims4()?;
+    let hd = words * 32 / bits.max(1);
+    let (c_sh, s_sh) =
+        packed_slot_strides(dst, kvh, n, hd, bits, group_size, dtype).ok_or_else(|| {
+            candle_core::Error::Msg(format!(
+                "packed slots {:?} cannot be quantized into in place",
+                dst.iter().map(|t| t.dims().to_vec()).collect::<Vec<_>>()
+            ))
+        })?;
+    let dev = cuda_dev(&dst[0])?;
+    let a = |i: usize| super::batched::address(&dst[i], &dev);
+    Ok(KvqDst {
+        kc: a(0)?,
+        ks: a(1)?,
+        kb: a(2)?,
+        vc: a(3)?,
+        vs: a(4)?,
+        vb: a(5)?,
+        c_sh,
+        s_sh,
+    })
 }
 
 /// The stream-ordered memory pool candle allocates from (the device's default pool).

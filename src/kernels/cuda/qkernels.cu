@@ -1263,6 +1263,14 @@ __device__ __forceinline__ void quantize_into_body(const QmatParams p, const uin
                             (is_v ? vs : ks) + h * s_sh + r, (is_v ? vb : kb) + h * s_sh + r);
 }
 
+// Where a captured decode step quantizes its K and V: the six slot addresses and their head
+// strides, read from device memory at run time (the slots move from step to step, the graph
+// does not). `KvqDst` in launch.rs.
+struct KvqDst {
+    uint64_t kc, ks, kb, vc, vs, vb;
+    uint32_t c_sh, s_sh;
+};
+
 #define QUANT_INST(TN, T, BITS)                                                                \
     extern "C" __global__ void quantize_##TN##_##BITS(const QmatParams p, const T* x,          \
                                                        uint32_t* codes, T* scales, T* biases) { \
@@ -1274,6 +1282,16 @@ __device__ __forceinline__ void quantize_into_body(const QmatParams p, const uin
         uint32_t* kc, T* ks, T* kb, uint32_t* vc, T* vs, T* vb) {                              \
         pdl_entry();                                                                           \
         quantize_into_body<T, BITS>(p, c_sh, s_sh, k, v, kc, ks, kb, vc, vs, vb);              \
+    }                                                                                          \
+    extern "C" __global__ void quantize_into_dyn_##TN##_##BITS(const QmatParams p,             \
+                                                                const KvqDst* dst, const T* k, \
+                                                                const T* v) {                  \
+        pdl_entry();                                                                           \
+        quantize_into_body<T, BITS>(p, dst->c_sh, dst->s_sh, k, v,                             \
+                                    reinterpret_cast<uint32_t*>(dst->kc),                      \
+                                    reinterpret_cast<T*>(dst->ks), reinterpret_cast<T*>(dst->kb), \
+                                    reinterpret_cast<uint32_t*>(dst->vc),                      \
+                                    reinterpret_cast<T*>(dst->vs), reinterpret_cast<T*>(dst->vb)); \
     }
 QUANT_INST(f32, float, 4)
 QUANT_INST(f32, float, 8)
