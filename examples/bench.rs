@@ -254,14 +254,20 @@ fn main() -> Result<()> {
                                                                                // between rounds on a shared machine.
                         let mut rounds = Vec::new();
                         let stats_before = launch_stats();
-                        for _ in 0..args.rounds.max(1) {
+                        // The first sequence's greedy id at each step of the first round: runs
+                        // that must compute alike (CUDA graphs on and off) print the same list.
+                        let mut step_ids = Vec::new();
+                        for round in 0..args.rounds.max(1) {
                             let mut enqueue = 0.0;
                             let t = Instant::now();
                             for _ in 0..args.steps {
                                 let e = Instant::now();
                                 let logits = model.forward(&tokens, &mut cache)?;
                                 enqueue += e.elapsed().as_secs_f64();
-                                let _ = greedy(&logits)?;
+                                let ids = greedy(&logits)?;
+                                if round == 0 {
+                                    step_ids.push(ids[0]);
+                                }
                             }
                             let n = args.steps as f64;
                             rounds.push((t.elapsed().as_secs_f64() / n, enqueue / n * 1e3));
@@ -291,7 +297,7 @@ fn main() -> Result<()> {
                                 "op": "decode", "batch": b, "context": ctx, "cuda_graph": graph,
                                 "tok_s": b as f64 / secs, "step_ms": secs * 1e3, "host_ms": host_ms,
                                 "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,
-                                "launch_stats": launches,
+                                "launch_stats": launches, "step_ids": step_ids,
                             })
                         );
                     }

@@ -272,7 +272,11 @@ fn record_step(
                         Error::Input(format!("layer {i}'s packed slots have no quantization"))
                     })?;
                     let dst = kvq_destination(&parts, bits, group_size, model.dtype())?;
-                    rec.push(Slot::KvQuantDestination, &dst)?;
+                    let slot = Slot::KvQuantDestination {
+                        bits: bits as u32,
+                        group_size: group_size as u32,
+                    };
+                    rec.push(slot, &dst)?;
                 } else {
                     return Ok(false);
                 }
@@ -289,7 +293,7 @@ fn record_step(
             window: window_of(model, plan.kind),
             scale: 1.0,
         };
-        let Ok(desc) = step_descriptor(
+        let Ok((desc, bits)) = step_descriptor(
             config.num_attention_heads,
             plan.head_dim,
             model.dtype(),
@@ -302,6 +306,7 @@ fn record_step(
         rec.push(
             Slot::Attention {
                 splits: desc.p.n_split,
+                bits: bits as u32,
             },
             &desc,
         )?;
@@ -393,7 +398,8 @@ enum Replayed {
     Logits(Tensor),
     /// This step cannot take the graph (cache untouched): run it eagerly.
     NotThisStep,
-    /// Some attention needs more key splits than the graph covers (cache untouched).
+    /// Some attention needs more key splits than the graph covers, or the step's launches
+    /// differ from the captured ones (cache untouched): capture again.
     Outgrown,
 }
 
@@ -420,7 +426,9 @@ fn replay(
     let fits = same_launches && rec.slots().iter().zip(&c.slots).all(|(a, b)| a.fits(*b));
     match recorded {
         Ok(true) if fits => {}
-        Ok(true) if same_launches => {
+        // More key splits than captured, or other launches (the model now decodes with a
+        // cache of another kind or bits): capture again.
+        Ok(true) => {
             cache.restore(&marks);
             return Ok(Replayed::Outgrown);
         }

@@ -189,6 +189,13 @@ impl QuantizedCache {
     /// # Errors
     /// [`CacheError::Config`] when no such storage was reserved.
     pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
+        if !self.packed {
+            return Err(CacheError::Config {
+                field: "slots",
+                reason: "a quantized cache offers slots only once packed; none were reserved"
+                    .into(),
+            });
+        }
         let (parts, positions) = match &mut self.store {
             Store::Grow(b) => {
                 let parts = b.commit(n)?;

@@ -298,7 +298,8 @@ fn single(view: &KvView) -> Option<(&KvData, &KeyPositions)> {
     }
 }
 
-/// What a captured decode step's attention reads for one sequence: its descriptor, planned
+/// What a captured decode step's attention reads for one sequence: its descriptor and the bits
+/// of the K/V its kernel reads (4/8 packed, 16/32 dense), planned
 /// from `view` (dense K/V in `dtype`, positions that need no table). Called by the capture
 /// and by each replay, so both plan alike.
 ///
@@ -312,8 +313,9 @@ pub(crate) fn step_descriptor(
     view: &KvView,
     plan: &QueryPlan,
     dev: &CudaDevice,
-) -> Result<QsdpaSeq, CacheError> {
-    Ok(plan_step(n_heads, head_dim, dtype, view, plan, dev)?.0)
+) -> Result<(QsdpaSeq, usize), CacheError> {
+    let (desc, seq) = plan_step(n_heads, head_dim, dtype, view, plan, dev)?;
+    Ok((desc, seq.bits))
 }
 
 /// [`step_descriptor`] with the plan it came from.
@@ -395,6 +397,7 @@ pub(crate) fn attend_recorded(
     let splits = super::graph::covered_splits(seq.n_split, seq.split_bound);
     let slot = super::graph::Slot::Attention {
         splits: splits as u32,
+        bits: seq.bits as u32,
     };
     let at = super::graph::record(slot, &desc)?.ok_or_else(|| {
         CacheError::Candle(candle_core::Error::Msg(

@@ -23,11 +23,13 @@ use candle_core::cuda_backend::{CudaDevice, WrapErr};
 pub(crate) enum Slot {
     /// Where a layer's new K and V go (`QkvDst`).
     KvDestination,
-    /// Where a layer's new K and V are quantized to (`KvqDst`).
-    KvQuantDestination,
-    /// One attention launch's sequence descriptor (`QsdpaSeq`), with its key splits: at
-    /// capture, the most the launch covers; at a replay, the ones the step needs.
-    Attention { splits: u32 },
+    /// Where a layer's new K and V are quantized to (`KvqDst`), with the bits and group size
+    /// the captured launch quantizes to.
+    KvQuantDestination { bits: u32, group_size: u32 },
+    /// One attention launch's sequence descriptor (`QsdpaSeq`), with its key splits (at
+    /// capture, the most the launch covers; at a replay, the ones the step needs) and the
+    /// bits of the K/V its kernel reads (4/8 packed, 16/32 dense).
+    Attention { splits: u32, bits: u32 },
 }
 
 impl Slot {
@@ -35,8 +37,14 @@ impl Slot {
     pub(crate) fn fits(self, captured: Slot) -> bool {
         match (self, captured) {
             (Slot::KvDestination, Slot::KvDestination) => true,
-            (Slot::KvQuantDestination, Slot::KvQuantDestination) => true,
-            (Slot::Attention { splits }, Slot::Attention { splits: most }) => splits <= most,
+            (Slot::KvQuantDestination { .. }, Slot::KvQuantDestination { .. }) => self == captured,
+            (
+                Slot::Attention { splits, bits },
+                Slot::Attention {
+                    splits: most,
+                    bits: captured_bits,
+                },
+            ) => splits <= most && bits == captured_bits,
             _ => false,
         }
     }

@@ -1169,7 +1169,11 @@ pub(crate) fn quantize_kv_into(
     // step to step; the graph does not).
     if super::graph::recording() {
         let block = kvq_destination(dst, nb, group_size, dtype)?;
-        let at = super::graph::record(super::graph::Slot::KvQuantDestination, &block)?
+        let slot = super::graph::Slot::KvQuantDestination {
+            bits: nb as u32,
+            group_size: group_size as u32,
+        };
+        let at = super::graph::record(slot, &block)?
             .ok_or_else(|| candle_core::Error::Msg("not capturing a step".into()))?;
         let func = load_kernel(&dev, &format!("quantize_into_dyn_{tn}_{nb}"), MODULE, IMAGE)?;
         macro_rules! go_dyn {
