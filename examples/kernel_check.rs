@@ -12,8 +12,8 @@ use candle_gemma::kernels::cuda::{attend_packed_cuda, QsdpaPath};
 use candle_gemma::kernels::qmatmul::{qembedding, qmatmul, PackedWeight};
 use candle_gemma::kernels::{attend, quantize};
 use candle_gemma::kv::{
-    KeyPositions, KvCache, KvData, KvView, LayerCacheSpec, PackedKv, QuantBits, QuantSpec,
-    QuantizedCache,
+    BatchCache, KeyPositions, KvCache, KvData, KvView, LayerCache, LayerCacheSpec, PackedKv,
+    QuantBits, QuantSpec, QuantizedCache,
 };
 use std::collections::BTreeMap;
 
@@ -353,6 +353,66 @@ fn check_quantized_cache(dtype: DType, gpu: &Device) -> Result<bool> {
             ok &= pass;
             println!(
                 "quantized-cache dtype={dtype:?} bits={} window={window:?} {}",
+                bits.bits(),
+                if pass { "PASS (bit-exact)" } else { "FAIL" }
+            );
+            // A batch of three sequences at different offsets: on the GPU one launch quantizes
+            // every sequence's tokens into its own slots. The same prefixes on both devices.
+            let mut prefixes = Vec::new();
+            for i in 0..3usize {
+                let n = 2 + 3 * i;
+                prefixes.push((rnd(&[1, 2, n, 256], dtype)?, rnd(&[1, 2, n, 256], dtype)?));
+            }
+            let fill = |dev: &Device| -> Result<BatchCache> {
+                let mut seqs = Vec::new();
+                for (k, v) in &prefixes {
+                    let mut c = QuantizedCache::new(&spec, &quant, dtype)?;
+                    c.update(&k.to_device(dev)?, &v.to_device(dev)?)?;
+                    seqs.push(LayerCache::Quantized(c));
+                }
+                Ok(BatchCache::new(seqs)?)
+            };
+            let (mut cpu_batch, mut gpu_batch) = (fill(&Device::Cpu)?, fill(gpu)?);
+            let mut pass = true;
+            for (step, n) in [1usize, 1, 2, 1, 3, 1, 1, 5, 1, 1].into_iter().enumerate() {
+                let k = (rnd(&[3, 2, n, 256], dtype)? * 2.0)?;
+                let v = rnd(&[3, 2, n, 256], dtype)?;
+                let want = cpu_batch.update(&k, &v)?;
+                let got = gpu_batch.update(&k.to_device(gpu)?, &v.to_device(gpu)?)?;
+                let same = match (&want, &got) {
+                    (KvView::Batch(w), KvView::Batch(g)) if w.len() == g.len() => {
+                        let mut all = true;
+                        for (w, g) in w.iter().zip(g) {
+                            all &= match (w, g) {
+                                (
+                                    KvView::Single {
+                                        data: KvData::Packed { k: wk, v: wv },
+                                        positions: wp,
+                                    },
+                                    KvView::Single {
+                                        data: KvData::Packed { k: gk, v: gv },
+                                        positions: gp,
+                                    },
+                                ) => {
+                                    wp.to_vec() == gp.to_vec()
+                                        && packed_identical(wk, gk)?
+                                        && packed_identical(wv, gv)?
+                                }
+                                _ => false,
+                            };
+                        }
+                        all
+                    }
+                    _ => false,
+                };
+                if !same {
+                    println!("quantized batch-cache step {step} ({n} tokens) differs");
+                }
+                pass &= same;
+            }
+            ok &= pass;
+            println!(
+                "quantized-batch-cache dtype={dtype:?} bits={} window={window:?} sequences=3 {}",
                 bits.bits(),
                 if pass { "PASS (bit-exact)" } else { "FAIL" }
             );

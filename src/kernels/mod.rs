@@ -13,8 +13,8 @@ pub mod metal;
 pub mod qmatmul;
 mod quant;
 
-pub(crate) use quant::quantize_kv_into;
 pub use quant::{check_group_size, dequantize, quantize, GROUP_SIZES};
+pub(crate) use quant::{quantize_kv_into, quantize_kv_into_batch};
 
 use candle_core::{Device, Tensor};
 

@@ -119,6 +119,30 @@ pub(crate) fn quantize_kv_into(
     Ok(false)
 }
 
+/// [`quantize_kv_into`] for a batch: sequence `b` of `k`, `v` (`[batch, kv_heads, n,
+/// head_dim]`) into `dst[b]`, each sequence's own slots, in one CUDA launch for up to 16
+/// sequences. Returns `Ok(false)`, writing nothing, off CUDA or when any sequence's slots are
+/// not laid out as the kernel writes them.
+///
+/// # Errors
+/// Candle/CUDA errors.
+pub(crate) fn quantize_kv_into_batch(
+    k: &Tensor,
+    v: &Tensor,
+    bits: QuantBits,
+    group_size: usize,
+    dst: &[Vec<Tensor>],
+) -> Result<bool, CacheError> {
+    #[cfg(feature = "cuda")]
+    if k.device().is_cuda() {
+        return Ok(super::cuda::launch::quantize_kv_into_batch(
+            k, v, bits, group_size, dst,
+        )?);
+    }
+    let _ = (k, v, bits, group_size, dst);
+    Ok(false)
+}
+
 /// Quantizes `x` (`[..., dim]`, a float dtype) group-wise along its last axis.
 ///
 /// Returns codes `[..., dim * bits / 32]` (`u32`) and scales/biases `[..., dim / group_size]` in

@@ -2,7 +2,9 @@
 
 use candle_core::Tensor;
 
+use super::quantized::quantizes_in_place;
 use super::{CacheError, KvCache, KvView, LayerCache};
+use crate::kernels::quantize_kv_into_batch;
 
 /// The caches of a batch of sequences, one single-sequence [`LayerCache`] each.
 ///
@@ -150,6 +152,54 @@ impl BatchCache {
     }
 }
 
+impl BatchCache {
+    /// Several packed quantized sequences on CUDA: every sequence's new K/V quantized straight
+    /// into its own next slots by one launch (up to 16 sequences a launch), instead of one
+    /// launch per sequence. `None`, having changed nothing, where that does not apply (fewer
+    /// than two sequences, other cache kinds or quantization, a sequence not packed yet or
+    /// whose ring write wraps, off CUDA); the caller then updates sequence by sequence.
+    /// `CANDLE_GEMMA_KVQ_BATCH_LAUNCH=0` turns it off (A/B).
+    fn update_packed_together(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Option<Vec<KvView>>, CacheError> {
+        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let off = *OFF
+            .get_or_init(|| std::env::var("CANDLE_GEMMA_KVQ_BATCH_LAUNCH").is_ok_and(|v| v == "0"));
+        if off || !quantizes_in_place() || self.seqs.len() < 2 || !k.device().is_cuda() {
+            return Ok(None);
+        }
+        let quant = match self.seqs.first() {
+            Some(LayerCache::Quantized(c)) => *c.quant(),
+            _ => return Ok(None),
+        };
+        let n = k.dim(2)?;
+        let mut slots = Vec::with_capacity(self.seqs.len());
+        for c in self.seqs.iter_mut() {
+            let LayerCache::Quantized(c) = c else {
+                return Ok(None);
+            };
+            if c.quant().bits != quant.bits || c.quant().group_size != quant.group_size {
+                return Ok(None);
+            }
+            // Reserving grows storage at most; nothing is counted until the commits below.
+            match c.reserve_slots(n, k.device())? {
+                Some(s) => slots.push(s),
+                None => return Ok(None),
+            }
+        }
+        if !quantize_kv_into_batch(k, v, quant.bits, quant.group_size, &slots)? {
+            return Ok(None);
+        }
+        self.seqs
+            .iter_mut()
+            .map(|c| c.commit_slots(n))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+    }
+}
+
 impl KvCache for BatchCache {
     /// Splits `k`, `v` along the batch axis, updates each sequence, and returns one view per
     /// sequence.
@@ -164,6 +214,9 @@ impl KvCache for BatchCache {
                 expected: self.seqs.len(),
                 found,
             });
+        }
+        if let Some(views) = self.update_packed_together(k, v)? {
+            return Ok(KvView::Batch(views));
         }
         let mut views = Vec::with_capacity(found);
         for (b, cache) in self.seqs.iter_mut().enumerate() {

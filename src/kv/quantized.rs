@@ -12,6 +12,13 @@ use super::{
 };
 use crate::kernels::{check_group_size, quantize, quantize_kv_into};
 
+/// Whether packed caches on CUDA quantize new tokens straight into their slots;
+/// `CANDLE_GEMMA_KVQ_IN_PLACE=0` makes them quantize and copy (A/B runs).
+pub(crate) fn quantizes_in_place() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_KVQ_IN_PLACE").is_ok_and(|v| v == "0"))
+}
+
 /// The storage counters of a packed [`QuantizedCache`], to put back if a step is abandoned
 /// before any kernel ran.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -242,10 +249,7 @@ impl QuantizedCache {
     /// overwrites a needed key).
     /// `CANDLE_GEMMA_KVQ_IN_PLACE=0` turns it off (the quantize-and-copy path, for A/B runs).
     fn update_in_place(&mut self, k: &Tensor, v: &Tensor) -> Result<Option<KvView>, CacheError> {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let off =
-            *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_KVQ_IN_PLACE").is_ok_and(|v| v == "0"));
-        if off || !k.device().is_cuda() {
+        if !quantizes_in_place() || !k.device().is_cuda() {
             return Ok(None);
         }
         let n = k.dim(2)?;

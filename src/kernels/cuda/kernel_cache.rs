@@ -163,6 +163,7 @@ value_args!(
     f32,
     super::params::QsdpaParams,
     super::params::QmatParams,
+    super::launch::KvqBatch,
     super::batched::QsdpaSeq,
     super::fused::AddNormParams,
     super::fused::GeluMulParams,

@@ -1330,6 +1330,107 @@ pub(crate) fn kvq_destination(
     })
 }
 
+/// Sequences one `quantize_into_batch` launch takes (`KVQ_BATCH` in `qkernels.cu`).
+pub(crate) const KVQ_BATCH: usize = 16;
+
+/// `struct KvqBatch` in `qkernels.cu`: the slots of up to [`KVQ_BATCH`] sequences, passed by
+/// value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct KvqBatch {
+    d: [KvqDst; KVQ_BATCH],
+}
+
+/// Quantizes sequence `b` of `k`, `v` (`[batch, kv_heads, n, head_dim]`) into `dst[b]` (each
+/// sequence's six packed slots), [`KVQ_BATCH`] sequences a launch. `Ok(false)` without writing
+/// when some sequence's slots are not laid out as `quantize_into` writes them, or while a step
+/// is captured (batches are not).
+///
+/// # Errors
+/// Candle/CUDA errors.
+pub(crate) fn quantize_kv_into_batch(
+    k: &Tensor,
+    v: &Tensor,
+    bits: crate::kv::QuantBits,
+    group_size: usize,
+    dst: &[Vec<Tensor>],
+) -> candle_core::Result<bool> {
+    let (batch, kvh, n, hd) = k.dims4()?;
+    let dtype = k.dtype();
+    let Ok(tn) = kname(dtype) else {
+        return Ok(false);
+    };
+    let nb = bits.bits();
+    if batch != dst.len()
+        || v.dims() != k.dims()
+        || v.dtype() != dtype
+        || group_size == 0
+        || super::graph::recording()
+    {
+        return Ok(false);
+    }
+    let mut blocks = Vec::with_capacity(batch);
+    for slots in dst {
+        if packed_slot_strides(slots, kvh, n, hd, nb, group_size, dtype).is_none() {
+            return Ok(false);
+        }
+        blocks.push(kvq_destination(slots, nb, group_size, dtype)?);
+    }
+    let per_side = kvh * n * (hd / group_size);
+    if per_side == 0 || batch == 0 {
+        return Ok(true);
+    }
+    let dev = cuda_dev(k)?;
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let params = QmatParams {
+        rows: u32::try_from(per_side).map_err(candle_core::Error::wrap)?,
+        out_dim: u32::try_from(n * (hd / group_size)).map_err(candle_core::Error::wrap)?,
+        in_dim: hd as u32,
+        group_size: group_size as u32,
+    };
+    let func = load_kernel(
+        &dev,
+        &format!("quantize_into_batch_{tn}_{nb}"),
+        MODULE,
+        IMAGE,
+    )?;
+    let seq_len = kvh * n * hd;
+    for (c, chunk) in blocks.chunks(KVQ_BATCH).enumerate() {
+        let mut table = KvqBatch::default();
+        table.d[..chunk.len()].copy_from_slice(chunk);
+        let cfg = LaunchConfig {
+            grid_dim: (per_side.div_ceil(128) as u32, 2, chunk.len() as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let first = c * KVQ_BATCH * seq_len;
+        let rows = chunk.len() * seq_len;
+        macro_rules! go {
+            ($t:ty) => {{
+                let (k_s, k_l) = k.storage_and_layout();
+                let (v_s, v_l) = v.storage_and_layout();
+                let kv_ = view::<$t>(cuda_storage(&k_s)?, k_l)?.slice(first..first + rows);
+                let vv_ = view::<$t>(cuda_storage(&v_s)?, v_l)?.slice(first..first + rows);
+                let mut bl = func.builder();
+                bl.arg(&params);
+                bl.arg(&table);
+                bl.arg(&kv_);
+                bl.arg(&vv_);
+                // SAFETY: arguments match the kernel's signature; one thread per group of each
+                // side of each sequence, every sequence's slots checked above to hold kv_heads
+                // x n groups at their strides.
+                unsafe { bl.launch(cfg) }.w()?;
+            }};
+        }
+        match dtype {
+            DType::F32 => go!(f32),
+            DType::F16 => go!(half::f16),
+            _ => go!(half::bf16),
+        }
+    }
+    Ok(true)
+}
+
 /// The stream-ordered memory pool candle allocates from (the device's default pool).
 fn default_pool(dev: &CudaDevice) -> candle_core::Result<sys::CUmemoryPool> {
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();

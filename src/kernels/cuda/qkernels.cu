@@ -1271,6 +1271,14 @@ struct KvqDst {
     uint32_t c_sh, s_sh;
 };
 
+// The slots of up to KVQ_BATCH sequences, passed by value (kernel parameter space): one launch
+// quantizes a whole batch's new K/V, sequence blockIdx.z into d[blockIdx.z]. `KvqBatch` in
+// launch.rs.
+constexpr int KVQ_BATCH = 16;
+struct KvqBatch {
+    KvqDst d[KVQ_BATCH];
+};
+
 #define QUANT_INST(TN, T, BITS)                                                                \
     extern "C" __global__ void quantize_##TN##_##BITS(const QmatParams p, const T* x,          \
                                                        uint32_t* codes, T* scales, T* biases) { \
@@ -1292,6 +1300,17 @@ struct KvqDst {
                                     reinterpret_cast<T*>(dst->ks), reinterpret_cast<T*>(dst->kb), \
                                     reinterpret_cast<uint32_t*>(dst->vc),                      \
                                     reinterpret_cast<T*>(dst->vs), reinterpret_cast<T*>(dst->vb)); \
+    }                                                                                          \
+    extern "C" __global__ void quantize_into_batch_##TN##_##BITS(                              \
+        const QmatParams p, const KvqBatch dst, const T* k, const T* v) {                      \
+        pdl_entry();                                                                           \
+        const KvqDst& d = dst.d[blockIdx.z];                                                   \
+        const size_t seq = (size_t)blockIdx.z * p.rows * p.group_size;                         \
+        quantize_into_body<T, BITS>(p, d.c_sh, d.s_sh, k + seq, v + seq,                       \
+                                    reinterpret_cast<uint32_t*>(d.kc),                         \
+                                    reinterpret_cast<T*>(d.ks), reinterpret_cast<T*>(d.kb),    \
+                                    reinterpret_cast<uint32_t*>(d.vc),                         \
+                                    reinterpret_cast<T*>(d.vs), reinterpret_cast<T*>(d.vb));   \
     }
 QUANT_INST(f32, float, 4)
 QUANT_INST(f32, float, 8)
