@@ -13,7 +13,7 @@ use candle_gemma::kernels::qmatmul::{qembedding, qmatmul, PackedWeight};
 use candle_gemma::kernels::{attend, quantize};
 use candle_gemma::kv::{
     BatchCache, KeyPositions, KvCache, KvData, KvView, LayerCache, LayerCacheSpec, PackedKv,
-    QuantBits, QuantSpec, QuantizedCache,
+    QuantBits, QuantSpec, QuantizedCache, RotatingCache, SimpleCache,
 };
 use std::collections::BTreeMap;
 
@@ -417,6 +417,84 @@ fn check_quantized_cache(dtype: DType, gpu: &Device) -> Result<bool> {
                 if pass { "PASS (bit-exact)" } else { "FAIL" }
             );
         }
+    }
+    Ok(ok)
+}
+
+/// A batch of three dense caches (simple, or rotating with a window of 16) at different offsets
+/// on the CPU and on the GPU, fed the same K/V: the GPU writes every sequence's rows with one
+/// launch; each sequence's K/V and positions must match the CPU's exactly after every update.
+fn check_dense_batch_cache(dtype: DType, gpu: &Device) -> Result<bool> {
+    let mut ok = true;
+    for window in [None, Some(16)] {
+        let spec = LayerCacheSpec {
+            kv_heads: 2,
+            head_dim: 256,
+            window,
+        };
+        let mut prefixes = Vec::new();
+        for i in 0..3usize {
+            let n = 2 + 3 * i;
+            prefixes.push((rnd(&[1, 2, n, 256], dtype)?, rnd(&[1, 2, n, 256], dtype)?));
+        }
+        let fill = |dev: &Device| -> Result<BatchCache> {
+            let mut seqs = Vec::new();
+            for (k, v) in &prefixes {
+                let mut c = match window {
+                    None => LayerCache::Simple(SimpleCache::new(&spec, dtype)),
+                    Some(_) => LayerCache::Rotating(RotatingCache::new(&spec, dtype)?),
+                };
+                c.update(&k.to_device(dev)?, &v.to_device(dev)?)?;
+                seqs.push(c);
+            }
+            Ok(BatchCache::new(seqs)?)
+        };
+        let (mut cpu_batch, mut gpu_batch) = (fill(&Device::Cpu)?, fill(gpu)?);
+        let mut pass = true;
+        for (step, n) in [1usize, 1, 2, 1, 3, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1]
+            .into_iter()
+            .enumerate()
+        {
+            let k = rnd(&[3, 2, n, 256], dtype)?;
+            let v = rnd(&[3, 2, n, 256], dtype)?;
+            let want = cpu_batch.update(&k, &v)?;
+            let got = gpu_batch.update(&k.to_device(gpu)?, &v.to_device(gpu)?)?;
+            let same = match (&want, &got) {
+                (KvView::Batch(w), KvView::Batch(g)) if w.len() == g.len() => {
+                    let mut all = true;
+                    for (w, g) in w.iter().zip(g) {
+                        all &= match (w, g) {
+                            (
+                                KvView::Single {
+                                    data: KvData::Dense { k: wk, v: wv },
+                                    positions: wp,
+                                },
+                                KvView::Single {
+                                    data: KvData::Dense { k: gk, v: gv },
+                                    positions: gp,
+                                },
+                            ) => {
+                                wp.to_vec() == gp.to_vec()
+                                    && max_abs(wk, gk)? == 0.0
+                                    && max_abs(wv, gv)? == 0.0
+                            }
+                            _ => false,
+                        };
+                    }
+                    all
+                }
+                _ => false,
+            };
+            if !same {
+                println!("dense batch-cache step {step} ({n} tokens) differs");
+            }
+            pass &= same;
+        }
+        ok &= pass;
+        println!(
+            "dense-batch-cache dtype={dtype:?} window={window:?} sequences=3 {}",
+            if pass { "PASS (exact)" } else { "FAIL" }
+        );
     }
     Ok(ok)
 }
@@ -1372,6 +1450,7 @@ fn main() -> Result<()> {
         all_ok &= check_fused(dtype, &gpu, &mut stats)?;
         all_ok &= check_quantize(dtype, &gpu)?;
         all_ok &= check_quantized_cache(dtype, &gpu)?;
+        all_ok &= check_dense_batch_cache(dtype, &gpu)?;
     }
     for xdtype in [DType::F32, DType::BF16, DType::F16] {
         for sdtype in [DType::BF16, DType::F16, DType::F32] {

@@ -499,27 +499,33 @@ for l in sys.stdin:
       done
       ;;
     kvqbatch)
-      # Batches over packed caches: one quantize launch for all sequences against one per
-      # sequence (CANDLE_GEMMA_KVQ_BATCH_LAUNCH=0). Greedy ids of a 3-prompt batch from the
-      # quantized fixtures (must be identical), then batch-8 decode with a 4-bit cache, in turn.
+      # Batches of several sequences: one K/V write launch for all sequences (packed caches:
+      # one quantize launch; dense caches: one copy launch) against one per sequence
+      # (CANDLE_GEMMA_BATCH_KV_LAUNCH=0). Greedy ids of a 3-prompt batch from the fixtures
+      # (must be identical), then batch-8 decode (BATCH_KV: dense,q4 by default), in turn.
       for fx in e2b-kvq e4b-text; do
-        for bits in 4 8; do
+        for kv in q4 q8 simple rotating; do
+          case $kv in
+            q4) flags="--kv-cache quantized --kv-bits 4 --kv-group-size 32" ;;
+            q8) flags="--kv-cache quantized --kv-bits 8 --kv-group-size 32" ;;
+            *) flags="--kv-cache $kv" ;;
+          esac
           for v in 1 0; do
-            CANDLE_GEMMA_KVQ_BATCH_LAUNCH=$v .device/generate --model fixtures/$fx --prompt-ids 2,100,200,300 \
+            CANDLE_GEMMA_BATCH_KV_LAUNCH=$v .device/generate --model fixtures/$fx --prompt-ids 2,100,200,300 \
               --prompt-ids 2,17,40,41,42,43,44,45,46,47 --prompt-ids 2,9 --max-tokens 40 --ignore-eos --json \
-              --dtype f32 --kv-cache quantized --kv-bits $bits --kv-group-size 32 2>>"$OUT/bench.err" | tail -1 \
-              | python3 -c "import json,sys; print([s['ids'] for s in json.load(sys.stdin)['sequences']])" > "$OUT/kvqbatch-$fx-$bits-$v.txt"
+              --dtype f32 $flags 2>>"$OUT/bench.err" | tail -1 \
+              | python3 -c "import json,sys; print([s['ids'] for s in json.load(sys.stdin)['sequences']])" > "$OUT/kvbatch-$fx-$kv-$v.txt"
           done
-          cmp -s "$OUT/kvqbatch-$fx-$bits-1.txt" "$OUT/kvqbatch-$fx-$bits-0.txt" && echo "$fx $bits-bit batch of 3: one launch == per sequence" \
-            || echo "$fx $bits-bit batch of 3: DIFFER"
+          cmp -s "$OUT/kvbatch-$fx-$kv-1.txt" "$OUT/kvbatch-$fx-$kv-0.txt" && echo "$fx $kv batch of 3: one launch == per sequence" \
+            || echo "$fx $kv batch of 3: DIFFER"
         done
       done
       for round in 1 2; do
         for v in 1 0; do
           for m in ${KVQ_MODELS:-e2b e4b}; do
-            CANDLE_GEMMA_KVQ_BATCH_LAUNCH=$v $B --config $C/$m-config.json --prefill 0 --batch 8 \
-              --context 4096 --steps 16 --kv q4 2>>"$OUT/bench.err" | grep decode \
-              | sed "s/^{/{\"batch_launch\":$v,/" >> "$OUT/kvqbatch-decode.jsonl"
+            CANDLE_GEMMA_BATCH_KV_LAUNCH=$v $B --config $C/$m-config.json --prefill 0 --batch 8 \
+              --context 4096 --steps 16 --kv ${BATCH_KV:-dense,q4} 2>>"$OUT/bench.err" | grep decode \
+              | sed "s/^{/{\"batch_launch\":$v,/" >> "$OUT/kvbatch-decode.jsonl"
           done
         done
       done
@@ -530,12 +536,12 @@ d = defaultdict(list); ids = defaultdict(set)
 for l in open(sys.argv[1]):
     j = json.loads(l)
     d[(j['model'], j['kv'], j['batch'], j['batch_launch'])].append('%.1f tok/s (host %.2f ms, step %.2f ms)' % (j['tok_s'], j['host_ms'], j['step_ms']))
-    ids[j['model']].add(tuple(j['step_ids']))
+    ids[(j['model'], j['kv'])].add(tuple(j['step_ids']))
 for k in sorted(d):
     print(*k, '|', '; '.join(d[k]))
 for m in sorted(ids):
-    print(m, 'distinct step-id lists (first sequence) over all runs:', len(ids[m]))
-" "$OUT/kvqbatch-decode.jsonl"
+    print(*m, 'distinct step-id lists (first sequence) over all runs:', len(ids[m]))
+" "$OUT/kvbatch-decode.jsonl"
       ;;
     graphkvq)
       # Quantized KV caches under CUDA graphs: fixture ids with graphs on and off (identical,

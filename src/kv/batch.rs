@@ -6,6 +6,20 @@ use super::quantized::quantizes_in_place;
 use super::{CacheError, KvCache, KvView, LayerCache};
 use crate::kernels::quantize_kv_into_batch;
 
+/// [`crate::kernels::cuda::fused::kv_scatter_batch`] on CUDA; `Ok(false)` without the `cuda`
+/// feature.
+fn scatter_kv_batch(k: &Tensor, v: &Tensor, dst: &[(Tensor, Tensor)]) -> Result<bool, CacheError> {
+    #[cfg(feature = "cuda")]
+    {
+        Ok(crate::kernels::cuda::fused::kv_scatter_batch(k, v, dst)?)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (k, v, dst);
+        Ok(false)
+    }
+}
+
 /// The caches of a batch of sequences, one single-sequence [`LayerCache`] each.
 ///
 /// Sequences keep their own offsets and storage: nothing is padded, so sequences of different
@@ -152,22 +166,63 @@ impl BatchCache {
     }
 }
 
+/// Whether a batch of several sequences writes its new K/V with one launch where it can;
+/// `CANDLE_GEMMA_BATCH_KV_LAUNCH=0` writes sequence by sequence (A/B).
+fn batch_launch() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_BATCH_KV_LAUNCH").is_ok_and(|v| v == "0"))
+}
+
 impl BatchCache {
+    /// Several dense sequences (simple or rotating) on CUDA: every sequence's new K/V copied
+    /// into its own next slots by one launch (up to 16 sequences a launch), instead of two
+    /// copies per sequence. `None`, having changed nothing, where that does not apply (fewer
+    /// than two sequences, other cache kinds, a ring write that wraps or overwrites a needed
+    /// key, off CUDA); the caller then updates sequence by sequence.
+    /// `CANDLE_GEMMA_BATCH_KV_LAUNCH=0` turns it off (A/B).
+    fn update_dense_together(
+        &mut self,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Option<Vec<KvView>>, CacheError> {
+        if !batch_launch() || self.seqs.len() < 2 || !k.device().is_cuda() {
+            return Ok(None);
+        }
+        let n = k.dim(2)?;
+        let mut slots = Vec::with_capacity(self.seqs.len());
+        for c in self.seqs.iter_mut() {
+            if !matches!(c, LayerCache::Simple(_) | LayerCache::Rotating(_)) {
+                return Ok(None);
+            }
+            // Reserving grows storage at most; nothing is counted until the commits below.
+            match c.reserve_slots(n, k.device())? {
+                Some(s) => slots.push(s),
+                None => return Ok(None),
+            }
+        }
+        if !scatter_kv_batch(k, v, &slots)? {
+            return Ok(None);
+        }
+        self.seqs
+            .iter_mut()
+            .map(|c| c.commit_slots(n))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+    }
+
     /// Several packed quantized sequences on CUDA: every sequence's new K/V quantized straight
     /// into its own next slots by one launch (up to 16 sequences a launch), instead of one
     /// launch per sequence. `None`, having changed nothing, where that does not apply (fewer
     /// than two sequences, other cache kinds or quantization, a sequence not packed yet or
     /// whose ring write wraps, off CUDA); the caller then updates sequence by sequence.
-    /// `CANDLE_GEMMA_KVQ_BATCH_LAUNCH=0` turns it off (A/B).
+    /// `CANDLE_GEMMA_BATCH_KV_LAUNCH=0` turns it off (A/B).
     fn update_packed_together(
         &mut self,
         k: &Tensor,
         v: &Tensor,
     ) -> Result<Option<Vec<KvView>>, CacheError> {
-        static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let off = *OFF
-            .get_or_init(|| std::env::var("CANDLE_GEMMA_KVQ_BATCH_LAUNCH").is_ok_and(|v| v == "0"));
-        if off || !quantizes_in_place() || self.seqs.len() < 2 || !k.device().is_cuda() {
+        if !batch_launch() || !quantizes_in_place() || self.seqs.len() < 2 || !k.device().is_cuda()
+        {
             return Ok(None);
         }
         let quant = match self.seqs.first() {
@@ -216,6 +271,9 @@ impl KvCache for BatchCache {
             });
         }
         if let Some(views) = self.update_packed_together(k, v)? {
+            return Ok(KvView::Batch(views));
+        }
+        if let Some(views) = self.update_dense_together(k, v)? {
             return Ok(KvView::Batch(views));
         }
         let mut views = Vec::with_capacity(found);

@@ -213,6 +213,33 @@ struct QkvDst {
     uint32_t kv_head_stride, pad_;
 };
 
+// The K/V slots of up to KV_BATCH sequences of a batch cache, passed by value (kernel parameter
+// space): `kv_scatter_batch` copies sequence blockIdx.z's new rows into d[blockIdx.z], one
+// launch for a batch instead of two copies per sequence. `KvBatchDst` in fused.rs.
+constexpr int KV_BATCH = 16;
+struct KvBatchDst {
+    QkvDst d[KV_BATCH];
+};
+// Rows of one sequence: kv_heads x n tokens x head_dim, contiguous in the source.
+struct KvScatterParams {
+    uint32_t kv_heads, n, head_dim, pad_;
+};
+
+template <typename T>
+__device__ __forceinline__ void kv_scatter_body(const KvScatterParams p, const KvBatchDst& dst,
+                                                const T* __restrict__ k,
+                                                const T* __restrict__ v) {
+    const QkvDst& d = dst.d[blockIdx.z];
+    const bool is_v = blockIdx.y == 1;
+    const size_t head = (size_t)p.n * p.head_dim, per_seq = head * p.kv_heads;
+    const T* src = (is_v ? v : k) + blockIdx.z * per_seq;
+    T* out = reinterpret_cast<T*>(is_v ? d.v : d.k);
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < per_seq;
+         i += (size_t)gridDim.x * blockDim.x) {
+        out[(i / head) * d.kv_head_stride + i % head] = src[i];
+    }
+}
+
 // Router top-k: per token, the top_k largest logits (ties: lower expert first), a softmax over
 // them, times per_expert_scale of each pick. One warp per token; experts <= 32 * ROUTE_MAX_PER_LANE.
 constexpr int ROUTE_MAX_PER_LANE = 16;
@@ -562,6 +589,12 @@ extern "C" __global__ void __launch_bounds__(1024)
 }
 
 #define FUSED_INST(TN, T)                                                                      \
+    extern "C" __global__ void kv_scatter_batch_##TN(const KvScatterParams p,                  \
+                                                     const KvBatchDst dst, const T* k,         \
+                                                     const T* v) {                             \
+        pdl_entry();                                                                           \
+        kv_scatter_body<T>(p, dst, k, v);                                                      \
+    }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                             \
         add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,             \
                       const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3) {   \

@@ -667,6 +667,96 @@ pub(crate) fn kv_destination(kd: &Tensor, vd: &Tensor) -> Result<QkvDst> {
     })
 }
 
+/// Sequences one `kv_scatter_batch` launch takes (`KV_BATCH` in `fused.cu`).
+pub(crate) const KV_BATCH: usize = 16;
+
+/// `struct KvBatchDst` in `fused.cu`: the K/V slots of up to [`KV_BATCH`] sequences, by value.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct KvBatchDst {
+    d: [QkvDst; KV_BATCH],
+}
+
+/// `struct KvScatterParams` in `fused.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KvScatterParams {
+    kv_heads: u32,
+    n: u32,
+    head_dim: u32,
+    pad_: u32,
+}
+
+/// Copies sequence `b` of `k`, `v` (`[batch, kv_heads, n, head_dim]`) into `dst[b]` (its
+/// cache's reserved slots, `[1, kv_heads, n, head_dim]` views with a head's tokens contiguous
+/// and K and V heads equally spaced), [`KV_BATCH`] sequences a launch. `Ok(false)` without
+/// writing when a destination has another shape, dtype or layout, or while a step is captured.
+///
+/// # Errors
+/// CUDA errors.
+pub(crate) fn kv_scatter_batch(k: &Tensor, v: &Tensor, dst: &[(Tensor, Tensor)]) -> Result<bool> {
+    let (batch, kv_heads, n, head_dim) = k.dims4()?;
+    let dtype = k.dtype();
+    let Ok(name) = tn(dtype) else {
+        return Ok(false);
+    };
+    if batch != dst.len() || v.dims() != k.dims() || v.dtype() != dtype || graph::recording() {
+        return Ok(false);
+    }
+    let fits = |t: &Tensor| {
+        let st = t.stride();
+        t.dims() == [1, kv_heads, n, head_dim]
+            && t.dtype() == dtype
+            && st[3] == 1
+            && (n == 1 || st[2] == head_dim)
+    };
+    let mut blocks = Vec::with_capacity(batch);
+    for (kd, vd) in dst {
+        if !fits(kd) || !fits(vd) || kd.stride()[1] != vd.stride()[1] {
+            return Ok(false);
+        }
+        blocks.push(kv_destination(kd, vd)?);
+    }
+    let per_seq = kv_heads * n * head_dim;
+    if per_seq == 0 || batch == 0 {
+        return Ok(true);
+    }
+    let dev = cuda_dev(k)?;
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let params = KvScatterParams {
+        kv_heads: u32_of(kv_heads, "kv heads")?,
+        n: u32_of(n, "tokens")?,
+        head_dim: u32_of(head_dim, "head dim")?,
+        pad_: 0,
+    };
+    let func = load_kernel(&dev, &format!("kv_scatter_batch_{name}"), MODULE, IMAGE)?;
+    for (c, chunk) in blocks.chunks(KV_BATCH).enumerate() {
+        let mut table = KvBatchDst::default();
+        table.d[..chunk.len()].copy_from_slice(chunk);
+        let cfg = LaunchConfig {
+            grid_dim: (per_seq.div_ceil(256).min(64) as u32, 2, chunk.len() as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (first, len) = (c * KV_BATCH * per_seq, chunk.len() * per_seq);
+        by_dtype!(dtype, E, {
+            bind!(kv_, k, E);
+            bind!(vv_, v, E);
+            let (kv_, vv_) = (kv_.slice(first..first + len), vv_.slice(first..first + len));
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&table);
+            b.arg(&kv_);
+            b.arg(&vv_);
+            // SAFETY: arguments match the kernel's signature; every destination was checked
+            // above to hold kv_heads heads of n tokens at its head stride.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok::<(), candle_core::Error>(())
+        })?;
+    }
+    Ok(true)
+}
+
 /// Router top-k on the device: for each row of `logits` `[tokens, E]`, the `top_k` largest
 /// (ties: lower expert first) as u32 `idx` `[tokens, top_k]`, and `mix` f32 `[tokens, top_k]`:
 /// the softmax over the picked logits times `scale[e]` (f32 `[E]`) of each pick.

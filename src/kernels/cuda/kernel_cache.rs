@@ -164,6 +164,8 @@ value_args!(
     super::params::QsdpaParams,
     super::params::QmatParams,
     super::launch::KvqBatch,
+    super::fused::KvBatchDst,
+    super::fused::KvScatterParams,
     super::batched::QsdpaSeq,
     super::fused::AddNormParams,
     super::fused::GeluMulParams,
