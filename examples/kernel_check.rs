@@ -277,6 +277,42 @@ fn check_quantize(dtype: DType, gpu: &Device) -> Result<bool> {
     Ok(ok)
 }
 
+/// Whether two cache views hold the same keys: the same positions and, per sequence, packed
+/// codes, scales and biases bit for bit or dense K/V equal (a batch: every sequence alike).
+fn views_identical(a: &KvView, b: &KvView) -> Result<bool> {
+    Ok(match (a, b) {
+        (KvView::Batch(a), KvView::Batch(b)) => {
+            let mut all = a.len() == b.len();
+            for (a, b) in a.iter().zip(b) {
+                all &= views_identical(a, b)?;
+            }
+            all
+        }
+        (
+            KvView::Single {
+                data: da,
+                positions: pa,
+            },
+            KvView::Single {
+                data: db,
+                positions: pb,
+            },
+        ) => {
+            pa.to_vec() == pb.to_vec()
+                && match (da, db) {
+                    (KvData::Packed { k: ka, v: va }, KvData::Packed { k: kb, v: vb }) => {
+                        packed_identical(ka, kb)? && packed_identical(va, vb)?
+                    }
+                    (KvData::Dense { k: ka, v: va }, KvData::Dense { k: kb, v: vb }) => {
+                        max_abs(ka, kb)? == 0.0 && max_abs(va, vb)? == 0.0
+                    }
+                    _ => false,
+                }
+        }
+        _ => false,
+    })
+}
+
 /// Whether two packed tensors (on any devices) hold the same shapes, the same code words and
 /// bit-identical scales and biases (f16/bf16 values are exact in f32).
 fn packed_identical(a: &PackedKv, b: &PackedKv) -> Result<bool> {
@@ -328,23 +364,7 @@ fn check_quantized_cache(dtype: DType, gpu: &Device) -> Result<bool> {
                 let v = rnd(&[1, 2, n, 256], dtype)?;
                 let want = cpu_cache.update(&k, &v)?;
                 let got = gpu_cache.update(&k.to_device(gpu)?, &v.to_device(gpu)?)?;
-                let same = match (&want, &got) {
-                    (
-                        KvView::Single {
-                            data: KvData::Packed { k: wk, v: wv },
-                            positions: wp,
-                        },
-                        KvView::Single {
-                            data: KvData::Packed { k: gk, v: gv },
-                            positions: gp,
-                        },
-                    ) => {
-                        wp.to_vec() == gp.to_vec()
-                            && packed_identical(wk, gk)?
-                            && packed_identical(wv, gv)?
-                    }
-                    _ => false,
-                };
+                let same = views_identical(&want, &got)?;
                 if !same {
                     println!("quantized-cache step {step} ({n} tokens) differs");
                 }
@@ -379,32 +399,7 @@ fn check_quantized_cache(dtype: DType, gpu: &Device) -> Result<bool> {
                 let v = rnd(&[3, 2, n, 256], dtype)?;
                 let want = cpu_batch.update(&k, &v)?;
                 let got = gpu_batch.update(&k.to_device(gpu)?, &v.to_device(gpu)?)?;
-                let same = match (&want, &got) {
-                    (KvView::Batch(w), KvView::Batch(g)) if w.len() == g.len() => {
-                        let mut all = true;
-                        for (w, g) in w.iter().zip(g) {
-                            all &= match (w, g) {
-                                (
-                                    KvView::Single {
-                                        data: KvData::Packed { k: wk, v: wv },
-                                        positions: wp,
-                                    },
-                                    KvView::Single {
-                                        data: KvData::Packed { k: gk, v: gv },
-                                        positions: gp,
-                                    },
-                                ) => {
-                                    wp.to_vec() == gp.to_vec()
-                                        && packed_identical(wk, gk)?
-                                        && packed_identical(wv, gv)?
-                                }
-                                _ => false,
-                            };
-                        }
-                        all
-                    }
-                    _ => false,
-                };
+                let same = views_identical(&want, &got)?;
                 if !same {
                     println!("quantized batch-cache step {step} ({n} tokens) differs");
                 }
@@ -459,32 +454,7 @@ fn check_dense_batch_cache(dtype: DType, gpu: &Device) -> Result<bool> {
             let v = rnd(&[3, 2, n, 256], dtype)?;
             let want = cpu_batch.update(&k, &v)?;
             let got = gpu_batch.update(&k.to_device(gpu)?, &v.to_device(gpu)?)?;
-            let same = match (&want, &got) {
-                (KvView::Batch(w), KvView::Batch(g)) if w.len() == g.len() => {
-                    let mut all = true;
-                    for (w, g) in w.iter().zip(g) {
-                        all &= match (w, g) {
-                            (
-                                KvView::Single {
-                                    data: KvData::Dense { k: wk, v: wv },
-                                    positions: wp,
-                                },
-                                KvView::Single {
-                                    data: KvData::Dense { k: gk, v: gv },
-                                    positions: gp,
-                                },
-                            ) => {
-                                wp.to_vec() == gp.to_vec()
-                                    && max_abs(wk, gk)? == 0.0
-                                    && max_abs(wv, gv)? == 0.0
-                            }
-                            _ => false,
-                        };
-                    }
-                    all
-                }
-                _ => false,
-            };
+            let same = views_identical(&want, &got)?;
             if !same {
                 println!("dense batch-cache step {step} ({n} tokens) differs");
             }

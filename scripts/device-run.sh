@@ -359,16 +359,7 @@ PY
           done
         done
       done
-      python3 -c "
-import json, sys
-from collections import defaultdict
-d = defaultdict(list)
-for l in open(sys.argv[1]):
-    j = json.loads(l)
-    d[(j['model'], j['kv'], j['in_place'])].append('%.1f tok/s (host %.2f ms, step %.2f ms)' % (j['tok_s'], j['host_ms'], j['step_ms']))
-for k in sorted(d):
-    print(*k, '|', '; '.join(d[k]))
-" "$OUT/kvq-decode.jsonl"
+      python3 scripts/decode_ab_table.py "$OUT/kvq-decode.jsonl" in_place
       ;;
     attngpu)
       # GPU time of every attention launch (ncu, one call a point, --quick: 1k and 32k keys),
@@ -529,19 +520,7 @@ for l in sys.stdin:
           done
         done
       done
-      python3 -c "
-import json, sys
-from collections import defaultdict
-d = defaultdict(list); ids = defaultdict(set)
-for l in open(sys.argv[1]):
-    j = json.loads(l)
-    d[(j['model'], j['kv'], j['batch'], j['batch_launch'])].append('%.1f tok/s (host %.2f ms, step %.2f ms)' % (j['tok_s'], j['host_ms'], j['step_ms']))
-    ids[(j['model'], j['kv'])].add(tuple(j['step_ids']))
-for k in sorted(d):
-    print(*k, '|', '; '.join(d[k]))
-for m in sorted(ids):
-    print(*m, 'distinct step-id lists (first sequence) over all runs:', len(ids[m]))
-" "$OUT/kvbatch-decode.jsonl"
+      python3 scripts/decode_ab_table.py "$OUT/kvbatch-decode.jsonl" batch_launch
       ;;
     graphkvq)
       # Quantized KV caches under CUDA graphs: fixture ids with graphs on and off (identical,
@@ -558,16 +537,7 @@ for m in sorted(ids):
           done
         done
       done
-      python3 -c "
-import json, sys
-from collections import defaultdict
-d = defaultdict(list)
-for l in open(sys.argv[1]):
-    j = json.loads(l)
-    d[(j['model'], j['kv'], j['graph_env'])].append('%.1f tok/s (host %.2f ms, step %.2f ms; %s)' % (j['tok_s'], j['host_ms'], j['step_ms'], j['cuda_graph'][:24]))
-for k in sorted(d):
-    print(*k, '|', '; '.join(d[k]))
-" "$OUT/graph-kvq-decode.jsonl"
+      python3 scripts/decode_ab_table.py "$OUT/graph-kvq-decode.jsonl" graph_env
       ;;
     graphq)
       # Batch-1 decode of 4-bit and 8-bit weights with CUDA graphs (default) and without.

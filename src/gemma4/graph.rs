@@ -16,10 +16,10 @@
 //! one of those) or quantized and already packed with scales in that dtype (growing or ring,
 //! or a batch of one; a quantized cache still below its `start` runs eagerly until the update
 //! that packs it). Quantized layers write K/V to a fresh buffer and quantize it into the
-//! slots their parameter block names. `CANDLE_GEMMA_CUDA_GRAPH=0` turns graphs off. A capture that fails (an op
-//! that reads back to the host, such as MoE routing on the sorted path, or an upload candle
-//! has not cached) turns them off for the model, rolls the caches back and runs the step
-//! eagerly; the reason is in [`TextModel::cuda_graph_state`].
+//! slots their parameter block names. `CANDLE_GEMMA_CUDA_GRAPH=0` turns graphs off. A
+//! capture that fails (an op that reads back to the host, such as MoE routing on the sorted
+//! path, or an upload candle has not cached) turns them off for the model, rolls the caches
+//! back and runs the step eagerly; the reason is in [`TextModel::cuda_graph_state`].
 
 use std::sync::{Mutex, TryLockError};
 use std::thread::ThreadId;
@@ -37,7 +37,7 @@ use crate::kernels::cuda::fused::kv_destination;
 use crate::kernels::cuda::graph::{self, Slot, StepParams};
 use crate::kernels::cuda::launch::kvq_destination;
 use crate::kernels::QueryPlan;
-use crate::kv::{KvView, LayerCache, ModelCache};
+use crate::kv::{KvView, ModelCache};
 
 /// Bytes of the parameter area: two blocks a layer (a `QsdpaSeq` is 192 bytes), ample for
 /// every Gemma 4 depth.
@@ -224,18 +224,6 @@ fn eligible(model: &TextModel, cache: &ModelCache) -> bool {
             })
 }
 
-/// `(bits, group size)` of a quantized cache (a batch's when it holds one sequence).
-fn packing(c: &LayerCache) -> Option<(usize, usize)> {
-    match c {
-        LayerCache::Quantized(q) => Some((q.quant().bits.bits(), q.quant().group_size)),
-        LayerCache::Batch(b) => match b.sequences() {
-            [only] => packing(only),
-            _ => None,
-        },
-        LayerCache::Simple(_) | LayerCache::Rotating(_) => None,
-    }
-}
-
 /// The sliding window of a layer kind, as attention applies it.
 fn window_of(model: &TextModel, kind: LayerKind) -> Option<usize> {
     match kind {
@@ -268,13 +256,9 @@ fn record_step(
                 if let Some((kd, vd)) = c.reserve_slots(1, model.device())? {
                     rec.push(Slot::KvDestination, &kv_destination(&kd, &vd)?)?;
                 } else if let Some(parts) = c.reserve_packed_slots(1, model.device())? {
-                    let (bits, group_size) = packing(c).ok_or_else(|| {
-                        Error::Input(format!("layer {i}'s packed slots have no quantization"))
-                    })?;
-                    let dst = kvq_destination(&parts, bits, group_size, model.dtype())?;
-                    let slot = Slot::KvQuantDestination {
-                        bits: bits as u32,
-                        group_size: group_size as u32,
+                    let Some((dst, slot)) = kvq_destination(&parts, plan.head_dim, model.dtype())?
+                    else {
+                        return Ok(false);
                     };
                     rec.push(slot, &dst)?;
                 } else {

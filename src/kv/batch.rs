@@ -131,7 +131,6 @@ impl BatchCache {
         }
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// A batch of one sequence: that sequence's [`LayerCache::reserve_packed_slots`]; `None`
     /// for larger batches.
     pub(crate) fn reserve_packed_slots(
@@ -174,13 +173,14 @@ fn batch_launch() -> bool {
 }
 
 impl BatchCache {
-    /// Several dense sequences (simple or rotating) on CUDA: every sequence's new K/V copied
-    /// into its own next slots by one launch (up to 16 sequences a launch), instead of two
-    /// copies per sequence. `None`, having changed nothing, where that does not apply (fewer
-    /// than two sequences, other cache kinds, a ring write that wraps or overwrites a needed
-    /// key, off CUDA); the caller then updates sequence by sequence.
-    /// `CANDLE_GEMMA_BATCH_KV_LAUNCH=0` turns it off (A/B).
-    fn update_dense_together(
+    /// Several sequences on CUDA, all dense (simple or rotating) or all packed quantized:
+    /// every sequence's new K/V written into its own next slots by one launch (up to 16
+    /// sequences a launch; a copy for dense sequences, a quantization for packed ones) instead
+    /// of one or two launches per sequence. `None`, having changed nothing, where that does not
+    /// apply (fewer than two sequences, mixed kinds or quantizations, a sequence not packed yet,
+    /// a ring write that wraps or overwrites a needed key, off CUDA); the caller then updates
+    /// sequence by sequence. `CANDLE_GEMMA_BATCH_KV_LAUNCH=0` turns it off (A/B).
+    fn update_together(
         &mut self,
         k: &Tensor,
         v: &Tensor,
@@ -188,19 +188,26 @@ impl BatchCache {
         if !batch_launch() || self.seqs.len() < 2 || !k.device().is_cuda() {
             return Ok(None);
         }
-        let n = k.dim(2)?;
-        let mut slots = Vec::with_capacity(self.seqs.len());
-        for c in self.seqs.iter_mut() {
-            if !matches!(c, LayerCache::Simple(_) | LayerCache::Rotating(_)) {
-                return Ok(None);
+        let (n, device) = (k.dim(2)?, k.device());
+        let written = match self.seqs.first() {
+            Some(LayerCache::Quantized(c)) if quantizes_in_place() => {
+                let quant = *c.quant();
+                match self.reserve_each(|c| c.reserve_packed_slots(n, device))? {
+                    Some(slots) => {
+                        quantize_kv_into_batch(k, v, quant.bits, quant.group_size, &slots)?
+                    }
+                    None => false,
+                }
             }
-            // Reserving grows storage at most; nothing is counted until the commits below.
-            match c.reserve_slots(n, k.device())? {
-                Some(s) => slots.push(s),
-                None => return Ok(None),
+            Some(LayerCache::Simple(_) | LayerCache::Rotating(_)) => {
+                match self.reserve_each(|c| c.reserve_slots(n, device))? {
+                    Some(slots) => scatter_kv_batch(k, v, &slots)?,
+                    None => false,
+                }
             }
-        }
-        if !scatter_kv_batch(k, v, &slots)? {
+            _ => false,
+        };
+        if !written {
             return Ok(None);
         }
         self.seqs
@@ -210,48 +217,20 @@ impl BatchCache {
             .map(Some)
     }
 
-    /// Several packed quantized sequences on CUDA: every sequence's new K/V quantized straight
-    /// into its own next slots by one launch (up to 16 sequences a launch), instead of one
-    /// launch per sequence. `None`, having changed nothing, where that does not apply (fewer
-    /// than two sequences, other cache kinds or quantization, a sequence not packed yet or
-    /// whose ring write wraps, off CUDA); the caller then updates sequence by sequence.
-    /// `CANDLE_GEMMA_BATCH_KV_LAUNCH=0` turns it off (A/B).
-    fn update_packed_together(
+    /// Every sequence's slots from `reserve`, or `None` as soon as one has none. Reserving grows
+    /// storage at most; nothing is counted until the slots are committed.
+    fn reserve_each<S>(
         &mut self,
-        k: &Tensor,
-        v: &Tensor,
-    ) -> Result<Option<Vec<KvView>>, CacheError> {
-        if !batch_launch() || !quantizes_in_place() || self.seqs.len() < 2 || !k.device().is_cuda()
-        {
-            return Ok(None);
-        }
-        let quant = match self.seqs.first() {
-            Some(LayerCache::Quantized(c)) => *c.quant(),
-            _ => return Ok(None),
-        };
-        let n = k.dim(2)?;
+        mut reserve: impl FnMut(&mut LayerCache) -> Result<Option<S>, CacheError>,
+    ) -> Result<Option<Vec<S>>, CacheError> {
         let mut slots = Vec::with_capacity(self.seqs.len());
         for c in self.seqs.iter_mut() {
-            let LayerCache::Quantized(c) = c else {
-                return Ok(None);
-            };
-            if c.quant().bits != quant.bits || c.quant().group_size != quant.group_size {
-                return Ok(None);
-            }
-            // Reserving grows storage at most; nothing is counted until the commits below.
-            match c.reserve_slots(n, k.device())? {
+            match reserve(c)? {
                 Some(s) => slots.push(s),
                 None => return Ok(None),
             }
         }
-        if !quantize_kv_into_batch(k, v, quant.bits, quant.group_size, &slots)? {
-            return Ok(None);
-        }
-        self.seqs
-            .iter_mut()
-            .map(|c| c.commit_slots(n))
-            .collect::<Result<Vec<_>, _>>()
-            .map(Some)
+        Ok(Some(slots))
     }
 }
 
@@ -270,10 +249,7 @@ impl KvCache for BatchCache {
                 found,
             });
         }
-        if let Some(views) = self.update_packed_together(k, v)? {
-            return Ok(KvView::Batch(views));
-        }
-        if let Some(views) = self.update_dense_together(k, v)? {
+        if let Some(views) = self.update_together(k, v)? {
             return Ok(KvView::Batch(views));
         }
         let mut views = Vec::with_capacity(found);

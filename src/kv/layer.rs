@@ -158,7 +158,6 @@ impl LayerCache {
         }
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// Packed storage for the next `n` tokens of a packed quantized cache (a batch's when it
     /// holds one sequence): the six parts, codes, scales and biases of K then of V, as
     /// `[1, kv_heads, n, ..]` views, for a kernel that quantizes them in place; `None` for

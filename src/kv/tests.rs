@@ -827,7 +827,12 @@ proptest! {
 
 /// Writes values into a (strided) view in place on the CPU, as the CUDA kernel writes a cache's
 /// reserved slots.
-struct FillView(Vec<f32>);
+enum FillView {
+    /// Into an f32 view (dense K/V, scales, biases).
+    F32(Vec<f32>),
+    /// Into a u32 view (packed codes).
+    U32(Vec<u32>),
+}
 
 /// Writes `values` into the view `layout` of `data`, row-major over the view's dims and
 /// addressed through its strides.
@@ -853,31 +858,11 @@ impl candle_core::InplaceOp1 for FillView {
         storage: &mut candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<()> {
-        let candle_core::CpuStorage::F32(data) = storage else {
-            candle_core::bail!("fill-view: f32 only");
-        };
-        fill_strided(data, layout, &self.0);
-        Ok(())
-    }
-}
-
-/// [`FillView`] for `u32` views (packed codes).
-struct FillWords(Vec<u32>);
-
-impl candle_core::InplaceOp1 for FillWords {
-    fn name(&self) -> &'static str {
-        "fill-words"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &mut candle_core::CpuStorage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        let candle_core::CpuStorage::U32(data) = storage else {
-            candle_core::bail!("fill-words: u32 only");
-        };
-        fill_strided(data, layout, &self.0);
+        match (storage, self) {
+            (candle_core::CpuStorage::F32(data), FillView::F32(v)) => fill_strided(data, layout, v),
+            (candle_core::CpuStorage::U32(data), FillView::U32(v)) => fill_strided(data, layout, v),
+            _ => candle_core::bail!("fill-view: the view's dtype differs from the values'"),
+        }
         Ok(())
     }
 }
@@ -895,9 +880,9 @@ fn write_packed_slots(slots: &[Tensor], k: &Tensor, v: &Tensor, bits: QuantBits)
     for (slot, part) in slots.iter().zip(parts) {
         if part.dtype() == DType::U32 {
             let words = part.flatten_all().unwrap().to_vec1::<u32>().unwrap();
-            slot.inplace_op1(&FillWords(words)).unwrap();
+            slot.inplace_op1(&FillView::U32(words)).unwrap();
         } else {
-            slot.inplace_op1(&FillView(flat(part))).unwrap();
+            slot.inplace_op1(&FillView::F32(flat(part))).unwrap();
         }
     }
 }
@@ -1041,8 +1026,8 @@ fn reserved_slots_written_in_place_match_update() {
             let q = rand(seed + 2, (1, NH, n, HD));
             let view = match cache.reserve_slots(n, &Device::Cpu).unwrap() {
                 Some((kd, vd)) => {
-                    kd.inplace_op1(&FillView(flat(&k))).unwrap();
-                    vd.inplace_op1(&FillView(flat(&v))).unwrap();
+                    kd.inplace_op1(&FillView::F32(flat(&k))).unwrap();
+                    vd.inplace_op1(&FillView::F32(flat(&v))).unwrap();
                     in_place += 1;
                     cache.commit_slots(n).unwrap()
                 }

@@ -525,13 +525,7 @@ pub fn qkv_prep_into(
     let mut params = params;
     // The destinations' layout: heads `stride[1]` apart, tokens `head_dim` apart.
     if let Some((kd, vd)) = kv_dst {
-        let fits = |t: &Tensor| {
-            let st = t.stride();
-            t.dims() == [1, kv_heads, seq_len, head_dim]
-                && t.dtype() == dtype
-                && st[3] == 1
-                && (seq_len == 1 || st[2] == head_dim)
-        };
+        let fits = |t: &Tensor| fits_kv_slots(t, kv_heads, seq_len, head_dim, dtype);
         if batch != 1 || kv_heads == 0 || !fits(kd) || !fits(vd) || kd.stride()[1] != vd.stride()[1]
         {
             candle_core::bail!(
@@ -636,6 +630,16 @@ pub fn qkv_prep_into(
     })
 }
 
+/// Whether `t` is a cache's slots for `n` tokens as the kernels write them:
+/// `[1, kv_heads, n, head_dim]` in `dtype`, a head's tokens contiguous.
+fn fits_kv_slots(t: &Tensor, kv_heads: usize, n: usize, head_dim: usize, dtype: DType) -> bool {
+    let st = t.stride();
+    t.dims() == [1, kv_heads, n, head_dim]
+        && t.dtype() == dtype
+        && st[3] == 1
+        && (n == 1 || st[2] == head_dim)
+}
+
 /// `struct QkvDst` in `fused.cu`: where a captured step's K and V go.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -703,13 +707,7 @@ pub(crate) fn kv_scatter_batch(k: &Tensor, v: &Tensor, dst: &[(Tensor, Tensor)])
     if batch != dst.len() || v.dims() != k.dims() || v.dtype() != dtype || graph::recording() {
         return Ok(false);
     }
-    let fits = |t: &Tensor| {
-        let st = t.stride();
-        t.dims() == [1, kv_heads, n, head_dim]
-            && t.dtype() == dtype
-            && st[3] == 1
-            && (n == 1 || st[2] == head_dim)
-    };
+    let fits = |t: &Tensor| fits_kv_slots(t, kv_heads, n, head_dim, dtype);
     let mut blocks = Vec::with_capacity(batch);
     for (kd, vd) in dst {
         if !fits(kd) || !fits(vd) || kd.stride()[1] != vd.stride()[1] {

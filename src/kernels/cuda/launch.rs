@@ -1124,7 +1124,8 @@ pub(crate) fn quantize(
 /// `[1, kv_heads, n, width]`), one launch for both, bit-exact with [`quantize`]. Returns
 /// `Ok(false)` without writing when the destinations are not laid out as the kernel writes them
 /// (tokens of a head contiguous, K and V alike, scales in `k`'s dtype): the caller then
-/// quantizes and copies.
+/// quantizes and copies. While a step is captured, the slots go to the step's parameter area
+/// (they move from step to step; the graph does not).
 ///
 /// # Errors
 /// Candle/CUDA errors.
@@ -1135,97 +1136,147 @@ pub(crate) fn quantize_kv_into(
     group_size: usize,
     dst: &[Tensor],
 ) -> candle_core::Result<bool> {
-    let (b, kvh, n, hd) = k.dims4()?;
-    let dtype = k.dtype();
-    let Ok(tn) = kname(dtype) else {
-        return Ok(false);
-    };
-    let nb = bits.bits();
-    if b != 1 || v.dims() != k.dims() || v.dtype() != dtype || dst.len() != 6 || group_size == 0 {
+    if !super::graph::recording() {
+        return quantize_kv_into_batch(k, v, bits, group_size, &[dst.to_vec()]);
+    }
+    let (b, _, _, hd) = k.dims4()?;
+    if b != 1 || v.dims() != k.dims() || v.dtype() != k.dtype() {
         return Ok(false);
     }
-    let Some((c_sh, s_sh)) = packed_slot_strides(dst, kvh, n, hd, nb, group_size, dtype) else {
+    let Some((block, slot)) = kvq_destination(dst, hd, k.dtype())? else {
         return Ok(false);
     };
-    let groups = hd / group_size;
-    let per_side = kvh * n * groups;
-    if per_side == 0 {
-        return Ok(true);
+    if slot
+        != (super::graph::Slot::KvQuantDestination {
+            bits: bits.bits() as u32,
+            group_size: group_size as u32,
+        })
+    {
+        return Ok(false);
+    }
+    let at = super::graph::record(slot, &block)?
+        .ok_or_else(|| candle_core::Error::Msg("not capturing a step".into()))?;
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    launch_quantize_into(
+        &k,
+        &v,
+        0..k.elem_count(),
+        bits,
+        group_size,
+        SlotArg::Recorded(at),
+    )?;
+    Ok(true)
+}
+
+/// [`quantize_kv_into`] for a batch: sequence `b` of `k`, `v` (`[batch, kv_heads, n,
+/// head_dim]`) into `dst[b]` (each sequence's six packed slots), [`KVQ_BATCH`] sequences a
+/// launch. `Ok(false)` without writing when some sequence's slots are not laid out as
+/// `quantize_into` writes them, or while a step is captured.
+///
+/// # Errors
+/// Candle/CUDA errors.
+pub(crate) fn quantize_kv_into_batch(
+    k: &Tensor,
+    v: &Tensor,
+    bits: crate::kv::QuantBits,
+    group_size: usize,
+    dst: &[Vec<Tensor>],
+) -> candle_core::Result<bool> {
+    let (batch, _, _, hd) = k.dims4()?;
+    if batch != dst.len()
+        || v.dims() != k.dims()
+        || v.dtype() != k.dtype()
+        || kname(k.dtype()).is_err()
+        || super::graph::recording()
+    {
+        return Ok(false);
+    }
+    let want = super::graph::Slot::KvQuantDestination {
+        bits: bits.bits() as u32,
+        group_size: group_size as u32,
+    };
+    let mut blocks = Vec::with_capacity(batch);
+    for slots in dst {
+        match kvq_destination(slots, hd, k.dtype())? {
+            Some((block, slot)) if slot == want => blocks.push(block),
+            _ => return Ok(false),
+        }
+    }
+    let (k, v) = (k.contiguous()?, v.contiguous()?);
+    let seq_len = k.elem_count() / batch.max(1);
+    for (c, chunk) in blocks.chunks(KVQ_BATCH).enumerate() {
+        let mut table = KvqBatch::default();
+        table.d[..chunk.len()].copy_from_slice(chunk);
+        let first = c * KVQ_BATCH * seq_len;
+        let rows = first..first + chunk.len() * seq_len;
+        launch_quantize_into(&k, &v, rows, bits, group_size, SlotArg::Table(&table))?;
+    }
+    Ok(true)
+}
+
+/// Where a `quantize_into` launch finds its slots.
+enum SlotArg<'a> {
+    /// The device address of a recorded [`KvqDst`] (`quantize_into_dyn`, one sequence).
+    Recorded(u64),
+    /// A table of sequences' slots passed by value (`quantize_into_batch`).
+    Table(&'a KvqBatch),
+}
+
+/// Launches the quantize-into kernel `slots` names over the sequences of contiguous `k`, `v`
+/// (`[batch, kv_heads, n, head_dim]`) whose elements lie in `rows`, one grid layer a sequence.
+/// The caller has checked every sequence's slots against this shape.
+fn launch_quantize_into(
+    k: &Tensor,
+    v: &Tensor,
+    rows: std::ops::Range<usize>,
+    bits: crate::kv::QuantBits,
+    group_size: usize,
+    slots: SlotArg<'_>,
+) -> candle_core::Result<()> {
+    let (_, kvh, n, hd) = k.dims4()?;
+    let dtype = k.dtype();
+    let tn = kname(dtype).map_err(candle_core::Error::wrap)?;
+    let nb = bits.bits();
+    let per_side = kvh * n * (hd / group_size);
+    let sequences = rows.len() / (kvh * n * hd).max(1);
+    if per_side == 0 || sequences == 0 {
+        return Ok(());
     }
     let dev = cuda_dev(k)?;
-    let (k, v) = (k.contiguous()?, v.contiguous()?);
     let params = QmatParams {
         rows: u32::try_from(per_side).map_err(candle_core::Error::wrap)?,
-        out_dim: u32::try_from(n * groups).map_err(candle_core::Error::wrap)?,
+        out_dim: u32::try_from(n * (hd / group_size)).map_err(candle_core::Error::wrap)?,
         in_dim: hd as u32,
         group_size: group_size as u32,
     };
+    let name = match slots {
+        SlotArg::Recorded(_) => format!("quantize_into_dyn_{tn}_{nb}"),
+        SlotArg::Table(_) => format!("quantize_into_batch_{tn}_{nb}"),
+    };
+    let func = load_kernel(&dev, &name, MODULE, IMAGE)?;
     let cfg = LaunchConfig {
-        grid_dim: (per_side.div_ceil(128) as u32, 2, 1),
+        grid_dim: (per_side.div_ceil(128) as u32, 2, sequences as u32),
         block_dim: (128, 1, 1),
         shared_mem_bytes: 0,
     };
-    // A step being captured quantizes into the slots the parameter area names (they move from
-    // step to step; the graph does not).
-    if super::graph::recording() {
-        let block = kvq_destination(dst, nb, group_size, dtype)?;
-        let slot = super::graph::Slot::KvQuantDestination {
-            bits: nb as u32,
-            group_size: group_size as u32,
-        };
-        let at = super::graph::record(slot, &block)?
-            .ok_or_else(|| candle_core::Error::Msg("not capturing a step".into()))?;
-        let func = load_kernel(&dev, &format!("quantize_into_dyn_{tn}_{nb}"), MODULE, IMAGE)?;
-        macro_rules! go_dyn {
-            ($t:ty) => {{
-                let (k_s, k_l) = k.storage_and_layout();
-                let (v_s, v_l) = v.storage_and_layout();
-                let kv_ = view::<$t>(cuda_storage(&k_s)?, k_l)?;
-                let vv_ = view::<$t>(cuda_storage(&v_s)?, v_l)?;
-                let mut bl = func.builder();
-                bl.arg(&params);
-                bl.arg(&at);
-                bl.arg(&kv_);
-                bl.arg(&vv_);
-                // SAFETY: arguments match the kernel's signature; the recorded block holds the
-                // addresses and strides checked above, rewritten before each replay with slots
-                // checked the same way (`kvq_destination`).
-                unsafe { bl.launch(cfg) }.w()?;
-            }};
-        }
-        match dtype {
-            DType::F32 => go_dyn!(f32),
-            DType::F16 => go_dyn!(half::f16),
-            _ => go_dyn!(half::bf16),
-        }
-        return Ok(true);
-    }
-    let func = load_kernel(&dev, &format!("quantize_into_{tn}_{nb}"), MODULE, IMAGE)?;
     macro_rules! go {
         ($t:ty) => {{
             let (k_s, k_l) = k.storage_and_layout();
             let (v_s, v_l) = v.storage_and_layout();
-            let kv_ = view::<$t>(cuda_storage(&k_s)?, k_l)?;
-            let vv_ = view::<$t>(cuda_storage(&v_s)?, v_l)?;
-            let guards: Vec<_> = dst.iter().map(|t| t.storage_and_layout()).collect();
-            let codes = |i: usize| view::<u32>(cuda_storage(&guards[i].0)?, guards[i].1);
-            let scal = |i: usize| view::<$t>(cuda_storage(&guards[i].0)?, guards[i].1);
-            let (kc, ks, kb) = (codes(0)?, scal(1)?, scal(2)?);
-            let (vc, vs, vb) = (codes(3)?, scal(4)?, scal(5)?);
+            let kv_ = view::<$t>(cuda_storage(&k_s)?, k_l)?.slice(rows.clone());
+            let vv_ = view::<$t>(cuda_storage(&v_s)?, v_l)?.slice(rows.clone());
             let mut bl = func.builder();
             bl.arg(&params);
-            bl.arg(&c_sh);
-            bl.arg(&s_sh);
+            match &slots {
+                SlotArg::Recorded(at) => bl.arg(at),
+                SlotArg::Table(table) => bl.arg(*table),
+            };
             bl.arg(&kv_);
             bl.arg(&vv_);
-            bl.arg(&kc);
-            bl.arg(&ks);
-            bl.arg(&kb);
-            bl.arg(&vc);
-            bl.arg(&vs);
-            bl.arg(&vb);
-            // SAFETY: arguments match the kernel's signature; one thread per group of each
-            // side, every destination checked above to hold kv_heads x n groups at its strides.
+            // SAFETY: arguments match the kernel's signature; one thread per group of each side
+            // of each sequence, every sequence's slots checked by the caller to hold kv_heads x
+            // n groups at their strides (a recorded block is rewritten before each replay with
+            // slots checked the same way, `kvq_destination`).
             unsafe { bl.launch(cfg) }.w()?;
         }};
     }
@@ -1234,11 +1285,11 @@ pub(crate) fn quantize_kv_into(
         DType::F16 => go!(half::f16),
         _ => go!(half::bf16),
     }
-    Ok(true)
+    Ok(())
 }
 
-/// `struct KvqDst` in `qkernels.cu`: where a captured step quantizes its K and V (the six slot
-/// addresses and their head strides, in code words and in scales).
+/// `struct KvqDst` in `qkernels.cu`: where new K and V are quantized to (the six slot addresses
+/// and their head strides, in code words and in scales).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct KvqDst {
@@ -1252,84 +1303,6 @@ pub(crate) struct KvqDst {
     s_sh: u32,
 }
 
-/// The head strides `(code words, scales)` of packed slots `dst` (codes, scales, biases of K
-/// then of V, `[1, kvh, n, ..]` views) as `quantize_into` writes them: rows of one head
-/// contiguous, K and V codes at one head stride, the four scale/bias views at another, scales
-/// in `dtype`. `None` for any other layout.
-fn packed_slot_strides(
-    dst: &[Tensor],
-    kvh: usize,
-    n: usize,
-    hd: usize,
-    bits: usize,
-    group_size: usize,
-    dtype: DType,
-) -> Option<(u32, u32)> {
-    if dst.len() != 6 || group_size == 0 {
-        return None;
-    }
-    let (words, groups) = (hd * bits / 32, hd / group_size);
-    let fits = |t: &Tensor, width: usize, dt: DType| {
-        let st = t.stride();
-        t.dims() == [1, kvh, n, width]
-            && t.dtype() == dt
-            && st[3] == 1
-            && (n == 1 || st[2] == width)
-    };
-    let codes_ok = fits(&dst[0], words, DType::U32)
-        && fits(&dst[3], words, DType::U32)
-        && dst[0].stride()[1] == dst[3].stride()[1];
-    let s_sh = dst[1].stride()[1];
-    let scales_ok = [1, 2, 4, 5]
-        .iter()
-        .all(|&i| fits(&dst[i], groups, dtype) && dst[i].stride()[1] == s_sh);
-    if !(codes_ok && scales_ok) {
-        return None;
-    }
-    Some((
-        u32::try_from(dst[0].stride()[1]).ok()?,
-        u32::try_from(s_sh).ok()?,
-    ))
-}
-
-/// The [`KvqDst`] of packed slots `dst` for one token of K/V `[1, kvh, 1, hd]` in `dtype`
-/// quantized to `bits` in groups of `group_size` (what a replay writes for the captured
-/// `quantize_into_dyn` launch).
-///
-/// # Errors
-/// Slots of another layout than `quantize_into` writes, or not on a CUDA device.
-pub(crate) fn kvq_destination(
-    dst: &[Tensor],
-    bits: usize,
-    group_size: usize,
-    dtype: DType,
-) -> candle_core::Result<KvqDst> {
-    let (_, kvh, n, words) = dst
-        .first()
-        .ok_or_else(|| candle_core::Error::Msg("kvq_destination: no slots".into()))?
-        .dims4()?;
-    let hd = words * 32 / bits.max(1);
-    let (c_sh, s_sh) =
-        packed_slot_strides(dst, kvh, n, hd, bits, group_size, dtype).ok_or_else(|| {
-            candle_core::Error::Msg(format!(
-                "packed slots {:?} cannot be quantized into in place",
-                dst.iter().map(|t| t.dims().to_vec()).collect::<Vec<_>>()
-            ))
-        })?;
-    let dev = cuda_dev(&dst[0])?;
-    let a = |i: usize| super::batched::address(&dst[i], &dev);
-    Ok(KvqDst {
-        kc: a(0)?,
-        ks: a(1)?,
-        kb: a(2)?,
-        vc: a(3)?,
-        vs: a(4)?,
-        vb: a(5)?,
-        c_sh,
-        s_sh,
-    })
-}
-
 /// Sequences one `quantize_into_batch` launch takes (`KVQ_BATCH` in `qkernels.cu`).
 pub(crate) const KVQ_BATCH: usize = 16;
 
@@ -1341,94 +1314,67 @@ pub(crate) struct KvqBatch {
     d: [KvqDst; KVQ_BATCH],
 }
 
-/// Quantizes sequence `b` of `k`, `v` (`[batch, kv_heads, n, head_dim]`) into `dst[b]` (each
-/// sequence's six packed slots), [`KVQ_BATCH`] sequences a launch. `Ok(false)` without writing
-/// when some sequence's slots are not laid out as `quantize_into` writes them, or while a step
-/// is captured (batches are not).
+/// The [`KvqDst`] of packed slots `dst` (codes, scales, biases of K then of V, `[1, kvh, n, ..]`
+/// views, scales in `dtype`) for rows of `head_dim`, with the quantization their widths imply
+/// (as the graph slot that records it); `None` when they are not laid out as `quantize_into`
+/// writes them: rows of one head contiguous, K and V codes at one head stride, the four
+/// scale/bias views at another.
 ///
 /// # Errors
-/// Candle/CUDA errors.
-pub(crate) fn quantize_kv_into_batch(
-    k: &Tensor,
-    v: &Tensor,
-    bits: crate::kv::QuantBits,
-    group_size: usize,
-    dst: &[Vec<Tensor>],
-) -> candle_core::Result<bool> {
-    let (batch, kvh, n, hd) = k.dims4()?;
-    let dtype = k.dtype();
-    let Ok(tn) = kname(dtype) else {
-        return Ok(false);
+/// Slots not on a CUDA device.
+pub(crate) fn kvq_destination(
+    dst: &[Tensor],
+    head_dim: usize,
+    dtype: DType,
+) -> candle_core::Result<Option<(KvqDst, super::graph::Slot)>> {
+    let [kc, ks, kb, vc, vs, vb] = dst else {
+        return Ok(None);
     };
-    let nb = bits.bits();
-    if batch != dst.len()
-        || v.dims() != k.dims()
-        || v.dtype() != dtype
-        || group_size == 0
-        || super::graph::recording()
-    {
-        return Ok(false);
+    let (Ok((_, kvh, n, words)), Ok((_, _, _, groups))) = (kc.dims4(), ks.dims4()) else {
+        return Ok(None);
+    };
+    if head_dim == 0 || groups == 0 || (words * 32) % head_dim != 0 || head_dim % groups != 0 {
+        return Ok(None);
     }
-    let mut blocks = Vec::with_capacity(batch);
-    for slots in dst {
-        if packed_slot_strides(slots, kvh, n, hd, nb, group_size, dtype).is_none() {
-            return Ok(false);
-        }
-        blocks.push(kvq_destination(slots, nb, group_size, dtype)?);
+    let (bits, group_size) = (words * 32 / head_dim, head_dim / groups);
+    let fits = |t: &Tensor, width: usize, dt: DType| {
+        let st = t.stride();
+        t.dims() == [1, kvh, n, width]
+            && t.dtype() == dt
+            && st[3] == 1
+            && (n == 1 || st[2] == width)
+    };
+    let s_sh = ks.stride()[1];
+    let laid_out = matches!(bits, 4 | 8)
+        && fits(kc, words, DType::U32)
+        && fits(vc, words, DType::U32)
+        && kc.stride()[1] == vc.stride()[1]
+        && [ks, kb, vs, vb]
+            .iter()
+            .all(|t| fits(t, groups, dtype) && t.stride()[1] == s_sh);
+    let (Ok(c_sh), Ok(s_sh)) = (u32::try_from(kc.stride()[1]), u32::try_from(s_sh)) else {
+        return Ok(None);
+    };
+    if !laid_out {
+        return Ok(None);
     }
-    let per_side = kvh * n * (hd / group_size);
-    if per_side == 0 || batch == 0 {
-        return Ok(true);
-    }
-    let dev = cuda_dev(k)?;
-    let (k, v) = (k.contiguous()?, v.contiguous()?);
-    let params = QmatParams {
-        rows: u32::try_from(per_side).map_err(candle_core::Error::wrap)?,
-        out_dim: u32::try_from(n * (hd / group_size)).map_err(candle_core::Error::wrap)?,
-        in_dim: hd as u32,
+    let dev = cuda_dev(kc)?;
+    let a = |t: &Tensor| super::batched::address(t, &dev);
+    let block = KvqDst {
+        kc: a(kc)?,
+        ks: a(ks)?,
+        kb: a(kb)?,
+        vc: a(vc)?,
+        vs: a(vs)?,
+        vb: a(vb)?,
+        c_sh,
+        s_sh,
+    };
+    let slot = super::graph::Slot::KvQuantDestination {
+        bits: bits as u32,
         group_size: group_size as u32,
     };
-    let func = load_kernel(
-        &dev,
-        &format!("quantize_into_batch_{tn}_{nb}"),
-        MODULE,
-        IMAGE,
-    )?;
-    let seq_len = kvh * n * hd;
-    for (c, chunk) in blocks.chunks(KVQ_BATCH).enumerate() {
-        let mut table = KvqBatch::default();
-        table.d[..chunk.len()].copy_from_slice(chunk);
-        let cfg = LaunchConfig {
-            grid_dim: (per_side.div_ceil(128) as u32, 2, chunk.len() as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let first = c * KVQ_BATCH * seq_len;
-        let rows = chunk.len() * seq_len;
-        macro_rules! go {
-            ($t:ty) => {{
-                let (k_s, k_l) = k.storage_and_layout();
-                let (v_s, v_l) = v.storage_and_layout();
-                let kv_ = view::<$t>(cuda_storage(&k_s)?, k_l)?.slice(first..first + rows);
-                let vv_ = view::<$t>(cuda_storage(&v_s)?, v_l)?.slice(first..first + rows);
-                let mut bl = func.builder();
-                bl.arg(&params);
-                bl.arg(&table);
-                bl.arg(&kv_);
-                bl.arg(&vv_);
-                // SAFETY: arguments match the kernel's signature; one thread per group of each
-                // side of each sequence, every sequence's slots checked above to hold kv_heads
-                // x n groups at their strides.
-                unsafe { bl.launch(cfg) }.w()?;
-            }};
-        }
-        match dtype {
-            DType::F32 => go!(f32),
-            DType::F16 => go!(half::f16),
-            _ => go!(half::bf16),
-        }
-    }
-    Ok(true)
+    Ok(Some((block, slot)))
 }
 
 /// The stream-ordered memory pool candle allocates from (the device's default pool).

@@ -1244,73 +1244,60 @@ __device__ __forceinline__ void quantize_body(const QmatParams p, const T* __res
     quantize_group<T, BITS>(x + gi * g, g, codes + gi * g / (32 / BITS), scales + gi, biases + gi);
 }
 
-// New K and V rows (`[1, kv_heads, n, head_dim]`, contiguous) quantized straight into a packed
-// cache's slots: blockIdx.y 0 = K, 1 = V; p.rows = groups a side, p.out_dim = groups a head
-// (n x head_dim / group); within a head the slots' groups are contiguous, heads `c_sh` code
-// words and `s_sh` scales apart (the same for K and V, scales and biases).
-template <typename T, int BITS>
-__device__ __forceinline__ void quantize_into_body(const QmatParams p, const uint32_t c_sh,
-                                                   const uint32_t s_sh, const T* __restrict__ k,
-                                                   const T* __restrict__ v, uint32_t* kc, T* ks,
-                                                   T* kb, uint32_t* vc, T* vs, T* vb) {
-    const size_t gi = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (gi >= p.rows) return;
-    const bool is_v = blockIdx.y == 1;
-    const size_t h = gi / p.out_dim, r = gi % p.out_dim;
-    const int g = p.group_size;
-    quantize_group<T, BITS>((is_v ? v : k) + gi * g, g,
-                            (is_v ? vc : kc) + h * c_sh + r * (g / (32 / BITS)),
-                            (is_v ? vs : ks) + h * s_sh + r, (is_v ? vb : kb) + h * s_sh + r);
-}
-
-// Where a captured decode step quantizes its K and V: the six slot addresses and their head
-// strides, read from device memory at run time (the slots move from step to step, the graph
-// does not). `KvqDst` in launch.rs.
+// Where new K and V rows are quantized to: the six slot addresses of one sequence and their
+// head strides (heads `c_sh` code words and `s_sh` scales apart, the same for K and V, scales
+// and biases; within a head the slots' groups are contiguous). `KvqDst` in launch.rs.
 struct KvqDst {
     uint64_t kc, ks, kb, vc, vs, vb;
     uint32_t c_sh, s_sh;
 };
 
-// The slots of up to KVQ_BATCH sequences, passed by value (kernel parameter space): one launch
-// quantizes a whole batch's new K/V, sequence blockIdx.z into d[blockIdx.z]. `KvqBatch` in
-// launch.rs.
+// The slots of up to KVQ_BATCH sequences, passed by value (kernel parameter space). `KvqBatch`
+// in launch.rs.
 constexpr int KVQ_BATCH = 16;
 struct KvqBatch {
     KvqDst d[KVQ_BATCH];
 };
 
+// One sequence's new K and V rows (`[1, kv_heads, n, head_dim]`, contiguous) quantized straight
+// into its slots `d`: blockIdx.y 0 = K, 1 = V; p.rows = groups a side, p.out_dim = groups a
+// head (n x head_dim / group).
+template <typename T, int BITS>
+__device__ __forceinline__ void quantize_into_body(const QmatParams p, const KvqDst& d,
+                                                   const T* __restrict__ k,
+                                                   const T* __restrict__ v) {
+    const size_t gi = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (gi >= p.rows) return;
+    const bool is_v = blockIdx.y == 1;
+    const size_t h = gi / p.out_dim, r = gi % p.out_dim;
+    const int g = p.group_size;
+    uint32_t* codes = reinterpret_cast<uint32_t*>(is_v ? d.vc : d.kc);
+    T* scales = reinterpret_cast<T*>(is_v ? d.vs : d.ks);
+    T* biases = reinterpret_cast<T*>(is_v ? d.vb : d.kb);
+    quantize_group<T, BITS>((is_v ? v : k) + gi * g, g, codes + h * d.c_sh + r * (g / (32 / BITS)),
+                            scales + h * d.s_sh + r, biases + h * d.s_sh + r);
+}
+
+// quantize_into_dyn: one sequence, its slots read from device memory (a captured decode step's
+// parameter area: the slots move from step to step, the graph does not). quantize_into_batch:
+// sequence blockIdx.z of a batch into dst.d[blockIdx.z] (one launch for a whole batch).
 #define QUANT_INST(TN, T, BITS)                                                                \
     extern "C" __global__ void quantize_##TN##_##BITS(const QmatParams p, const T* x,          \
                                                        uint32_t* codes, T* scales, T* biases) { \
         pdl_entry();                                                                            \
         quantize_body<T, BITS>(p, x, codes, scales, biases);                                   \
     }                                                                                          \
-    extern "C" __global__ void quantize_into_##TN##_##BITS(                                    \
-        const QmatParams p, const uint32_t c_sh, const uint32_t s_sh, const T* k, const T* v,  \
-        uint32_t* kc, T* ks, T* kb, uint32_t* vc, T* vs, T* vb) {                              \
-        pdl_entry();                                                                           \
-        quantize_into_body<T, BITS>(p, c_sh, s_sh, k, v, kc, ks, kb, vc, vs, vb);              \
-    }                                                                                          \
     extern "C" __global__ void quantize_into_dyn_##TN##_##BITS(const QmatParams p,             \
                                                                 const KvqDst* dst, const T* k, \
                                                                 const T* v) {                  \
         pdl_entry();                                                                           \
-        quantize_into_body<T, BITS>(p, dst->c_sh, dst->s_sh, k, v,                             \
-                                    reinterpret_cast<uint32_t*>(dst->kc),                      \
-                                    reinterpret_cast<T*>(dst->ks), reinterpret_cast<T*>(dst->kb), \
-                                    reinterpret_cast<uint32_t*>(dst->vc),                      \
-                                    reinterpret_cast<T*>(dst->vs), reinterpret_cast<T*>(dst->vb)); \
+        quantize_into_body<T, BITS>(p, *dst, k, v);                                            \
     }                                                                                          \
     extern "C" __global__ void quantize_into_batch_##TN##_##BITS(                              \
         const QmatParams p, const KvqBatch dst, const T* k, const T* v) {                      \
         pdl_entry();                                                                           \
-        const KvqDst& d = dst.d[blockIdx.z];                                                   \
         const size_t seq = (size_t)blockIdx.z * p.rows * p.group_size;                         \
-        quantize_into_body<T, BITS>(p, d.c_sh, d.s_sh, k + seq, v + seq,                       \
-                                    reinterpret_cast<uint32_t*>(d.kc),                         \
-                                    reinterpret_cast<T*>(d.ks), reinterpret_cast<T*>(d.kb),    \
-                                    reinterpret_cast<uint32_t*>(d.vc),                         \
-                                    reinterpret_cast<T*>(d.vs), reinterpret_cast<T*>(d.vb));   \
+        quantize_into_body<T, BITS>(p, dst.d[blockIdx.z], k + seq, v + seq);                   \
     }
 QUANT_INST(f32, float, 4)
 QUANT_INST(f32, float, 8)
