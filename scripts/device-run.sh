@@ -390,6 +390,17 @@ PY
         done
       done
       ;;
+    attnvar)
+      # Decode attention (--quick: 1k and 32k keys) under each of ATTN_VARIANTS (env settings
+      # joined by '+'), alternating, ROUNDS rounds; table by scripts/attn_variants_table.py.
+      for r in $(seq ${ROUNDS:-2}); do
+        for v in ${ATTN_VARIANTS:-default}; do
+          env $([ $v = default ] || echo $v | tr '+' ' ') .device/bench_kernels --attention-only --quick \
+            > "$OUT/attnvar-$(echo $v | tr "=+" "__")-$r.jsonl" 2>&1; echo "$v round $r exit $?"
+        done
+      done
+      python3 scripts/attn_variants_table.py "$OUT"/attnvar-*.jsonl
+      ;;
     attnab)
       # Batch-1 decode at context 128 with the attention variants in ATTN_VARIANTS.
       for m in ${AB_MODELS:-e2b e4b}; do

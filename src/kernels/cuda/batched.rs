@@ -119,6 +119,7 @@ pub(crate) fn attend_batch(
             && p.dense == first.dense
             && p.nq == first.nq
             && p.tensor_cores == first.tensor_cores
+            && p.stages == first.stages
             && p.params.kv_heads == first.params.kv_heads
             && p.params.group_size == first.params.group_size
     });
@@ -207,6 +208,21 @@ fn launch_seqs(
         super::launch::MODULE,
         super::launch::IMAGE,
     )?;
+    // Shared-memory stages above 48 KiB need the kernel's leave (asked once).
+    if first.smem > 0
+        && func
+            .resident_blocks_with(first.block_threads(), first.smem)
+            .is_none()
+    {
+        return Err(CacheError::Config {
+            field: "attention shared-memory stages",
+            reason: format!(
+                "the device refuses {} bytes of shared memory a block for {}",
+                first.smem,
+                first.kernel_name(dtype, true)?
+            ),
+        });
+    }
     let main_cfg = LaunchConfig {
         grid_dim: (
             row_blocks as u32,
@@ -214,7 +230,7 @@ fn launch_seqs(
             (batch * n_split_max) as u32,
         ),
         block_dim: (first.block_threads(), 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: first.smem,
     };
     let comb_cfg = LaunchConfig {
         grid_dim: (

@@ -44,16 +44,35 @@ impl Kernel {
     /// Blocks of `threads` threads one multiprocessor holds at once (the driver's occupancy
     /// query, asked once per kernel handle and block size), or `None` when the query fails.
     pub(crate) fn resident_blocks(&self, threads: u32) -> Option<usize> {
+        self.resident_blocks_with(threads, 0)
+    }
+
+    /// As [`Kernel::resident_blocks`], for blocks that also take `smem` bytes of dynamic
+    /// shared memory. Above the default 48 KiB a block, the kernel is first allowed that much
+    /// (`None` if the device refuses).
+    pub(crate) fn resident_blocks_with(&self, threads: u32, smem: u32) -> Option<usize> {
         static SEEN: OnceLock<Mutex<Occupancy>> = OnceLock::new();
         let seen = SEEN.get_or_init(Mutex::default);
-        let key = (self.func.cu_function() as usize, threads);
+        let key = (self.func.cu_function() as usize, threads, smem);
         if let Some(n) = seen.lock().ok().and_then(|m| m.get(&key).copied()) {
             return n;
         }
-        let n = self
-            .func
-            .occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)
-            .ok()
+        let allowed = smem <= 48 * 1024
+            || self
+                .func
+                .set_attribute(
+                    sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .is_ok();
+        let n = allowed
+            .then(|| {
+                self.func
+                    .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+                    .ok()
+            })
+            .flatten()
+            .filter(|&n| n > 0)
             .map(|n| n as usize);
         if let Ok(mut m) = seen.lock() {
             m.insert(key, n);
@@ -62,8 +81,9 @@ impl Kernel {
     }
 }
 
-/// Resident blocks per multiprocessor by (kernel handle, threads a block).
-type Occupancy = HashMap<(usize, u32), Option<usize>>;
+/// Resident blocks per multiprocessor by (kernel handle, threads a block, dynamic shared
+/// memory a block).
+type Occupancy = HashMap<(usize, u32, u32), Option<usize>>;
 
 /// Loaded modules by (device, module name), and their functions by name.
 type Handles = HashMap<(DeviceId, &'static str), LoadedModule>;

@@ -14,7 +14,8 @@ use super::kernel_cache::load_kernel;
 use super::params::{
     combine_threads, row_matvec_split_for, split_bound, split_keys, PositionCode, QmatParams,
     QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS,
-    QROW_MAX_WARPS, QSDPA_COMBINE_DIMS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_ROWS, QSDPA_WARPS,
+    QROW_MAX_WARPS, QSDPA_COMBINE_DIMS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_KEYS, QSDPA_TC_ROWS,
+    QSDPA_WARPS,
 };
 use super::scratch::with_scratch;
 use crate::kernels::{dense, QueryPlan};
@@ -358,13 +359,25 @@ pub(super) struct SeqPlan {
     pub(super) dense: bool,
     /// Whether the tensor-core kernel (`qsdpa_tc_*`) runs it rather than the CUDA-core one.
     pub(super) tensor_cores: bool,
+    /// Shared-memory tile stages of the tensor-core kernel over packed K/V (0: tiles in
+    /// registers), and the dynamic shared memory a block takes for them.
+    pub(super) stages: usize,
+    pub(super) smem: u32,
 }
 
 impl SeqPlan {
     /// The attention kernel's name, for one sequence or (`batch`) for a batch launch.
     pub(super) fn kernel_name(&self, dtype: DType, batch: bool) -> Result<String, CacheError> {
         let hd = self.params.head_dim as usize;
-        kernel_name_of(dtype, hd, self.bits, self.nq, self.tensor_cores, batch)
+        kernel_name_of(
+            dtype,
+            hd,
+            self.bits,
+            self.nq,
+            self.tensor_cores,
+            self.stages,
+            batch,
+        )
     }
 
     /// Threads a block.
@@ -395,14 +408,94 @@ fn kernel_name_of(
     bits: usize,
     nq: usize,
     tensor_cores: bool,
+    stages: usize,
     batch: bool,
 ) -> Result<String, CacheError> {
     let tn = kname(dtype)?;
     let b = if batch { "batch_" } else { "" };
     Ok(if tensor_cores {
-        format!("qsdpa_tc_{b}{tn}_{hd}_{bits}")
+        if stages > 0 {
+            let nts = tc_staging(hd, bits).tiles_per_stage;
+            format!("qsdpa_tc_s{stages}x{nts}_{b}{tn}_{hd}_{bits}")
+        } else {
+            format!("qsdpa_tc_{b}{tn}_{hd}_{bits}")
+        }
     } else {
         format!("qsdpa_{b}{tn}_{hd}_{bits}_{nq}")
+    })
+}
+
+/// How the tensor-core kernel runs over packed K/V of one head dim and bit width: tiles in
+/// registers (`stages` 0), or staged in shared memory `stages` steps deep, `tiles_per_stage`
+/// 16-key tiles a step; `blocks_per_sm` pins the blocks a multiprocessor holds (by padding the
+/// shared memory a block takes) where the driver would fit more.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct TcStaging {
+    pub(super) stages: usize,
+    pub(super) tiles_per_stage: usize,
+    pub(super) blocks_per_sm: Option<usize>,
+}
+
+/// The staging measured best on an H100 at 32k keys (`device-run.sh attnvar`,
+/// `bench-results/h100-s17-attn-staged-*.jsonl`): 8-bit codes and 4-bit codes at head dim 512
+/// are staged (8-bit at head dim 256 with 6 blocks a multiprocessor: 8 made more, shorter
+/// splits and ran slower); 4-bit codes at head dim 256 keep their tiles in registers, where
+/// staging ran 3-17% slower. `CANDLE_GEMMA_QT_STAGED=0` keeps every tile in registers (A/B).
+pub(super) fn tc_staging(head_dim: usize, bits: usize) -> TcStaging {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_QT_STAGED").is_ok_and(|v| v == "0"));
+    let registers = TcStaging {
+        stages: 0,
+        tiles_per_stage: 1,
+        blocks_per_sm: None,
+    };
+    let staged = |tiles_per_stage, blocks_per_sm| TcStaging {
+        stages: 2,
+        tiles_per_stage,
+        blocks_per_sm,
+    };
+    match (head_dim, bits) {
+        _ if off => registers,
+        (256, 8) => staged(1, Some(6)),
+        (512, 8) => staged(1, None),
+        (512, 4) => staged(2, None),
+        _ => registers,
+    }
+}
+
+/// Bytes of one shared-memory stage (`qt_stage_bytes` times the tiles a stage): 16 keys of K
+/// and V codes a tile, and their scales and biases sized for groups of 32.
+fn tc_stage_bytes(head_dim: usize, bits: usize, tiles: usize) -> usize {
+    tiles * QSDPA_TC_KEYS * (2 * head_dim * bits / 8 + 4 * (head_dim / 32) * 2)
+}
+
+/// Dynamic shared memory a staged block asks for: its stages, or more where `staging` pins the
+/// blocks a multiprocessor holds (a share just over one `blocks_per_sm + 1`-th of it).
+fn tc_block_smem(dev: &CudaDevice, head_dim: usize, bits: usize, staging: TcStaging) -> u32 {
+    let stages = staging.stages * tc_stage_bytes(head_dim, bits, staging.tiles_per_stage);
+    let pinned = staging.blocks_per_sm.map_or(0, |n| {
+        static SMEM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let per_sm = *SMEM.get_or_init(|| {
+            dev.cuda_stream()
+                .context()
+                .attribute(
+                    CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+                )
+                .map_or(0, |n| n.max(0) as usize)
+        });
+        per_sm / (n + 1)
+    });
+    stages.max(pinned) as u32
+}
+
+/// Whether both sides' scales and biases can be staged in 4-byte copies: every key's and
+/// head's first value at an even element.
+fn scales_stageable(sides: [&KernelSide; 2]) -> bool {
+    sides.iter().all(|s| {
+        s.scales.layout().start_offset() % 2 == 0
+            && s.biases.layout().start_offset() % 2 == 0
+            && s.sc_sh % 2 == 0
+            && s.sc_sk % 2 == 0
     })
 }
 
@@ -505,11 +598,32 @@ pub(super) fn plan_seq(
     // The CUDA-core kernel fills the GPU about four times over; the tensor-core one once (the
     // blocks it holds at once: one wave, no tail).
     let sms = sm_count(dev);
+    let staging = tc_staging(head_dim, bits);
+    let mut stages = if tensor_cores && matches!(bits, 4 | 8) && scales_stageable([&ks, &vs]) {
+        staging.stages
+    } else {
+        0
+    };
+    let mut smem = if stages > 0 {
+        tc_block_smem(dev, head_dim, bits, staging)
+    } else {
+        0
+    };
     let resident = if tensor_cores {
-        let name = kernel_name_of(dtype, head_dim, bits, nq, true, false)?;
-        load_kernel(dev, &name, MODULE, IMAGE)?
-            .resident_blocks(tc_threads(head_dim))
-            .map_or(4 * sms, |n| n.max(1) * sms)
+        let threads = tc_threads(head_dim);
+        let name = kernel_name_of(dtype, head_dim, bits, nq, true, stages, false)?;
+        let staged = load_kernel(dev, &name, MODULE, IMAGE)?.resident_blocks_with(threads, smem);
+        let blocks = match staged {
+            Some(n) => Some(n),
+            None if stages > 0 => {
+                // The device refused the stages' shared memory: tiles in registers.
+                (stages, smem) = (0, 0);
+                let name = kernel_name_of(dtype, head_dim, bits, nq, true, 0, false)?;
+                load_kernel(dev, &name, MODULE, IMAGE)?.resident_blocks(threads)
+            }
+            None => None,
+        };
+        blocks.map_or(4 * sms, |n| n.max(1) * sms)
     } else {
         4 * sms
     };
@@ -535,6 +649,8 @@ pub(super) fn plan_seq(
         bits,
         dense: matches!(k, KvOperand::Dense(_)),
         tensor_cores,
+        stages,
+        smem,
     })
 }
 
@@ -561,6 +677,7 @@ fn attend_fused(
         row_blocks,
         n_split,
         dense,
+        smem,
         ..
     } = seq_plan;
     let kv_heads = params.kv_heads as usize;
@@ -585,7 +702,7 @@ fn attend_fused(
     let main_cfg = LaunchConfig {
         grid_dim: (row_blocks as u32, kv_heads as u32, n_split as u32),
         block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: smem,
     };
     let comb_cfg = LaunchConfig {
         grid_dim: (

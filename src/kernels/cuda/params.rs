@@ -32,6 +32,8 @@ pub fn combine_threads(n_split: usize) -> u32 {
 }
 /// Head dims a block of the split-combining kernel merges (`QS_COMBINE_DIMS`).
 pub const QSDPA_COMBINE_DIMS: usize = 128;
+/// Keys a tensor-core attention block takes per tile (`QT_KEYS`).
+pub const QSDPA_TC_KEYS: usize = 16;
 /// Query rows per tensor-core attention block (the N of `mma.m16n8k16`, `QT_ROWS`).
 pub const QSDPA_TC_ROWS: usize = 8;
 /// Keys a warp loads per step (`QS_U`; 2 for head dim 512).

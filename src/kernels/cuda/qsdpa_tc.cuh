@@ -10,6 +10,11 @@
 //   shared memory, so every warp holds the whole S and runs the same online softmax;
 // * output: O^T (the warp's 128 dims x 8 rows) += V^T P^T, P moved from the score fragment to
 //   the B fragment with movmatrix.
+// Tiles reach the registers one of two ways (`tc_staging` in launch.rs picks per head dim and
+// bit width): each lane loads its next tile's words from the cache while it computes the
+// current one (STAGES = 0), or the block copies whole tiles into shared memory with cp.async
+// one step ahead and lanes read their words from there (STAGES = 2: fewer registers, so more
+// blocks or deeper pipelines; NTS = 2 attends two tiles a step, one softmax for both).
 // K and V are dequantized into f16/bf16 fragments in registers (one rounding, as dequantizing
 // the cache to the query's type would); products accumulate in f32. Only the order of the dot
 // products' terms is free: lanes take the element pairs that are cheap to unpack, and the
@@ -211,7 +216,85 @@ __device__ __forceinline__ void qt_value_frag(const QtTile<T, BITS>& tl, const u
     }
 }
 
+// Staged tiles (STAGES > 0): the block copies each tile's K/V codes, scales and biases into
+// shared memory with cp.async, STAGES - 1 tiles ahead of the one it computes, so the bytes in
+// flight do not cost registers; lanes then read their fragments' words from the stage as they
+// would from the cache. A stage holds QT_KEYS keys: K codes, V codes (the whole head dim,
+// key-major), then K scales, K biases, V scales, V biases (sized for groups of 32, the
+// smallest; `ng` groups a key are used).
+template <int HD, int BITS>
+__host__ __device__ constexpr int qt_stage_bytes() {
+    return QT_KEYS * (2 * HD * BITS / 8 + 4 * (HD / 32) * 2);
+}
+
+__device__ __forceinline__ void qt_cp16(void* dst, const void* src) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src));
+}
+
+__device__ __forceinline__ void qt_cp4(void* dst, const void* src) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(src));
+}
+
+__device__ __forceinline__ void qt_cp_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void qt_cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// The stage's parts: codes as words, scales/biases as T, `ng` groups a key.
 template <typename T, int HD, int BITS>
+struct QtStage {
+    static constexpr int ROWW = HD * BITS / 32;  // code words a key
+    uint32_t* kc;
+    uint32_t* vc;
+    T* ks;
+    T* kb;
+    T* vs;
+    T* vb;
+    __device__ __forceinline__ QtStage(uint8_t* base, int ng, int keys) {
+        kc = reinterpret_cast<uint32_t*>(base);
+        vc = kc + keys * ROWW;
+        ks = reinterpret_cast<T*>(vc + keys * ROWW);
+        kb = ks + keys * ng;
+        vs = kb + keys * ng;
+        vb = vs + keys * ng;
+    }
+};
+
+// Copies keys [jt, jt + nk) of head g into a stage: codes in 16-byte chunks, scales and biases
+// in 4-byte ones (a key's `ng` values, an even count; the host checks the alignment).
+template <typename T, int HD, int BITS>
+__device__ __forceinline__ void qt_stage_copy(const QtStage<T, HD, BITS>& st, const QsdpaParams& p,
+                                              int g, int jt, int nk,
+                                              const uint32_t* __restrict__ kc,
+                                              const T* __restrict__ ks, const T* __restrict__ kb,
+                                              const uint32_t* __restrict__ vc,
+                                              const T* __restrict__ vs, const T* __restrict__ vb) {
+    constexpr int ROWW = QtStage<T, HD, BITS>::ROWW, ROWC = ROWW / 4;
+    const int nt = blockDim.x;
+    const uint32_t* kg = kc + g * p.k_codes_sh + (size_t)jt * p.k_codes_sk;
+    const uint32_t* vg = vc + g * p.v_codes_sh + (size_t)jt * p.v_codes_sk;
+    for (int c = threadIdx.x; c < nk * ROWC; c += nt) {
+        const int r = c / ROWC, w = 4 * (c % ROWC);
+        qt_cp16(st.kc + r * ROWW + w, kg + (size_t)r * p.k_codes_sk + w);
+        qt_cp16(st.vc + r * ROWW + w, vg + (size_t)r * p.v_codes_sk + w);
+    }
+    const int ng = HD / (int)p.group_size, pw = ng / 2;  // 4-byte words a key's scales
+    const size_t k0 = g * p.k_sc_sh + (size_t)jt * p.k_sc_sk;
+    const size_t v0 = g * p.v_sc_sh + (size_t)jt * p.v_sc_sk;
+    for (int c = threadIdx.x; c < nk * pw; c += nt) {
+        const int r = c / pw, w = 2 * (c % pw);
+        qt_cp4(st.ks + r * ng + w, ks + k0 + r * p.k_sc_sk + w);
+        qt_cp4(st.kb + r * ng + w, kb + k0 + r * p.k_sc_sk + w);
+        qt_cp4(st.vs + r * ng + w, vs + v0 + r * p.v_sc_sk + w);
+        qt_cp4(st.vb + r * ng + w, vb + v0 + r * p.v_sc_sk + w);
+    }
+}
+
+template <typename T, int HD, int BITS, int STAGES = 0, int NTS = 1>
 __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __restrict__ q,
                                               const uint32_t* __restrict__ kc,
                                               const T* __restrict__ ks, const T* __restrict__ kb,
@@ -222,7 +305,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
                                               float* __restrict__ part_acc, const int split) {
     constexpr bool DENSE = BITS == 16;
     constexpr int NWARP = HD / 128;
-    __shared__ float4 xs[2][NWARP][32];
+    __shared__ float4 xs[2][NWARP][NTS][32];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gq = lane >> 2, tq = lane & 3;
@@ -290,41 +373,61 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
             vbt += QT_KEYS * vssk;
         }
     };
-    auto tile = [&](const QtTile<T, BITS>& cur, const int par) {
+    // Attends NT tiles at once (`ntc`: std::integral_constant<int, NT>): their score mma
+    // chains are independent, and one exchange, max reduction and rescale serve all of them.
+    auto tiles = [&](auto ntc, const QtTile<T, BITS>* cur, const int par) {
+        constexpr int NT = decltype(ntc)::value;
         // Partial scores over this warp's dims.
-        // Two accumulators halve the chain of dependent mma.
-        float sc[4] = {0.f, 0.f, 0.f, 0.f}, sd[4] = {0.f, 0.f, 0.f, 0.f};
+        // Two accumulators a tile halve the chain of dependent mma.
+        float sc[NT][4], sd[NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sc[n][i] = sd[n][i] = 0.f;
 #pragma unroll
         for (int s = 0; s < 8; ++s) {
-            uint32_t a[4];
-            qt_key_frag<T, BITS>(cur, s, a);
-            mma_16816<T>((s & 1) ? sd : sc, a, qb[s]);
-        }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) sc[i] += sd[i];
-        if constexpr (NWARP > 1) {
-            xs[par][warp][lane] = make_float4(sc[0], sc[1], sc[2], sc[3]);
-            __syncthreads();
-            float4 t = xs[par][0][lane];
-#pragma unroll
-            for (int w = 1; w < NWARP; ++w) {
-                const float4 o = xs[par][w][lane];
-                t.x += o.x; t.y += o.y; t.z += o.z; t.w += o.w;
+            for (int n = 0; n < NT; ++n) {
+                uint32_t a[4];
+                qt_key_frag<T, BITS>(cur[n], s, a);
+                mma_16816<T>((s & 1) ? sd[n] : sc[n], a, qb[s]);
             }
-            sc[0] = t.x; sc[1] = t.y; sc[2] = t.z; sc[3] = t.w;
         }
-        // Scale and mask: sc[2a + c] is key gq + 8a, row 2tq + c.
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sc[n][i] += sd[n][i];
+        if constexpr (NWARP > 1) {
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+                xs[par][warp][n][lane] = make_float4(sc[n][0], sc[n][1], sc[n][2], sc[n][3]);
+            __syncthreads();
+#pragma unroll
+            for (int n = 0; n < NT; ++n) {
+                float4 t = xs[par][0][n][lane];
+#pragma unroll
+                for (int w = 1; w < NWARP; ++w) {
+                    const float4 o = xs[par][w][n][lane];
+                    t.x += o.x; t.y += o.y; t.z += o.z; t.w += o.w;
+                }
+                sc[n][0] = t.x; sc[n][1] = t.y; sc[n][2] = t.z; sc[n][3] = t.w;
+            }
+        }
+        // Scale and mask: sc[n][2a + c] is key gq + 8a of tile n, row 2tq + c.
         float tmax[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int a = 0; a < 2; ++a) {
+        for (int n = 0; n < NT; ++n) {
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const uint32_t kp = cur.pos[a];
-                const bool vis = cur.in[a] && qok[c] && kp <= qpos[c] &&
-                                 (p.window == 0 || kp + p.window > qpos[c]);
-                const float v = vis ? sc[2 * a + c] * p.scale : -INFINITY;
-                sc[2 * a + c] = v;
-                tmax[c] = fmaxf(tmax[c], v);
+            for (int a = 0; a < 2; ++a) {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const uint32_t kp = cur[n].pos[a];
+                    const bool vis = cur[n].in[a] && qok[c] && kp <= qpos[c] &&
+                                     (p.window == 0 || kp + p.window > qpos[c]);
+                    const float v = vis ? sc[n][2 * a + c] * p.scale : -INFINITY;
+                    sc[n][2 * a + c] = v;
+                    tmax[c] = fmaxf(tmax[c], v);
+                }
             }
         }
         float corr[2];
@@ -337,17 +440,25 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
             corr[c] = mn == -INFINITY ? 1.f : __expf(m[c] - mn);
             m[c] = mn;
         }
-        float pr[4];
+        float pr[NT][4];
 #pragma unroll
-        for (int a = 0; a < 2; ++a) {
+        for (int n = 0; n < NT; ++n) {
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const float v = sc[2 * a + c];
-                pr[2 * a + c] = v == -INFINITY ? 0.f : __expf(v - m[c]);
+            for (int a = 0; a < 2; ++a) {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const float v = sc[n][2 * a + c];
+                    pr[n][2 * a + c] = v == -INFINITY ? 0.f : __expf(v - m[c]);
+                }
             }
         }
 #pragma unroll
-        for (int c = 0; c < 2; ++c) l[c] = fmaf(l[c], corr[c], pr[c] + pr[2 + c]);
+        for (int c = 0; c < 2; ++c) {
+            float add = 0.f;
+#pragma unroll
+            for (int n = 0; n < NT; ++n) add += pr[n][c] + pr[n][2 + c];
+            l[c] = fmaf(l[c], corr[c], add);
+        }
         // Rescale only when a running max grew (rare once it settles).
         if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
 #pragma unroll
@@ -356,34 +467,105 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
                 acc[i][2] *= corr[0]; acc[i][3] *= corr[1];
             }
         }
-        // P^T as the B fragment of the output mma: (keys 2tq, 2tq + 1 | + 8, row gq).
-        const uint32_t pb[2] = {qt_transpose(qt_pack<T>(pr[0], pr[1])),
-                                qt_transpose(qt_pack<T>(pr[2], pr[3]))};
-        uint32_t vs2[2], vb2[2];
-        if constexpr (DENSE) {
-            vs2[0] = vs2[1] = vb2[0] = vb2[1] = 0u;
-        } else {
-            vs2[0] = qt_pair_of(cur.vs[0], cur.vs[1]);
-            vs2[1] = qt_pair_of(cur.vs[2], cur.vs[3]);
-            vb2[0] = qt_pair_of(cur.vb[0], cur.vb[1]);
-            vb2[1] = qt_pair_of(cur.vb[2], cur.vb[3]);
-        }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            uint32_t a[4];
-            qt_value_frag<T, BITS>(cur, vs2, vb2, i, a);
-            mma_16816<T>(acc[i], a, pb);
+        for (int n = 0; n < NT; ++n) {
+            // P^T as the B fragment of the output mma: (keys 2tq, 2tq + 1 | + 8, row gq).
+            const uint32_t pb[2] = {qt_transpose(qt_pack<T>(pr[n][0], pr[n][1])),
+                                    qt_transpose(qt_pack<T>(pr[n][2], pr[n][3]))};
+            uint32_t vs2[2], vb2[2];
+            if constexpr (DENSE) {
+                vs2[0] = vs2[1] = vb2[0] = vb2[1] = 0u;
+            } else {
+                vs2[0] = qt_pair_of(cur[n].vs[0], cur[n].vs[1]);
+                vs2[1] = qt_pair_of(cur[n].vs[2], cur[n].vs[3]);
+                vb2[0] = qt_pair_of(cur[n].vb[0], cur[n].vb[1]);
+                vb2[1] = qt_pair_of(cur[n].vb[2], cur[n].vb[3]);
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                uint32_t a[4];
+                qt_value_frag<T, BITS>(cur[n], vs2, vb2, i, a);
+                mma_16816<T>(acc[i], a, pb);
+            }
         }
     };
-    // Two tile buffers in turn: the next tile's loads are in flight during this one's math.
-    QtTile<T, BITS> ta, tb;
-    if (j0 < j1) load(ta, j0);
-    for (int jt = j0; jt < j1; jt += 2 * QT_KEYS) {
-        if (jt + QT_KEYS < j1) load(tb, jt + QT_KEYS);
-        tile(ta, 0);
-        if (jt + QT_KEYS >= j1) break;
-        if (jt + 2 * QT_KEYS < j1) load(ta, jt + 2 * QT_KEYS);
-        tile(tb, 1);
+    auto tile = [&](const QtTile<T, BITS>& cur, const int par) {
+        tiles(std::integral_constant<int, 1>(), &cur, par);
+    };
+    if constexpr (STAGES > 0) {
+        static_assert(!DENSE && STAGES >= 2, "staged tiles are for packed K/V");
+        extern __shared__ __align__(16) uint8_t qt_stages[];
+        constexpr int SK = NTS * QT_KEYS;  // keys a stage
+        constexpr int SB = NTS * qt_stage_bytes<HD, BITS>();
+        constexpr int ROWW = QtStage<T, HD, BITS>::ROWW;
+        const int ng = HD / (int)p.group_size;
+        const int nsteps = j1 > j0 ? (j1 - j0 + SK - 1) / SK : 0;
+        auto stage = [&](int t) {
+            return QtStage<T, HD, BITS>(qt_stages + (t % STAGES) * SB, ng, SK);
+        };
+        auto copy = [&](int t) {
+            if (t < nsteps) {
+                const int jt = j0 + t * SK;
+                qt_stage_copy<T, HD, BITS>(stage(t), p, g, jt, min(SK, j1 - jt), kc, ks, kb, vc,
+                                           vs, vb);
+            }
+            qt_cp_commit();  // empty groups too: the wait below counts groups
+        };
+#pragma unroll
+        for (int t = 0; t < STAGES - 1; ++t) copy(t);
+        int par = 0;
+        for (int t = 0; t < nsteps; ++t) {
+            qt_cp_wait<STAGES - 2>();
+            __syncthreads();  // step t is in for every thread; stage (t - 1) % STAGES is free
+            const QtStage<T, HD, BITS> st = stage(t);
+            const int jt = j0 + t * SK, nk = min(SK, j1 - jt);
+            QtTile<T, BITS> cur[NTS];
+#pragma unroll
+            for (int n = 0; n < NTS; ++n) {
+                if (n * QT_KEYS < nk) {
+                    const int r = n * QT_KEYS;
+                    qt_load<T, BITS>(cur[n], p, positions, jt + r, min(QT_KEYS - 1, nk - 1 - r),
+                                     st.kc + (r + gq) * ROWW + (kd0 * BITS) / 32,
+                                     st.vc + (r + 2 * tq) * ROWW + (vd0 * BITS) / 32,
+                                     st.ks + (r + gq) * ng + kgi, st.kb + (r + gq) * ng + kgi,
+                                     st.vs + (r + 2 * tq) * ng + vgi,
+                                     st.vb + (r + 2 * tq) * ng + vgi, ROWW, ROWW, ng, ng, gq, tq);
+                }
+            }
+            copy(t + STAGES - 1);
+            if constexpr (NTS == 2) {
+                if (nk > QT_KEYS) {
+                    tiles(std::integral_constant<int, 2>(), cur, par);
+                } else {
+                    tile(cur[0], par);
+                }
+            } else {
+                tile(cur[0], par);
+            }
+            par ^= 1;
+        }
+    } else {
+        // Two tile buffers in turn: the next tile's loads are in flight during this one's
+        // math (deeper register pipelines cost blocks and ran slower). `par` alternates the
+        // score exchange buffer from tile to tile.
+        constexpr int NB = 2;
+        QtTile<T, BITS> tb[NB];
+#pragma unroll
+        for (int b = 0; b < NB - 1; ++b)
+            if (j0 + b * QT_KEYS < j1) load(tb[b], j0 + b * QT_KEYS);
+        int par = 0;
+        for (int jt = j0; jt < j1; jt += NB * QT_KEYS) {
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+                const int jc = jt + b * QT_KEYS;
+                if (jc < j1) {
+                    const int jn = jc + (NB - 1) * QT_KEYS;
+                    if (jn < j1) load(tb[(b + NB - 1) % NB], jn);
+                    tile(tb[b], par);
+                    par ^= 1;
+                }
+            }
+        }
     }
 
     // Row sums over the lanes that share rows (same tq).
@@ -448,6 +630,37 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         qsdpa_batch_entry<T, HD>(seqs, n_split_max, q, out, part_ml, part_acc,                 \
                                  [](const auto&... a) { qsdpa_tc_body<T, HD, BITS>(a...); });          \
     }
+
+// Staged tiles (STAGES in shared memory, dynamic size STAGES x qt_stage_bytes), one sequence
+// and batch entries.
+#define QSDPA_TC_ST_INST(TN, T, HD, BITS, S, NTS)                                               \
+    extern "C" __global__ void __launch_bounds__(HD / 128 * 32)                                 \
+        qsdpa_tc_s##S##x##NTS##_##TN##_##HD##_##BITS(                                           \
+            const QsdpaParams p, const T* q, const uint32_t* kc, const T* ks, const T* kb,      \
+            const uint32_t* vc, const T* vs, const T* vb, const uint32_t* positions, T* out,    \
+            float* part_ml, float* part_acc) {                                                  \
+        pdl_entry();                                                                            \
+        qsdpa_tc_body<T, HD, BITS, S, NTS>(p, q, kc, ks, kb, vc, vs, vb, positions, out,     \
+                                              part_ml, part_acc, blockIdx.z);                   \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(HD / 128 * 32)                                 \
+        qsdpa_tc_s##S##x##NTS##_batch_##TN##_##HD##_##BITS(                                     \
+            const QsdpaSeq* seqs, uint32_t n_split_max, const T* q, T* out, float* part_ml,     \
+            float* part_acc) {                                                                  \
+        pdl_entry();                                                                            \
+        qsdpa_batch_entry<T, HD>(                                                               \
+            seqs, n_split_max, q, out, part_ml, part_acc,                                       \
+            [](const auto&... a) { qsdpa_tc_body<T, HD, BITS, S, NTS>(a...); });             \
+    }
+
+// The staged kernels `tc_staging` (launch.rs) picks.
+#define QSDPA_TC_ST_INST_T(TN, T)            \
+    QSDPA_TC_ST_INST(TN, T, 256, 8, 2, 1)    \
+    QSDPA_TC_ST_INST(TN, T, 512, 8, 2, 1)    \
+    QSDPA_TC_ST_INST(TN, T, 512, 4, 2, 2)
+
+QSDPA_TC_ST_INST_T(f16, __half)
+QSDPA_TC_ST_INST_T(bf16, __nv_bfloat16)
 
 #define QSDPA_TC_INST_T(TN, T)     \
     QSDPA_TC_INST(TN, T, 256, 4)   \
