@@ -440,7 +440,7 @@ pub(super) struct TcStaging {
 /// `bench-results/h100-s17-attn-staged-*.jsonl`): 8-bit codes and 4-bit codes at head dim 512
 /// are staged (8-bit at head dim 256 with 6 blocks a multiprocessor: 8 made more, shorter
 /// splits and ran slower); 4-bit codes at head dim 256 keep their tiles in registers, where
-/// staging ran 3-17% slower. `CANDLE_GEMMA_QT_STAGED=0` keeps every tile in registers (A/B).
+/// staging ran 4-17% slower. `CANDLE_GEMMA_QT_STAGED=0` keeps every tile in registers (A/B).
 pub(super) fn tc_staging(head_dim: usize, bits: usize) -> TcStaging {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_QT_STAGED").is_ok_and(|v| v == "0"));
