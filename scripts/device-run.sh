@@ -390,6 +390,11 @@ PY
         done
       done
       ;;
+    graphscratch)
+      # Graph replays after eager launches that replaced scratch buffers (see the script).
+      python3 scripts/gpu_graph_scratch_check.py .device/bench ${ROUNDS:-4} > "$OUT/graph-scratch.txt" 2>&1
+      echo "graph scratch exit $?"; tail -1 "$OUT/graph-scratch.txt"
+      ;;
     attnvar)
       # Decode attention (--quick: 1k and 32k keys) under each of ATTN_VARIANTS (env settings
       # joined by '+'), alternating, ROUNDS rounds; table by scripts/attn_variants_table.py.

@@ -9,7 +9,9 @@
 //! write the token id, the rotary tables and those plans into fixed device buffers and launch
 //! the graph (see `kernels::cuda::graph`). The graph holds no cache address and no key count,
 //! so it stays valid as caches grow, wrap or change; it holds the capturing thread's scratch
-//! buffers, so only that thread replays it (other threads run eagerly).
+//! buffers, so only that thread replays it (other threads run eagerly), and only while those
+//! buffers live: an eager launch that outgrows one (a long prefill, a batched step) replaces
+//! it, and the next step captures again (`scratch::generation`).
 //!
 //! Eligible steps: one sequence, one new token, on CUDA with the fused kernels, every
 //! KV-owning layer's cache dense in the activations' dtype (simple, rotating, or a batch of
@@ -36,6 +38,7 @@ use crate::kernels::cuda::batched::{address, step_descriptor};
 use crate::kernels::cuda::fused::kv_destination;
 use crate::kernels::cuda::graph::{self, Slot, StepParams};
 use crate::kernels::cuda::launch::kvq_destination;
+use crate::kernels::cuda::scratch;
 use crate::kernels::QueryPlan;
 use crate::kv::{KvView, ModelCache};
 
@@ -93,6 +96,9 @@ struct Captured {
     _inputs: (Tensor, Tensor, Tensor),
     /// The device the graph runs on (to wait for its last replay before it is destroyed).
     dev: CudaDevice,
+    /// The capturing thread's scratch generation (`scratch::generation`) the graph's
+    /// addresses belong to.
+    scratch_generation: u64,
 }
 
 impl Drop for Captured {
@@ -373,6 +379,7 @@ fn capture(
         out,
         _inputs: (ids, rope_s, rope_f),
         dev: dev.clone(),
+        scratch_generation: scratch::generation(),
     };
     Ok(Ok((captured, logits)))
 }
@@ -382,8 +389,9 @@ enum Replayed {
     Logits(Tensor),
     /// This step cannot take the graph (cache untouched): run it eagerly.
     NotThisStep,
-    /// Some attention needs more key splits than the graph covers, or the step's launches
-    /// differ from the captured ones (cache untouched): capture again.
+    /// Some attention needs more key splits than the graph covers, the step's launches differ
+    /// from the captured ones, or a scratch buffer the graph uses was replaced since the
+    /// capture (cache untouched): capture again.
     Outgrown,
 }
 
@@ -395,6 +403,11 @@ fn replay(
     id: u32,
     cache: &mut ModelCache,
 ) -> Result<Replayed> {
+    // An eager launch since the capture (a longer prefill, a batch) replaced a scratch buffer
+    // the graph writes: its old address is freed, so capture again.
+    if scratch::generation() != c.scratch_generation {
+        return Ok(Replayed::Outgrown);
+    }
     let Some(marks) = cache.marks() else {
         return Ok(Replayed::NotThisStep);
     };

@@ -17,7 +17,7 @@ mod kernel_cache;
 #[cfg(feature = "cuda")]
 pub mod launch;
 #[cfg(feature = "cuda")]
-mod scratch;
+pub(crate) mod scratch;
 
 #[cfg(feature = "cuda")]
 pub use kernel_cache::launch_stats;

@@ -10,7 +10,7 @@
 //! while another thread's stream could run at the same time.
 
 use std::any::Any;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
@@ -21,6 +21,14 @@ type Buffers = HashMap<(DeviceId, &'static str), Box<dyn Any>>;
 
 thread_local! {
     static BUFFERS: RefCell<Buffers> = RefCell::new(HashMap::new());
+    static GENERATION: Cell<u64> = const { Cell::new(0) };
+}
+
+/// How many times this thread has allocated or replaced a kept buffer. A CUDA graph holds the
+/// addresses of the buffers its capture used, so it must not replay once this has moved on: a
+/// replaced buffer is freed, and its memory may already hold a cache or another tensor.
+pub(crate) fn generation() -> u64 {
+    GENERATION.with(|g| g.get())
 }
 
 /// Runs `f` with this thread's scratch buffer `key` on `dev`: at least `len` elements of `E`
@@ -73,7 +81,10 @@ where
         _ if super::graph::recording() => candle_core::bail!(
             "scratch buffer `{key}` would grow during a CUDA graph capture ({len} elements)"
         ),
-        _ => Box::new(dev.alloc_zeros::<E>(len.max(1) * 2)?),
+        _ => {
+            GENERATION.with(|g| g.set(g.get() + 1));
+            Box::new(dev.alloc_zeros::<E>(len.max(1) * 2)?)
+        }
     };
     let out = f(&mut buf);
     BUFFERS.with(|b| b.borrow_mut().insert(k, buf));
