@@ -8,7 +8,6 @@
 pub mod cpu;
 pub mod cuda;
 mod dense;
-#[cfg(feature = "metal")]
 pub mod metal;
 pub mod qmatmul;
 mod quant;
@@ -184,7 +183,7 @@ fn attend_one(
                 cuda::launch::attend_packed(q, k, v, positions, plan, cuda::QsdpaPath::Auto)
             }
             #[cfg(feature = "metal")]
-            Device::Metal(_) => metal::attend_packed(q, k, v, &positions.to_vec(), plan),
+            Device::Metal(_) => metal::attend_packed(q, k, v, positions, plan),
             _ => {
                 let (kd, vd) = (dequantize(k)?, dequantize(v)?);
                 dense::attend_dense(q, &kd, &vd, &positions.to_vec(), plan)

@@ -1,33 +1,72 @@
-//! Metal host side of the quantized kernels (`feature = "metal"`).
+//! Metal side of the quantized kernels.
 //!
 //! The kernels live in `qkernels.metal` (same parameter structs as CUDA, see
-//! [`super::cuda::params`]). Until the Metal launch is wired and run on a Mac, these entry points
-//! take the correct but unfused route: dequantize on the device, then candle's dense ops.
+//! [`super::cuda::params`]); `plan` turns a call into the parameters, grids and buffer layout
+//! of their launch, and `launch` (`metal` feature) compiles the source once per device and
+//! dispatches those plans. The launches have not run on a Mac yet, so they are opt-in:
+//! `CANDLE_GEMMA_METAL_KERNELS=1` selects them; otherwise these entry points dequantize on the
+//! device and use candle's dense ops (correct, but a transient dense copy of K/V or of the
+//! weight per call). The kernels and plans themselves are checked on every `cargo test` by
+//! running them on CPU threads through `shim.h` (`emulated`).
 
+#[cfg(test)]
+mod emulated;
+#[cfg(feature = "metal")]
+mod launch;
+pub(crate) mod plan;
+
+#[cfg(feature = "metal")]
 use candle_core::Tensor;
 
+#[cfg(feature = "metal")]
 use super::qmatmul::PackedWeight;
+#[cfg(feature = "metal")]
 use super::{dense, dequantize, QueryPlan};
-use crate::kv::{CacheError, PackedKv};
+#[cfg(feature = "metal")]
+use crate::kv::{CacheError, KeyPositions, PackedKv};
 
 /// MSL source of the quantized kernels, compiled at run time by the Metal device.
 pub const SOURCE: &str = include_str!("qkernels.metal");
 
+/// Whether the Metal kernels are launched (`CANDLE_GEMMA_METAL_KERNELS=1`), read once.
+#[cfg(feature = "metal")]
+fn kernels_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("CANDLE_GEMMA_METAL_KERNELS").is_ok_and(|v| v == "1"))
+}
+
 /// Quantized attention of one sequence on a Metal device (shapes as
-/// [`crate::kernels::attend`]).
+/// [`crate::kernels::attend`]): the fused kernel for up to `plan::MAX_FUSED_Q_LEN` (16) queries
+/// when the kernels are on, else dequantize and attend densely.
+#[cfg(feature = "metal")]
 pub(crate) fn attend_packed(
     q: &Tensor,
     k: &PackedKv,
     v: &PackedKv,
-    positions: &[usize],
+    positions: &KeyPositions,
     plan: &QueryPlan,
 ) -> Result<Tensor, CacheError> {
+    if kernels_on() && q.dim(2)? <= plan::MAX_FUSED_Q_LEN {
+        return launch::attend_packed(q, k, v, positions, plan);
+    }
     let (kd, vd) = (dequantize(k)?, dequantize(v)?);
-    dense::attend_dense(q, &kd, &vd, positions, plan)
+    dense::attend_dense(q, &kd, &vd, &positions.to_vec(), plan)
 }
 
-/// `x` `[rows, in]` · `Wᵀ` on a Metal device.
+/// `x` `[rows, in]` · `Wᵀ` on a Metal device: the matvec kernel for up to 8 rows when the
+/// kernels are on, else a dense product with the weight dequantized (by the Metal dequantize
+/// kernel when the kernels are on).
+#[cfg(feature = "metal")]
 pub(crate) fn qmatmul(x: &Tensor, w: &PackedWeight) -> crate::Result<Tensor> {
+    if kernels_on() {
+        let (rows, _) = x.dims2()?;
+        if let Some(y) = launch::qmatvec(x, w, rows)? {
+            return Ok(y);
+        }
+        if let Some(dense) = launch::dequantize_weight(w, x.dtype())? {
+            return Ok(x.matmul(&dense.t()?)?);
+        }
+    }
     let dense = w.dequantize(x.dtype())?;
     Ok(x.matmul(&dense.t()?)?)
 }

@@ -1,9 +1,18 @@
 // Metal port of src/kernels/cuda/qkernels.cu: quantized attention (split-K, online softmax),
 // quantized matvec and row dequantization over MLX affine 4/8-bit codes. Same algorithm, same
-// parameter structs (src/kernels/cuda/params.rs), same kernel names. Not run: no Mac here; it is
-// compiled as C++ against src/kernels/metal/shim.h by scripts/cuda-metal-syntax.sh.
+// parameter structs (src/kernels/cuda/params.rs), same kernel names. Launched by
+// src/kernels/metal/launch.rs from the plans of src/kernels/metal/plan.rs. No Mac here: the
+// source is compiled as C++ against src/kernels/metal/shim.h, which emulates the language's
+// threadgroups, barriers and SIMD sums on CPU threads, and `cargo test` runs the plans through
+// it against the CPU reference (src/kernels/metal/emulated.rs).
 #include <metal_stdlib>
 using namespace metal;
+
+// Threadgroup arrays declared in a kernel. The CPU emulation makes them function statics: it runs
+// one threadgroup at a time, so a static is that group's shared memory.
+#ifndef QK_THREADGROUP
+#define QK_THREADGROUP threadgroup
+#endif
 
 struct QsdpaParams {
     ulong k_codes_sh, k_codes_sk, k_sc_sh, k_sc_sk;
@@ -22,6 +31,10 @@ struct QmatParams {
 
 constant constexpr int QS_WARPS = 4;
 constant constexpr int QS_NQ = 4;
+// Query rows whose accumulators are merged at once: Apple GPUs give a threadgroup 32 KiB, and
+// 4 warps x 4 rows x 512 dims of f32 is exactly that before the softmax state.
+template <int HD>
+constexpr int qs_merge_rows() { return HD >= 512 ? 2 : 4; }  // 4: QS_NQ
 constant constexpr int QMV_WARPS = 8;
 
 inline uint key_pos(constant QsdpaParams& p, device const uint* pos, int j) {
@@ -49,6 +62,7 @@ inline void qsdpa_body(constant QsdpaParams& p, device const T* q, device const 
     constexpr int LANE_BITS = E * BITS;
     constexpr int NW = LANE_BITS >= 32 ? LANE_BITS / 32 : 1;
     constexpr int NQ = QS_NQ;
+    constexpr int MR = qs_merge_rows<HD>();
     const int g = int(tg.y);
     const int group = int(p.n_heads / p.kv_heads);
     const int rows = group * int(p.q_len);
@@ -121,40 +135,46 @@ inline void qsdpa_body(constant QsdpaParams& p, device const T* q, device const 
         }
     }
     for (int n = 0; n < NQ; ++n) {
-        for (int i = 0; i < E; ++i) sm_acc[(warp * NQ + n) * HD + lane * E + i] = acc[n][i];
         if (lane == 0) {
             sm_m[warp * NQ + n] = m[n];
             sm_l[warp * NQ + n] = l[n];
         }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int t = int(tid); t < NQ * HD; t += QS_WARPS * 32) {
-        const int n = t / HD, d = t % HD;
-        const int r = row0 + n;
-        if (r >= rows) continue;
-        float M = -INFINITY;
-        for (int w = 0; w < QS_WARPS; ++w)
-            if (sm_l[w * NQ + n] > 0.f) M = max(M, sm_m[w * NQ + n]);
-        float L = 0.f, A = 0.f;
-        for (int w = 0; w < QS_WARPS; ++w) {
-            if (sm_l[w * NQ + n] > 0.f) {
-                const float f = exp(sm_m[w * NQ + n] - M);
-                L += f * sm_l[w * NQ + n];
-                A += f * sm_acc[(w * NQ + n) * HD + d];
+    // The warps' accumulators meet in threadgroup memory MR rows at a time.
+    for (int n0 = 0; n0 < NQ; n0 += MR) {
+        for (int n = n0; n < n0 + MR; ++n)
+            for (int i = 0; i < E; ++i)
+                sm_acc[(warp * MR + (n - n0)) * HD + lane * E + i] = acc[n][i];
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        for (int t = int(tid); t < MR * HD; t += QS_WARPS * 32) {
+            const int n = n0 + t / HD, d = t % HD;
+            const int r = row0 + n;
+            if (r >= rows) continue;
+            float M = -INFINITY;
+            for (int w = 0; w < QS_WARPS; ++w)
+                if (sm_l[w * NQ + n] > 0.f) M = max(M, sm_m[w * NQ + n]);
+            float L = 0.f, A = 0.f;
+            for (int w = 0; w < QS_WARPS; ++w) {
+                if (sm_l[w * NQ + n] > 0.f) {
+                    const float f = exp(sm_m[w * NQ + n] - M);
+                    L += f * sm_l[w * NQ + n];
+                    A += f * sm_acc[(w * MR + (n - n0)) * HD + d];
+                }
+            }
+            const int grow = g * rows + r;
+            if (p.n_split == 1) {
+                const int qi = r / group, hh = r % group, head = g * group + hh;
+                out[(ulong(head) * p.q_len + qi) * HD + d] = T(L > 0.f ? A / L : 0.f);
+            } else {
+                const ulong prow = ulong(split) * p.kv_heads * rows + grow;
+                part_acc[prow * HD + d] = A;
+                if (d == 0) {
+                    part_ml[prow * 2] = M;
+                    part_ml[prow * 2 + 1] = L;
+                }
             }
         }
-        const int grow = g * rows + r;
-        if (p.n_split == 1) {
-            const int qi = r / group, hh = r % group, head = g * group + hh;
-            out[(ulong(head) * p.q_len + qi) * HD + d] = T(L > 0.f ? A / L : 0.f);
-        } else {
-            const ulong prow = ulong(split) * p.kv_heads * rows + grow;
-            part_acc[prow * HD + d] = A;
-            if (d == 0) {
-                part_ml[prow * 2] = M;
-                part_ml[prow * 2 + 1] = L;
-            }
-        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);  // sm_acc is written again next pass
     }
 }
 
@@ -200,9 +220,11 @@ inline void qsdpa_combine_body(constant QsdpaParams& p, device const float* part
         device float* part_ml [[buffer(10)]], device float* part_acc [[buffer(11)]],           \
         uint3 tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],   \
         uint lane [[thread_index_in_simdgroup]], uint warp [[simdgroup_index_in_threadgroup]]) { \
-        threadgroup float sm_acc[QS_WARPS * QS_NQ * HD];                                       \
-        threadgroup float sm_m[QS_WARPS * QS_NQ];                                              \
-        threadgroup float sm_l[QS_WARPS * QS_NQ];                                              \
+        static_assert(4 * (QS_WARPS * qs_merge_rows<HD>() * HD + 2 * QS_WARPS * QS_NQ) <= 32768, \
+                      "threadgroup memory over 32 KiB");                                        \
+        QK_THREADGROUP float sm_acc[QS_WARPS * qs_merge_rows<HD>() * HD];                      \
+        QK_THREADGROUP float sm_m[QS_WARPS * QS_NQ];                                           \
+        QK_THREADGROUP float sm_l[QS_WARPS * QS_NQ];                                           \
         qsdpa_body<T, HD, BITS>(p, q, kc, ks, kb, vc, vs, vb, positions, out, part_ml,          \
                                 part_acc, sm_acc, sm_m, sm_l, tg, tid, lane, warp);            \
     }

@@ -1,0 +1,243 @@
+//! Dispatches the plans of [`super::plan`] on a Metal device: `qkernels.metal` is compiled once
+//! per device, pipelines are made once per kernel name, and each call binds its tensors'
+//! buffers (at their layouts' byte offsets) on candle's current compute encoder, so the work
+//! is ordered with candle's own kernels by the encoder's buffer tracking.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use candle_core::metal_backend::DeviceId;
+use candle_core::op::BackpropOp;
+use candle_core::{DType, MetalDevice, MetalError, MetalStorage, Storage, Tensor};
+use candle_metal_kernels::metal::{Buffer, ComputeCommandEncoder, ComputePipeline, Library};
+use candle_metal_kernels::MetalKernelError;
+use objc2_metal::MTLSize;
+
+use super::plan::{
+    plan_attention, plan_dequant, plan_matvec, ATTENTION_THREADS, COMBINE_THREADS, DEQUANT_THREADS,
+    MATVEC_WARPS, TARGET_GROUPS,
+};
+use crate::kernels::qmatmul::PackedWeight;
+use crate::kernels::QueryPlan;
+use crate::kv::{CacheError, KeyPositions, PackedKv};
+
+fn kernel_error(e: MetalKernelError) -> candle_core::Error {
+    MetalError::from(e).into()
+}
+
+/// The compiled library of one device and the pipelines made from it so far.
+struct DeviceKernels {
+    library: Library,
+    pipelines: HashMap<String, ComputePipeline>,
+}
+
+/// The pipeline of kernel `name` on `dev`, compiling the library on first use.
+fn pipeline(dev: &MetalDevice, name: &str) -> candle_core::Result<ComputePipeline> {
+    static LOADED: OnceLock<Mutex<HashMap<DeviceId, DeviceKernels>>> = OnceLock::new();
+    let mut loaded = LOADED
+        .get_or_init(Mutex::default)
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("Metal kernel cache poisoned".into()))?;
+    let kernels = match loaded.entry(dev.id()) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            let library = dev
+                .device()
+                .new_library_with_source(super::SOURCE, None)
+                .map_err(kernel_error)?;
+            e.insert(DeviceKernels {
+                library,
+                pipelines: HashMap::new(),
+            })
+        }
+    };
+    if let Some(p) = kernels.pipelines.get(name) {
+        return Ok(p.clone());
+    }
+    let function = kernels
+        .library
+        .get_function(name, None)
+        .map_err(kernel_error)?;
+    let p = dev
+        .device()
+        .new_compute_pipeline_state_with_function(&function)
+        .map_err(kernel_error)?;
+    kernels.pipelines.insert(name.to_string(), p.clone());
+    Ok(p)
+}
+
+fn metal_dev(t: &Tensor) -> candle_core::Result<MetalDevice> {
+    match t.device() {
+        candle_core::Device::Metal(d) => Ok(d.clone()),
+        _ => candle_core::bail!("expected a Metal tensor"),
+    }
+}
+
+/// Binds `t`'s buffer at argument `index` from its layout's start (`output`: written by the
+/// kernel, which orders later readers after it).
+fn bind(
+    enc: &ComputeCommandEncoder,
+    index: usize,
+    t: &Tensor,
+    output: bool,
+) -> candle_core::Result<()> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Metal(m) = &*storage else {
+        candle_core::bail!("expected Metal storage")
+    };
+    let offset = layout.start_offset() * t.dtype().size_in_bytes();
+    if output {
+        enc.set_output_buffer(index, Some(m.buffer()), offset);
+    } else {
+        enc.set_input_buffer(index, Some(m.buffer()), offset);
+    }
+    Ok(())
+}
+
+fn size(width: usize, height: usize, depth: usize) -> MTLSize {
+    MTLSize {
+        width,
+        height,
+        depth,
+    }
+}
+
+/// A fresh buffer of `count` elements of `dtype` wrapped as a contiguous tensor of `dims`.
+fn new_tensor(
+    dev: &MetalDevice,
+    count: usize,
+    dtype: DType,
+    dims: &[usize],
+) -> candle_core::Result<(Tensor, std::sync::Arc<Buffer>)> {
+    let buffer = dev.new_buffer(count.max(1), dtype, "candle-gemma")?;
+    let storage = MetalStorage::new(buffer.clone(), dev.clone(), count, dtype);
+    let t = Tensor::from_storage(Storage::Metal(storage), dims, BackpropOp::none(), false);
+    Ok((t, buffer))
+}
+
+/// Fused quantized attention of one sequence (see [`super::attend_packed`]).
+pub(super) fn attend_packed(
+    q: &Tensor,
+    k: &PackedKv,
+    v: &PackedKv,
+    positions: &KeyPositions,
+    plan: &QueryPlan,
+) -> Result<Tensor, CacheError> {
+    attend_packed_with(q, k, v, positions, plan, TARGET_GROUPS)
+}
+
+/// [`attend_packed`] aiming for `target_groups` threadgroups (tests split short views so).
+pub(super) fn attend_packed_with(
+    q: &Tensor,
+    k: &PackedKv,
+    v: &PackedKv,
+    positions: &KeyPositions,
+    plan: &QueryPlan,
+    target_groups: usize,
+) -> Result<Tensor, CacheError> {
+    let dev = metal_dev(q)?;
+    let launch = plan_attention(q, k, v, positions, plan, target_groups)?;
+    let dtype = q.dtype();
+    let out_len: usize = launch.out_dims.iter().product();
+    let (out, out_buf) = new_tensor(&dev, out_len, dtype, &launch.out_dims)?;
+    let table = if launch.table.is_empty() {
+        None
+    } else {
+        Some(dev.new_buffer_with_data(&launch.table)?)
+    };
+    let ml = dev.new_buffer(launch.partial_ml_len.max(1), DType::F32, "qsdpa_ml")?;
+    let acc = dev.new_buffer(launch.partial_acc_len.max(1), DType::F32, "qsdpa_acc")?;
+    let main = pipeline(&dev, &launch.kernel)?;
+    let combine = launch
+        .combine
+        .as_deref()
+        .map(|name| pipeline(&dev, name))
+        .transpose()?;
+
+    let guard = dev.command_encoder()?;
+    let enc: &ComputeCommandEncoder = guard.as_ref();
+    enc.set_compute_pipeline_state(&main);
+    enc.set_bytes(0, &launch.params);
+    bind(enc, 1, &launch.q, false)?;
+    for (i, side) in [&launch.k, &launch.v].into_iter().enumerate() {
+        bind(enc, 2 + 3 * i, &side.codes, false)?;
+        bind(enc, 3 + 3 * i, &side.scales, false)?;
+        bind(enc, 4 + 3 * i, &side.biases, false)?;
+    }
+    // Without a table the kernel never reads argument 8: any buffer will do.
+    enc.set_input_buffer(8, Some(table.as_deref().unwrap_or(&out_buf)), 0);
+    enc.set_output_buffer(9, Some(&*out_buf), 0);
+    enc.set_output_buffer(10, Some(&*ml), 0);
+    enc.set_output_buffer(11, Some(&*acc), 0);
+    let [gx, gy, gz] = launch.groups;
+    enc.dispatch_thread_groups(size(gx, gy, gz), size(ATTENTION_THREADS, 1, 1));
+    if let Some(combine) = &combine {
+        enc.set_compute_pipeline_state(combine);
+        enc.set_bytes(0, &launch.params);
+        enc.set_input_buffer(1, Some(&*ml), 0);
+        enc.set_input_buffer(2, Some(&*acc), 0);
+        enc.set_output_buffer(3, Some(&*out_buf), 0);
+        enc.dispatch_thread_groups(
+            size(launch.combine_groups, 1, 1),
+            size(COMBINE_THREADS, 1, 1),
+        );
+    }
+    Ok(out)
+}
+
+/// `x` `[rows, in]` · `Wᵀ` on the matvec kernel, or `None` where it does not apply (see
+/// [`plan_matvec`]).
+pub(super) fn qmatvec(x: &Tensor, w: &PackedWeight, rows: usize) -> crate::Result<Option<Tensor>> {
+    let Some(launch) = plan_matvec(rows, x.dtype(), w) else {
+        return Ok(None);
+    };
+    let dev = metal_dev(x)?;
+    let x = x.contiguous()?;
+    let (codes, scales, biases) = (
+        w.codes.contiguous()?,
+        w.scales.contiguous()?,
+        w.biases.contiguous()?,
+    );
+    let (y, y_buf) = new_tensor(&dev, rows * w.out_dim, x.dtype(), &[rows, w.out_dim])?;
+    let p = pipeline(&dev, &launch.kernel)?;
+    let guard = dev.command_encoder()?;
+    let enc: &ComputeCommandEncoder = guard.as_ref();
+    enc.set_compute_pipeline_state(&p);
+    enc.set_bytes(0, &launch.params);
+    bind(enc, 1, &x, false)?;
+    bind(enc, 2, &codes, false)?;
+    bind(enc, 3, &scales, false)?;
+    bind(enc, 4, &biases, false)?;
+    enc.set_output_buffer(5, Some(&*y_buf), 0);
+    enc.dispatch_thread_groups(size(launch.groups, 1, 1), size(MATVEC_WARPS * 32, 1, 1));
+    Ok(Some(y))
+}
+
+/// All of `w` dequantized to `dtype` `[out, in]`, or `None` for a dtype without a kernel.
+pub(super) fn dequantize_weight(w: &PackedWeight, dtype: DType) -> crate::Result<Option<Tensor>> {
+    let Some(launch) = plan_dequant(w, dtype) else {
+        return Ok(None);
+    };
+    let dev = metal_dev(&w.codes)?;
+    let (codes, scales, biases) = (
+        w.codes.contiguous()?,
+        w.scales.contiguous()?,
+        w.biases.contiguous()?,
+    );
+    let (out, out_buf) = new_tensor(&dev, w.out_dim * w.in_dim, dtype, &[w.out_dim, w.in_dim])?;
+    let p = pipeline(&dev, &launch.kernel)?;
+    let guard = dev.command_encoder()?;
+    let enc: &ComputeCommandEncoder = guard.as_ref();
+    enc.set_compute_pipeline_state(&p);
+    enc.set_bytes(0, &launch.params);
+    bind(enc, 1, &codes, false)?;
+    bind(enc, 2, &scales, false)?;
+    bind(enc, 3, &biases, false)?;
+    // No row index: argument 4 is never read.
+    bind(enc, 4, &codes, false)?;
+    enc.set_bytes(5, &0u32);
+    enc.set_output_buffer(6, Some(&*out_buf), 0);
+    let groups = launch.threads.div_ceil(DEQUANT_THREADS);
+    enc.dispatch_thread_groups(size(groups, 1, 1), size(DEQUANT_THREADS, 1, 1));
+    Ok(Some(out))
+}

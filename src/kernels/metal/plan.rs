@@ -1,0 +1,283 @@
+//! Launch plans of the Metal kernels in `qkernels.metal`: parameters, grids, kernel names and
+//! operand layouts, free of Metal types. The Metal launcher (`launch`, `metal` feature) binds
+//! them to buffers; the CPU emulation test (`emulated`) runs the same plans through the same
+//! kernel source compiled as C++, so what a Mac would dispatch is what the test checks.
+
+// Without the `metal` feature only the emulation tests use the plans.
+#![cfg_attr(not(feature = "metal"), allow(dead_code))]
+
+use candle_core::{DType, Tensor};
+
+use crate::kernels::cuda::params::{
+    split_keys, PositionCode, QmatParams, QsdpaParams, QSDPA_HEAD_DIMS, QSDPA_WARPS,
+};
+use crate::kernels::qmatmul::PackedWeight;
+use crate::kernels::QueryPlan;
+use crate::kv::{CacheError, KeyPositions, PackedKv};
+
+/// Query rows a threadgroup of `qsdpa_*` takes (`QS_NQ` in `qkernels.metal`).
+pub(crate) const ATTENTION_ROWS: usize = 4;
+/// Threads a threadgroup of `qsdpa_*` (`QS_WARPS` simdgroups of 32).
+pub(crate) const ATTENTION_THREADS: usize = QSDPA_WARPS * 32;
+/// Threads a threadgroup of `qsdpa_combine_*` (its loop over head dims steps by this).
+pub(crate) const COMBINE_THREADS: usize = 128;
+/// Output rows a threadgroup of `qmatvec_*` computes, one per simdgroup (`QMV_WARPS`).
+pub(crate) const MATVEC_WARPS: usize = 8;
+/// Activation rows the matvec kernels are instantiated for (a launch takes the first that fits).
+pub(crate) const MATVEC_ROW_VARIANTS: [usize; 4] = [1, 2, 4, 8];
+/// Threads a threadgroup of `dequant_*`.
+pub(crate) const DEQUANT_THREADS: usize = 256;
+/// Threadgroups a decode attention launch aims for across its key splits. Apple GPUs have 8-80
+/// cores and expose no count to query; 256 groups keep the largest busy while a 1k-key view
+/// still splits only four ways (see [`SPLIT_MIN_KEYS`]).
+pub(crate) const TARGET_GROUPS: usize = 256;
+/// Fewest keys a split takes, so short views are not cut into splits that cost more to combine
+/// than they save.
+pub(crate) const SPLIT_MIN_KEYS: usize = 256;
+/// Longest query the fused attention kernel takes; longer ones (prefill) dequantize and run the
+/// dense path, as on CUDA.
+pub(crate) const MAX_FUSED_Q_LEN: usize = 16;
+
+/// The kernels' name for an element type (`f32`, `f16`, `bf16`).
+pub(crate) fn type_name(dtype: DType) -> Option<&'static str> {
+    match dtype {
+        DType::F32 => Some("f32"),
+        DType::F16 => Some("f16"),
+        DType::BF16 => Some("bf16"),
+        _ => None,
+    }
+}
+
+/// A tensor whose last dimension is contiguous, with its head and key strides (dims 1 and 2) in
+/// elements; copied when its last dimension is strided.
+fn last_dim_contiguous(t: &Tensor) -> candle_core::Result<(Tensor, u64, u64)> {
+    let t = if t.stride().last() == Some(&1) {
+        t.clone()
+    } else {
+        t.contiguous()?
+    };
+    let st = t.stride();
+    Ok((t.clone(), st[1] as u64, st[2] as u64))
+}
+
+/// One side (K or V) as `qsdpa_*` reads it: codes with their head/key strides in words, and
+/// scales and biases in the queries' dtype sharing one stride pair. Tensors keep their layouts'
+/// start offsets, which the launcher turns into buffer offsets.
+pub(crate) struct KvSide {
+    pub(crate) codes: Tensor,
+    pub(crate) scales: Tensor,
+    pub(crate) biases: Tensor,
+    codes_sh: u64,
+    codes_sk: u64,
+    sc_sh: u64,
+    sc_sk: u64,
+}
+
+fn kv_side(p: &PackedKv, dtype: DType) -> candle_core::Result<KvSide> {
+    let cast = |t: &Tensor| {
+        if t.dtype() == dtype {
+            Ok(t.clone())
+        } else {
+            t.to_dtype(dtype)
+        }
+    };
+    let (codes, codes_sh, codes_sk) = last_dim_contiguous(&p.codes)?;
+    let (scales, sh, sk) = last_dim_contiguous(&cast(&p.scales)?)?;
+    let (biases, bh, bk) = last_dim_contiguous(&cast(&p.biases)?)?;
+    // The kernel reads scales and biases with one stride pair.
+    let (scales, biases, sc_sh, sc_sk) = if (sh, sk) == (bh, bk) {
+        (scales, biases, sh, sk)
+    } else {
+        let (scales, sh, sk) = last_dim_contiguous(&scales.contiguous()?)?;
+        (scales, biases.contiguous()?, sh, sk)
+    };
+    Ok(KvSide {
+        codes,
+        scales,
+        biases,
+        codes_sh,
+        codes_sk,
+        sc_sh,
+        sc_sk,
+    })
+}
+
+/// One sequence's fused attention launch: `kernel` over `groups` threadgroups of
+/// [`ATTENTION_THREADS`], then, with more than one key split, `combine` over one threadgroup
+/// of [`COMBINE_THREADS`] per query row (`combine_groups`).
+///
+/// Buffers, in the kernels' order: 0 `params`, 1 `q`, 2-4 K codes/scales/biases, 5-7 V
+/// codes/scales/biases, 8 the position table (any buffer when `table` is empty), 9 the output
+/// `[1, n_heads, q_len, head_dim]` in `q`'s dtype, 10 and 11 the split partials (f32,
+/// `partial_ml_len` and `partial_acc_len` elements; any buffer without splits).
+pub(crate) struct AttentionLaunch {
+    pub(crate) params: QsdpaParams,
+    pub(crate) q: Tensor,
+    pub(crate) k: KvSide,
+    pub(crate) v: KvSide,
+    pub(crate) table: Vec<u32>,
+    pub(crate) kernel: String,
+    pub(crate) groups: [usize; 3],
+    pub(crate) combine: Option<String>,
+    pub(crate) combine_groups: usize,
+    pub(crate) partial_ml_len: usize,
+    pub(crate) partial_acc_len: usize,
+    pub(crate) out_dims: [usize; 4],
+}
+
+/// Plans attention of `q` `[1, n_heads, q_len, head_dim]` over packed K/V of one sequence
+/// (shapes already checked by the dispatcher), aiming for `target_groups` threadgroups.
+///
+/// # Errors
+/// [`CacheError::Shape`] for a head dim without a kernel, K and V of different bits or group
+/// sizes, or positions beyond `u32`; [`CacheError::DType`] for a non-float query.
+pub(crate) fn plan_attention(
+    q: &Tensor,
+    k: &PackedKv,
+    v: &PackedKv,
+    positions: &KeyPositions,
+    plan: &QueryPlan,
+    target_groups: usize,
+) -> Result<AttentionLaunch, CacheError> {
+    let (_, n_heads, q_len, head_dim) = q.dims4()?;
+    let (_, kv_heads, keys, _) = k.codes.dims4()?;
+    let dtype = q.dtype();
+    let tn = type_name(dtype).ok_or(CacheError::DType {
+        what: "Metal attention query",
+        expected: DType::F32,
+        found: dtype,
+    })?;
+    let bits = k.bits.bits();
+    if !QSDPA_HEAD_DIMS.contains(&head_dim) || bits != v.bits.bits() || k.group_size != v.group_size
+    {
+        return Err(CacheError::Shape {
+            what: "Metal fused attention (head_dim, K bits, V bits, K group, V group)",
+            expected: format!(
+                "head_dim in {QSDPA_HEAD_DIMS:?}, K and V of one bit width and group"
+            ),
+            found: vec![head_dim, bits, v.bits.bits(), k.group_size, v.group_size],
+        });
+    }
+    let too_big = || CacheError::Shape {
+        what: "Metal fused attention (keys, last query position)",
+        expected: "values below 2^32".into(),
+        found: vec![keys, plan.q_offset + q_len],
+    };
+    let u32_of = |x: usize| u32::try_from(x).map_err(|_| too_big());
+    let ks = kv_side(k, dtype)?;
+    let vs = kv_side(v, dtype)?;
+    let mut params = QsdpaParams {
+        k_codes_sh: ks.codes_sh,
+        k_codes_sk: ks.codes_sk,
+        k_sc_sh: ks.sc_sh,
+        k_sc_sk: ks.sc_sk,
+        v_codes_sh: vs.codes_sh,
+        v_codes_sk: vs.codes_sk,
+        v_sc_sh: vs.sc_sh,
+        v_sc_sk: vs.sc_sk,
+        n_heads: u32_of(n_heads)?,
+        kv_heads: u32_of(kv_heads)?,
+        q_len: u32_of(q_len)?,
+        head_dim: u32_of(head_dim)?,
+        keys: u32_of(keys)?,
+        group_size: u32_of(k.group_size)?,
+        window: u32_of(plan.window.unwrap_or(0))?,
+        q_offset: u32_of(plan.q_offset)?,
+        scale: plan.scale as f32,
+        ..Default::default()
+    };
+    u32_of(plan.q_offset + q_len)?;
+    let code = PositionCode::of(positions).ok_or_else(too_big)?;
+    let table = code
+        .apply(&mut params)
+        .map(|t| t.to_vec())
+        .unwrap_or_default();
+    let rows = n_heads / kv_heads.max(1) * q_len;
+    let row_groups = rows.div_ceil(ATTENTION_ROWS);
+    let (n_split, per) = split_keys(
+        keys.max(1),
+        row_groups * kv_heads,
+        target_groups,
+        SPLIT_MIN_KEYS,
+    );
+    params.n_split = u32_of(n_split)?;
+    params.keys_per_split = u32_of(per)?;
+    let total_rows = kv_heads * rows;
+    let (partial_ml_len, partial_acc_len) = if n_split > 1 {
+        (n_split * total_rows * 2, n_split * total_rows * head_dim)
+    } else {
+        (0, 0)
+    };
+    Ok(AttentionLaunch {
+        params,
+        q: q.contiguous()?,
+        k: ks,
+        v: vs,
+        table,
+        kernel: format!("qsdpa_{tn}_{head_dim}_{bits}"),
+        groups: [row_groups, kv_heads, n_split],
+        combine: (n_split > 1).then(|| format!("qsdpa_combine_{tn}")),
+        combine_groups: total_rows,
+        partial_ml_len,
+        partial_acc_len,
+        out_dims: [1, n_heads, q_len, head_dim],
+    })
+}
+
+/// A quantized matrix-vector launch: `kernel` over `groups` threadgroups of
+/// `MATVEC_WARPS * 32` threads. Buffers: 0 `params`, 1 `x` `[rows, in]` contiguous, 2 codes,
+/// 3 scales, 4 biases (all contiguous), 5 `y` `[rows, out]` in `x`'s dtype.
+pub(crate) struct MatvecLaunch {
+    pub(crate) params: QmatParams,
+    pub(crate) kernel: String,
+    pub(crate) groups: usize,
+}
+
+/// Plans `x` `[rows, in]` · `Wᵀ` on the matvec kernel, or `None` where it does not apply: more
+/// rows than [`MATVEC_ROW_VARIANTS`] holds, a non-float activation or scale dtype, or an input
+/// width that is not a whole number of 4-word chunks (the kernel reads 128 bits a step).
+pub(crate) fn plan_matvec(rows: usize, x_dtype: DType, w: &PackedWeight) -> Option<MatvecLaunch> {
+    let tn = type_name(x_dtype)?;
+    let sn = type_name(w.scales.dtype())?;
+    let bits = w.bits.bits();
+    let variant = *MATVEC_ROW_VARIANTS.iter().find(|&&r| r >= rows)?;
+    if rows == 0 || w.in_dim % (128 / bits) != 0 {
+        return None;
+    }
+    Some(MatvecLaunch {
+        params: QmatParams {
+            rows: u32::try_from(rows).ok()?,
+            out_dim: u32::try_from(w.out_dim).ok()?,
+            in_dim: u32::try_from(w.in_dim).ok()?,
+            group_size: u32::try_from(w.group_size).ok()?,
+        },
+        kernel: format!("qmatvec_{tn}_{sn}_{bits}_{variant}"),
+        groups: w.out_dim.div_ceil(MATVEC_WARPS),
+    })
+}
+
+/// A dequantization launch: `kernel` over `threads` threads in all (one per code word), in
+/// threadgroups of [`DEQUANT_THREADS`]. Buffers: 0 `params`, 1 codes, 2 scales, 3 biases, 4 a
+/// row index (unused: any buffer), 5 `use_idx` (0), 6 the dense `[out, in]` output in `dtype`.
+pub(crate) struct DequantLaunch {
+    pub(crate) params: QmatParams,
+    pub(crate) kernel: String,
+    pub(crate) threads: usize,
+}
+
+/// Plans dequantizing all of `w` to `dtype`, or `None` for a non-float dtype.
+pub(crate) fn plan_dequant(w: &PackedWeight, dtype: DType) -> Option<DequantLaunch> {
+    let tn = type_name(dtype)?;
+    let sn = type_name(w.scales.dtype())?;
+    let bits = w.bits.bits();
+    Some(DequantLaunch {
+        params: QmatParams {
+            rows: u32::try_from(w.out_dim).ok()?,
+            out_dim: u32::try_from(w.out_dim).ok()?,
+            in_dim: u32::try_from(w.in_dim).ok()?,
+            group_size: u32::try_from(w.group_size).ok()?,
+        },
+        kernel: format!("dequant_{tn}_{sn}_{bits}"),
+        threads: w.out_dim * w.in_dim * bits / 32,
+    })
+}
