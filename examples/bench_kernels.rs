@@ -290,17 +290,44 @@ fn main() -> Result<()> {
                 })?;
                 let enqueue = last_enqueue();
                 let gbs = bytes as f64 / t / 1e9;
+                // Also a copy moving the same bytes (half read, half written), rotated like
+                // the weights: what a transfer of this size reaches, ramp and tail included.
+                let same = if rows == 1 { copy_of_size(&cdev, &dev, bytes, rot)? } else { 0.0 };
                 println!(
-                    "{{\"bench\":\"qmatmul\",\"kernel\":\"{}\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"bits\":{bits},\"group\":{group},\"seconds\":{t:.6e},\"enqueue_seconds\":{enqueue:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3}}}",
+                    "{{\"bench\":\"qmatmul\",\"kernel\":\"{}\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"bits\":{bits},\"group\":{group},\"seconds\":{t:.6e},\"enqueue_seconds\":{enqueue:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3},\"same_size_copy_gb_per_s\":{same:.1},\"fraction_of_same_size_copy\":{:.3}}}",
                     matvec_kernel(rows, bits, group),
                     t_bf16 / t,
                     dense_bytes as f64 / t_bf16 / 1e9,
-                    gbs / copy_gbs
+                    gbs / copy_gbs,
+                    if same > 0.0 { gbs / same } else { 0.0 }
                 );
             }
         }
     }
     Ok(())
+}
+
+
+/// Bandwidth (bytes read + written per second) of device-to-device copies moving `bytes` in all
+/// (`bytes / 2` each), over `rot` source/destination pairs taken in turn.
+fn copy_of_size(
+    cdev: &candle_core::cuda_backend::CudaDevice,
+    dev: &Device,
+    bytes: usize,
+    rot: usize,
+) -> Result<f64> {
+    let n = bytes / 2 / 4;
+    let mut pairs = (0..rot)
+        .map(|_| Ok((cdev.alloc_zeros::<f32>(n)?, cdev.alloc_zeros::<f32>(n)?)))
+        .collect::<Result<Vec<_>>>()?;
+    let mut i = 0;
+    let t = time(dev, 40, || {
+        i += 1;
+        let (src, dst) = &mut pairs[i % rot];
+        cdev.memcpy_dtod(&*src, dst)?;
+        Ok(())
+    })?;
+    Ok((2 * n * 4) as f64 / t / 1e9)
 }
 
 /// Dense bf16 decode products: the crate's tensor-core matvec against cuBLAS (candle's

@@ -390,6 +390,17 @@ PY
         done
       done
       ;;
+    combinegpu)
+      # GPU time of every attention launch (ncu, --quick) with the split combine of this build
+      # and with the previous one (CANDLE_GEMMA_COMBINE=rows); tables by attn_gpu_table.py.
+      for v in default rows; do
+        env $([ $v = default ] || echo CANDLE_GEMMA_COMBINE=$v) BENCH_KERNELS_ONCE=1 ncu \
+          --clock-control none --cache-control none -k "regex:qsdpa" --metrics gpu__time_duration.sum \
+          --csv --log-file "$OUT/combine-gpu-$v.csv" .device/bench_kernels --attention-only --quick \
+          > /dev/null 2>&1; echo "combine $v exit $?"
+        python3 scripts/attn_gpu_table.py "$OUT/combine-gpu-$v.csv" > "$OUT/combine-gpu-$v.md" 2>&1
+      done
+      ;;
     graphscratch)
       # Graph replays after eager launches that replaced scratch buffers (see the script).
       python3 scripts/gpu_graph_scratch_check.py .device/bench ${ROUNDS:-4} > "$OUT/graph-scratch.txt" 2>&1

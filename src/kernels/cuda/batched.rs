@@ -15,7 +15,7 @@ use super::launch::{
     combine_kernel_name, cuda_dev, cuda_storage, kname, plan_seq, view, wrap, KvOperand, SeqPlan,
     FUSED_MAX_Q_LEN,
 };
-use super::params::{combine_threads, QsdpaParams, QSDPA_COMBINE_DIMS, QSDPA_HEAD_DIMS};
+use super::params::{combine_launch, QsdpaParams, QSDPA_HEAD_DIMS};
 use crate::kernels::{check_view, QueryPlan};
 use crate::kv::{CacheError, KeyPositions, KvData, KvView};
 
@@ -202,9 +202,10 @@ fn launch_seqs(
         super::launch::MODULE,
         super::launch::IMAGE,
     )?;
+    let combine = combine_launch(n_split_max);
     let comb = load_kernel(
         dev,
-        &combine_kernel_name(tn, true),
+        &combine_kernel_name(&combine, tn, true),
         super::launch::MODULE,
         super::launch::IMAGE,
     )?;
@@ -236,9 +237,9 @@ fn launch_seqs(
         grid_dim: (
             total_rows as u32,
             batch as u32,
-            head_dim.div_ceil(QSDPA_COMBINE_DIMS) as u32,
+            head_dim.div_ceil(combine.dims) as u32,
         ),
-        block_dim: (combine_threads(n_split_max), 1, 1),
+        block_dim: (combine.threads, 1, 1),
         shared_mem_bytes: 0,
     };
     let q = q.contiguous()?;

@@ -12,10 +12,9 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 
 use super::kernel_cache::load_kernel;
 use super::params::{
-    combine_threads, row_matvec_split_for, split_bound, split_keys, PositionCode, QmatParams,
-    QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS,
-    QROW_MAX_WARPS, QSDPA_COMBINE_DIMS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_KEYS, QSDPA_TC_ROWS,
-    QSDPA_WARPS,
+    combine_launch, row_matvec_split_for, split_bound, split_keys, CombineLaunch, PositionCode,
+    QmatParams, QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS,
+    QROW_MAX_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_KEYS, QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use super::scratch::with_scratch;
 use crate::kernels::{dense, QueryPlan};
@@ -390,11 +389,11 @@ impl SeqPlan {
     }
 }
 
-/// The split-combining kernel for queries of type `tn`, for one sequence or (`batch`) a batch
-/// launch.
-pub(super) fn combine_kernel_name(tn: &str, batch: bool) -> String {
+/// The split-combining kernel `launch` names for queries of type `tn`, for one sequence or
+/// (`batch`) a batch launch.
+pub(super) fn combine_kernel_name(launch: &CombineLaunch, tn: &str, batch: bool) -> String {
     let b = if batch { "batch_" } else { "" };
-    format!("qsdpa_combine_{b}{tn}")
+    format!("{}_{b}{tn}", launch.kernel)
 }
 
 /// Threads a tensor-core attention block: one warp per 128 head dims.
@@ -704,17 +703,19 @@ fn attend_fused(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     };
+    let combine = combine_launch(n_split);
     let comb_cfg = LaunchConfig {
-        grid_dim: (
-            total_rows as u32,
-            head_dim.div_ceil(QSDPA_COMBINE_DIMS) as u32,
-            1,
-        ),
-        block_dim: (combine_threads(n_split), 1, 1),
+        grid_dim: (total_rows as u32, head_dim.div_ceil(combine.dims) as u32, 1),
+        block_dim: (combine.threads, 1, 1),
         shared_mem_bytes: 0,
     };
     let func = load_kernel(&dev, &name, MODULE, IMAGE)?;
-    let comb = load_kernel(&dev, &combine_kernel_name(tn, false), MODULE, IMAGE)?;
+    let comb = load_kernel(
+        &dev,
+        &combine_kernel_name(&combine, tn, false),
+        MODULE,
+        IMAGE,
+    )?;
 
     macro_rules! go {
         ($t:ty) => {{

@@ -9,12 +9,58 @@ use crate::kv::KeyPositions;
 pub const QSDPA_WARPS: usize = 4;
 /// Query rows per quantized-attention block (the kernels' `NQ`; 2 is also instantiated).
 pub const QSDPA_ROWS: usize = 4;
-/// Most threads a block of the split-combining kernel (`QS_COMBINE_THREADS`).
+/// Most threads a block of the previous split-combining kernel (`QS_COMBINE_THREADS`).
 pub const QSDPA_COMBINE_THREADS: u32 = 1024;
+/// Head dims a block of the split-combining kernel merges (`QC_DIMS`).
+pub const QSDPA_COMBINE_DIMS: usize = 32;
+/// Threads a block of the split-combining kernel (`QC_THREADS`).
+pub const QSDPA_COMBINE_BLOCK: u32 = 256;
+/// Head dims a block of the previous split-combining kernel merges (`QS_COMBINE_DIMS`).
+pub const QSDPA_COMBINE_ROWS_DIMS: usize = 128;
 
-/// Threads a block of the split-combining kernel for `n_split` splits: more warps take fewer
-/// rounds of dependent loads but sum longer at the end, so few splits keep 8 warps (H100, ncu:
-/// 342 splits 8.3 us with 8 warps, 6.8 with 32; 32 splits 4.4 with 8, 5.0 with 32).
+/// How the split-combining kernel launches for `n_split` splits: the kernel's name prefix
+/// (`_TN` or `_batch_TN` follows), the head dims a block merges, and the threads a block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CombineLaunch {
+    /// `qsdpa_combine_p4` or `_p12` (partials each thread loads before the weights, for up
+    /// to 128 or 384 splits in one round), or `qsdpa_combine_rows` for the previous kernel.
+    pub kernel: &'static str,
+    /// Head dims a block merges (blocks a row: head_dim / dims).
+    pub dims: usize,
+    /// Threads a block.
+    pub threads: u32,
+}
+
+/// The split-combining launch: a block of 256 threads per 32 head dims of a row, every
+/// partial load issued before the softmax weights are known, with the fewer registers of
+/// four loads a thread up to 128 splits. `CANDLE_GEMMA_COMBINE=rows` runs the previous kernel
+/// instead (a block per 128 head dims, weights first; for A/B runs).
+pub fn combine_launch(n_split: usize) -> CombineLaunch {
+    static ROWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let rows =
+        *ROWS.get_or_init(|| std::env::var("CANDLE_GEMMA_COMBINE").is_ok_and(|v| v == "rows"));
+    if rows {
+        CombineLaunch {
+            kernel: "qsdpa_combine_rows",
+            dims: QSDPA_COMBINE_ROWS_DIMS,
+            threads: combine_threads(n_split),
+        }
+    } else {
+        CombineLaunch {
+            kernel: if n_split <= 128 {
+                "qsdpa_combine_p4"
+            } else {
+                "qsdpa_combine_p12"
+            },
+            dims: QSDPA_COMBINE_DIMS,
+            threads: QSDPA_COMBINE_BLOCK,
+        }
+    }
+}
+
+/// Threads a block of the previous split-combining kernel for `n_split` splits: more warps take
+/// fewer rounds of dependent loads but sum longer at the end, so few splits keep 8 warps (H100,
+/// ncu: 342 splits 8.3 us with 8 warps, 6.8 with 32; 32 splits 4.4 with 8, 5.0 with 32).
 /// `CANDLE_GEMMA_COMBINE_WARPS=1..32` fixes the warp count instead (for A/B runs).
 pub fn combine_threads(n_split: usize) -> u32 {
     static FIXED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
@@ -30,8 +76,6 @@ pub fn combine_threads(n_split: usize) -> u32 {
         None => 256,
     }
 }
-/// Head dims a block of the split-combining kernel merges (`QS_COMBINE_DIMS`).
-pub const QSDPA_COMBINE_DIMS: usize = 128;
 /// Keys a tensor-core attention block takes per tile (`QT_KEYS`).
 pub const QSDPA_TC_KEYS: usize = 16;
 /// Query rows per tensor-core attention block (the N of `mma.m16n8k16`, `QT_ROWS`).
@@ -317,6 +361,9 @@ mod tests {
             );
         }
         assert!(combine_threads(342) > combine_threads(32));
+        for hd in QSDPA_HEAD_DIMS {
+            assert_eq!(hd % combine_launch(342).dims, 0, "head dim {hd}");
+        }
     }
 
     #[test]

@@ -294,16 +294,14 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
     }
 }
 
-// Merges the splits: one block per global row and 128 head dims (grid y or z: the dim chunk;
-// n_split <= QS_MAX_SPLIT, enforced by the host), of any whole number of warps up to
-// QS_COMBINE_THREADS (the host picks it from the split count). The split weights
-// w_s = exp(m_s - M) go to shared memory first; then each warp sums every W-th split (W warps)
-// for 4 dims a lane (16-byte loads, 8 in flight), and the warps' sums meet in shared memory.
-// The time is latency: a row has few blocks, so the sums run as rounds of dependent loads, and
-// more warps mean fewer rounds but a longer final sum (on an H100 under ncu, `device-run.sh
-// attngpu`: 342 splits took 8.3 us with 8 warps, 6.8 with 32; 32 splits 4.4 with 8, 5.0 with
-// 32). A one-pass version (an online softmax over each warp's splits, one barrier) measured
-// slower on an H200 at 128-342 splits (thirteenth session).
+// Merges the splits, the previous way (`CANDLE_GEMMA_COMBINE=rows`, kept for A/B runs): one
+// block per global row and 128 head dims (grid y or z: the dim chunk; n_split <= QS_MAX_SPLIT,
+// enforced by the host), of any whole number of warps up to QS_COMBINE_THREADS (the host picks
+// it from the split count). The split weights w_s = exp(m_s - M) go to shared memory first;
+// then each warp sums every W-th split (W warps) for 4 dims a lane (16-byte loads, 8 in
+// flight), and the warps' sums meet in shared memory. On an H100 under ncu 342 splits took
+// 8.3 us with 8 warps, 6.8 with 32; 32 splits 4.4 with 8, 5.0 with 32: a row has few blocks,
+// so the sums run as rounds of dependent loads.
 constexpr int QS_MAX_SPLIT = 1024;
 constexpr int QS_COMBINE_THREADS = 1024;
 constexpr int QS_COMBINE_DIMS = 128;
@@ -326,7 +324,7 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
 }
 
 template <typename T>
-__device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
+__device__ __forceinline__ void qsdpa_combine_rows_body(const QsdpaParams& p,
                                                    const float* __restrict__ part_ml,
                                                    const float* __restrict__ part_acc,
                                                    T* __restrict__ out, const int chunk) {
@@ -386,6 +384,121 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
     }
 }
 
+// Merges the splits: one block of QC_THREADS per global row and QC_DIMS head dims (grid y or z:
+// the dim chunk), so a row's merge spreads over head_dim / 32 blocks. Thread t reads float4
+// `t % 8` of the chunk for splits `t / 8 + 32 i`: each warp load covers four splits' 128-byte
+// rows. Every thread issues its first P partial loads (P = 4 or 12: up to 128 or 384 splits,
+// the host picks the fewest that cover the splits; 12 take 105 registers, two blocks a
+// multiprocessor), with their (m, l), before anything waits, so one round of loads serves; the
+// block's max and softmax sum come from one pair reduction (online-softmax merges) over the
+// threads that hold each split once (t % 8 == 0).
+constexpr int QC_DIMS = 32;
+constexpr int QC_THREADS = 256;
+constexpr int QC_ROUND = QC_THREADS / (QC_DIMS / 4);  // splits a block reads per load round
+
+// Merges (m2, l2) into the running (m, l) of exp-weighted sums (l = 0: nothing yet).
+__device__ __forceinline__ void softmax_pair_merge(float& m, float& l, const float m2,
+                                                   const float l2) {
+    const float M = fmaxf(m, m2);
+    if (M == -INFINITY) return;
+    l = (l > 0.f ? l * __expf(m - M) : 0.f) + (l2 > 0.f ? l2 * __expf(m2 - M) : 0.f);
+    m = M;
+}
+
+template <typename T, int QC_PREFETCH>
+__device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
+                                                   const float* __restrict__ part_ml,
+                                                   const float* __restrict__ part_acc,
+                                                   T* __restrict__ out, const int chunk) {
+    __shared__ float red_m[QC_THREADS / 32], red_l[QC_THREADS / 32];
+    __shared__ float4 sums[QC_THREADS / 32][QC_DIMS / 4];
+    const int hd = p.head_dim;
+    const int group = p.n_heads / p.kv_heads;
+    const int rows = group * p.q_len;
+    const int total = p.kv_heads * rows;
+    const int grow = blockIdx.x;
+    const int g = grow / rows, r = grow % rows;
+    const int qi = r / group, hh = r % group, head = g * group + hh;
+    const int n = min((int)p.n_split, QS_MAX_SPLIT);
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int quad = t % (QC_DIMS / 4), sub = t / (QC_DIMS / 4);
+    const int d = chunk * QC_DIMS + 4 * quad;  // head_dim is a multiple of 32: always < hd
+    const float* acc = part_acc + (size_t)grow * hd + d;
+    const size_t acc_step = (size_t)total * hd;
+    const float2* ml = reinterpret_cast<const float2*>(part_ml) + grow;
+    float4 pre[QC_PREFETCH];
+    float2 pml[QC_PREFETCH];
+#pragma unroll
+    for (int i = 0; i < QC_PREFETCH; ++i) {
+        const int s = sub + QC_ROUND * i;
+        if (s < n) {
+            pre[i] = __ldcg(reinterpret_cast<const float4*>(acc + s * acc_step));
+            pml[i] = __ldcg(ml + (size_t)s * total);
+        } else {
+            pre[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+            pml[i] = make_float2(-INFINITY, 0.f);
+        }
+    }
+    float m = -INFINITY, l = 0.f;
+    if (quad == 0) {
+#pragma unroll
+        for (int i = 0; i < QC_PREFETCH; ++i) softmax_pair_merge(m, l, pml[i].x, pml[i].y);
+        for (int s = sub + QC_ROUND * QC_PREFETCH; s < n; s += QC_ROUND) {
+            const float2 v = __ldcg(ml + (size_t)s * total);
+            softmax_pair_merge(m, l, v.x, v.y);
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+        const float l2 = __shfl_xor_sync(0xffffffffu, l, off);
+        softmax_pair_merge(m, l, m2, l2);
+    }
+    if (lane == 0) {
+        red_m[warp] = m;
+        red_l[warp] = l;
+    }
+    __syncthreads();
+    float M = -INFINITY, L = 0.f;
+#pragma unroll
+    for (int w = 0; w < QC_THREADS / 32; ++w) softmax_pair_merge(M, L, red_m[w], red_l[w]);
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
+    auto add = [&](const float2 v, const float4 a) {
+        const float w = v.y > 0.f ? __expf(v.x - M) : 0.f;
+        A.x = fmaf(w, a.x, A.x); A.y = fmaf(w, a.y, A.y);
+        A.z = fmaf(w, a.z, A.z); A.w = fmaf(w, a.w, A.w);
+    };
+#pragma unroll
+    for (int i = 0; i < QC_PREFETCH; ++i) add(pml[i], pre[i]);
+    for (int s = sub + QC_ROUND * QC_PREFETCH; s < n; s += QC_ROUND)
+        add(__ldcg(ml + (size_t)s * total),
+            __ldcg(reinterpret_cast<const float4*>(acc + s * acc_step)));
+    // Lanes q, q + 8, q + 16, q + 24 of a warp hold the same dims.
+#pragma unroll
+    for (int off = QC_DIMS / 4; off < 32; off <<= 1) {
+        A.x += __shfl_xor_sync(0xffffffffu, A.x, off);
+        A.y += __shfl_xor_sync(0xffffffffu, A.y, off);
+        A.z += __shfl_xor_sync(0xffffffffu, A.z, off);
+        A.w += __shfl_xor_sync(0xffffffffu, A.w, off);
+    }
+    if (lane < QC_DIMS / 4) sums[warp][lane] = A;
+    __syncthreads();
+    if (t < QC_DIMS / 4) {
+        float4 S = sums[0][t];
+#pragma unroll
+        for (int w = 1; w < QC_THREADS / 32; ++w) {
+            const float4 v = sums[w][t];
+            S.x += v.x; S.y += v.y; S.z += v.z; S.w += v.w;
+        }
+        T* dst = out + ((size_t)head * p.q_len + qi) * hd + d;
+        dst[0] = from_f<T>(S.x * inv);
+        dst[1] = from_f<T>(S.y * inv);
+        dst[2] = from_f<T>(S.z * inv);
+        dst[3] = from_f<T>(S.w * inv);
+    }
+}
+
 // Entry of the batch kernels: the block's sequence (grid z = sequence x split) from its
 // descriptor, with its slices of the queries, outputs and partials, handed to `body` (a kernel
 // body taking the single-sequence kernel's arguments and the split).
@@ -437,26 +550,38 @@ __device__ __forceinline__ void qsdpa_batch_entry(const QsdpaSeq* seqs, uint32_t
     QSDPA_INST(TN, T, 512, BITS)
 
 // The split-combining kernels: `qsdpa_combine_TN` (one sequence) and `qsdpa_combine_batch_TN`
-// (grid y = sequence).
-#define QSDPA_COMBINE_INST(TN, T)                                                              \
-    extern "C" __global__ void __launch_bounds__(QS_COMBINE_THREADS)                           \
-        qsdpa_combine_##TN(const QsdpaParams p, const float* part_ml, const float* part_acc,    \
-                           T* out) {                                                           \
+// (grid y = sequence), and the previous ones as `qsdpa_combine_rows_..` (A/B runs).
+#define QSDPA_COMBINE_INST_AS(NAME, BODY, THREADS, TN, T)                                     \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+        NAME##_##TN(const QsdpaParams p, const float* part_ml, const float* part_acc, T* out) { \
         pdl_entry();                                                                           \
-        qsdpa_combine_body<T>(p, part_ml, part_acc, out, blockIdx.y);                          \
+        BODY<T>(p, part_ml, part_acc, out, blockIdx.y);                                        \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(QS_COMBINE_THREADS)                           \
-        qsdpa_combine_batch_##TN(const QsdpaSeq* seqs, uint32_t n_split_max, T* out,            \
-                                 const float* part_ml, const float* part_acc) {                \
+    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+        NAME##_batch_##TN(const QsdpaSeq* seqs, uint32_t n_split_max, T* out,                   \
+                          const float* part_ml, const float* part_acc) {                       \
         pdl_entry();                                                                           \
         const QsdpaParams p = seqs[blockIdx.y].p;                                              \
         if (p.n_split <= 1) return;                                                            \
         const size_t qn = (size_t)p.n_heads * p.q_len * p.head_dim;                            \
         const size_t pr = (size_t)n_split_max * p.n_heads * p.q_len;                           \
-        qsdpa_combine_body<T>(p, part_ml + blockIdx.y * pr * 2,                                \
-                              part_acc + blockIdx.y * pr * p.head_dim, out + blockIdx.y * qn,  \
-                              blockIdx.z);                                                     \
+        BODY<T>(p, part_ml + blockIdx.y * pr * 2, part_acc + blockIdx.y * pr * p.head_dim,     \
+                out + blockIdx.y * qn, blockIdx.z);                                            \
     }
+template <typename T>
+__device__ __forceinline__ void qsdpa_combine_p4_body(const QsdpaParams& p, const float* ml,
+                                                      const float* acc, T* out, int chunk) {
+    qsdpa_combine_body<T, 4>(p, ml, acc, out, chunk);
+}
+template <typename T>
+__device__ __forceinline__ void qsdpa_combine_p12_body(const QsdpaParams& p, const float* ml,
+                                                       const float* acc, T* out, int chunk) {
+    qsdpa_combine_body<T, 12>(p, ml, acc, out, chunk);
+}
+#define QSDPA_COMBINE_INST(TN, T)                                                              \
+    QSDPA_COMBINE_INST_AS(qsdpa_combine_p4, qsdpa_combine_p4_body, QC_THREADS, TN, T)          \
+    QSDPA_COMBINE_INST_AS(qsdpa_combine_p12, qsdpa_combine_p12_body, QC_THREADS, TN, T)        \
+    QSDPA_COMBINE_INST_AS(qsdpa_combine_rows, qsdpa_combine_rows_body, QS_COMBINE_THREADS, TN, T)
 
 #define QSDPA_INST_T(TN, T)                                                                    \
     QSDPA_INST_HD(TN, T, 4)                                                                    \
