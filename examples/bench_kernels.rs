@@ -292,7 +292,11 @@ fn main() -> Result<()> {
                 let gbs = bytes as f64 / t / 1e9;
                 // Also a copy moving the same bytes (half read, half written), rotated like
                 // the weights: what a transfer of this size reaches, ramp and tail included.
-                let same = if rows == 1 { copy_of_size(&cdev, &dev, bytes, rot)? } else { 0.0 };
+                let same = if rows == 1 {
+                    copy_of_size(&cdev, &dev, bytes, rot)?
+                } else {
+                    0.0
+                };
                 println!(
                     "{{\"bench\":\"qmatmul\",\"kernel\":\"{}\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"bits\":{bits},\"group\":{group},\"seconds\":{t:.6e},\"enqueue_seconds\":{enqueue:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3},\"same_size_copy_gb_per_s\":{same:.1},\"fraction_of_same_size_copy\":{:.3}}}",
                     matvec_kernel(rows, bits, group),
@@ -306,7 +310,6 @@ fn main() -> Result<()> {
     }
     Ok(())
 }
-
 
 /// Bandwidth (bytes read + written per second) of device-to-device copies moving `bytes` in all
 /// (`bytes / 2` each), over `rot` source/destination pairs taken in turn.
