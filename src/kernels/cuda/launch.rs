@@ -437,9 +437,12 @@ pub(super) struct TcStaging {
 
 /// The staging measured best on an H100 at 32k keys (`device-run.sh attnvar`,
 /// `bench-results/h100-s17-attn-staged-*.jsonl`): 8-bit codes and 4-bit codes at head dim 512
-/// are staged (8-bit at head dim 256 with 6 blocks a multiprocessor: 8 made more, shorter
-/// splits and ran slower); 4-bit codes at head dim 256 keep their tiles in registers, where
-/// staging ran 4-17% slower. `CANDLE_GEMMA_QT_STAGED=0` keeps every tile in registers (A/B).
+/// are staged; 4-bit codes at head dim 256 keep their tiles in registers, where staging ran
+/// 4-17% slower. 8-bit at head dim 256 was pinned at 6 blocks a multiprocessor until the
+/// eighteenth session's cheaper combine made the 8 that fit (more, shorter splits) faster
+/// again (E4B sliding 26.7-27.6 -> 26.3-26.4 µs, 31B sliding 118.4-121.0 -> 114.5-118.2;
+/// `bench-results/h100-s18-attn-pins.md`; no other pin helped). `CANDLE_GEMMA_QT_STAGED=0`
+/// keeps every tile in registers (A/B).
 pub(super) fn tc_staging(head_dim: usize, bits: usize) -> TcStaging {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_QT_STAGED").is_ok_and(|v| v == "0"));
@@ -453,13 +456,38 @@ pub(super) fn tc_staging(head_dim: usize, bits: usize) -> TcStaging {
         tiles_per_stage,
         blocks_per_sm,
     };
-    match (head_dim, bits) {
+    let chosen = match (head_dim, bits) {
         _ if off => registers,
-        (256, 8) => staged(1, Some(6)),
-        (512, 8) => staged(1, None),
+        (256, 8) | (512, 8) => staged(1, None),
         (512, 4) => staged(2, None),
         _ => registers,
+    };
+    match pin_override(head_dim, bits) {
+        Some(n) => TcStaging {
+            blocks_per_sm: (n > 0).then_some(n),
+            ..chosen
+        },
+        None => chosen,
     }
+}
+
+/// `CANDLE_GEMMA_QT_PIN=HDxBITS=N,..` (e.g. `256x8=8,512x4=3`): pins N blocks a multiprocessor
+/// for that head dim and bit width (0: no pin), overriding [`tc_staging`]'s table, for A/B runs.
+fn pin_override(head_dim: usize, bits: usize) -> Option<usize> {
+    static PINS: std::sync::OnceLock<Vec<((usize, usize), usize)>> = std::sync::OnceLock::new();
+    let pins = PINS.get_or_init(|| {
+        let spec = std::env::var("CANDLE_GEMMA_QT_PIN").unwrap_or_default();
+        spec.split(',')
+            .filter_map(|item| {
+                let (shape, n) = item.split_once('=')?;
+                let (hd, b) = shape.split_once('x')?;
+                Some(((hd.parse().ok()?, b.parse().ok()?), n.parse().ok()?))
+            })
+            .collect()
+    });
+    pins.iter()
+        .find(|(shape, _)| *shape == (head_dim, bits))
+        .map(|&(_, n)| n)
 }
 
 /// Bytes of one shared-memory stage (`qt_stage_bytes` times the tiles a stage): 16 keys of K
@@ -603,8 +631,9 @@ pub(super) fn plan_seq(
     } else {
         0
     };
-    let mut smem = if stages > 0 {
-        tc_block_smem(dev, head_dim, bits, staging)
+    // A pin pads the shared memory of register-tile blocks too.
+    let mut smem = if stages > 0 || (tensor_cores && staging.blocks_per_sm.is_some()) {
+        tc_block_smem(dev, head_dim, bits, TcStaging { stages, ..staging })
     } else {
         0
     };

@@ -31,10 +31,15 @@ pub struct CombineLaunch {
     pub threads: u32,
 }
 
-/// The split-combining launch: a block of 256 threads per 32 head dims of a row, every
-/// partial load issued before the softmax weights are known, with the fewer registers of
-/// four loads a thread up to 128 splits. `CANDLE_GEMMA_COMBINE=rows` runs the previous kernel
-/// instead (a block per 128 head dims, weights first; for A/B runs).
+/// The split-combining launch: a block of 256 threads per 32 head dims of a row, every partial
+/// load issued before the softmax weights are known (four loads a thread up to 128 splits,
+/// twelve beyond; both sum in the same order, so a batch launch sized for its longest sequence
+/// and a graph sized for the most splits give the same bits as a sequence launched alone).
+/// `CANDLE_GEMMA_COMBINE=rows` runs the previous kernel instead (a block per 128 head dims,
+/// weights first; for A/B runs). The previous kernel takes less GPU time with few splits and
+/// many blocks (H100 under ncu: 31B full at 1k keys 5.4-5.7 against 6.7-6.9 µs; an E4B batch-8
+/// decode step at context 4096 298.1 against 367.5 µs of combines), but choosing it by split
+/// count would make a sequence's bits depend on its batch neighbours.
 pub fn combine_launch(n_split: usize) -> CombineLaunch {
     static ROWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let rows =
