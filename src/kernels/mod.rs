@@ -8,6 +8,7 @@
 pub mod cpu;
 pub mod cuda;
 mod dense;
+mod layout;
 pub mod metal;
 pub mod qmatmul;
 mod quant;

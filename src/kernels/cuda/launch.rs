@@ -17,6 +17,7 @@ use super::params::{
     QROW_MAX_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_KEYS, QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use super::scratch::with_scratch;
+use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
 use crate::kernels::{dense, QueryPlan};
 use crate::kv::{CacheError, KeyPositions, PackedKv};
 
@@ -119,18 +120,6 @@ fn split_min_keys() -> usize {
             .and_then(|v| v.parse().ok())
     });
     forced.unwrap_or(32)
-}
-
-/// `[1, kvh, keys, last]` with a dense last axis, as `(tensor, head stride, key stride)`,
-/// copying only when the view is not addressable by two strides.
-fn strided4(t: &Tensor) -> candle_core::Result<(Tensor, u64, u64)> {
-    let st = t.stride();
-    if st.len() == 4 && st[3] == 1 {
-        return Ok((t.clone(), st[1] as u64, st[2] as u64));
-    }
-    let t = t.contiguous()?;
-    let st = t.stride().to_vec();
-    Ok((t, st[1] as u64, st[2] as u64))
 }
 
 /// Fused quantized attention of one sequence on a CUDA device: the host API behind
@@ -274,24 +263,15 @@ pub(super) fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Res
             // multiples of 4 words, else the view is copied into a fresh (aligned) buffer; a
             // key's words, head_dim * bits / 32, are a multiple of 4 for every head dim.
             // (`contiguous` would keep a contiguous view's misaligned start.)
-            let (mut words, mut words_sh, mut words_sk) = strided4(&p.codes)?;
+            let (mut words, mut words_sh, mut words_sk) = last_dim_contiguous(&p.codes)?;
             let aligned = |x: usize| x % 4 == 0;
             if !(aligned(words.layout().start_offset())
                 && aligned(words_sh as usize)
                 && aligned(words_sk as usize))
             {
-                (words, words_sh, words_sk) = strided4(&words.force_contiguous()?)?;
+                (words, words_sh, words_sk) = last_dim_contiguous(&words.force_contiguous()?)?;
             }
-            // Scales and biases are read with one stride pair: make both contiguous when their
-            // layouts differ.
-            let (s1, sh, sk) = strided4(&cast(&p.scales)?)?;
-            let (b1, bh, bk) = strided4(&cast(&p.biases)?)?;
-            let (scales, biases, sc_sh, sc_sk) = if (sh, sk) == (bh, bk) {
-                (s1, b1, sh, sk)
-            } else {
-                let (s2, sh, sk) = strided4(&s1.contiguous()?)?;
-                (s2, b1.contiguous()?, sh, sk)
-            };
+            let (scales, biases, sc_sh, sc_sk) = scales_and_biases(p, dtype)?;
             Ok(KernelSide {
                 words,
                 words_sh,
@@ -308,10 +288,10 @@ pub(super) fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Res
             let per_word = 4 / dtype.size_in_bytes();
             let aligned = |x: usize| x % (4 * per_word) == 0;
             let t = cast(t)?;
-            let (mut w, mut sh, mut sk) = strided4(&t)?;
+            let (mut w, mut sh, mut sk) = last_dim_contiguous(&t)?;
             if !(aligned(w.layout().start_offset()) && aligned(sh as usize) && aligned(sk as usize))
             {
-                (w, sh, sk) = strided4(&w.force_contiguous()?)?;
+                (w, sh, sk) = last_dim_contiguous(&w.force_contiguous()?)?;
             }
             Ok(KernelSide {
                 scales: w.clone(),

@@ -323,6 +323,19 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
     return r;
 }
 
+// A split-combining block's row (blockIdx.x): the partial rows a split holds (`total`), this
+// row's index among them, its output head and query, and the splits to merge.
+struct CombineRow {
+    int total, grow, head, qi, n;
+};
+__device__ __forceinline__ CombineRow combine_row(const QsdpaParams& p) {
+    const int group = p.n_heads / p.kv_heads;
+    const int rows = group * p.q_len;
+    const int grow = blockIdx.x, r = grow % rows;
+    return CombineRow{(int)p.kv_heads * rows, grow, grow / rows * group + r % group, r / group,
+                      min((int)p.n_split, QS_MAX_SPLIT)};
+}
+
 template <typename T>
 __device__ __forceinline__ void qsdpa_combine_rows_body(const QsdpaParams& p,
                                                    const float* __restrict__ part_ml,
@@ -333,13 +346,8 @@ __device__ __forceinline__ void qsdpa_combine_rows_body(const QsdpaParams& p,
     __shared__ float red[QS_COMBINE_THREADS / 32];
     __shared__ float4 sums[QS_COMBINE_THREADS / 32][32];
     const int hd = p.head_dim;
-    const int group = p.n_heads / p.kv_heads;
-    const int rows = group * p.q_len;
-    const int total = p.kv_heads * rows;
-    const int grow = blockIdx.x;
-    const int g = grow / rows, r = grow % rows;
-    const int qi = r / group, hh = r % group, head = g * group + hh;
-    const int n = min((int)p.n_split, QS_MAX_SPLIT);
+    const CombineRow row = combine_row(p);
+    const int total = row.total, grow = row.grow, head = row.head, qi = row.qi, n = row.n;
     float mloc = -INFINITY;
     for (int s = threadIdx.x; s < n; s += threads) {
         const float* ml = part_ml + ((size_t)s * total + grow) * 2;
@@ -413,13 +421,8 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
     __shared__ float red_m[QC_THREADS / 32], red_l[QC_THREADS / 32];
     __shared__ float4 sums[QC_THREADS / 32][QC_DIMS / 4];
     const int hd = p.head_dim;
-    const int group = p.n_heads / p.kv_heads;
-    const int rows = group * p.q_len;
-    const int total = p.kv_heads * rows;
-    const int grow = blockIdx.x;
-    const int g = grow / rows, r = grow % rows;
-    const int qi = r / group, hh = r % group, head = g * group + hh;
-    const int n = min((int)p.n_split, QS_MAX_SPLIT);
+    const CombineRow row = combine_row(p);
+    const int total = row.total, grow = row.grow, head = row.head, qi = row.qi, n = row.n;
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const int quad = t % (QC_DIMS / 4), sub = t / (QC_DIMS / 4);
     const int d = chunk * QC_DIMS + 4 * quad;  // head_dim is a multiple of 32: always < hd

@@ -11,6 +11,7 @@ use candle_core::{DType, Tensor};
 use crate::kernels::cuda::params::{
     split_keys, PositionCode, QmatParams, QsdpaParams, QSDPA_HEAD_DIMS, QSDPA_WARPS,
 };
+use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
 use crate::kernels::qmatmul::PackedWeight;
 use crate::kernels::QueryPlan;
 use crate::kv::{CacheError, KeyPositions, PackedKv};
@@ -48,18 +49,6 @@ pub(crate) fn type_name(dtype: DType) -> Option<&'static str> {
     }
 }
 
-/// A tensor whose last dimension is contiguous, with its head and key strides (dims 1 and 2) in
-/// elements; copied when its last dimension is strided.
-fn last_dim_contiguous(t: &Tensor) -> candle_core::Result<(Tensor, u64, u64)> {
-    let t = if t.stride().last() == Some(&1) {
-        t.clone()
-    } else {
-        t.contiguous()?
-    };
-    let st = t.stride();
-    Ok((t.clone(), st[1] as u64, st[2] as u64))
-}
-
 /// One side (K or V) as `qsdpa_*` reads it: codes with their head/key strides in words, and
 /// scales and biases in the queries' dtype sharing one stride pair. Tensors keep their layouts'
 /// start offsets, which the launcher turns into buffer offsets.
@@ -74,23 +63,8 @@ pub(crate) struct KvSide {
 }
 
 fn kv_side(p: &PackedKv, dtype: DType) -> candle_core::Result<KvSide> {
-    let cast = |t: &Tensor| {
-        if t.dtype() == dtype {
-            Ok(t.clone())
-        } else {
-            t.to_dtype(dtype)
-        }
-    };
     let (codes, codes_sh, codes_sk) = last_dim_contiguous(&p.codes)?;
-    let (scales, sh, sk) = last_dim_contiguous(&cast(&p.scales)?)?;
-    let (biases, bh, bk) = last_dim_contiguous(&cast(&p.biases)?)?;
-    // The kernel reads scales and biases with one stride pair.
-    let (scales, biases, sc_sh, sc_sk) = if (sh, sk) == (bh, bk) {
-        (scales, biases, sh, sk)
-    } else {
-        let (scales, sh, sk) = last_dim_contiguous(&scales.contiguous()?)?;
-        (scales, biases.contiguous()?, sh, sk)
-    };
+    let (scales, biases, sc_sh, sc_sk) = scales_and_biases(p, dtype)?;
     Ok(KvSide {
         codes,
         scales,
