@@ -12,9 +12,10 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 
 use super::kernel_cache::load_kernel;
 use super::params::{
-    combine_launch, row_matvec_split_for, split_bound, split_keys, CombineLaunch, PositionCode,
-    QmatParams, QsdpaParams, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS,
-    QROW_MAX_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_KEYS, QSDPA_TC_ROWS, QSDPA_WARPS,
+    combine_launch, row_matvec_split_for, split_bound, split_keys, AttentionGeometry,
+    CombineLaunch, QmatParams, QsdpaParams, SideStrides, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS,
+    QMATVEC_ROW_WARPS, QMATVEC_WARPS, QROW_MAX_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_KEYS,
+    QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use super::scratch::with_scratch;
 use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
@@ -241,12 +242,9 @@ impl KvOperand<'_> {
 /// and scales/biases with theirs (the word tensor again for dense operands, never read).
 pub(super) struct KernelSide {
     pub(super) words: Tensor,
-    words_sh: u64,
-    words_sk: u64,
     pub(super) scales: Tensor,
     pub(super) biases: Tensor,
-    sc_sh: u64,
-    sc_sk: u64,
+    strides: SideStrides,
 }
 
 pub(super) fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Result<KernelSide> {
@@ -274,12 +272,14 @@ pub(super) fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Res
             let (scales, biases, sc_sh, sc_sk) = scales_and_biases(p, dtype)?;
             Ok(KernelSide {
                 words,
-                words_sh,
-                words_sk,
                 scales,
                 biases,
-                sc_sh,
-                sc_sk,
+                strides: SideStrides {
+                    codes_sh: words_sh,
+                    codes_sk: words_sk,
+                    sc_sh,
+                    sc_sk,
+                },
             })
         }
         KvOperand::Dense(t) => {
@@ -297,10 +297,12 @@ pub(super) fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Res
                 scales: w.clone(),
                 biases: w.clone(),
                 words: w,
-                words_sh: sh / per_word as u64,
-                words_sk: sk / per_word as u64,
-                sc_sh: 0,
-                sc_sk: 0,
+                strides: SideStrides {
+                    codes_sh: sh / per_word as u64,
+                    codes_sk: sk / per_word as u64,
+                    sc_sh: 0,
+                    sc_sk: 0,
+                },
             })
         }
     }
@@ -501,8 +503,8 @@ fn scales_stageable(sides: [&KernelSide; 2]) -> bool {
     sides.iter().all(|s| {
         s.scales.layout().start_offset() % 2 == 0
             && s.biases.layout().start_offset() % 2 == 0
-            && s.sc_sh % 2 == 0
-            && s.sc_sk % 2 == 0
+            && s.strides.sc_sh % 2 == 0
+            && s.strides.sc_sk % 2 == 0
     })
 }
 
@@ -558,38 +560,23 @@ pub(super) fn plan_seq(
     }
     let ks = kernel_side(k, dtype)?;
     let vs = kernel_side(v, dtype)?;
-    let too_big = || CacheError::Shape {
-        what: "CUDA fused attention (positions/sizes must fit in u32)",
-        expected: "values below 2^32".into(),
-        found: vec![keys, plan.q_offset + q_len],
-    };
-    let u32_of = |x: usize| u32::try_from(x).map_err(|_| too_big());
-    let mut params = QsdpaParams {
-        k_codes_sh: ks.words_sh,
-        k_codes_sk: ks.words_sk,
-        k_sc_sh: ks.sc_sh,
-        k_sc_sk: ks.sc_sk,
-        v_codes_sh: vs.words_sh,
-        v_codes_sk: vs.words_sk,
-        v_sc_sh: vs.sc_sh,
-        v_sc_sk: vs.sc_sk,
-        n_heads: u32_of(n_heads)?,
-        kv_heads: u32_of(kv_heads)?,
-        q_len: u32_of(q_len)?,
-        head_dim: u32_of(head_dim)?,
-        keys: u32_of(keys)?,
+    let geometry = AttentionGeometry {
+        n_heads,
+        kv_heads,
+        q_len,
+        head_dim,
+        keys,
         // Dense operands have no groups; any non-zero value keeps the index arithmetic finite.
-        group_size: u32_of(k.group_size().max(1))?,
-        window: u32_of(plan.window.unwrap_or(0))?,
-        q_offset: u32_of(plan.q_offset)?,
-        scale: plan.scale as f32,
-        ..Default::default()
+        group_size: k.group_size().max(1),
     };
-    let code = PositionCode::of(positions).ok_or_else(too_big)?;
-    let table: Vec<u32> = code
-        .apply(&mut params)
-        .map(|t| t.to_vec())
-        .unwrap_or_default();
+    let (mut params, table) = QsdpaParams::for_sequence(
+        "CUDA fused attention (keys, last query position)",
+        &geometry,
+        ks.strides,
+        vs.strides,
+        positions,
+        plan,
+    )?;
     let rows = n_heads / kv_heads * q_len;
     // Query rows per block: 2 when a KV head serves at most 2 rows (31B sliding decode) or for
     // 4-bit K/V at head dim 512 (4 rows there take ~220 registers a thread; measured on an H100
@@ -641,8 +628,7 @@ pub(super) fn plan_seq(
         resident,
         split_min_keys(),
     );
-    params.n_split = u32_of(n_split)?;
-    params.keys_per_split = u32_of(per)?;
+    params.set_split((n_split, per))?;
     let split_bound = split_bound(row_blocks * kv_heads, resident);
 
     Ok(SeqPlan {

@@ -3,7 +3,8 @@
 //! order matches `struct QsdpaParams` / `struct QmatParams` in `qkernels.cu` and
 //! `../metal/qkernels.metal`.
 
-use crate::kv::KeyPositions;
+use crate::kernels::QueryPlan;
+use crate::kv::{CacheError, KeyPositions};
 
 /// Warps per quantized-attention block (`QS_WARPS` in the kernels).
 pub const QSDPA_WARPS: usize = 4;
@@ -176,6 +177,95 @@ pub struct QsdpaParams {
     pub scale: f32,
     /// Padding to a multiple of 8 bytes.
     pub pad_: u32,
+}
+
+/// One side's (K or V) strides as the attention kernels read them, in elements: codes (`u32`
+/// words, or the dense elements) and scales/biases, between KV heads and between keys.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct SideStrides {
+    pub(crate) codes_sh: u64,
+    pub(crate) codes_sk: u64,
+    pub(crate) sc_sh: u64,
+    pub(crate) sc_sk: u64,
+}
+
+/// The query and cache geometry of one sequence's attention launch.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttentionGeometry {
+    pub(crate) n_heads: usize,
+    pub(crate) kv_heads: usize,
+    pub(crate) q_len: usize,
+    pub(crate) head_dim: usize,
+    pub(crate) keys: usize,
+    /// Elements per scale group (any non-zero value for dense operands, which have none).
+    pub(crate) group_size: usize,
+}
+
+impl QsdpaParams {
+    /// One sequence's attention parameters, the split left at zero for the launcher, and the
+    /// position table to upload (empty when the positions run in one or two runs). `what`
+    /// names the launcher in errors.
+    ///
+    /// # Errors
+    /// [`CacheError::Shape`] when a size, position or the last query's position does not fit
+    /// in `u32`.
+    pub(crate) fn for_sequence(
+        what: &'static str,
+        g: &AttentionGeometry,
+        k: SideStrides,
+        v: SideStrides,
+        positions: &KeyPositions,
+        plan: &QueryPlan,
+    ) -> Result<(Self, Vec<u32>), CacheError> {
+        let too_big = || CacheError::Shape {
+            what,
+            expected: "keys, positions and the last query's position below 2^32".into(),
+            found: vec![g.keys, plan.q_offset + g.q_len],
+        };
+        let u32_of = |x: usize| u32::try_from(x).map_err(|_| too_big());
+        u32_of(plan.q_offset + g.q_len)?;
+        let mut params = Self {
+            k_codes_sh: k.codes_sh,
+            k_codes_sk: k.codes_sk,
+            k_sc_sh: k.sc_sh,
+            k_sc_sk: k.sc_sk,
+            v_codes_sh: v.codes_sh,
+            v_codes_sk: v.codes_sk,
+            v_sc_sh: v.sc_sh,
+            v_sc_sk: v.sc_sk,
+            n_heads: u32_of(g.n_heads)?,
+            kv_heads: u32_of(g.kv_heads)?,
+            q_len: u32_of(g.q_len)?,
+            head_dim: u32_of(g.head_dim)?,
+            keys: u32_of(g.keys)?,
+            group_size: u32_of(g.group_size)?,
+            window: u32_of(plan.window.unwrap_or(0))?,
+            q_offset: u32_of(plan.q_offset)?,
+            scale: plan.scale as f32,
+            ..Default::default()
+        };
+        let code = PositionCode::of(positions).ok_or_else(too_big)?;
+        let table = code
+            .apply(&mut params)
+            .map(|t| t.to_vec())
+            .unwrap_or_default();
+        Ok((params, table))
+    }
+
+    /// Sets the flash-decoding split (`(n_split, keys_per_split)` from [`split_keys`]).
+    ///
+    /// # Errors
+    /// [`CacheError::Shape`] when either does not fit in `u32`.
+    pub(crate) fn set_split(&mut self, (n_split, per): (usize, usize)) -> Result<(), CacheError> {
+        let err = || CacheError::Shape {
+            what: "attention split (splits, keys a split)",
+            expected: "values below 2^32".into(),
+            found: vec![n_split, per],
+        };
+        self.n_split = u32::try_from(n_split).map_err(|_| err())?;
+        self.keys_per_split = u32::try_from(per).map_err(|_| err())?;
+        Ok(())
+    }
 }
 
 /// Parameters of one quantized weight launch (matrix-vector or dequantization).

@@ -323,6 +323,15 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
     return r;
 }
 
+// Writes four merged output dims, each times `inv` (1 / the softmax sum).
+template <typename T>
+__device__ __forceinline__ void store_scaled4(T* dst, const float4 v, const float inv) {
+    dst[0] = from_f<T>(v.x * inv);
+    dst[1] = from_f<T>(v.y * inv);
+    dst[2] = from_f<T>(v.z * inv);
+    dst[3] = from_f<T>(v.w * inv);
+}
+
 // A split-combining block's row (blockIdx.x): the partial rows a split holds (`total`), this
 // row's index among them, its output head and query, and the splits to merge.
 struct CombineRow {
@@ -384,11 +393,7 @@ __device__ __forceinline__ void qsdpa_combine_rows_body(const QsdpaParams& p,
             const float4 v = sums[o][lane];
             A.x += v.x; A.y += v.y; A.z += v.z; A.w += v.w;
         }
-        T* dst = out + ((size_t)head * p.q_len + qi) * hd + d;
-        dst[0] = from_f<T>(A.x * inv);
-        dst[1] = from_f<T>(A.y * inv);
-        dst[2] = from_f<T>(A.z * inv);
-        dst[3] = from_f<T>(A.w * inv);
+        store_scaled4(out + ((size_t)head * p.q_len + qi) * hd + d, A, inv);
     }
 }
 
@@ -494,11 +499,7 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
             const float4 v = sums[w][t];
             S.x += v.x; S.y += v.y; S.z += v.z; S.w += v.w;
         }
-        T* dst = out + ((size_t)head * p.q_len + qi) * hd + d;
-        dst[0] = from_f<T>(S.x * inv);
-        dst[1] = from_f<T>(S.y * inv);
-        dst[2] = from_f<T>(S.z * inv);
-        dst[3] = from_f<T>(S.w * inv);
+        store_scaled4(out + ((size_t)head * p.q_len + qi) * hd + d, S, inv);
     }
 }
 

@@ -689,7 +689,7 @@ fn metal_kernels_match_the_cpu_reference_on_the_device() {
         |rows, dtype, w| {
             let x = random_rows(rows, w, dtype);
             let reference = qmatmul(&x, w).expect("CPU reference");
-            let got = super::launch::qmatvec(&on(&x), &on_w(w), rows)
+            let got = super::launch::qmatvec(&on(&x), &on_w(w))
                 .expect("Metal matvec")
                 .expect("matvec applies");
             max_abs_diff(&got.to_device(&Device::Cpu).expect("to CPU"), &reference)

@@ -187,7 +187,8 @@ pub(super) fn attend_packed_with(
 
 /// `x` `[rows, in]` · `Wᵀ` on the matvec kernel, or `None` where it does not apply (see
 /// [`plan_matvec`]).
-pub(super) fn qmatvec(x: &Tensor, w: &PackedWeight, rows: usize) -> crate::Result<Option<Tensor>> {
+pub(super) fn qmatvec(x: &Tensor, w: &PackedWeight) -> crate::Result<Option<Tensor>> {
+    let (rows, _) = x.dims2()?;
     let Some(launch) = plan_matvec(rows, x.dtype(), w) else {
         return Ok(None);
     };

@@ -59,8 +59,7 @@ pub(crate) fn attend_packed(
 #[cfg(feature = "metal")]
 pub(crate) fn qmatmul(x: &Tensor, w: &PackedWeight) -> crate::Result<Tensor> {
     if kernels_on() {
-        let (rows, _) = x.dims2()?;
-        if let Some(y) = launch::qmatvec(x, w, rows)? {
+        if let Some(y) = launch::qmatvec(x, w)? {
             return Ok(y);
         }
         if let Some(dense) = launch::dequantize_weight(w, x.dtype())? {

@@ -9,7 +9,8 @@
 use candle_core::{DType, Tensor};
 
 use crate::kernels::cuda::params::{
-    split_keys, PositionCode, QmatParams, QsdpaParams, QSDPA_HEAD_DIMS, QSDPA_WARPS,
+    split_keys, AttentionGeometry, QmatParams, QsdpaParams, SideStrides, QSDPA_HEAD_DIMS,
+    QSDPA_WARPS,
 };
 use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
 use crate::kernels::qmatmul::PackedWeight;
@@ -56,10 +57,7 @@ pub(crate) struct KvSide {
     pub(crate) codes: Tensor,
     pub(crate) scales: Tensor,
     pub(crate) biases: Tensor,
-    codes_sh: u64,
-    codes_sk: u64,
-    sc_sh: u64,
-    sc_sk: u64,
+    strides: SideStrides,
 }
 
 fn kv_side(p: &PackedKv, dtype: DType) -> candle_core::Result<KvSide> {
@@ -69,10 +67,12 @@ fn kv_side(p: &PackedKv, dtype: DType) -> candle_core::Result<KvSide> {
         codes,
         scales,
         biases,
-        codes_sh,
-        codes_sk,
-        sc_sh,
-        sc_sk,
+        strides: SideStrides {
+            codes_sh,
+            codes_sk,
+            sc_sh,
+            sc_sk,
+        },
     })
 }
 
@@ -132,40 +132,24 @@ pub(crate) fn plan_attention(
             found: vec![head_dim, bits, v.bits.bits(), k.group_size, v.group_size],
         });
     }
-    let too_big = || CacheError::Shape {
-        what: "Metal fused attention (keys, last query position)",
-        expected: "values below 2^32".into(),
-        found: vec![keys, plan.q_offset + q_len],
-    };
-    let u32_of = |x: usize| u32::try_from(x).map_err(|_| too_big());
     let ks = kv_side(k, dtype)?;
     let vs = kv_side(v, dtype)?;
-    let mut params = QsdpaParams {
-        k_codes_sh: ks.codes_sh,
-        k_codes_sk: ks.codes_sk,
-        k_sc_sh: ks.sc_sh,
-        k_sc_sk: ks.sc_sk,
-        v_codes_sh: vs.codes_sh,
-        v_codes_sk: vs.codes_sk,
-        v_sc_sh: vs.sc_sh,
-        v_sc_sk: vs.sc_sk,
-        n_heads: u32_of(n_heads)?,
-        kv_heads: u32_of(kv_heads)?,
-        q_len: u32_of(q_len)?,
-        head_dim: u32_of(head_dim)?,
-        keys: u32_of(keys)?,
-        group_size: u32_of(k.group_size)?,
-        window: u32_of(plan.window.unwrap_or(0))?,
-        q_offset: u32_of(plan.q_offset)?,
-        scale: plan.scale as f32,
-        ..Default::default()
+    let geometry = AttentionGeometry {
+        n_heads,
+        kv_heads,
+        q_len,
+        head_dim,
+        keys,
+        group_size: k.group_size,
     };
-    u32_of(plan.q_offset + q_len)?;
-    let code = PositionCode::of(positions).ok_or_else(too_big)?;
-    let table = code
-        .apply(&mut params)
-        .map(|t| t.to_vec())
-        .unwrap_or_default();
+    let (mut params, table) = QsdpaParams::for_sequence(
+        "Metal fused attention (keys, last query position)",
+        &geometry,
+        ks.strides,
+        vs.strides,
+        positions,
+        plan,
+    )?;
     let rows = n_heads / kv_heads.max(1) * q_len;
     let row_groups = rows.div_ceil(ATTENTION_ROWS);
     let (n_split, per) = split_keys(
@@ -174,8 +158,7 @@ pub(crate) fn plan_attention(
         target_groups,
         SPLIT_MIN_KEYS,
     );
-    params.n_split = u32_of(n_split)?;
-    params.keys_per_split = u32_of(per)?;
+    params.set_split((n_split, per))?;
     let total_rows = kv_heads * rows;
     let (partial_ml_len, partial_acc_len) = if n_split > 1 {
         (n_split * total_rows * 2, n_split * total_rows * head_dim)
