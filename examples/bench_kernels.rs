@@ -46,6 +46,46 @@ fn time<F: FnMut() -> Result<()>>(dev: &Device, iters: usize, mut f: F) -> Resul
     Ok(v[2])
 }
 
+/// GPU seconds per call of `f` with the host out of the way (median of 5): a spin kernel
+/// holds the stream while the host enqueues `iters` calls behind it, and events around those
+/// calls time them back to back, as a captured graph would run them. `None` off CUDA, or when
+/// the host had not finished enqueueing before the spin ended (then it would still set the
+/// pace). Call after `time` on the same `f`: the spin is sized from its enqueue time.
+fn queued_time<F: FnMut() -> Result<()>>(
+    dev: &Device,
+    iters: usize,
+    mut f: F,
+) -> Result<Option<f64>> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+    let Device::Cuda(c) = dev else {
+        return Ok(None);
+    };
+    let spin = std::time::Duration::from_secs_f64(4.0 * iters as f64 * last_enqueue() + 500e-6);
+    let stream = c.cuda_stream();
+    let mut v = Vec::new();
+    for _ in 0..5 {
+        dev.synchronize()?;
+        let t = Instant::now();
+        candle_gemma::kernels::cuda::launch::gpu_spin(c, spin.as_nanos() as u64)?;
+        let a = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        for _ in 0..iters {
+            f()?;
+        }
+        let b = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        if t.elapsed() >= spin {
+            return Ok(None);
+        }
+        v.push(a.elapsed_ms(&b)? as f64 * 1e-3 / iters as f64);
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    Ok(Some(v[2]))
+}
+
+/// `Some(x)` as a JSON number, `None` as null.
+fn json_num(x: Option<f64>) -> String {
+    x.map_or_else(|| "null".into(), |x| format!("{x:.6e}"))
+}
+
 thread_local! {
     /// Host seconds per call of the last `time`'s median timing, before its synchronize: near
     /// the call's seconds, the host (not the GPU) set the pace.
@@ -196,6 +236,15 @@ fn main() -> Result<()> {
                     Ok(())
                 })?;
                 let dense_enqueue = last_enqueue();
+                let dense_queued = if q_len == 1 {
+                    queued_time(&dev, iters, || {
+                        i += 1;
+                        attend(&q, &dviews[i % dense_copies], &[q_off], None, scale)?;
+                        Ok(())
+                    })?
+                } else {
+                    None
+                };
                 drop(dviews);
                 for bits in [4usize, 8] {
                     let kv_bytes = 2 * kvh * keys * (hd * bits / 8 + 2 * 2 * hd / 64);
@@ -224,10 +273,24 @@ fn main() -> Result<()> {
                             Ok(())
                         })?;
                         let enqueue = last_enqueue();
+                        let queued = if q_len == 1 && dense_queued.is_some() {
+                            queued_time(&dev, iters, || {
+                                i += 1;
+                                let (k, v) = &kvs[i % copies];
+                                attend_packed_cuda(&q, k, v, &pos, q_off, None, scale, path)?;
+                                Ok(())
+                            })?
+                        } else {
+                            None
+                        };
+                        let queued_speedup = dense_queued.zip(queued).map(|(d, p)| d / p);
                         println!(
-                            "{{\"bench\":\"qsdpa\",\"shape\":\"{name}\",\"heads\":{nh},\"kv_heads\":{kvh},\"head_dim\":{hd},\"keys\":{keys},\"q_len\":{q_len},\"bits\":{bits},\"group\":64,\"path\":\"{path:?}\",\"kv_copies\":{copies},\"dense_copies\":{dense_copies},\"seconds\":{t:.6e},\"enqueue_seconds\":{enqueue:.6e},\"dense_bf16_seconds\":{t_dense:.6e},\"dense_enqueue_seconds\":{dense_enqueue:.6e},\"speedup\":{:.3},\"kv_gb_per_s\":{:.1}}}",
+                            "{{\"bench\":\"qsdpa\",\"shape\":\"{name}\",\"heads\":{nh},\"kv_heads\":{kvh},\"head_dim\":{hd},\"keys\":{keys},\"q_len\":{q_len},\"bits\":{bits},\"group\":64,\"path\":\"{path:?}\",\"kv_copies\":{copies},\"dense_copies\":{dense_copies},\"seconds\":{t:.6e},\"enqueue_seconds\":{enqueue:.6e},\"dense_bf16_seconds\":{t_dense:.6e},\"dense_enqueue_seconds\":{dense_enqueue:.6e},\"speedup\":{:.3},\"kv_gb_per_s\":{:.1},\"queued_seconds\":{},\"dense_queued_seconds\":{},\"queued_speedup\":{}}}",
                             t_dense / t,
-                            kv_bytes as f64 / t / 1e9
+                            kv_bytes as f64 / t / 1e9,
+                            json_num(queued),
+                            json_num(dense_queued),
+                            json_num(queued_speedup),
                         );
                     }
                 }

@@ -12,10 +12,10 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 
 use super::kernel_cache::load_kernel;
 use super::params::{
-    combine_launch, row_matvec_split_for, split_bound, split_keys, AttentionGeometry,
-    CombineLaunch, QmatParams, QsdpaParams, SideStrides, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS,
-    QMATVEC_ROW_WARPS, QMATVEC_WARPS, QROW_MAX_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_KEYS,
-    QSDPA_TC_ROWS, QSDPA_WARPS,
+    combine_launch, row_matvec_split_for, split_bound, split_keys, split_min_keys_for,
+    AttentionGeometry, CombineLaunch, QmatParams, QsdpaParams, SideStrides, QMATVEC_MMA_ROWS,
+    QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS, QROW_MAX_WARPS, QSDPA_HEAD_DIMS,
+    QSDPA_ROWS, QSDPA_TC_KEYS, QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use super::scratch::with_scratch;
 use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
@@ -108,19 +108,16 @@ fn decode_rows_two() -> bool {
     *TWO.get_or_init(|| std::env::var("CANDLE_GEMMA_QSDPA_ROWS").is_ok_and(|v| v == "2"))
 }
 
-/// The fewest keys a flash-decoding split takes: 32. Fewer, longer splits save the combine
-/// launch but cost more GPU time than they save: one decode step at context 128 under ncu on an
-/// H100 took 6.66 / 5.76 / 4.13 ms of GPU time on E4B / 26B-A4B / E2B with 32 keys a split,
-/// 6.88 / 5.86 / 4.32 with 128, and 7.20 / 5.99 / 4.58 unsplit (`device-run.sh gpuab`).
-/// `CANDLE_GEMMA_SPLIT_MIN_KEYS` overrides it (A/B switch).
-fn split_min_keys() -> usize {
+/// The fewest keys a flash-decoding split takes: [`split_min_keys_for`] the launch, or
+/// `CANDLE_GEMMA_SPLIT_MIN_KEYS` for every launch (A/B switch).
+fn split_min_keys(row_dims: usize, keys: usize, base_blocks: usize, resident: usize) -> usize {
     static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let forced = *MIN.get_or_init(|| {
         std::env::var("CANDLE_GEMMA_SPLIT_MIN_KEYS")
             .ok()
             .and_then(|v| v.parse().ok())
     });
-    forced.unwrap_or(32)
+    forced.unwrap_or_else(|| split_min_keys_for(row_dims, keys, base_blocks, resident))
 }
 
 /// Fused quantized attention of one sequence on a CUDA device: the host API behind
@@ -626,7 +623,12 @@ pub(super) fn plan_seq(
         keys.max(1),
         row_blocks * kv_heads,
         resident,
-        split_min_keys(),
+        split_min_keys(
+            n_heads * q_len * head_dim,
+            keys,
+            row_blocks * kv_heads,
+            resident,
+        ),
     );
     params.set_split((n_split, per))?;
     let split_bound = split_bound(row_blocks * kv_heads, resident);
@@ -1538,6 +1540,26 @@ pub fn skip_event_tracking(dev: &CudaDevice) {
         // SAFETY: with a single stream the events are never waited on (see above).
         unsafe { dev.disable_event_tracking() };
     }
+}
+
+/// Occupies the device's stream for `ns` nanoseconds (one spinning thread). A benchmark that
+/// enqueues work behind it sees that work run back to back on the GPU, so events around the
+/// work time the GPU alone, not the host's enqueue.
+///
+/// # Errors
+/// CUDA errors (loading or launching the kernel).
+pub fn gpu_spin(dev: &CudaDevice, ns: u64) -> candle_core::Result<()> {
+    let func = load_kernel(dev, "gpu_spin", MODULE, IMAGE)?;
+    let cfg = LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = func.builder();
+    b.arg(&ns);
+    // SAFETY: the kernel takes one u64 and touches no memory.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
 }
 
 /// Returns the pool's unused blocks to the driver (so a memory reading counts live tensors).

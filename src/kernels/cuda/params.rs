@@ -365,6 +365,35 @@ pub fn split_bound(base_blocks: usize, resident_blocks: usize) -> usize {
     (resident_blocks / base_blocks.max(1)).clamp(1, QSDPA_MAX_SPLIT)
 }
 
+/// The fewest keys a flash-decoding split takes, for `keys` keys over `base_blocks` blocks
+/// (KV heads x row blocks) on a device holding `resident_blocks`, whose query rows hold
+/// `row_dims` values (heads x queries x head dim): 16 (one tile) where the rows are few (at
+/// most 4096 values, E4B's decode shapes) and 32-key splits would fill at most a quarter of
+/// the device; else 32.
+///
+/// Fewer, longer splits save combine work but cost more GPU time than they save: one decode
+/// step at context 128 under ncu on an H100 took 6.66 / 5.76 / 4.13 ms of GPU time on E4B /
+/// 26B-A4B / E2B with 32 keys a split, 6.88 / 5.86 / 4.32 with 128, and 7.20 / 5.99 / 4.58
+/// unsplit (`device-run.sh gpuab`). Shorter ones, timed back to back on the GPU
+/// (`bench_kernels`' `queued_seconds`, H100, two rounds, 16 against 32 keys a split): at 1k
+/// keys E4B sliding 4-/8-bit 7.6 / 8.1 against 8.2 / 9.2-9.3 µs and E4B full 8.0-8.1 / 8.9
+/// against 9.0 / 9.9-10.0; but E4B sliding 8-bit at 8k keys 15.6-15.8 against 13.7 (512
+/// splits against 256), and 31B full and sliding 8-bit at 1k keys 16.6-16.9 and 14.5-14.6
+/// against 13.0-13.2 (32 heads' partials a split make the combine the larger cost).
+pub fn split_min_keys_for(
+    row_dims: usize,
+    keys: usize,
+    base_blocks: usize,
+    resident_blocks: usize,
+) -> usize {
+    let blocks_at_32 = base_blocks * keys.div_ceil(32);
+    if row_dims <= 4096 && 4 * blocks_at_32 <= resident_blocks {
+        16
+    } else {
+        32
+    }
+}
+
 /// Chooses the flash-decoding split: about `resident_blocks` blocks in all (what the GPU holds
 /// at once), each split keeping at least `min_keys` keys. Returns `(n_split, keys_per_split)`.
 pub fn split_keys(
@@ -459,6 +488,20 @@ mod tests {
         for hd in QSDPA_HEAD_DIMS {
             assert_eq!(hd % combine_launch(342).dims, 0, "head dim {hd}");
         }
+    }
+
+    #[test]
+    fn one_tile_splits_only_for_few_rows_on_a_short_view() {
+        // E4B decode (8 heads x 256/512 dims, 2 KV heads) at 1k keys, 8 and 4 blocks a
+        // multiprocessor on 132.
+        assert_eq!(split_min_keys_for(8 * 256, 1024, 2, 1056), 16);
+        assert_eq!(split_min_keys_for(8 * 512, 1024, 2, 528), 16);
+        // The same at 8k keys: 512 blocks of 32 keys, half the device.
+        assert_eq!(split_min_keys_for(8 * 256, 8192, 2, 1056), 32);
+        // 31B decode (32 heads): partials dominate.
+        assert_eq!(split_min_keys_for(32 * 256, 1024, 16, 1056), 32);
+        // Prefill rows.
+        assert_eq!(split_min_keys_for(8 * 512 * 256, 1024, 2, 528), 32);
     }
 
     #[test]

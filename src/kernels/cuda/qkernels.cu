@@ -1436,3 +1436,14 @@ QUANT_INST(bf16, __nv_bfloat16, 4)
 QUANT_INST(bf16, __nv_bfloat16, 8)
 
 #include "qsdpa_tc.cuh"
+
+// One thread that returns `ns` nanoseconds after it starts (device clock): work a benchmark
+// enqueues behind it then runs back to back, timed on the GPU without the host's enqueue time.
+extern "C" __global__ void gpu_spin(const unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
