@@ -406,6 +406,14 @@ PY
       python3 scripts/gpu_graph_scratch_check.py .device/bench ${ROUNDS:-4} > "$OUT/graph-scratch.txt" 2>&1
       echo "graph scratch exit $?"; tail -1 "$OUT/graph-scratch.txt"
       ;;
+    attnq)
+      # Decode and prefill attention at 1k-128k keys, ROUNDS runs; the decode table (GPU-only
+      # `queued_seconds` with the wall-clock ratios) by scripts/attn_queued_table.py.
+      for r in $(seq ${ROUNDS:-2}); do
+        .device/bench_kernels --attention-only > "$OUT/attn-final-$r.jsonl" 2>&1; echo "attention round $r exit $?"
+      done
+      python3 scripts/attn_queued_table.py "$OUT"/attn-final-*.jsonl | tee "$OUT/attn-final-table.md"
+      ;;
     attnvar)
       # Decode attention (--quick: 1k and 32k keys) under each of ATTN_VARIANTS (env settings
       # joined by '+'), alternating, ROUNDS rounds; table by scripts/attn_variants_table.py.
