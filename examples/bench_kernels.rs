@@ -352,6 +352,16 @@ fn main() -> Result<()> {
                     Ok(())
                 })?;
                 let enqueue = last_enqueue();
+                let queued = if rows == 1 {
+                    queued_time(&dev, iters, || {
+                        i += 1;
+                        qmatmul(&x, &wq[i % rot])?;
+                        Ok(())
+                    })?
+                } else {
+                    None
+                };
+                let queued_fraction = queued.map(|q| bytes as f64 / q / 1e9 / copy_gbs);
                 let gbs = bytes as f64 / t / 1e9;
                 // Also a copy moving the same bytes (half read, half written), rotated like
                 // the weights: what a transfer of this size reaches, ramp and tail included.
@@ -361,12 +371,14 @@ fn main() -> Result<()> {
                     0.0
                 };
                 println!(
-                    "{{\"bench\":\"qmatmul\",\"kernel\":\"{}\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"bits\":{bits},\"group\":{group},\"seconds\":{t:.6e},\"enqueue_seconds\":{enqueue:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3},\"same_size_copy_gb_per_s\":{same:.1},\"fraction_of_same_size_copy\":{:.3}}}",
+                    "{{\"bench\":\"qmatmul\",\"kernel\":\"{}\",\"shape\":\"{name}\",\"out\":{out},\"in\":{inp},\"rows\":{rows},\"bits\":{bits},\"group\":{group},\"seconds\":{t:.6e},\"enqueue_seconds\":{enqueue:.6e},\"bf16_seconds\":{t_bf16:.6e},\"speedup\":{:.3},\"packed_bytes\":{bytes},\"gb_per_s\":{gbs:.1},\"bf16_gb_per_s\":{:.1},\"copy_gb_per_s\":{copy_gbs:.1},\"fraction_of_copy\":{:.3},\"same_size_copy_gb_per_s\":{same:.1},\"fraction_of_same_size_copy\":{:.3},\"queued_seconds\":{},\"queued_fraction_of_copy\":{}}}",
                     matvec_kernel(rows, bits, group),
                     t_bf16 / t,
                     dense_bytes as f64 / t_bf16 / 1e9,
                     gbs / copy_gbs,
-                    if same > 0.0 { gbs / same } else { 0.0 }
+                    if same > 0.0 { gbs / same } else { 0.0 },
+                    json_num(queued),
+                    queued_fraction.map_or_else(|| "null".into(), |f| format!("{f:.3}")),
                 );
             }
         }
