@@ -494,6 +494,19 @@ fn tc_block_smem(dev: &CudaDevice, head_dim: usize, bits: usize, staging: TcStag
     stages.max(pinned) as u32
 }
 
+/// Whether a launch over `keys` keys with `base_blocks` blocks a key split (KV heads x row
+/// blocks) keeps 8-bit tiles at head dim 256 in registers although [`tc_staging`] stages them:
+/// at most 4 such blocks (1-2 KV heads, as in E4B's and E2B's sliding layers) and fewer than
+/// 64k keys. Measured on an H100, timed on the GPU alone (`bench_kernels`' `queued_seconds`,
+/// two rounds each; `bench-results/h100-s19-attn-knobs.md`, `h100-s19-attn-staged-*.jsonl`,
+/// `h100-s19-attn-registers-*.jsonl`), E4B sliding 8-bit, registers against staged: 13.4
+/// against 13.9 µs at 8k keys, 25.3-25.4 against 25.8-25.9 at 32k, 69.2-69.3 against
+/// 65.2-65.9 at 128k, 8.0-8.1 either way at 1k. 31B sliding (16 KV heads) at 32k took
+/// 122.1-122.9 in registers against 112.3-112.4 staged.
+fn registers_for_few_heads(head_dim: usize, bits: usize, base_blocks: usize, keys: usize) -> bool {
+    (head_dim, bits) == (256, 8) && base_blocks <= 4 && keys < 1 << 16
+}
+
 /// Whether both sides' scales and biases can be staged in 4-byte copies: every key's and
 /// head's first value at an even element.
 fn scales_stageable(sides: [&KernelSide; 2]) -> bool {
@@ -590,7 +603,11 @@ pub(super) fn plan_seq(
     // blocks it holds at once: one wave, no tail).
     let sms = sm_count(dev);
     let staging = tc_staging(head_dim, bits);
-    let mut stages = if tensor_cores && matches!(bits, 4 | 8) && scales_stageable([&ks, &vs]) {
+    let mut stages = if tensor_cores
+        && matches!(bits, 4 | 8)
+        && scales_stageable([&ks, &vs])
+        && !registers_for_few_heads(head_dim, bits, row_blocks * kv_heads, keys)
+    {
         staging.stages
     } else {
         0
