@@ -230,18 +230,15 @@ fn main() -> Result<()> {
                     })
                     .collect::<Result<_>>()?;
                 let mut i = 0;
-                let t_dense = time(&dev, iters, || {
+                let mut dense_call = || {
                     i += 1;
                     attend(&q, &dviews[i % dense_copies], &[q_off], None, scale)?;
                     Ok(())
-                })?;
+                };
+                let t_dense = time(&dev, iters, &mut dense_call)?;
                 let dense_enqueue = last_enqueue();
                 let dense_queued = if q_len == 1 {
-                    queued_time(&dev, iters, || {
-                        i += 1;
-                        attend(&q, &dviews[i % dense_copies], &[q_off], None, scale)?;
-                        Ok(())
-                    })?
+                    queued_time(&dev, iters, &mut dense_call)?
                 } else {
                     None
                 };
@@ -266,20 +263,16 @@ fn main() -> Result<()> {
                     };
                     for &path in paths {
                         let mut i = 0;
-                        let t = time(&dev, iters, || {
+                        let mut packed_call = || {
                             i += 1;
                             let (k, v) = &kvs[i % copies];
                             attend_packed_cuda(&q, k, v, &pos, q_off, None, scale, path)?;
                             Ok(())
-                        })?;
+                        };
+                        let t = time(&dev, iters, &mut packed_call)?;
                         let enqueue = last_enqueue();
                         let queued = if q_len == 1 && dense_queued.is_some() {
-                            queued_time(&dev, iters, || {
-                                i += 1;
-                                let (k, v) = &kvs[i % copies];
-                                attend_packed_cuda(&q, k, v, &pos, q_off, None, scale, path)?;
-                                Ok(())
-                            })?
+                            queued_time(&dev, iters, &mut packed_call)?
                         } else {
                             None
                         };
@@ -346,18 +339,15 @@ fn main() -> Result<()> {
                     .collect::<Result<_>>()?;
                 let bytes = wq[0].packed_bytes();
                 let mut i = 0;
-                let t = time(&dev, iters, || {
+                let mut call = || {
                     i += 1;
                     qmatmul(&x, &wq[i % rot])?;
                     Ok(())
-                })?;
+                };
+                let t = time(&dev, iters, &mut call)?;
                 let enqueue = last_enqueue();
                 let queued = if rows == 1 {
-                    queued_time(&dev, iters, || {
-                        i += 1;
-                        qmatmul(&x, &wq[i % rot])?;
-                        Ok(())
-                    })?
+                    queued_time(&dev, iters, &mut call)?
                 } else {
                     None
                 };
