@@ -17,11 +17,20 @@ use candle_gemma::kernels::qmatmul::{qmatmul, PackedWeight};
 use candle_gemma::kv::{KeyPositions, KvData, KvView, PackedKv, QuantBits};
 use std::time::Instant;
 
+/// Calls a measurement point makes under a profiler (`BENCH_KERNELS_ONCE` set: its count, or 1).
+fn profiler_calls() -> Option<usize> {
+    let v = std::env::var("BENCH_KERNELS_ONCE").ok()?;
+    Some(v.parse().unwrap_or(1).max(1))
+}
+
 /// Median seconds per call of `f`.
 fn time<F: FnMut() -> Result<()>>(dev: &Device, iters: usize, mut f: F) -> Result<f64> {
-    // One call per measurement point, for a profiler that records every launch.
-    if std::env::var_os("BENCH_KERNELS_ONCE").is_some() {
-        f()?;
+    // A few calls per measurement point (`BENCH_KERNELS_ONCE`: 1, or the count it gives), for
+    // a profiler that records every launch.
+    if let Some(calls) = profiler_calls() {
+        for _ in 0..calls {
+            f()?;
+        }
         dev.synchronize()?;
         return Ok(1.0);
     }
@@ -60,6 +69,9 @@ fn queued_time<F: FnMut() -> Result<()>>(
     let Device::Cuda(c) = dev else {
         return Ok(None);
     };
+    if profiler_calls().is_some() {
+        return Ok(None);
+    }
     let spin = std::time::Duration::from_secs_f64(4.0 * iters as f64 * last_enqueue() + 500e-6);
     let stream = c.cuda_stream();
     let mut v = Vec::new();
@@ -129,6 +141,14 @@ fn packed(
         bits: QuantBits::from_bits(bits)?,
         group_size: group,
     })
+}
+
+/// The value after `flag` on the command line, if given.
+fn arg_value(flag: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
 }
 
 fn main() -> Result<()> {
@@ -204,8 +224,17 @@ fn main() -> Result<()> {
     } else {
         &[1024, 8192, 32768, 131072]
     };
-    for &(name, nh, kvh, hd) in shapes.iter().filter(|_| attention) {
-        for &keys in key_counts {
+    // `--shape NAME`, `--keys N`: one attention shape or key count (for a profiler's run).
+    let only_shape = arg_value("--shape");
+    let only_keys = arg_value("--keys").and_then(|k| k.parse::<usize>().ok());
+    for &(name, nh, kvh, hd) in shapes
+        .iter()
+        .filter(|s| attention && only_shape.as_deref().is_none_or(|o| o == s.0))
+    {
+        for &keys in key_counts
+            .iter()
+            .filter(|&&k| only_keys.is_none_or(|o| o == k))
+        {
             for q_len in [1usize, 512] {
                 if q_len > 1 && keys > 32768 {
                     continue; // the dense path's host-built mask dominates there

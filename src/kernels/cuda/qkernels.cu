@@ -401,22 +401,14 @@ __device__ __forceinline__ void qsdpa_combine_rows_body(const QsdpaParams& p,
 // the dim chunk), so a row's merge spreads over head_dim / 32 blocks. Thread t reads float4
 // `t % 8` of the chunk for splits `t / 8 + 32 i`: each warp load covers four splits' 128-byte
 // rows. Every thread issues its first P partial loads (P = 4 or 12: up to 128 or 384 splits,
-// the host picks the fewest that cover the splits; 12 take 105 registers, two blocks a
-// multiprocessor), with their (m, l), before anything waits, so one round of loads serves; the
-// block's max and softmax sum come from one pair reduction (online-softmax merges) over the
-// threads that hold each split once (t % 8 == 0).
+// the host picks the fewest that cover the splits; 12 take ~123 registers, two blocks a
+// multiprocessor; 4 are held to 48, five blocks, so the 512 blocks of a 31B full-layer decode
+// fit in one wave), with their (m, l), before anything waits, so one round of loads serves. The
+// block's largest split max comes from a max reduction; then each thread weighs its splits by
+// exp(m - max) and the weighted sums and softmax sums are added over the block.
 constexpr int QC_DIMS = 32;
 constexpr int QC_THREADS = 256;
 constexpr int QC_ROUND = QC_THREADS / (QC_DIMS / 4);  // splits a block reads per load round
-
-// Merges (m2, l2) into the running (m, l) of exp-weighted sums (l = 0: nothing yet).
-__device__ __forceinline__ void softmax_pair_merge(float& m, float& l, const float m2,
-                                                   const float l2) {
-    const float M = fmaxf(m, m2);
-    if (M == -INFINITY) return;
-    l = (l > 0.f ? l * __expf(m - M) : 0.f) + (l2 > 0.f ? l2 * __expf(m2 - M) : 0.f);
-    m = M;
-}
 
 template <typename T, int QC_PREFETCH>
 __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
@@ -447,33 +439,29 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
             pml[i] = make_float2(-INFINITY, 0.f);
         }
     }
-    float m = -INFINITY, l = 0.f;
-    if (quad == 0) {
+    // The largest split max first (a max reduction, no exponentials in the chain); then every
+    // thread weighs its own splits at once.
+    float mloc = -INFINITY;
 #pragma unroll
-        for (int i = 0; i < QC_PREFETCH; ++i) softmax_pair_merge(m, l, pml[i].x, pml[i].y);
-        for (int s = sub + QC_ROUND * QC_PREFETCH; s < n; s += QC_ROUND) {
-            const float2 v = __ldcg(ml + (size_t)s * total);
-            softmax_pair_merge(m, l, v.x, v.y);
-        }
-    }
+    for (int i = 0; i < QC_PREFETCH; ++i) mloc = fmaxf(mloc, pml[i].x);
+    for (int s = sub + QC_ROUND * QC_PREFETCH; s < n; s += QC_ROUND)
+        mloc = fmaxf(mloc, __ldcg(ml + (size_t)s * total).x);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
-        const float l2 = __shfl_xor_sync(0xffffffffu, l, off);
-        softmax_pair_merge(m, l, m2, l2);
-    }
-    if (lane == 0) {
-        red_m[warp] = m;
-        red_l[warp] = l;
-    }
+    for (int off = 16; off > 0; off >>= 1)
+        mloc = fmaxf(mloc, __shfl_xor_sync(0xffffffffu, mloc, off));
+    if (lane == 0) red_m[warp] = mloc;
     __syncthreads();
-    float M = -INFINITY, L = 0.f;
+    float M = red_m[0];
 #pragma unroll
-    for (int w = 0; w < QC_THREADS / 32; ++w) softmax_pair_merge(M, L, red_m[w], red_l[w]);
-    const float inv = L > 0.f ? 1.f / L : 0.f;
+    for (int w = 1; w < QC_THREADS / 32; ++w) M = fmaxf(M, red_m[w]);
+    // No split saw a key: every weight is 2^-inf = 0, and so is the output.
+    const float Ms = M == -INFINITY ? 0.f : M;
+    float L = 0.f;
     float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
     auto add = [&](const float2 v, const float4 a) {
-        const float w = v.y > 0.f ? __expf(v.x - M) : 0.f;
+        float w;
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(w) : "f"((v.x - Ms) * 1.4426950408889634f));
+        L = fmaf(w, v.y, L);
         A.x = fmaf(w, a.x, A.x); A.y = fmaf(w, a.y, A.y);
         A.z = fmaf(w, a.z, A.z); A.w = fmaf(w, a.w, A.w);
     };
@@ -482,24 +470,28 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
     for (int s = sub + QC_ROUND * QC_PREFETCH; s < n; s += QC_ROUND)
         add(__ldcg(ml + (size_t)s * total),
             __ldcg(reinterpret_cast<const float4*>(acc + s * acc_step)));
-    // Lanes q, q + 8, q + 16, q + 24 of a warp hold the same dims.
+    // Lanes q, q + 8, q + 16, q + 24 of a warp hold the same dims (and L over other splits).
 #pragma unroll
     for (int off = QC_DIMS / 4; off < 32; off <<= 1) {
         A.x += __shfl_xor_sync(0xffffffffu, A.x, off);
         A.y += __shfl_xor_sync(0xffffffffu, A.y, off);
         A.z += __shfl_xor_sync(0xffffffffu, A.z, off);
         A.w += __shfl_xor_sync(0xffffffffu, A.w, off);
+        L += __shfl_xor_sync(0xffffffffu, L, off);
     }
     if (lane < QC_DIMS / 4) sums[warp][lane] = A;
+    if (lane == 0) red_l[warp] = L;
     __syncthreads();
     if (t < QC_DIMS / 4) {
         float4 S = sums[0][t];
+        float Lt = red_l[0];
 #pragma unroll
         for (int w = 1; w < QC_THREADS / 32; ++w) {
             const float4 v = sums[w][t];
             S.x += v.x; S.y += v.y; S.z += v.z; S.w += v.w;
+            Lt += red_l[w];
         }
-        store_scaled4(out + ((size_t)head * p.q_len + qi) * hd + d, S, inv);
+        store_scaled4(out + ((size_t)head * p.q_len + qi) * hd + d, S, Lt > 0.f ? 1.f / Lt : 0.f);
     }
 }
 
@@ -555,13 +547,13 @@ __device__ __forceinline__ void qsdpa_batch_entry(const QsdpaSeq* seqs, uint32_t
 
 // The split-combining kernels: `qsdpa_combine_TN` (one sequence) and `qsdpa_combine_batch_TN`
 // (grid y = sequence), and the previous ones as `qsdpa_combine_rows_..` (A/B runs).
-#define QSDPA_COMBINE_INST_AS(NAME, BODY, THREADS, TN, T)                                     \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+#define QSDPA_COMBINE_INST_AS(NAME, BODY, THREADS, MINB, TN, T)                               \
+    extern "C" __global__ void __launch_bounds__(THREADS, MINB)                                \
         NAME##_##TN(const QsdpaParams p, const float* part_ml, const float* part_acc, T* out) { \
         pdl_entry();                                                                           \
         BODY<T>(p, part_ml, part_acc, out, blockIdx.y);                                        \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(THREADS)                                      \
+    extern "C" __global__ void __launch_bounds__(THREADS, MINB)                                \
         NAME##_batch_##TN(const QsdpaSeq* seqs, uint32_t n_split_max, T* out,                   \
                           const float* part_ml, const float* part_acc) {                       \
         pdl_entry();                                                                           \
@@ -583,9 +575,9 @@ __device__ __forceinline__ void qsdpa_combine_p12_body(const QsdpaParams& p, con
     qsdpa_combine_body<T, 12>(p, ml, acc, out, chunk);
 }
 #define QSDPA_COMBINE_INST(TN, T)                                                              \
-    QSDPA_COMBINE_INST_AS(qsdpa_combine_p4, qsdpa_combine_p4_body, QC_THREADS, TN, T)          \
-    QSDPA_COMBINE_INST_AS(qsdpa_combine_p12, qsdpa_combine_p12_body, QC_THREADS, TN, T)        \
-    QSDPA_COMBINE_INST_AS(qsdpa_combine_rows, qsdpa_combine_rows_body, QS_COMBINE_THREADS, TN, T)
+    QSDPA_COMBINE_INST_AS(qsdpa_combine_p4, qsdpa_combine_p4_body, QC_THREADS, 5, TN, T)       \
+    QSDPA_COMBINE_INST_AS(qsdpa_combine_p12, qsdpa_combine_p12_body, QC_THREADS, 2, TN, T)     \
+    QSDPA_COMBINE_INST_AS(qsdpa_combine_rows, qsdpa_combine_rows_body, QS_COMBINE_THREADS, 1, TN, T)
 
 #define QSDPA_INST_T(TN, T)                                                                    \
     QSDPA_INST_HD(TN, T, 4)                                                                    \

@@ -333,13 +333,16 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         qt_query_frags<T, BITS>(q + ((size_t)head * p.q_len + qi) * HD + kd0, ok, qb);
     }
     // Score C fragment rows: 2tq, 2tq + 1.
-    uint32_t qpos[2];
-    bool qok[2];
+    // Row c sees the keys at positions lo[c] .. lo[c] + span[c] (causal, and the sliding
+    // window): one unsigned compare a key. Rows past the block's end have zero queries and are
+    // never written out, so they may see keys like row 0.
+    uint32_t lo[2], span[2];
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
         const int r = row0 + 2 * tq + c;
-        qok[c] = r < rows;
-        qpos[c] = p.q_offset + (qok[c] ? r / group : 0);
+        const uint32_t qpos = p.q_offset + (r < rows ? r / group : 0);
+        lo[c] = p.window != 0 && qpos >= p.window ? qpos - p.window + 1 : 0u;
+        span[c] = qpos - lo[c];
     }
 
     const int j0 = split * p.keys_per_split;
@@ -414,13 +417,20 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
             __syncthreads();
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
-                float4 t = xs[par][0][n][lane];
+                if constexpr (NWARP == 2) {
+                    // Own partial plus the other warp's: both warps add the same two numbers.
+                    const float4 o = xs[par][warp ^ 1][n][lane];
+                    sc[n][0] += o.x; sc[n][1] += o.y; sc[n][2] += o.z; sc[n][3] += o.w;
+                } else {
+                    // One order of the warps' partials for all, so every warp's scores agree.
+                    float4 t = xs[par][0][n][lane];
 #pragma unroll
-                for (int w = 1; w < NWARP; ++w) {
-                    const float4 o = xs[par][w][n][lane];
-                    t.x += o.x; t.y += o.y; t.z += o.z; t.w += o.w;
+                    for (int w = 1; w < NWARP; ++w) {
+                        const float4 o = xs[par][w][n][lane];
+                        t.x += o.x; t.y += o.y; t.z += o.z; t.w += o.w;
+                    }
+                    sc[n][0] = t.x; sc[n][1] = t.y; sc[n][2] = t.z; sc[n][3] = t.w;
                 }
-                sc[n][0] = t.x; sc[n][1] = t.y; sc[n][2] = t.z; sc[n][3] = t.w;
             }
         }
         // Scale and mask: sc[n][2a + c] is key gq + 8a of tile n, row 2tq + c.
@@ -431,9 +441,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
             for (int a = 0; a < 2; ++a) {
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
-                    const uint32_t kp = cur[n].pos[a];
-                    const bool vis = cur[n].in[a] && qok[c] && kp <= qpos[c] &&
-                                     (p.window == 0 || kp + p.window > qpos[c]);
+                    const bool vis = cur[n].in[a] && cur[n].pos[a] - lo[c] <= span[c];
                     const float v = vis ? sc[n][2 * a + c] * scale2 : -INFINITY;
                     sc[n][2 * a + c] = v;
                     tmax[c] = fmaxf(tmax[c], v);
