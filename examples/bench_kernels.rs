@@ -332,10 +332,19 @@ fn main() -> Result<()> {
         ("mlp_down", 5376, 21504),
         ("e4b_mlp_down", 2560, 10240),
     ];
-    for &(name, out, inp) in &projs {
+    // `--proj NAME`, `--rows N`: one projection or activation row count.
+    let only_proj = arg_value("--proj");
+    let only_rows = arg_value("--rows").and_then(|r| r.parse::<usize>().ok());
+    for &(name, out, inp) in projs
+        .iter()
+        .filter(|p| only_proj.as_deref().is_none_or(|o| o == p.0))
+    {
         // Weight copies rotated so that L2 (50 MB) cannot hold them: 200 MB of 4-bit codes.
         let rot = 200_000_000usize.div_ceil(out * inp / 2).clamp(4, 16);
-        for rows in [1usize, 8, 512] {
+        for rows in [1usize, 8, 512]
+            .into_iter()
+            .filter(|&r| only_rows.is_none_or(|o| o == r))
+        {
             let iters = if rows <= 8 { 40 } else { 5 };
             let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?.to_dtype(DType::BF16)?;
             let ws: Vec<Tensor> = (0..rot)
