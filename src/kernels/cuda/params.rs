@@ -37,10 +37,11 @@ pub struct CombineLaunch {
 /// twelve beyond; both sum in the same order, so a batch launch sized for its longest sequence
 /// and a graph sized for the most splits give the same bits as a sequence launched alone).
 /// `CANDLE_GEMMA_COMBINE=rows` runs the previous kernel instead (a block per 128 head dims,
-/// weights first; for A/B runs). The previous kernel takes less GPU time with few splits and
-/// many blocks (H100 under ncu: 31B full at 1k keys 5.4-5.7 against 6.7-6.9 µs; an E4B batch-8
-/// decode step at context 4096 298.1 against 367.5 µs of combines), but choosing it by split
-/// count would make a sequence's bits depend on its batch neighbours.
+/// weights first; for A/B runs). That kernel took less GPU time than the eighteenth session's
+/// form of this one with few splits and many blocks (H100 under ncu: 31B full at 1k keys
+/// 5.4-5.7 against 6.7-6.9 µs); this form (the largest split max first, then every split
+/// weighed at once, twentieth session) took 2.3-3.5 µs off every call at 32k keys. Choosing a
+/// kernel by split count would make a sequence's bits depend on its batch neighbours.
 pub fn combine_launch(n_split: usize) -> CombineLaunch {
     static ROWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let rows =
