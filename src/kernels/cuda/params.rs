@@ -40,7 +40,7 @@ pub struct CombineLaunch {
 /// weights first; for A/B runs). That kernel took less GPU time than the eighteenth session's
 /// form of this one with few splits and many blocks (H100 under ncu: 31B full at 1k keys
 /// 5.4-5.7 against 6.7-6.9 µs); this form (the largest split max first, then every split
-/// weighed at once, twentieth session) took 2.3-3.5 µs off every call at 32k keys. Choosing a
+/// weighed at once, twentieth session) took 2.1-3.6 µs off every call at 32k keys. Choosing a
 /// kernel by split count would make a sequence's bits depend on its batch neighbours.
 pub fn combine_launch(n_split: usize) -> CombineLaunch {
     static ROWS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
