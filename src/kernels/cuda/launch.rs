@@ -416,8 +416,9 @@ pub(super) struct TcStaging {
 
 /// The staging measured best on an H100 at 32k keys (`device-run.sh attnvar`,
 /// `bench-results/h100-s17-attn-staged-*.jsonl`): 8-bit codes and 4-bit codes at head dim 512
-/// are staged; 4-bit codes at head dim 256 keep their tiles in registers, where staging ran
-/// 4-17% slower. 8-bit at head dim 256 was pinned at 6 blocks a multiprocessor until the
+/// are staged. 4-bit codes at head dim 256 kept their tiles in registers (staging one tile a
+/// step ran 4-17% slower on E4B sliding); since the twentieth session they are staged two
+/// tiles a step except for 1-2 KV heads ([`registers_for_few_heads`]). 8-bit at head dim 256 was pinned at 6 blocks a multiprocessor until the
 /// eighteenth session's cheaper combine made the 8 that fit (more, shorter splits) faster
 /// again (E4B sliding 26.7-27.6 -> 26.3-26.4 µs, 31B sliding 118.4-121.0 -> 114.5-118.2;
 /// `bench-results/h100-s18-attn-pins.md`; no other pin helped). `CANDLE_GEMMA_QT_STAGED=0`
@@ -438,7 +439,7 @@ pub(super) fn tc_staging(head_dim: usize, bits: usize) -> TcStaging {
     let chosen = match (head_dim, bits) {
         _ if off => registers,
         (256, 8) | (512, 8) => staged(1, None),
-        (512, 4) => staged(2, None),
+        (512, 4) | (256, 4) => staged(2, None),
         _ => registers,
     };
     match pin_override(head_dim, bits) {
@@ -495,16 +496,27 @@ fn tc_block_smem(dev: &CudaDevice, head_dim: usize, bits: usize, staging: TcStag
 }
 
 /// Whether a launch over `keys` keys with `base_blocks` blocks a key split (KV heads x row
-/// blocks) keeps 8-bit tiles at head dim 256 in registers although [`tc_staging`] stages them:
-/// at most 4 such blocks (1-2 KV heads, as in E4B's and E2B's sliding layers) and fewer than
-/// 64k keys. Measured on an H100, timed on the GPU alone (`bench_kernels`' `queued_seconds`,
+/// blocks) keeps tiles at head dim 256 in registers although [`tc_staging`] stages them: at
+/// most 4 such blocks (1-2 KV heads, as in E4B's and E2B's sliding layers), and for 8-bit codes
+/// fewer than 64k keys.
+///
+/// 4-bit codes (twentieth session, `bench_kernels --attention-only --shape S`, two rounds,
+/// `bench-results/h100-s20-staged256x4-*`): staged two tiles a step, 31B sliding (16 KV heads)
+/// took 8.5-8.8 µs at 1k keys against 9.6-9.7 in registers, 68.9 against 72.2-72.6 at 32k,
+/// 248.9 against 256.1-256.2 at 128k; E4B sliding was slower staged at 1k and 8k keys (6.0-6.1
+/// against 5.8, 9.7-9.8 against 9.4-9.5) and the same at 32k (16.7-17.0 against 16.9-17.2).
+/// 8-bit codes: Measured on an H100, timed on the GPU alone (`bench_kernels`' `queued_seconds`,
 /// two rounds each; `bench-results/h100-s19-attn-knobs.md`, `h100-s19-attn-staged-*.jsonl`,
 /// `h100-s19-attn-registers-*.jsonl`), E4B sliding 8-bit, registers against staged: 13.4
 /// against 13.9 µs at 8k keys, 25.3-25.4 against 25.8-25.9 at 32k, 69.2-69.3 against
 /// 65.2-65.9 at 128k, 8.0-8.1 either way at 1k. 31B sliding (16 KV heads) at 32k took
 /// 122.1-122.9 in registers against 112.3-112.4 staged.
 fn registers_for_few_heads(head_dim: usize, bits: usize, base_blocks: usize, keys: usize) -> bool {
-    (head_dim, bits) == (256, 8) && base_blocks <= 4 && keys < 1 << 16
+    match (head_dim, bits) {
+        (256, 4) => base_blocks <= 4,
+        (256, 8) => base_blocks <= 4 && keys < 1 << 16,
+        _ => false,
+    }
 }
 
 /// Whether both sides' scales and biases can be staged in 4-byte copies: every key's and

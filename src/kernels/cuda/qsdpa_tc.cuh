@@ -677,7 +677,8 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
 #define QSDPA_TC_ST_INST_T(TN, T)            \
     QSDPA_TC_ST_INST(TN, T, 256, 8, 2, 1)    \
     QSDPA_TC_ST_INST(TN, T, 512, 8, 2, 1)    \
-    QSDPA_TC_ST_INST(TN, T, 512, 4, 2, 2)
+    QSDPA_TC_ST_INST(TN, T, 512, 4, 2, 2)    \
+    QSDPA_TC_ST_INST(TN, T, 256, 4, 2, 2)
 
 QSDPA_TC_ST_INST_T(f16, __half)
 QSDPA_TC_ST_INST_T(bf16, __nv_bfloat16)
