@@ -1,6 +1,6 @@
 // Helpers shared by `qkernels.cu` and `fused.cu`: element conversions, the 8-wide activation
-// load, the streaming weight load, the m16n8k16 tensor-core product, and the (value, index)
-// warp reduction of the argmax kernels.
+// load, the streaming weight load, the m16n8k16 tensor-core product, the (value, index) warp
+// reduction of the argmax kernels, and the softmaxes' base-2 exponential.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +8,17 @@
 #include <stdint.h>
 
 #include <type_traits>
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+// 2^x, approximate, subnormal results flushed to zero: one MUFU.EX2, without __expf's subnormal
+// fix-ups (softmaxes scale their exponents by LOG2E instead).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 __device__ __forceinline__ float to_f(float x) { return x; }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }

@@ -418,11 +418,11 @@ pub(super) struct TcStaging {
 /// `bench-results/h100-s17-attn-staged-*.jsonl`): 8-bit codes and 4-bit codes at head dim 512
 /// are staged. 4-bit codes at head dim 256 kept their tiles in registers (staging one tile a
 /// step ran 4-17% slower on E4B sliding); since the twentieth session they are staged two
-/// tiles a step except for 1-2 KV heads ([`registers_for_few_heads`]). 8-bit at head dim 256 was pinned at 6 blocks a multiprocessor until the
-/// eighteenth session's cheaper combine made the 8 that fit (more, shorter splits) faster
-/// again (E4B sliding 26.7-27.6 -> 26.3-26.4 µs, 31B sliding 118.4-121.0 -> 114.5-118.2;
-/// `bench-results/h100-s18-attn-pins.md`; no other pin helped). `CANDLE_GEMMA_QT_STAGED=0`
-/// keeps every tile in registers (A/B).
+/// tiles a step except for 1-2 KV heads ([`registers_for_few_heads`]). 8-bit at head dim 256
+/// was pinned at 6 blocks a multiprocessor until the eighteenth session's cheaper combine made
+/// the 8 that fit (more, shorter splits) faster again (E4B sliding 26.7-27.6 -> 26.3-26.4 µs,
+/// 31B sliding 118.4-121.0 -> 114.5-118.2; `bench-results/h100-s18-attn-pins.md`; no other pin
+/// helped). `CANDLE_GEMMA_QT_STAGED=0` keeps every tile in registers (A/B).
 pub(super) fn tc_staging(head_dim: usize, bits: usize) -> TcStaging {
     static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let off = *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_QT_STAGED").is_ok_and(|v| v == "0"));
@@ -505,7 +505,7 @@ fn tc_block_smem(dev: &CudaDevice, head_dim: usize, bits: usize, staging: TcStag
 /// took 8.5-8.8 µs at 1k keys against 9.6-9.7 in registers, 68.9 against 72.2-72.6 at 32k,
 /// 248.9 against 256.1-256.2 at 128k; E4B sliding was slower staged at 1k and 8k keys (6.0-6.1
 /// against 5.8, 9.7-9.8 against 9.4-9.5) and the same at 32k (16.7-17.0 against 16.9-17.2).
-/// 8-bit codes: Measured on an H100, timed on the GPU alone (`bench_kernels`' `queued_seconds`,
+/// 8-bit codes (nineteenth session, timed on the GPU alone: `bench_kernels`' `queued_seconds`,
 /// two rounds each; `bench-results/h100-s19-attn-knobs.md`, `h100-s19-attn-staged-*.jsonl`,
 /// `h100-s19-attn-registers-*.jsonl`), E4B sliding 8-bit, registers against staged: 13.4
 /// against 13.9 µs at 8k keys, 25.3-25.4 against 25.8-25.9 at 32k, 69.2-69.3 against

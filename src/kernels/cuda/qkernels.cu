@@ -459,8 +459,7 @@ __device__ __forceinline__ void qsdpa_combine_body(const QsdpaParams& p,
     float L = 0.f;
     float4 A = make_float4(0.f, 0.f, 0.f, 0.f);
     auto add = [&](const float2 v, const float4 a) {
-        float w;
-        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(w) : "f"((v.x - Ms) * 1.4426950408889634f));
+        const float w = fast_exp2((v.x - Ms) * LOG2E);
         L = fmaf(w, v.y, L);
         A.x = fmaf(w, a.x, A.x); A.y = fmaf(w, a.y, A.y);
         A.z = fmaf(w, a.z, A.z); A.w = fmaf(w, a.w, A.w);

@@ -75,14 +75,6 @@ __device__ __forceinline__ uint32_t qt_byte_deq(uint32_t a, uint32_t b, uint32_t
     }
 }
 
-// 2^x, approximate, subnormal results flushed to zero. The online softmax runs in base 2 (scores
-// scaled by log2 e): one MUFU.EX2 an exponential, without __expf's subnormal fix-ups.
-__device__ __forceinline__ float qt_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 template <typename T>
 __device__ __forceinline__ uint32_t qt_pair_of(T a, T b) {
     return (uint32_t)*reinterpret_cast<const uint16_t*>(&a) |
@@ -361,7 +353,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
     for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     // Running maxima in base 2 (scores times log2 e); written out in base e for the combine.
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    const float scale2 = p.scale * 1.4426950408889634f;
+    const float scale2 = p.scale * LOG2E;
 
     // Strides as int: keys are at most 2^31 words apart.
     const int ksk = (int)p.k_codes_sk, vsk = (int)p.v_codes_sk;
@@ -457,7 +449,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
             for (int off = 4; off < 32; off <<= 1)
                 tmax[c] = fmaxf(tmax[c], __shfl_xor_sync(0xffffffffu, tmax[c], off));
             const float mn = fmaxf(m[c], tmax[c]);
-            corr[c] = mn == -INFINITY ? 1.f : qt_exp2(m[c] - mn);
+            corr[c] = mn == -INFINITY ? 1.f : fast_exp2(m[c] - mn);
             ms[c] = mn == -INFINITY ? 0.f : mn;
             m[c] = mn;
         }
@@ -468,7 +460,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
             for (int a = 0; a < 2; ++a) {
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
-                    pr[n][2 * a + c] = qt_exp2(sc[n][2 * a + c] - ms[c]);
+                    pr[n][2 * a + c] = fast_exp2(sc[n][2 * a + c] - ms[c]);
                 }
             }
         }
@@ -625,7 +617,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
                                 acc[7][2 * h + c]);
             }
             if (warp == 0 && gq == 0) {
-                part_ml[prow * 2] = m[c] * 0.6931471805599453f;
+                part_ml[prow * 2] = m[c] * LN2;
                 part_ml[prow * 2 + 1] = l[c];
             }
         }
