@@ -12,10 +12,11 @@ use candle_core::{DType, Device, Layout, Storage, Tensor};
 
 use super::kernel_cache::load_kernel;
 use super::params::{
-    combine_launch, row_matvec_split_for, split_bound, split_keys, split_min_keys_for,
-    AttentionGeometry, CombineLaunch, QmatParams, QsdpaParams, SideStrides, QMATVEC_MMA_ROWS,
-    QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS, QROW_MAX_WARPS, QSDPA_HEAD_DIMS,
-    QSDPA_ROWS, QSDPA_TC_KEYS, QSDPA_TC_ROWS, QSDPA_WARPS,
+    balanced_split, combine_launch, row_matvec_split_for, split_bound, split_keys,
+    split_min_keys_for, AttentionGeometry, CombineLaunch, KeySplit, QmatParams, QsdpaParams,
+    SideStrides, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS,
+    QROW_MAX_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_SPLIT_STEP, QSDPA_TC_KEYS, QSDPA_TC_ROWS,
+    QSDPA_WARPS,
 };
 use super::scratch::with_scratch;
 use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
@@ -118,6 +119,46 @@ fn split_min_keys(row_dims: usize, keys: usize, base_blocks: usize, resident: us
             .and_then(|v| v.parse().ok())
     });
     forced.unwrap_or_else(|| split_min_keys_for(row_dims, keys, base_blocks, resident))
+}
+
+/// The key split of a launch: [`balanced_split`] where the kernel walks its keys one
+/// 16-key step at a time, else [`split_keys`]' equal splits. Kernels that attend two staged
+/// tiles a step take as many steps for 5 tiles as for 6, so splits one tile apart gain them
+/// nothing: on an H100 (`bench-results/h100-s21-split-balance.md`) 31B full 4-bit at 8k keys
+/// went 19.8 -> 20.2-20.3 µs and E4B full 4-bit 12.7 -> 12.8-12.9 when they were balanced.
+/// `CANDLE_GEMMA_SPLIT_BALANCE=0` keeps equal splits everywhere and `CANDLE_GEMMA_SPLITS=N`
+/// takes N splits (at most one wave), steps shared out as evenly, for A/B runs.
+fn key_split(
+    keys: usize,
+    base_blocks: usize,
+    resident: usize,
+    min_keys: usize,
+    sms: usize,
+    one_tile_steps: bool,
+) -> KeySplit {
+    static KNOBS: std::sync::OnceLock<(bool, Option<usize>)> = std::sync::OnceLock::new();
+    let (off, forced) = *KNOBS.get_or_init(|| {
+        (
+            std::env::var("CANDLE_GEMMA_SPLIT_BALANCE").is_ok_and(|v| v == "0"),
+            std::env::var("CANDLE_GEMMA_SPLITS")
+                .ok()
+                .and_then(|v| v.parse().ok()),
+        )
+    });
+    if let Some(n) = forced {
+        let steps = keys.div_ceil(QSDPA_SPLIT_STEP);
+        let n = n.clamp(1, steps.min(split_bound(base_blocks, resident)));
+        return KeySplit {
+            n,
+            per: steps / n * QSDPA_SPLIT_STEP,
+            long: steps % n,
+        };
+    }
+    if off || !one_tile_steps {
+        let (n, per) = split_keys(keys, base_blocks, resident, min_keys);
+        return KeySplit { n, per, long: 0 };
+    }
+    balanced_split(keys, base_blocks, resident, min_keys, sms)
 }
 
 /// Fused quantized attention of one sequence on a CUDA device: the host API behind
@@ -648,7 +689,7 @@ pub(super) fn plan_seq(
     } else {
         4 * sms
     };
-    let (n_split, per) = split_keys(
+    let split = key_split(
         keys.max(1),
         row_blocks * kv_heads,
         resident,
@@ -658,8 +699,11 @@ pub(super) fn plan_seq(
             row_blocks * kv_heads,
             resident,
         ),
+        sms,
+        !(tensor_cores && stages > 0 && staging.tiles_per_stage > 1),
     );
-    params.set_split((n_split, per))?;
+    let n_split = split.n;
+    params.set_split(split)?;
     let split_bound = split_bound(row_blocks * kv_heads, resident);
 
     Ok(SeqPlan {

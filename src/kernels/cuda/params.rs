@@ -176,8 +176,9 @@ pub struct QsdpaParams {
     pub keys_per_split: u32,
     /// Score multiplier, folded into the queries.
     pub scale: f32,
-    /// Padding to a multiple of 8 bytes.
-    pub pad_: u32,
+    /// Splits `0..long_splits` take [`QSDPA_SPLIT_STEP`] keys more than `keys_per_split`
+    /// (see [`KeySplit`]).
+    pub long_splits: u32,
 }
 
 /// One side's (K or V) strides as the attention kernels read them, in elements: codes (`u32`
@@ -253,18 +254,19 @@ impl QsdpaParams {
         Ok((params, table))
     }
 
-    /// Sets the flash-decoding split (`(n_split, keys_per_split)` from [`split_keys`]).
+    /// Sets the flash-decoding split.
     ///
     /// # Errors
-    /// [`CacheError::Shape`] when either does not fit in `u32`.
-    pub(crate) fn set_split(&mut self, (n_split, per): (usize, usize)) -> Result<(), CacheError> {
+    /// [`CacheError::Shape`] when a count does not fit in `u32`.
+    pub(crate) fn set_split(&mut self, split: KeySplit) -> Result<(), CacheError> {
         let err = || CacheError::Shape {
-            what: "attention split (splits, keys a split)",
+            what: "attention split (splits, keys a split, longer splits)",
             expected: "values below 2^32".into(),
-            found: vec![n_split, per],
+            found: vec![split.n, split.per, split.long],
         };
-        self.n_split = u32::try_from(n_split).map_err(|_| err())?;
-        self.keys_per_split = u32::try_from(per).map_err(|_| err())?;
+        self.n_split = u32::try_from(split.n).map_err(|_| err())?;
+        self.keys_per_split = u32::try_from(split.per).map_err(|_| err())?;
+        self.long_splits = u32::try_from(split.long).map_err(|_| err())?;
         Ok(())
     }
 }
@@ -395,15 +397,42 @@ pub fn split_min_keys_for(
     }
 }
 
+/// Keys a split's length is a multiple of (`QS_SPLIT_STEP` in the kernels): one tensor-core
+/// tile, one round of the CUDA-core kernel's warps.
+pub const QSDPA_SPLIT_STEP: usize = QSDPA_WARPS * QSDPA_UNROLL;
+
+/// A flash-decoding split of a view's keys: `n` splits of `per` keys (a multiple of
+/// [`QSDPA_SPLIT_STEP`]), the first `long` of them [`QSDPA_SPLIT_STEP`] keys longer; the last
+/// split ends at the last key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeySplit {
+    /// Splits.
+    pub n: usize,
+    /// Keys of a short split.
+    pub per: usize,
+    /// Splits (the first ones) that take one step more.
+    pub long: usize,
+}
+
+impl KeySplit {
+    /// Keys `[start, end)` of split `s` (clamped to `keys`), as the kernels compute them.
+    pub fn range(&self, s: usize, keys: usize) -> (usize, usize) {
+        let start = s * self.per + s.min(self.long) * QSDPA_SPLIT_STEP;
+        let len = self.per + if s < self.long { QSDPA_SPLIT_STEP } else { 0 };
+        (start.min(keys), (start + len).min(keys))
+    }
+}
+
 /// Chooses the flash-decoding split: about `resident_blocks` blocks in all (what the GPU holds
-/// at once), each split keeping at least `min_keys` keys. Returns `(n_split, keys_per_split)`.
+/// at once), each split keeping at least `min_keys` keys, all splits of one length. Returns
+/// `(n_split, keys_per_split)`.
 pub fn split_keys(
     keys: usize,
     base_blocks: usize,
     resident_blocks: usize,
     min_keys: usize,
 ) -> (usize, usize) {
-    let step = QSDPA_WARPS * QSDPA_UNROLL;
+    let step = QSDPA_SPLIT_STEP;
     let target = split_bound(base_blocks, resident_blocks);
     // Short views split too (down to `min_keys` a split): a decode over a few hundred keys
     // otherwise runs on a handful of blocks.
@@ -411,6 +440,64 @@ pub fn split_keys(
     let n = target.clamp(1, max_split);
     let per = keys.div_ceil(n).div_ceil(step).max(1) * step;
     (keys.div_ceil(per).max(1), per)
+}
+
+/// [`split_keys`], rebalanced where splits one step apart in length spread the steps more
+/// evenly over `sms` multiprocessors holding `resident_blocks` blocks between them: a wave of
+/// equal splits rounded up to whole steps can leave some multiprocessors a block more than
+/// others (E4B sliding at 32k keys: 342 splits of 6 tiles x 2 heads = 684 blocks on 132
+/// multiprocessors, 24 of them holding 36 tiles and the rest 30; 384 splits of 5-6 tiles take
+/// at most 32).
+///
+/// The cost of a split is the most steps one multiprocessor takes when block `b` (splits in
+/// order, KV heads and row blocks within) lands on multiprocessor `b % sms`: `per` steps times
+/// its blocks plus its long blocks. Among the splits of at most one wave, the one of least cost
+/// with the fewest splits (the fewest partials to combine) is taken if it costs at most 95% of
+/// [`split_keys`]' own.
+///
+/// Measured on an H100 (`bench_kernels --attention-only --quick`, GPU-only µs, two rounds,
+/// `bench-results/h100-s21-split-balance.md`): E4B sliding 4-bit at 32k keys 17.1 -> 16.2-16.3
+/// (396 splits of 5-6 tiles for 342 of 6); the other decode points within noise.
+pub fn balanced_split(
+    keys: usize,
+    base_blocks: usize,
+    resident_blocks: usize,
+    min_keys: usize,
+    sms: usize,
+) -> KeySplit {
+    let (n0, per0) = split_keys(keys, base_blocks, resident_blocks, min_keys);
+    let even = KeySplit {
+        n: n0,
+        per: per0,
+        long: 0,
+    };
+    let steps = keys.div_ceil(QSDPA_SPLIT_STEP);
+    let (base, sms) = (base_blocks.max(1), sms.max(1));
+    let cost = |n: usize, per_steps: usize, long: usize| {
+        per_steps * (n * base).div_ceil(sms) + (long * base).div_ceil(sms)
+    };
+    let bound = split_bound(base, resident_blocks)
+        .min(keys.div_ceil(min_keys.max(1)))
+        .min(steps);
+    let Some(least) = (n0 + 1..=bound)
+        .map(|n| cost(n, steps / n, steps % n))
+        .min()
+    else {
+        return even;
+    };
+    // Small gains do not pay for the extra splits' partials (31B full 8-bit at 32k keys, 64 ->
+    // 63 steps: 65.5-65.7 -> 67.0-67.4 µs).
+    if 20 * least > 19 * cost(n0, per0 / QSDPA_SPLIT_STEP, 0) {
+        return even;
+    }
+    let n = (n0 + 1..=bound)
+        .find(|&n| cost(n, steps / n, steps % n) == least)
+        .unwrap_or(n0);
+    KeySplit {
+        n,
+        per: steps / n * QSDPA_SPLIT_STEP,
+        long: steps % n,
+    }
 }
 
 #[cfg(test)]
@@ -474,6 +561,47 @@ mod tests {
                 "{keys}: {n} x {per}"
             );
         }
+    }
+
+    #[test]
+    fn balanced_splits_cover_every_key_once() {
+        for keys in [1, 17, 100, 1000, 8192, 32768, 32769, 131072] {
+            for (base, resident, min_keys) in
+                [(2, 792, 16), (2, 684, 32), (16, 792, 32), (4, 528, 32)]
+            {
+                let s = balanced_split(keys, base, resident, min_keys, 132);
+                assert!(s.n >= 1 && s.n <= split_bound(base, resident) && s.long < s.n.max(2));
+                assert_eq!(s.per % QSDPA_SPLIT_STEP, 0, "{keys} keys: {s:?}");
+                let mut next = 0;
+                for i in 0..s.n {
+                    let (a, b) = s.range(i, keys);
+                    assert!(
+                        a == next && b > a,
+                        "{keys} keys, split {i} of {s:?}: {a}..{b}"
+                    );
+                    next = b;
+                }
+                assert_eq!(next, keys, "{keys} keys: {s:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn balanced_splits_even_out_the_multiprocessors() {
+        // E4B sliding decode at 32k keys, 4-bit tiles in registers (6 blocks a multiprocessor
+        // of 132, 2 KV heads): equal splits give 342 x 6 tiles, 36 tiles on the busiest
+        // multiprocessor; 384 splits of 5-6 tiles take at most 32.
+        let even = split_keys(32768, 2, 792, 16);
+        assert_eq!(even, (342, 96));
+        let s = balanced_split(32768, 2, 792, 16, 132);
+        assert_eq!((s.n, s.per, s.long), (384, 80, 128));
+        // Where equal splits are already even, they stay.
+        let s = balanced_split(8192, 2, 792, 32, 132);
+        assert_eq!((s.n, s.per, s.long), (256, 32, 0));
+        // A gain under 5% keeps them too (64 splits x 4 heads on 2 blocks a multiprocessor:
+        // 64 -> 63 tiles).
+        let s = balanced_split(32768, 4, 264, 32, 132);
+        assert_eq!((s.n, s.per, s.long), (64, 512, 0));
     }
 
     #[test]

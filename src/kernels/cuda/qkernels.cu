@@ -24,7 +24,7 @@ struct QsdpaParams {
     uint32_t pos_mode, pos_base, pos_split, pos_base2;
     uint32_t n_split, keys_per_split;
     float scale;
-    uint32_t pad_;
+    uint32_t long_splits;  // splits 0 .. long_splits - 1 take QS_SPLIT_STEP keys more
 };
 
 // One sequence of a batched attention launch (`qsdpa_batch_*`): its parameters and the device
@@ -108,6 +108,16 @@ __device__ __forceinline__ uint32_t key_pos(const QsdpaParams& p, const uint32_t
     return pos[j];
 }
 
+// Keys [x, y) of key split `split`: keys_per_split each, the first long_splits one step more
+// (`KeySplit` in params.rs).
+constexpr int QS_SPLIT_STEP = 16;
+__device__ __forceinline__ int2 split_range(const QsdpaParams& p, int split) {
+    const int first =
+        split * (int)p.keys_per_split + min(split, (int)p.long_splits) * QS_SPLIT_STEP;
+    const int len = (int)p.keys_per_split + (split < (int)p.long_splits ? QS_SPLIT_STEP : 0);
+    return make_int2(first, min((int)p.keys, first + len));
+}
+
 // ---------------------------------------------------------------------------------------------
 // qSDPA: one block = one KV head x NQ query rows x one key split; 4 warps, each warp takes every
 // 4th key (U keys per step for memory-level parallelism). A lane owns HD/32 consecutive elements
@@ -167,8 +177,8 @@ __device__ __forceinline__ void qsdpa_body(const QsdpaParams& p, const T* __rest
         for (int i = 0; i < E; ++i) acc[n][i] = 0.f;
     }
 
-    const int j0 = split * p.keys_per_split;
-    const int j1 = min((int)p.keys, j0 + (int)p.keys_per_split);
+    const int2 range = split_range(p, split);
+    const int j0 = range.x, j1 = range.y;
     const int gidx = (lane * E) / p.group_size;
     const int word0 = (lane * E * BITS) >> 5;
     const int shift0 = (lane * E * BITS) & 31;

@@ -337,8 +337,8 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         span[c] = qpos - lo[c];
     }
 
-    const int j0 = split * p.keys_per_split;
-    const int j1 = min((int)p.keys, j0 + (int)p.keys_per_split);
+    const int2 range = split_range(p, split);
+    const int j0 = range.x, j1 = range.y;
     const uint32_t* kcg = kc + g * p.k_codes_sh + (kd0 * BITS) / 32;
     const uint32_t* vcg = vc + g * p.v_codes_sh + (vd0 * BITS) / 32;
     const int kgi = DENSE ? 0 : kd0 / (int)p.group_size;

@@ -9,7 +9,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::kernels::cuda::params::{
-    split_keys, AttentionGeometry, QmatParams, QsdpaParams, SideStrides, QSDPA_HEAD_DIMS,
+    split_keys, AttentionGeometry, KeySplit, QmatParams, QsdpaParams, SideStrides, QSDPA_HEAD_DIMS,
     QSDPA_WARPS,
 };
 use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
@@ -158,7 +158,11 @@ pub(crate) fn plan_attention(
         target_groups,
         SPLIT_MIN_KEYS,
     );
-    params.set_split((n_split, per))?;
+    params.set_split(KeySplit {
+        n: n_split,
+        per,
+        long: 0,
+    })?;
     let total_rows = kv_heads * rows;
     let (partial_ml_len, partial_acc_len) = if n_split > 1 {
         (n_split * total_rows * 2, n_split * total_rows * head_dim)

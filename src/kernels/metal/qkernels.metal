@@ -22,7 +22,7 @@ struct QsdpaParams {
     uint pos_mode, pos_base, pos_split, pos_base2;
     uint n_split, keys_per_split;
     float scale;
-    uint pad_;
+    uint long_splits;  // splits 0 .. long_splits - 1 take QS_SPLIT_STEP keys more
 };
 
 struct QmatParams {
@@ -30,6 +30,7 @@ struct QmatParams {
 };
 
 constant constexpr int QS_WARPS = 4;
+constant constexpr int QS_SPLIT_STEP = 16;
 constant constexpr int QS_NQ = 4;
 // Query rows whose accumulators are merged at once: Apple GPUs give a threadgroup 32 KiB, and
 // 4 warps x 4 rows x 512 dims of f32 is exactly that before the softmax state.
@@ -90,8 +91,11 @@ inline void qsdpa_body(constant QsdpaParams& p, device const T* q, device const 
         l[n] = 0.f;
         for (int i = 0; i < E; ++i) acc[n][i] = 0.f;
     }
-    const int j0 = split * int(p.keys_per_split);
-    const int j1 = min(int(p.keys), j0 + int(p.keys_per_split));
+    // The first long_splits splits take QS_SPLIT_STEP keys more (`KeySplit` in params.rs).
+    const int longer = min(split, int(p.long_splits));
+    const int j0 = split * int(p.keys_per_split) + longer * QS_SPLIT_STEP;
+    const int j1 = min(int(p.keys), j0 + int(p.keys_per_split) +
+                                        (split < int(p.long_splits) ? QS_SPLIT_STEP : 0));
     const int gidx = int(lane * E) / int(p.group_size);
     const int word0 = int(lane * E * BITS) >> 5;
     const int shift0 = int(lane * E * BITS) & 31;
