@@ -317,13 +317,15 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
     // Queries: row gq of the block at the lane's 32 score dims.
     const int kd0 = 128 * warp + 32 * tq;  // score dims of this lane
     const int vd0 = 128 * warp + 16 * gq;  // output dims of this lane
+    // The queries' B fragments, read once the first tile's loads are issued (`load_queries`):
+    // the two reads' latencies then overlap at the block's start.
     uint32_t qb[8][2];
-    {
+    auto load_queries = [&] {
         const int r = row0 + gq;
         const bool ok = r < rows;
         const int qi = ok ? r / group : 0, head = g * group + (ok ? r % group : 0);
         qt_query_frags<T, BITS>(q + ((size_t)head * p.q_len + qi) * HD + kd0, ok, qb);
-    }
+    };
     // Score C fragment rows: 2tq, 2tq + 1.
     // Row c sees the keys at positions lo[c] .. lo[c] + span[c] (causal, and the sliding
     // window): one unsigned compare a key. Rows past the block's end have zero queries and are
@@ -525,6 +527,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         };
 #pragma unroll
         for (int t = 0; t < STAGES - 1; ++t) copy(t);
+        load_queries();
         int par = 0;
         for (int t = 0; t < nsteps; ++t) {
             qt_cp_wait<STAGES - 2>();
@@ -565,6 +568,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
 #pragma unroll
         for (int b = 0; b < NB - 1; ++b)
             if (j0 + b * QT_KEYS < j1) load(tb[b], j0 + b * QT_KEYS);
+        load_queries();
         int par = 0;
         for (int jt = j0; jt < j1; jt += NB * QT_KEYS) {
 #pragma unroll
