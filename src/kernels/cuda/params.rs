@@ -455,9 +455,10 @@ pub fn split_keys(
 /// with the fewest splits (the fewest partials to combine) is taken if it costs at most 95% of
 /// [`split_keys`]' own.
 ///
-/// Measured on an H100 (`bench_kernels --attention-only --quick`, GPU-only µs, two rounds,
-/// `bench-results/h100-s21-split-balance.md`): E4B sliding 4-bit at 32k keys 17.1 -> 16.2-16.3
-/// (396 splits of 5-6 tiles for 342 of 6); the other decode points within noise.
+/// Measured on an H100 (`bench_kernels --attention-only`, GPU-only µs, equal and balanced
+/// splits alternating, two rounds, `bench-results/h100-s21-split-balance.md`): E4B sliding
+/// 4-bit at 32k keys 16.8-17.1 -> 16.1-16.3 (384 splits of 5-6 tiles for 342 of 6); the other
+/// decode points within noise.
 pub fn balanced_split(
     keys: usize,
     base_blocks: usize,
@@ -485,8 +486,8 @@ pub fn balanced_split(
     else {
         return even;
     };
-    // Small gains do not pay for the extra splits' partials (31B full 8-bit at 32k keys, 64 ->
-    // 63 steps: 65.5-65.7 -> 67.0-67.4 µs).
+    // More splits write more partials for the combine: a small predicted gain is not worth
+    // them.
     if 20 * least > 19 * cost(n0, per0 / QSDPA_SPLIT_STEP, 0) {
         return even;
     }
