@@ -15,8 +15,7 @@ use super::params::{
     balanced_split, combine_launch, row_matvec_split_for, split_bound, split_keys,
     split_min_keys_for, AttentionGeometry, CombineLaunch, KeySplit, QmatParams, QsdpaParams,
     SideStrides, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS, QMATVEC_ROW_WARPS, QMATVEC_WARPS,
-    QROW_MAX_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_SPLIT_STEP, QSDPA_TC_KEYS, QSDPA_TC_ROWS,
-    QSDPA_WARPS,
+    QROW_MAX_WARPS, QSDPA_HEAD_DIMS, QSDPA_ROWS, QSDPA_TC_KEYS, QSDPA_TC_ROWS, QSDPA_WARPS,
 };
 use super::scratch::with_scratch;
 use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
@@ -146,13 +145,7 @@ fn key_split(
         )
     });
     if let Some(n) = forced {
-        let steps = keys.div_ceil(QSDPA_SPLIT_STEP);
-        let n = n.clamp(1, steps.min(split_bound(base_blocks, resident)));
-        return KeySplit {
-            n,
-            per: steps / n * QSDPA_SPLIT_STEP,
-            long: steps % n,
-        };
+        return KeySplit::even(keys, n.min(split_bound(base_blocks, resident)));
     }
     if off || !one_tile_steps {
         let (n, per) = split_keys(keys, base_blocks, resident, min_keys);

@@ -415,6 +415,18 @@ pub struct KeySplit {
 }
 
 impl KeySplit {
+    /// `n` splits of `keys` keys with the steps shared out as evenly as they go (at most
+    /// one step apart, the longer ones first); `n` is clamped to `1..=` the steps.
+    pub fn even(keys: usize, n: usize) -> Self {
+        let steps = keys.div_ceil(QSDPA_SPLIT_STEP).max(1);
+        let n = n.clamp(1, steps);
+        Self {
+            n,
+            per: steps / n * QSDPA_SPLIT_STEP,
+            long: steps % n,
+        }
+    }
+
     /// Keys `[start, end)` of split `s` (clamped to `keys`), as the kernels compute them.
     pub fn range(&self, s: usize, keys: usize) -> (usize, usize) {
         let start = s * self.per + s.min(self.long) * QSDPA_SPLIT_STEP;
@@ -480,8 +492,9 @@ pub fn balanced_split(
     let bound = split_bound(base, resident_blocks)
         .min(keys.div_ceil(min_keys.max(1)))
         .min(steps);
-    let Some(least) = (n0 + 1..=bound)
-        .map(|n| cost(n, steps / n, steps % n))
+    // (cost, splits): the least cost, and the fewest splits among its ties.
+    let Some((least, n)) = (n0 + 1..=bound)
+        .map(|n| (cost(n, steps / n, steps % n), n))
         .min()
     else {
         return even;
@@ -491,14 +504,7 @@ pub fn balanced_split(
     if 20 * least > 19 * cost(n0, per0 / QSDPA_SPLIT_STEP, 0) {
         return even;
     }
-    let n = (n0 + 1..=bound)
-        .find(|&n| cost(n, steps / n, steps % n) == least)
-        .unwrap_or(n0);
-    KeySplit {
-        n,
-        per: steps / n * QSDPA_SPLIT_STEP,
-        long: steps % n,
-    }
+    KeySplit::even(keys, n)
 }
 
 #[cfg(test)]
@@ -572,17 +578,19 @@ mod tests {
             {
                 let s = balanced_split(keys, base, resident, min_keys, 132);
                 assert!(s.n >= 1 && s.n <= split_bound(base, resident) && s.long < s.n.max(2));
-                assert_eq!(s.per % QSDPA_SPLIT_STEP, 0, "{keys} keys: {s:?}");
-                let mut next = 0;
-                for i in 0..s.n {
-                    let (a, b) = s.range(i, keys);
-                    assert!(
-                        a == next && b > a,
-                        "{keys} keys, split {i} of {s:?}: {a}..{b}"
-                    );
-                    next = b;
+                for s in [s, KeySplit::even(keys, resident / base)] {
+                    assert_eq!(s.per % QSDPA_SPLIT_STEP, 0, "{keys} keys: {s:?}");
+                    let mut next = 0;
+                    for i in 0..s.n {
+                        let (a, b) = s.range(i, keys);
+                        assert!(
+                            a == next && b > a,
+                            "{keys} keys, split {i} of {s:?}: {a}..{b}"
+                        );
+                        next = b;
+                    }
+                    assert_eq!(next, keys, "{keys} keys: {s:?}");
                 }
-                assert_eq!(next, keys, "{keys} keys: {s:?}");
             }
         }
     }
