@@ -366,13 +366,15 @@ fn main() -> Result<()> {
                 let wq: Vec<PackedWeight> = (0..rot)
                     .map(|_| {
                         let p = packed(1, out, inp, bits, group, &dev)?;
+                        // Settled, as a loaded model's weights: complete before any call.
                         Ok(PackedWeight::new(
                             p.codes.squeeze(0)?.squeeze(0)?,
                             p.scales.squeeze(0)?.squeeze(0)?,
                             p.biases.squeeze(0)?.squeeze(0)?,
                             out,
                             inp,
-                        )?)
+                        )?
+                        .settled())
                     })
                     .collect::<Result<_>>()?;
                 let bytes = wq[0].packed_bytes();

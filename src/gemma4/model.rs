@@ -69,11 +69,16 @@ impl TextModel {
                 .find(|l| l.kind == kind)
                 .map_or(2, |l| l.head_dim)
         };
+        let ple = PerLayerEmbeddings::new(&config, vb)?;
+        let norm = RmsNorm::new(vb.tensor("norm.weight", None, &[h])?, config.rms_norm_eps);
+        // Every weight is written before the first forward pass: the packed ones are marked
+        // settled (`PackedWeight::settled`), which lets their products start reading them early.
+        vb.device().synchronize()?;
         Ok(Self {
             rope_sliding: Rope::new(&config.rope_sliding, head_dim(LayerKind::Sliding)),
             rope_full: Rope::new(&config.rope_full, head_dim(LayerKind::Full)),
-            ple: PerLayerEmbeddings::new(&config, vb)?,
-            norm: RmsNorm::new(vb.tensor("norm.weight", None, &[h])?, config.rms_norm_eps),
+            ple,
+            norm,
             embed_tokens,
             layers,
             lm_head,

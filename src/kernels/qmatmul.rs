@@ -38,6 +38,8 @@ pub struct PackedWeight {
     pub out_dim: usize,
     /// Input features (columns).
     pub in_dim: usize,
+    /// Whether the tensors are complete on their device ([`PackedWeight::settled`]).
+    settled: bool,
 }
 
 fn bad(tensor: &str, reason: String) -> Error {
@@ -117,7 +119,25 @@ impl PackedWeight {
             group_size,
             out_dim,
             in_dim,
+            settled: false,
         })
+    }
+
+    /// Declares the tensors complete on their device: no kernel that may still be running
+    /// writes them, nor will one while the matrix is in use. One-row CUDA products may then
+    /// issue their first weight loads before the previous kernel on the stream has finished
+    /// (that kernel's tail then hides their memory latency; x is still read after it).
+    /// Model loading marks its weights so, and synchronizes the device before it returns. Leave
+    /// a matrix unmarked when a kernel launched just before may have written it (for example
+    /// [`super::quantize`]'s output on a GPU, used at once): its product could read stale codes.
+    pub fn settled(mut self) -> Self {
+        self.settled = true;
+        self
+    }
+
+    /// Whether [`PackedWeight::settled`] marked this matrix (views and copies keep the mark).
+    pub fn is_settled(&self) -> bool {
+        self.settled
     }
 
     /// Rows `start .. start + len` as a packed matrix of their own (views, no copy): one expert
@@ -264,6 +284,7 @@ pub fn qmatmul(x: &Tensor, w: &PackedWeight) -> Result<Tensor> {
                     &w.biases,
                     w.bits.bits(),
                     w.group_size,
+                    w.settled,
                 )?
             } else {
                 let dense = w.dequantize(x.dtype())?; // [out, in]

@@ -200,7 +200,7 @@ impl WeightStore {
         let scales =
             (Tensor::ones((out, inp / group), self.dtype, &self.device)? * (0.08 / levels))?;
         let biases = (Tensor::ones((out, inp / group), self.dtype, &self.device)? * -0.04)?;
-        let p = PackedWeight::new(codes, scales, biases, out, inp)?;
+        let p = PackedWeight::new(codes, scales, biases, out, inp)?.settled();
         self.count_generated(p.packed_bytes());
         Ok(Some(p))
     }
@@ -339,7 +339,7 @@ impl WeightStore {
         let b = self.matrix_on(second, layer, &shape, &host)?;
         if let (LoadedMatrix::Packed(pa), LoadedMatrix::Packed(pb)) = (&a, &b) {
             if let Some(p) = PackedWeight::stack_rows(&[pa, pb], n)? {
-                return Ok(LoadedMatrix::Packed(p.to_device(&self.device)?));
+                return Ok(LoadedMatrix::Packed(p.to_device(&self.device)?.settled()));
             }
         }
         let dense = |m: LoadedMatrix| -> Result<Tensor> {
@@ -447,7 +447,7 @@ impl WeightStore {
             if let Ok(p) =
                 PackedWeight::new(flat(&codes)?, flat(&scales)?, flat(&biases)?, rows, inp)
             {
-                return Ok(LoadedMatrix::Packed(p));
+                return Ok(LoadedMatrix::Packed(p.settled()));
             }
         }
         let (dense, _bits, _group) =

@@ -1888,7 +1888,8 @@ pub fn packed_matvec_add_norm(
         &format!(
             "qmv_row4_norm_{}{}",
             tn(dtype)?,
-            super::launch::row_matvec_variant(1, in_dim)
+            // At most PACKED_FOLD_MAX_WIDTH rows: less than a wave of `_u2` warps.
+            super::launch::row_matvec_variant(1, in_dim, w.is_settled(), false)
         ),
         super::launch::MODULE,
         super::launch::IMAGE,

@@ -966,30 +966,97 @@ fn row_matvec_warps() -> usize {
 
 /// Kernel-name suffix of the `qmv_row4` variant for a launch over rows of `in_dim` codes with
 /// `split` warps a row pair: `_u1` issues one step's loads before its math, `_u2` two, `_u2l`
-/// two with x read in the math (64 registers, 32 warps an SM). Unsplit rows of at least 5120
-/// codes take `_u2`, the rest `_u1`. Measured on H100s (`bench_kernels`, same machine):
-/// against `_u1`, `_u2` is 4-7% faster on the 31B q_proj and gate/up, ~1% on down, 6% slower
-/// on E4B's down split over 2 warps. 4-bit batch-1 decode, `_u2` for rows of 5120+ codes:
-/// 31B 97.7 -> 99.8-100.3 tok/s; `_u2` everywhere cost E4B (rows of 2048-4096 codes but its
-/// down) 317 -> 301-304. `_u2l` is 6-8% faster than `_u2` on the 31B q_proj alone, even on
-/// gate/up, 20-30% slower on rows of 10240+ codes, and as the 31B q/k/v and gate/up choice it
-/// gave 97.4-97.8 tok/s against 98.1-99.7 for `_u2`, so it is not the default.
-/// `CANDLE_GEMMA_QROW_STEPS=1|2|2l` fixes the variant, to compare.
-pub(super) fn row_matvec_variant(split: usize, in_dim: usize) -> &'static str {
-    static FIXED: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
-    let fixed = *FIXED.get_or_init(
-        || match std::env::var("CANDLE_GEMMA_QROW_STEPS").as_deref() {
+/// two with x read in the math (64 registers, 32 warps an SM); an `e` after it issues the first
+/// weight loads before the PDL wait, for weights marked [`PackedWeight::settled`](crate::kernels::qmatmul::PackedWeight::settled) (`settled`).
+///
+/// Unsettled weights: unsplit rows of at least 5120 codes take `_u2`, the rest `_u1`. Measured
+/// on H100s (`bench_kernels`, same machine): against `_u1`, `_u2` is 4-7% faster on the 31B
+/// q_proj and gate/up, ~1% on down, 6% slower on E4B's down split over 2 warps. 4-bit batch-1
+/// decode, `_u2` for rows of 5120+ codes: 31B 97.7 -> 99.8-100.3 tok/s; `_u2` everywhere cost
+/// E4B (rows of 2048-4096 codes but its down) 317 -> 301-304. `_u2l` is 6-8% faster than
+/// `_u2` on the 31B q_proj alone, even on gate/up, 20-30% slower on rows of 10240+ codes, and
+/// as the 31B q/k/v and gate/up choice it gave 97.4-97.8 tok/s against 98.1-99.7 for `_u2`.
+///
+/// Settled weights take the same choice with `e`, and `_u2le` (`_u2l`'s 32 warps an SM rather
+/// than `_u2`'s 24) where `late_fits`: the launch's row pairs need more than one wave of `_u2`
+/// warps and fit in one of `_u2l`'s ([`late_variant_fits`]; the 31B q_proj alone among the
+/// 31B projections, which the model stacks with k/v). Measured on an H100 (`bench_kernels
+/// --matmul-only --rows 1`, GPU-only time, `bench-results/h100-s22-qrow-early.md`), group 64:
+/// 31B q_proj 13.7 (`_u2`) -> 13.0 (`_u2e`) -> 11.5 µs (`_u2le`); gate/up 28.0 -> 27.5; down
+/// 28.8 -> 26.7.
+///
+/// `CANDLE_GEMMA_QROW_STEPS=1|2|2l|1e|2e|2le` fixes the variant, and
+/// `CANDLE_GEMMA_QROW_EARLY=0` (no `e`) or `nol` (no `_u2le`) change the rule, to compare.
+pub(super) fn row_matvec_variant(
+    split: usize,
+    in_dim: usize,
+    settled: bool,
+    late_fits: bool,
+) -> &'static str {
+    static FIXED: std::sync::OnceLock<(Option<&'static str>, String)> = std::sync::OnceLock::new();
+    let (fixed, early) = FIXED.get_or_init(|| {
+        let fixed = match std::env::var("CANDLE_GEMMA_QROW_STEPS").as_deref() {
             Ok("1") => Some("_u1"),
             Ok("2") => Some("_u2"),
             Ok("2l") => Some("_u2l"),
+            Ok("1e") => Some("_u1e"),
+            Ok("2e") => Some("_u2e"),
+            Ok("2le") => Some("_u2le"),
             _ => None,
-        },
-    );
-    fixed.unwrap_or(if split == 1 && in_dim >= 5 * 1024 {
-        "_u2"
-    } else {
-        "_u1"
-    })
+        };
+        (
+            fixed,
+            std::env::var("CANDLE_GEMMA_QROW_EARLY").unwrap_or_default(),
+        )
+    });
+    if let Some(v) = fixed {
+        return v;
+    }
+    let long = split == 1 && in_dim >= 5 * 1024;
+    match (settled && early != "0", long) {
+        (false, true) => "_u2",
+        (false, false) => "_u1",
+        (true, true) if late_fits && early != "nol" => "_u2le",
+        (true, true) => "_u2e",
+        (true, false) => "_u1e",
+    }
+}
+
+/// Whether `out_dim` rows (row pairs of `warps`-warp blocks) take more than one wave of
+/// `qmv_row4_{tn}_u2e` on `dev` but fit in one wave of `_u2le` (see [`row_matvec_variant`]).
+/// The two waves are asked of the driver once per kernel type and block size.
+fn late_variant_fits(
+    dev: &CudaDevice,
+    tn: &'static str,
+    out_dim: usize,
+    warps: usize,
+) -> candle_core::Result<bool> {
+    type Waves = std::collections::HashMap<(&'static str, usize), (usize, usize)>;
+    static WAVES: std::sync::OnceLock<std::sync::Mutex<Waves>> = std::sync::OnceLock::new();
+    let known = WAVES
+        .get_or_init(Default::default)
+        .lock()
+        .ok()
+        .and_then(|m| m.get(&(tn, warps)).copied());
+    let (short, late) = match known {
+        Some(w) => w,
+        None => {
+            let wave = |suffix: &str| -> candle_core::Result<usize> {
+                let name = format!("qmv_row4_{tn}{suffix}");
+                let blocks = load_kernel(dev, &name, MODULE, IMAGE)?
+                    .resident_blocks((warps * 32) as u32)
+                    .unwrap_or(0);
+                Ok(blocks * warps * sm_count(dev))
+            };
+            let w = (wave("_u2e")?, wave("_u2le")?);
+            if let Some(mut m) = WAVES.get().and_then(|m| m.lock().ok()) {
+                m.insert((tn, warps), w);
+            }
+            w
+        }
+    };
+    let pairs = out_dim.div_ceil(2);
+    Ok(pairs > short && pairs <= late)
 }
 
 /// Warps that share each row pair of `qmv_row4`, splitting the input (1, 2 or 4):
@@ -1018,6 +1085,7 @@ pub(super) fn contiguous_aligned16(t: &Tensor) -> candle_core::Result<Tensor> {
 
 /// Quantized `x · Wᵀ` for `rows <= 8` activation rows (decode): `x` `[rows, in]` contiguous,
 /// `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns `[rows, out]`.
+/// `settled`: the weight is [`PackedWeight::settled`](crate::kernels::qmatmul::PackedWeight::settled) (see [`row_matvec_variant`]).
 pub(crate) fn qmatvec(
     x: &Tensor,
     codes: &Tensor,
@@ -1025,6 +1093,7 @@ pub(crate) fn qmatvec(
     biases: &Tensor,
     bits: usize,
     group_size: usize,
+    settled: bool,
 ) -> candle_core::Result<Tensor> {
     let (rows, in_dim) = x.dims2()?;
     let (out_dim, _) = codes.dims2()?;
@@ -1058,8 +1127,15 @@ pub(crate) fn qmatvec(
         if rows == 1 && row_contiguous_matvec() {
             split = row_matvec_split(&dev, out_dim, in_dim);
             let warps = row_matvec_warps().min(QROW_MAX_WARPS / split);
+            let late_fits = settled
+                && split == 1
+                && in_dim >= 5 * 1024
+                && late_variant_fits(&dev, tn, out_dim, warps)?;
             (
-                format!("qmv_row4_{tn}{}", row_matvec_variant(split, in_dim)),
+                format!(
+                    "qmv_row4_{tn}{}",
+                    row_matvec_variant(split, in_dim, settled, late_fits)
+                ),
                 warps * 2,
                 warps,
             )

@@ -1070,10 +1070,13 @@ QTC4_INST_T(bf16, __nv_bfloat16)
 //
 // A warp owns two consecutive rows and issues U steps' loads before their math (`_u2`: two,
 // with registers capped at 80 so that ptxas keeps them together; 1-2% faster than one step on
-// every 31B point, H100). Measured slower on the H100 (bench_kernels, 31B shapes): the next
-// step's loads before this step's math, cp.async through shared memory with 2 or 4 steps in
-// flight, L2 prefetches 2 or 4 steps ahead (and of 1 or 2 steps before the PDL wait: no gain),
-// and four rows a warp.
+// every 31B point, H100). Variants ending in `e` issue the first round's weight loads before
+// the PDL wait and read x after it (for weights the host marks settled): 3-8% faster on the
+// 31B shapes, 16% with `_u2le` on the q_proj (`bench-results/h100-s22-qrow-early.md`).
+// Measured slower on the H100 (bench_kernels, 31B shapes): the next step's loads before this
+// step's math, cp.async through shared memory with 2 or 4 steps in flight, L2 prefetches 2 or
+// 4 steps ahead (and of 1 or 2 steps before the PDL wait: no gain), four rows a warp, and
+// copy-engine (cp.async.bulk) loads of whole row pairs (`h100-s22-qmv-bulk.patch`).
 //
 // Split input (blockDim.y > 1): the blockDim.y warps at one threadIdx.x warp index share the
 // same two rows, warp y taking steps y, y + blockDim.y, ...; their partial sums meet in shared
@@ -1082,8 +1085,10 @@ QTC4_INST_T(bf16, __nv_bfloat16)
 constexpr int QROW_MAX_WARPS = 8;  // blockDim.x / 32 * blockDim.y, 1-8 (QMATVEC_ROW_WARPS)
 
 // U: steps whose loads a warp issues before their math (1 or 2). LATE_X: x is read in the
-// math (from L1) rather than with the step's weight loads, for fewer live registers.
-template <typename T, int U, bool LATE_X>
+// math (from L1) rather than with the step's weight loads, for fewer live registers. EARLY:
+// the first round's weight loads are issued before the PDL wait (the kernel entry then skips
+// it): weights are never written by the kernel before (see `pdl_entry`), x may be.
+template <typename T, int U, bool LATE_X, bool EARLY = false>
 __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __restrict__ x,
                                               const uint32_t* __restrict__ codes,
                                               const T* __restrict__ scales,
@@ -1119,7 +1124,14 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
         const uint4* xs;
         bool ok;
     };
-    // Loads one step (`ok` false: zeros, nothing read) and advances the pointers.
+    auto load_x = [&](Step& t) {
+        if constexpr (!LATE_X) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) t.xv[j] = t.ok ? t.xs[j] : make_uint4(0u, 0u, 0u, 0u);
+        }
+    };
+    // Loads one step's weights (`ok` false: zeros, nothing read) and advances the pointers, and
+    // its x unless LATE_X (read in the math) or EARLY (read after the round's weights, `round`).
     auto load = [&](Step& t, const bool ok) {
 #pragma unroll
         for (int m = 0; m < 2; ++m) {
@@ -1135,14 +1147,21 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
             sp[m] += gstep;
             bp[m] += gstep;
         }
-        if constexpr (LATE_X) {
-            t.xs = xp;
-            t.ok = ok;
-        } else {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) t.xv[j] = ok ? xp[j] : make_uint4(0u, 0u, 0u, 0u);
-        }
+        t.xs = xp;
+        t.ok = ok;
         xp += 128 * parts;
+        if constexpr (!EARLY) load_x(t);
+    };
+    bool waiting = EARLY;  // x and y wait for the previous kernel; the first weights need not
+    auto round = [&](Step (&t)[U]) {
+        if constexpr (EARLY) {
+            if (waiting) {
+                pdl_entry();
+                waiting = false;
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) load_x(t[u]);
+        }
     };
     auto math = [&](const Step& t) {
 #pragma unroll
@@ -1180,6 +1199,7 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
         Step t[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) load(t[u], true);
+        round(t);
 #pragma unroll
         for (int u = 0; u < U; ++u) math(t[u]);
     }
@@ -1190,10 +1210,12 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
             const int k = s + u * parts;
             load(t[u], k < steps && k * 1024 + 32 * lane < in_dim);
         }
+        round(t);
 #pragma unroll
         for (int u = 0; u < U; ++u) math(t[u]);
     }
 
+    if (waiting) pdl_entry();  // a warp with no step
     // D[gq][gq] sits in lane q = gq / 2 of the quad, column gq % 2; D[gq + 8][gq] likewise.
     const bool diag = (lane & 3) == (gq >> 1);
     float v0 = diag ? ((gq & 1) ? acc[1] : acc[0]) : 0.f;
@@ -1227,6 +1249,11 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
                              const T* b, T* y) {                                              \
         pdl_entry();                                                                           \
         qmv_row4_body<T, U, LATE>(p, x, c, s, b, y);                                           \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(QROW_MAX_WARPS * 32, MINB)                    \
+        qmv_row4_##TN##SUFFIX##e(const QmatParams p, const T* x, const uint32_t* c,            \
+                                 const T* s, const T* b, T* y) {                               \
+        qmv_row4_body<T, U, LATE, true>(p, x, c, s, b, y);                                     \
     }
 
 // qmv_row4 with the residual add + norm of its output folded in (`last_block_add_norm`, as the
@@ -1240,6 +1267,16 @@ constexpr int QROW_NORM_WARPS = 4;  // QMATVEC_ROW_WARPS
                                    T* out3, uint32_t* counter, const MvNormParams np) {        \
         pdl_entry();                                                                           \
         qmv_row4_body<T, U, LATE>(p, x, c, s, b, y);                                           \
+        last_block_add_norm<T, QROW_NORM_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out,   \
+                                                     out2, out3, counter);                     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(QROW_NORM_WARPS * 32, MINB * 2)               \
+        qmv_row4_norm_##TN##SUFFIX##e(const QmatParams p, const T* x, const uint32_t* c,       \
+                                      const T* s, const T* b, T* y, const T* res,              \
+                                      const T* nw, const T* scalar, const T* w2, const T* w3,  \
+                                      T* out, T* out2, T* out3, uint32_t* counter,             \
+                                      const MvNormParams np) {                                 \
+        qmv_row4_body<T, U, LATE, true>(p, x, c, s, b, y);                                     \
         last_block_add_norm<T, QROW_NORM_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out,   \
                                                      out2, out3, counter);                     \
     }
