@@ -484,6 +484,22 @@ mod tests {
     }
 
     #[test]
+    fn settled_mark_is_opt_in_and_kept_by_views_and_copies() {
+        let w = packed(8, QuantBits::Four, 0.1);
+        assert!(!w.is_settled());
+        let s = w.settled();
+        assert!(s.is_settled());
+        assert!(s.narrow_rows(2, 4).unwrap().is_settled());
+        assert!(s.to_device(&Device::Cpu).unwrap().is_settled());
+        let other = packed(4, QuantBits::Four, 0.2);
+        let stacked = PackedWeight::stack_rows(&[&s, &other], 1).unwrap().unwrap();
+        assert!(
+            stacked.is_settled(),
+            "the stack takes its first part's mark"
+        );
+    }
+
+    #[test]
     fn rows_stacked_alike_compute_every_part_in_one_product() {
         let (a, b, c) = (
             packed(8, QuantBits::Four, 0.1),

@@ -399,7 +399,7 @@ impl WeightStore {
             Some(ps) => PackedWeight::stack_rows(&ps, 1)?
                 .map(|p| p.to_device(&self.device))
                 .transpose()?
-                .map(LoadedMatrix::Packed),
+                .map(|p| LoadedMatrix::Packed(p.settled())),
             None => None,
         })
     }
@@ -639,6 +639,7 @@ mod tests {
         match rows(&["a", "b"]) {
             Some(LoadedMatrix::Packed(p)) => {
                 assert_eq!(p.out_dim, 6);
+                assert!(p.is_settled(), "loaded weights are marked settled");
                 let got = p.dequantize(DType::F32).unwrap();
                 assert_eq!(max_diff(&got, &want(&["a", "b"])), 0.0);
             }
