@@ -201,6 +201,7 @@ impl PackedWeight {
             scales: join(|p| &p.scales)?,
             biases: join(|p| &p.biases)?,
             out_dim: parts.iter().map(|p| p.out_dim).sum(),
+            settled: parts.iter().all(|p| p.settled),
             ..(*first).clone()
         }))
     }
@@ -492,11 +493,15 @@ mod tests {
         assert!(s.narrow_rows(2, 4).unwrap().is_settled());
         assert!(s.to_device(&Device::Cpu).unwrap().is_settled());
         let other = packed(4, QuantBits::Four, 0.2);
-        let stacked = PackedWeight::stack_rows(&[&s, &other], 1).unwrap().unwrap();
+        let mixed = PackedWeight::stack_rows(&[&s, &other], 1).unwrap().unwrap();
         assert!(
-            stacked.is_settled(),
-            "the stack takes its first part's mark"
+            !mixed.is_settled(),
+            "a stack is settled when all its parts are"
         );
+        let both = PackedWeight::stack_rows(&[&s, &other.settled()], 1)
+            .unwrap()
+            .unwrap();
+        assert!(both.is_settled());
     }
 
     #[test]
