@@ -993,9 +993,9 @@ pub(super) fn row_matvec_variant(
     settled: bool,
     late_fits: bool,
 ) -> &'static str {
-    static FIXED: std::sync::OnceLock<(Option<&'static str>, String)> = std::sync::OnceLock::new();
-    let (fixed, early) = FIXED.get_or_init(|| {
-        let fixed = match std::env::var("CANDLE_GEMMA_QROW_STEPS").as_deref() {
+    static FIXED: std::sync::OnceLock<Option<&'static str>> = std::sync::OnceLock::new();
+    let fixed = FIXED.get_or_init(
+        || match std::env::var("CANDLE_GEMMA_QROW_STEPS").as_deref() {
             Ok("1") => Some("_u1"),
             Ok("2") => Some("_u2"),
             Ok("2l") => Some("_u2l"),
@@ -1003,23 +1003,32 @@ pub(super) fn row_matvec_variant(
             Ok("2e") => Some("_u2e"),
             Ok("2le") => Some("_u2le"),
             _ => None,
-        };
-        (
-            fixed,
-            std::env::var("CANDLE_GEMMA_QROW_EARLY").unwrap_or_default(),
-        )
-    });
+        },
+    );
     if let Some(v) = fixed {
         return v;
     }
     let long = split == 1 && in_dim >= 5 * 1024;
-    match (settled && early != "0", long) {
+    match (loads_early(settled), long) {
         (false, true) => "_u2",
         (false, false) => "_u1",
-        (true, true) if late_fits && early != "nol" => "_u2le",
+        (true, true) if late_fits && early_rule() != "nol" => "_u2le",
         (true, true) => "_u2e",
         (true, false) => "_u1e",
     }
+}
+
+/// `CANDLE_GEMMA_QROW_EARLY`: `0` keeps every product's loads after the PDL wait, `nol` keeps
+/// `_u2le` out of [`row_matvec_variant`]'s rule (A/B switches).
+fn early_rule() -> &'static str {
+    static RULE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    RULE.get_or_init(|| std::env::var("CANDLE_GEMMA_QROW_EARLY").unwrap_or_default())
+}
+
+/// Whether a one-row product over a weight marked settled (`settled`) issues its first weight
+/// loads before the PDL wait (the `e` kernels), unless `CANDLE_GEMMA_QROW_EARLY=0`.
+fn loads_early(settled: bool) -> bool {
+    settled && early_rule() != "0"
 }
 
 /// Whether `out_dim` rows (row pairs of `warps`-warp blocks) take more than one wave of
