@@ -81,6 +81,19 @@ __device__ __forceinline__ void warp_argmax(float& bv, I& bi) {
 // blocks may be scheduled while the previous kernel on the stream still runs; wait for it to
 // finish and its writes to be visible, then let the next kernel's blocks be scheduled. Without
 // such a launch both return at once.
+// The two halves of `pdl_entry`, for kernels that issue loads of data no earlier kernel writes
+// (settled weights) between them.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ void pdl_entry() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -1088,12 +1088,19 @@ constexpr int QROW_MAX_WARPS = 8;  // blockDim.x / 32 * blockDim.y, 1-8 (QMATVEC
 // math (from L1) rather than with the step's weight loads, for fewer live registers. EARLY:
 // the first round's weight loads are issued before the PDL wait (the kernel entry then skips
 // it): weights are never written by the kernel before (see `pdl_entry`), x may be.
-template <typename T, int U, bool LATE_X, bool EARLY = false>
+// TRIGGER_FIRST (with EARLY): the next kernel may launch before this one has waited for the
+// one before; taken by `_u2le` alone, whose row pairs fit one wave (its dependents then never
+// hold slots its own blocks wait for; as the rule for every `e` variant it cost E4B 4-bit
+// decode 1-2%).
+template <typename T, int U, bool LATE_X, bool EARLY = false, bool TRIGGER_FIRST = false>
 __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __restrict__ x,
                                               const uint32_t* __restrict__ codes,
                                               const T* __restrict__ scales,
                                               const T* __restrict__ biases,
                                               T* __restrict__ y) {
+    // The next kernel may launch at once (it waits for this one before reading what this one
+    // writes); its settled weights' loads then overlap this kernel's tail.
+    if constexpr (EARLY && TRIGGER_FIRST) pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int part = threadIdx.y, parts = blockDim.y;
     const int gq = lane >> 2;
@@ -1156,7 +1163,11 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
     auto round = [&](Step (&t)[U]) {
         if constexpr (EARLY) {
             if (waiting) {
-                pdl_entry();
+                if constexpr (TRIGGER_FIRST) {
+                    pdl_wait();
+                } else {
+                    pdl_entry();
+                }
                 waiting = false;
             }
 #pragma unroll
@@ -1215,7 +1226,13 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
         for (int u = 0; u < U; ++u) math(t[u]);
     }
 
-    if (waiting) pdl_entry();  // a warp with no step
+    if (waiting) {  // a warp with no step
+        if constexpr (TRIGGER_FIRST) {
+            pdl_wait();
+        } else {
+            pdl_entry();
+        }
+    }
     // D[gq][gq] sits in lane q = gq / 2 of the quad, column gq % 2; D[gq + 8][gq] likewise.
     const bool diag = (lane & 3) == (gq >> 1);
     float v0 = diag ? ((gq & 1) ? acc[1] : acc[0]) : 0.f;
@@ -1253,7 +1270,7 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
     extern "C" __global__ void __launch_bounds__(QROW_MAX_WARPS * 32, MINB)                    \
         qmv_row4_##TN##SUFFIX##e(const QmatParams p, const T* x, const uint32_t* c,            \
                                  const T* s, const T* b, T* y) {                               \
-        qmv_row4_body<T, U, LATE, true>(p, x, c, s, b, y);                                     \
+        qmv_row4_body<T, U, LATE, true, LATE>(p, x, c, s, b, y);                               \
     }
 
 // qmv_row4 with the residual add + norm of its output folded in (`last_block_add_norm`, as the
@@ -1276,7 +1293,7 @@ constexpr int QROW_NORM_WARPS = 4;  // QMATVEC_ROW_WARPS
                                       const T* nw, const T* scalar, const T* w2, const T* w3,  \
                                       T* out, T* out2, T* out3, uint32_t* counter,             \
                                       const MvNormParams np) {                                 \
-        qmv_row4_body<T, U, LATE, true>(p, x, c, s, b, y);                                     \
+        qmv_row4_body<T, U, LATE, true, LATE>(p, x, c, s, b, y);                               \
         last_block_add_norm<T, QROW_NORM_WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out,   \
                                                      out2, out3, counter);                     \
     }
