@@ -982,8 +982,8 @@ fn row_matvec_warps() -> usize {
 /// warps and fit in one of `_u2l`'s ([`late_variant_fits`]; the 31B q_proj alone among the
 /// 31B projections, which the model stacks with k/v). Measured on an H100 (`bench_kernels
 /// --matmul-only --rows 1`, GPU-only time, `bench-results/h100-s22-qrow-early.md`), group 64:
-/// 31B q_proj 13.7 (`_u2`) -> 13.0 (`_u2e`) -> 11.5 µs (`_u2le`); gate/up 28.0 -> 27.5; down
-/// 28.8 -> 26.7.
+/// 31B q_proj 13.7 (`_u2`) -> 13.0 (`_u2e`) -> 11.3 µs (`_u2le`, which also lets its
+/// dependents launch before its wait); gate/up 28.0 -> 27.5; down 28.8 -> 26.7.
 ///
 /// `CANDLE_GEMMA_QROW_STEPS=1|2|2l|1e|2e|2le` fixes the variant, and
 /// `CANDLE_GEMMA_QROW_EARLY=0` (no `e`) or `nol` (no `_u2le`) change the rule, to compare.
