@@ -1260,20 +1260,17 @@ fn check_packed_add_norm(
         // The settled weight's kernel (first loads before the PDL wait) gives the same bits.
         let settled =
             packed_matvec_add_norm(&g(&x)?, &wg.clone().settled(), &gres, &gnw, 1e-6, &extra)?;
+        let same = |p: Option<&Tensor>, q: Option<&Tensor>| -> Result<bool> {
+            Ok(match (p, q) {
+                (Some(p), Some(q)) => max_abs(p, q)? == 0.0,
+                (p, q) => p.is_none() && q.is_none(),
+            })
+        };
         let same_bits = match (&got, &settled) {
             (Some((a, a1, a2)), Some((b, b1, b2))) => {
-                let same = |p: &Tensor, q: &Tensor| -> Result<bool> { Ok(max_abs(p, q)? == 0.0) };
-                same(a, b)?
-                    && match (a1, b1) {
-                        (Some(p), Some(q)) => same(p, q)?,
-                        (None, None) => true,
-                        _ => false,
-                    }
-                    && match (a2, b2) {
-                        (Some(p), Some(q)) => same(p, q)?,
-                        (None, None) => true,
-                        _ => false,
-                    }
+                same(Some(a), Some(b))?
+                    && same(a1.as_ref(), b1.as_ref())?
+                    && same(a2.as_ref(), b2.as_ref())?
             }
             _ => false,
         };

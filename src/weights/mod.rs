@@ -339,7 +339,7 @@ impl WeightStore {
         let b = self.matrix_on(second, layer, &shape, &host)?;
         if let (LoadedMatrix::Packed(pa), LoadedMatrix::Packed(pb)) = (&a, &b) {
             if let Some(p) = PackedWeight::stack_rows(&[pa, pb], n)? {
-                return Ok(LoadedMatrix::Packed(p.to_device(&self.device)?.settled()));
+                return Ok(LoadedMatrix::Packed(p.to_device(&self.device)?));
             }
         }
         let dense = |m: LoadedMatrix| -> Result<Tensor> {
@@ -399,7 +399,7 @@ impl WeightStore {
             Some(ps) => PackedWeight::stack_rows(&ps, 1)?
                 .map(|p| p.to_device(&self.device))
                 .transpose()?
-                .map(|p| LoadedMatrix::Packed(p.settled())),
+                .map(LoadedMatrix::Packed),
             None => None,
         })
     }
@@ -595,6 +595,7 @@ mod tests {
             panic!("two 4-bit stacks should stay packed");
         };
         assert_eq!((p.out_dim, p.in_dim), (16, 64));
+        assert!(p.is_settled(), "joined loaded weights keep the settled mark");
         let got = p
             .dequantize(DType::F32)
             .unwrap()

@@ -77,12 +77,8 @@ __device__ __forceinline__ void warp_argmax(float& bv, I& bi) {
     }
 }
 
-// First statement of every kernel: with programmatic dependent launch (kernel_cache.rs) the
-// blocks may be scheduled while the previous kernel on the stream still runs; wait for it to
-// finish and its writes to be visible, then let the next kernel's blocks be scheduled. Without
-// such a launch both return at once.
-// The two halves of `pdl_entry`, for kernels that issue loads of data no earlier kernel writes
-// (settled weights) between them.
+// The two halves of `pdl_entry`. Kernels that load data no earlier kernel writes (settled
+// weights) may issue those loads before the wait.
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -94,11 +90,13 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// First statement of every kernel: with programmatic dependent launch (kernel_cache.rs) the
+// blocks may be scheduled while the previous kernel on the stream still runs; wait for it to
+// finish and its writes to be visible, then let the next kernel's blocks be scheduled. Without
+// such a launch both return at once.
 __device__ __forceinline__ void pdl_entry() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+    pdl_wait();
+    pdl_trigger();
 }
 
 // Streaming 16-byte load that does not allocate in L1 (keeps the small activation there).

@@ -967,7 +967,8 @@ fn row_matvec_warps() -> usize {
 /// Kernel-name suffix of the `qmv_row4` variant for a launch over rows of `in_dim` codes with
 /// `split` warps a row pair: `_u1` issues one step's loads before its math, `_u2` two, `_u2l`
 /// two with x read in the math (64 registers, 32 warps an SM); an `e` after it issues the first
-/// weight loads before the PDL wait, for weights marked [`PackedWeight::settled`](crate::kernels::qmatmul::PackedWeight::settled) (`settled`).
+/// weight loads before the PDL wait, for weights marked
+/// [`PackedWeight::settled`](crate::kernels::qmatmul::PackedWeight::settled) (`settled`).
 ///
 /// Unsettled weights: unsplit rows of at least 5120 codes take `_u2`, the rest `_u1`. Measured
 /// on H100s (`bench_kernels`, same machine): against `_u1`, `_u2` is 4-7% faster on the 31B
@@ -1008,14 +1009,18 @@ pub(super) fn row_matvec_variant(
     if let Some(v) = fixed {
         return v;
     }
-    let long = split == 1 && in_dim >= 5 * 1024;
-    match (loads_early(settled), long) {
+    match (loads_early(settled), long_rows(split, in_dim)) {
         (false, true) => "_u2",
         (false, false) => "_u1",
         (true, true) if late_fits && early_rule() != "nol" => "_u2le",
         (true, true) => "_u2e",
         (true, false) => "_u1e",
     }
+}
+
+/// Whether a `qmv_row4` launch takes a two-step variant: unsplit rows of 5120+ codes.
+fn long_rows(split: usize, in_dim: usize) -> bool {
+    split == 1 && in_dim >= 5 * 1024
 }
 
 /// `CANDLE_GEMMA_QROW_EARLY`: `0` keeps every product's loads after the PDL wait, `nol` keeps
@@ -1094,7 +1099,9 @@ pub(super) fn contiguous_aligned16(t: &Tensor) -> candle_core::Result<Tensor> {
 
 /// Quantized `x · Wᵀ` for `rows <= 8` activation rows (decode): `x` `[rows, in]` contiguous,
 /// `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns `[rows, out]`.
-/// `settled`: the weight is [`PackedWeight::settled`](crate::kernels::qmatmul::PackedWeight::settled) (see [`row_matvec_variant`]).
+/// `settled`: the weight is
+/// [`PackedWeight::settled`](crate::kernels::qmatmul::PackedWeight::settled) (see
+/// [`row_matvec_variant`]).
 pub(crate) fn qmatvec(
     x: &Tensor,
     codes: &Tensor,
@@ -1136,9 +1143,8 @@ pub(crate) fn qmatvec(
         if rows == 1 && row_contiguous_matvec() {
             split = row_matvec_split(&dev, out_dim, in_dim);
             let warps = row_matvec_warps().min(QROW_MAX_WARPS / split);
-            let late_fits = settled
-                && split == 1
-                && in_dim >= 5 * 1024
+            let late_fits = loads_early(settled)
+                && long_rows(split, in_dim)
                 && late_variant_fits(&dev, tn, out_dim, warps)?;
             (
                 format!(

@@ -1160,16 +1160,19 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
         if constexpr (!EARLY) load_x(t);
     };
     bool waiting = EARLY;  // x and y wait for the previous kernel; the first weights need not
+    auto wait_once = [&] {
+        if (waiting) {
+            if constexpr (TRIGGER_FIRST) {
+                pdl_wait();
+            } else {
+                pdl_entry();
+            }
+            waiting = false;
+        }
+    };
     auto round = [&](Step (&t)[U]) {
         if constexpr (EARLY) {
-            if (waiting) {
-                if constexpr (TRIGGER_FIRST) {
-                    pdl_wait();
-                } else {
-                    pdl_entry();
-                }
-                waiting = false;
-            }
+            wait_once();
 #pragma unroll
             for (int u = 0; u < U; ++u) load_x(t[u]);
         }
@@ -1226,13 +1229,7 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
         for (int u = 0; u < U; ++u) math(t[u]);
     }
 
-    if (waiting) {  // a warp with no step
-        if constexpr (TRIGGER_FIRST) {
-            pdl_wait();
-        } else {
-            pdl_entry();
-        }
-    }
+    wait_once();  // a warp with no step has not waited yet
     // D[gq][gq] sits in lane q = gq / 2 of the quad, column gq % 2; D[gq + 8][gq] likewise.
     const bool diag = (lane & 3) == (gq >> 1);
     float v0 = diag ? ((gq & 1) ? acc[1] : acc[0]) : 0.f;
