@@ -595,7 +595,10 @@ mod tests {
             panic!("two 4-bit stacks should stay packed");
         };
         assert_eq!((p.out_dim, p.in_dim), (16, 64));
-        assert!(p.is_settled(), "joined loaded weights keep the settled mark");
+        assert!(
+            p.is_settled(),
+            "joined loaded weights keep the settled mark"
+        );
         let got = p
             .dequantize(DType::F32)
             .unwrap()
