@@ -242,8 +242,10 @@ fn main() -> Result<()> {
                 let iters = if q_len == 1 { 50 } else { 3 };
                 let q =
                     Tensor::randn(0f32, 1.0, (1, nh, q_len, hd), &dev)?.to_dtype(DType::BF16)?;
-                let pos = KeyPositions::range(0..keys);
                 let q_off = keys - q_len;
+                // As a cache marks its view: the keys before the queries' were settled before
+                // the step (the newest are the step's own writes).
+                let pos = KeyPositions::range(0..keys).settled_below(q_off);
                 let scale = 1.0 / (hd as f64).sqrt();
                 let dense_bytes = 2 * kvh * keys * hd * 2;
                 let dense_copies = kv_copies(dense_bytes, l2_resident);

@@ -129,6 +129,20 @@ fn check_qsdpa(c: &Case, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Res
             c.dtype, c.bits, c.hd, c.group, c.n_heads, c.kv_heads, c.q_len, c.keys, c.window,
             c.pos, path, err, if pass { "PASS" } else { "FAIL" }
         );
+        if path == QsdpaPath::Fused {
+            ok &= check_settled(
+                c,
+                "qsdpa",
+                &got,
+                |pos| {
+                    Ok(attend_packed_cuda(
+                        &qg, &kg, &vg, pos, q_offset, c.window, scale, path,
+                    )?)
+                },
+                &pos,
+                q_offset,
+            )?;
+        }
     }
     // The dispatcher routes packed K/V on CUDA to the kernel.
     let gview = KvView::Single {
@@ -150,10 +164,27 @@ fn check_qsdpa(c: &Case, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Res
         })
     };
     let want = attend(&q, &dense_view(&Device::Cpu)?, &[q_offset], c.window, scale)?;
-    let got = attend(&qg, &dense_view(gpu)?, &[q_offset], c.window, scale)?;
+    let gpu_dense = dense_view(gpu)?;
+    let got = attend(&qg, &gpu_dense, &[q_offset], c.window, scale)?;
     let err = max_abs(&got, &want)?;
     let pass = err <= tol(c.dtype);
     ok &= pass;
+    if let KvView::Single { data, positions } = &gpu_dense {
+        ok &= check_settled(
+            c,
+            "dense-attention",
+            &got,
+            |pos| {
+                let marked = KvView::Single {
+                    data: data.clone(),
+                    positions: pos.clone(),
+                };
+                Ok(attend(&qg, &marked, &[q_offset], c.window, scale)?)
+            },
+            positions,
+            q_offset,
+        )?;
+    }
     let e = stats
         .entry(format!("dense attention {:?}", c.dtype))
         .or_insert(0.0);
@@ -164,6 +195,29 @@ fn check_qsdpa(c: &Case, gpu: &Device, stats: &mut BTreeMap<String, f32>) -> Res
         if pass { "PASS" } else { "FAIL" }
     );
     Ok(ok)
+}
+
+/// The same attention with the keys below `q_offset` marked settled (the tensor-core kernels
+/// then load a split's first tile before waiting for the kernel ahead): equal bit for bit to
+/// `unmarked`, the result without the mark.
+fn check_settled(
+    c: &Case,
+    what: &str,
+    unmarked: &Tensor,
+    run: impl Fn(&KeyPositions) -> Result<Tensor>,
+    pos: &KeyPositions,
+    q_offset: usize,
+) -> Result<bool> {
+    let marked = pos.clone().settled_below(q_offset);
+    let got = run(&marked)?;
+    let pass = max_abs(&got, unmarked)? == 0.0;
+    println!(
+        "{what}-settled dtype={:?} bits={} hd={} heads={}/{} q_len={} keys={} window={:?} pos={:?} settled={:?} {}",
+        c.dtype, c.bits, c.hd, c.n_heads, c.kv_heads, c.q_len, c.keys, c.window, c.pos,
+        marked.settled_keys(),
+        if pass { "PASS (bit-identical)" } else { "FAIL" }
+    );
+    Ok(pass)
 }
 
 /// Batched attention (one launch for every sequence of a batch view) against attending each

@@ -184,12 +184,14 @@ impl LayerCache {
     /// # Errors
     /// [`CacheError::Config`] when no such storage was reserved.
     pub(crate) fn commit_slots(&mut self, n: usize) -> Result<KvView, CacheError> {
-        match self {
+        let offsets = self.offsets();
+        let view = match self {
             LayerCache::Simple(c) => c.commit_slots(n),
             LayerCache::Rotating(c) => c.commit_slots(n),
             LayerCache::Batch(c) => c.commit_slots(n),
             LayerCache::Quantized(c) => c.commit_slots(n),
-        }
+        }?;
+        Ok(view.settled_below(&offsets))
     }
 }
 
@@ -274,7 +276,9 @@ impl KvCache for LayerCache {
             field: "dense cache",
             reason: "a captured decode step must write K/V into reserved slots in place".into(),
         };
-        match self {
+        // Keys held before this update are settled: only its own writes may still run.
+        let offsets = self.offsets();
+        let view = match self {
             LayerCache::Simple(_) | LayerCache::Rotating(_) if super::capturing_graph() => {
                 Err(dense_in_capture())
             }
@@ -282,7 +286,8 @@ impl KvCache for LayerCache {
             LayerCache::Rotating(c) => c.update(k, v),
             LayerCache::Quantized(c) => c.update(k, v),
             LayerCache::Batch(c) => c.update(k, v),
-        }
+        }?;
+        Ok(view.settled_below(&offsets))
     }
 
     fn offsets(&self) -> Vec<usize> {

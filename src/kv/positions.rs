@@ -26,6 +26,9 @@ pub struct PositionRun {
 pub struct KeyPositions {
     runs: Vec<PositionRun>,
     len: usize,
+    /// Keys at positions below this were in storage before the update that made the view
+    /// (see [`KeyPositions::settled_below`]).
+    settled_below: Option<usize>,
 }
 
 impl KeyPositions {
@@ -91,6 +94,48 @@ impl KeyPositions {
     pub fn max(&self) -> Option<usize> {
         self.runs.iter().map(|r| r.start + (r.len - 1)).max()
     }
+
+    /// Declares that the keys at positions below `position` are settled: they were in storage
+    /// before the cache update that made this view, so the only kernels that may still write
+    /// storage when attention is enqueued are that update's own writes of the newer keys.
+    /// The CUDA tensor-core attention then reads a split's first tile of settled keys before
+    /// it waits for the kernel ahead of it (programmatic dependent launch), so those loads
+    /// overlap that kernel's tail. The model's caches mark every view with the offset the
+    /// update started at ([`crate::kv::KvCache::offsets`]); an unmarked view is read only
+    /// after the wait.
+    ///
+    /// This holds because every kernel of this crate that may start before its predecessor
+    /// ends waits for that predecessor before it lets its own successor start (except the
+    /// one-row `_u2le` matvec, which may run beside its predecessor but writes only its
+    /// output), and kernels launched without that attribute start only after their
+    /// predecessor ends. Do not mark keys that a kernel enqueued just before the attention
+    /// writes (a quantization of the whole view, say).
+    pub fn settled_below(mut self, position: usize) -> Self {
+        self.settled_below = Some(position);
+        self
+    }
+
+    /// The longest run of keys (storage indices) marked settled by
+    /// [`KeyPositions::settled_below`]: all at positions below the mark, in one run of
+    /// storage. Empty for an unmarked view.
+    pub fn settled_keys(&self) -> Range<usize> {
+        let Some(mark) = self.settled_below else {
+            return 0..0;
+        };
+        let (mut best, mut streak, mut start) = (0..0, None, 0);
+        for r in &self.runs {
+            // A run's positions ascend: its keys below the mark are a prefix, which continues
+            // a streak when the run before lay wholly below.
+            let below = mark.saturating_sub(r.start).min(r.len);
+            let from = streak.unwrap_or(start);
+            if below > 0 && start + below - from > best.len() {
+                best = from..start + below;
+            }
+            streak = (below == r.len).then_some(from);
+            start += r.len;
+        }
+        best
+    }
 }
 
 impl FromIterator<usize> for KeyPositions {
@@ -152,5 +197,30 @@ mod tests {
         q.push_run(20, 0);
         assert_eq!(q, KeyPositions::range(0..8));
         assert!(KeyPositions::new().is_empty() && KeyPositions::new().max().is_none());
+    }
+
+    #[test]
+    fn settled_keys_are_the_longest_run_below_the_mark() {
+        assert_eq!(KeyPositions::range(0..10).settled_keys(), 0..0);
+        assert_eq!(
+            KeyPositions::range(0..10).settled_below(9).settled_keys(),
+            0..9
+        );
+        assert_eq!(
+            KeyPositions::range(0..10).settled_below(0).settled_keys(),
+            0..0
+        );
+        // A wrapped ring: slots 0..4 hold the newest positions (12 just written), 4..10 the
+        // oldest.
+        let mut ring = KeyPositions::new();
+        ring.push_run(9, 4);
+        ring.push_run(3, 6);
+        assert_eq!(ring.clone().settled_below(12).settled_keys(), 4..10);
+        assert_eq!(ring.clone().settled_below(13).settled_keys(), 0..10);
+        // Runs wholly below the mark join the next run's prefix.
+        let mut two = KeyPositions::new();
+        two.push_run(0, 3);
+        two.push_run(10, 5);
+        assert_eq!(two.settled_below(12).settled_keys(), 0..5);
     }
 }

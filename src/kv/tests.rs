@@ -1104,3 +1104,27 @@ fn restoring_a_mark_undoes_committed_slots() {
         .expect("all_kinds holds a quantized cache");
     assert!(quantized.mark().is_none());
 }
+
+#[test]
+fn views_mark_only_keys_from_before_the_update_settled() {
+    for (mut cache, _) in all_kinds(5) {
+        for (i, n) in [3usize, 1, 1, 2, 1, 1, 1, 1, 1, 1].into_iter().enumerate() {
+            let q_off = cache.offsets()[0];
+            let k = rand(i as u64, (1, KVH, n, HD));
+            let view = cache.update(&k, &k).unwrap();
+            let KvView::Single { positions, .. } = view else {
+                panic!("a single-sequence cache returned a batch view");
+            };
+            let settled = positions.settled_keys();
+            let pos = positions.to_vec();
+            assert!(
+                pos[settled.clone()].iter().all(|&p| p < q_off),
+                "{:?}: settled {settled:?} of {pos:?} at offset {q_off}",
+                cache.kind()
+            );
+            if n == 1 && q_off > 0 {
+                assert!(!settled.is_empty(), "{:?} at offset {q_off}", cache.kind());
+            }
+        }
+    }
+}

@@ -89,3 +89,27 @@ pub enum KvView {
     /// One view per sequence of a batch, in batch order.
     Batch(Vec<KvView>),
 }
+
+impl KvView {
+    /// The view with every sequence's keys below its offset before the update (`offsets`, one
+    /// per sequence in batch order, as [`crate::kv::KvCache::offsets`] gave them) marked
+    /// settled ([`KeyPositions::settled_below`]).
+    pub(crate) fn settled_below(self, offsets: &[usize]) -> Self {
+        match self {
+            KvView::Single { data, positions } => KvView::Single {
+                data,
+                positions: match offsets.first() {
+                    Some(&o) => positions.settled_below(o),
+                    None => positions,
+                },
+            },
+            KvView::Batch(views) => KvView::Batch(
+                views
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, v)| v.settled_below(offsets.get(i..i + 1).unwrap_or(&[])))
+                    .collect(),
+            ),
+        }
+    }
+}

@@ -529,7 +529,7 @@ __device__ __forceinline__ void qsdpa_batch_entry(const QsdpaSeq* seqs, uint32_t
         qsdpa_##TN##_##HD##_##BITS##_##NQ(const QsdpaParams p, const T* q, const uint32_t* kc,         \
                                    const T* ks, const T* kb, const uint32_t* vc, const T* vs,   \
                                    const T* vb, const uint32_t* positions, T* out,              \
-                                   float* part_ml, float* part_acc) {                          \
+                                   float* part_ml, float* part_acc, uint64_t) {                \
         pdl_entry();                                                                           \
         qsdpa_body<T, HD, BITS, NQ>(p, q, kc, ks, kb, vc, vs, vb, positions, out, part_ml,      \
                                     part_acc, blockIdx.z);                                     \

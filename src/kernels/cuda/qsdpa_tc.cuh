@@ -15,6 +15,9 @@
 // current one (STAGES = 0), or the block copies whole tiles into shared memory with cp.async
 // one step ahead and lanes read their words from there (STAGES = 2: fewer registers, so more
 // blocks or deeper pipelines; NTS = 2 attends two tiles a step, one softmax for both).
+// A single-sequence block whose first keys are settled (the kernels' last argument: no running
+// kernel writes them) issues their loads before it waits for the kernel ahead, so they overlap
+// that kernel's tail; the queries, which that kernel may write, are read after the wait.
 // K and V are dequantized into f16/bf16 fragments in registers (one rounding, as dequantizing
 // the cache to the query's type would); products accumulate in f32. Only the order of the dot
 // products' terms is free: lanes take the element pairs that are cheap to unpack, and the
@@ -294,7 +297,7 @@ __device__ __forceinline__ void qt_stage_copy(const QtStage<T, HD, BITS>& st, co
     }
 }
 
-template <typename T, int HD, int BITS, int STAGES = 0, int NTS = 1>
+template <typename T, int HD, int BITS, int STAGES = 0, int NTS = 1, bool ENTRY = false>
 __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __restrict__ q,
                                               const uint32_t* __restrict__ kc,
                                               const T* __restrict__ ks, const T* __restrict__ kb,
@@ -302,7 +305,8 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
                                               const T* __restrict__ vs, const T* __restrict__ vb,
                                               const uint32_t* __restrict__ positions,
                                               T* __restrict__ out, float* __restrict__ part_ml,
-                                              float* __restrict__ part_acc, const int split) {
+                                              float* __restrict__ part_acc, const int split,
+                                              const uint64_t settled = 0) {
     constexpr bool DENSE = BITS == 16;
     constexpr int NWARP = HD / 128;
     __shared__ float4 xs[2][NWARP][NTS][32];
@@ -506,6 +510,14 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
     auto tile = [&](const QtTile<T, BITS>& cur, const int par) {
         tiles(std::integral_constant<int, 1>(), &cur, par);
     };
+    // Single-sequence kernels (ENTRY) wait for the kernel ahead after the loads of the keys
+    // they read first when those are settled (no running kernel writes them), else before
+    // them too (a second wait returns at once). The queries come after the wait either way.
+    constexpr int FIRST_KEYS = STAGES > 0 ? (STAGES - 1) * NTS * QT_KEYS : QT_KEYS;
+    // `settled`: keys settled_lo | settled_hi << 32 (`SeqPlan::settled` in launch.rs).
+    if (ENTRY && !((uint32_t)j0 >= (uint32_t)settled &&
+                   (uint32_t)min(j0 + FIRST_KEYS, j1) <= (uint32_t)(settled >> 32)))
+        pdl_wait();
     if constexpr (STAGES > 0) {
         static_assert(!DENSE && STAGES >= 2, "staged tiles are for packed K/V");
         extern __shared__ __align__(16) uint8_t qt_stages[];
@@ -527,6 +539,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         };
 #pragma unroll
         for (int t = 0; t < STAGES - 1; ++t) copy(t);
+        if constexpr (ENTRY) pdl_entry();
         load_queries();
         int par = 0;
         for (int t = 0; t < nsteps; ++t) {
@@ -568,6 +581,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
 #pragma unroll
         for (int b = 0; b < NB - 1; ++b)
             if (j0 + b * QT_KEYS < j1) load(tb[b], j0 + b * QT_KEYS);
+        if constexpr (ENTRY) pdl_entry();
         load_queries();
         int par = 0;
         for (int jt = j0; jt < j1; jt += NB * QT_KEYS) {
@@ -633,10 +647,10 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         qsdpa_tc_##TN##_##HD##_##BITS(const QsdpaParams p, const T* q, const uint32_t* kc,      \
                                       const T* ks, const T* kb, const uint32_t* vc,             \
                                       const T* vs, const T* vb, const uint32_t* positions,      \
-                                      T* out, float* part_ml, float* part_acc) {                \
-        pdl_entry();                                                                            \
-        qsdpa_tc_body<T, HD, BITS>(p, q, kc, ks, kb, vc, vs, vb, positions, out, part_ml,       \
-                                   part_acc, blockIdx.z);                                       \
+                                      T* out, float* part_ml, float* part_acc,                  \
+                                      uint64_t settled) {                                       \
+        qsdpa_tc_body<T, HD, BITS, 0, 1, true>(p, q, kc, ks, kb, vc, vs, vb, positions, out,    \
+                                               part_ml, part_acc, blockIdx.z, settled);         \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(HD / 128 * 32)                                 \
         qsdpa_tc_batch_##TN##_##HD##_##BITS(const QsdpaSeq* seqs, uint32_t n_split_max,         \
@@ -648,16 +662,17 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
     }
 
 // Staged tiles (STAGES in shared memory, dynamic size STAGES x qt_stage_bytes), one sequence
-// and batch entries.
-#define QSDPA_TC_ST_INST(TN, T, HD, BITS, S, NTS)                                               \
-    extern "C" __global__ void __launch_bounds__(HD / 128 * 32)                                 \
+// and batch entries. MINB holds the one-sequence 8-bit kernels at the registers (128) that
+// give 8 (head dim 256) or 4 (512) blocks a multiprocessor: copying the first stage before the
+// wait took them to 152-156 unheld.
+#define QSDPA_TC_ST_INST(TN, T, HD, BITS, S, NTS, MINB)                                         \
+    extern "C" __global__ void __launch_bounds__(HD / 128 * 32, MINB)                           \
         qsdpa_tc_s##S##x##NTS##_##TN##_##HD##_##BITS(                                           \
             const QsdpaParams p, const T* q, const uint32_t* kc, const T* ks, const T* kb,      \
             const uint32_t* vc, const T* vs, const T* vb, const uint32_t* positions, T* out,    \
-            float* part_ml, float* part_acc) {                                                  \
-        pdl_entry();                                                                            \
-        qsdpa_tc_body<T, HD, BITS, S, NTS>(p, q, kc, ks, kb, vc, vs, vb, positions, out,     \
-                                              part_ml, part_acc, blockIdx.z);                   \
+            float* part_ml, float* part_acc, uint64_t settled) {                                \
+        qsdpa_tc_body<T, HD, BITS, S, NTS, true>(p, q, kc, ks, kb, vc, vs, vb, positions, out,  \
+                                                 part_ml, part_acc, blockIdx.z, settled);       \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(HD / 128 * 32)                                 \
         qsdpa_tc_s##S##x##NTS##_batch_##TN##_##HD##_##BITS(                                     \
@@ -671,10 +686,10 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
 
 // The staged kernels `tc_staging` (launch.rs) picks.
 #define QSDPA_TC_ST_INST_T(TN, T)            \
-    QSDPA_TC_ST_INST(TN, T, 256, 8, 2, 1)    \
-    QSDPA_TC_ST_INST(TN, T, 512, 8, 2, 1)    \
-    QSDPA_TC_ST_INST(TN, T, 512, 4, 2, 2)    \
-    QSDPA_TC_ST_INST(TN, T, 256, 4, 2, 2)
+    QSDPA_TC_ST_INST(TN, T, 256, 8, 2, 1, 8) \
+    QSDPA_TC_ST_INST(TN, T, 512, 8, 2, 1, 4) \
+    QSDPA_TC_ST_INST(TN, T, 512, 4, 2, 2, 1) \
+    QSDPA_TC_ST_INST(TN, T, 256, 4, 2, 2, 1)
 
 QSDPA_TC_ST_INST_T(f16, __half)
 QSDPA_TC_ST_INST_T(bf16, __nv_bfloat16)
