@@ -297,6 +297,39 @@ __device__ __forceinline__ void qt_stage_copy(const QtStage<T, HD, BITS>& st, co
     }
 }
 
+// Asks L2 for keys [jt, jt + nk) of head g (codes, scales and biases), one request a
+// 128-byte line shared out over the block's threads; no registers wait for them.
+template <typename T, int HD, int BITS>
+__device__ __forceinline__ void qt_prefetch_keys(const QsdpaParams& p, int g, int jt, int nk,
+                                                 const uint32_t* __restrict__ kc,
+                                                 const T* __restrict__ ks,
+                                                 const T* __restrict__ kb,
+                                                 const uint32_t* __restrict__ vc,
+                                                 const T* __restrict__ vs,
+                                                 const T* __restrict__ vb) {
+    auto pf = [](const void* a) { asm volatile("prefetch.global.L2 [%0];" ::"l"(a)); };
+    constexpr int LINES = (HD * BITS / 8 + 127) / 128;  // lines of one key's codes
+    const int t = threadIdx.x, nt = blockDim.x;
+    for (int c = t; c < 2 * nk * LINES; c += nt) {
+        const int r = (c / LINES) % nk, l = c % LINES;
+        const uint32_t* row = c < nk * LINES
+                                  ? kc + g * p.k_codes_sh + (size_t)(jt + r) * p.k_codes_sk
+                                  : vc + g * p.v_codes_sh + (size_t)(jt + r) * p.v_codes_sk;
+        pf(row + 32 * l);
+    }
+    if constexpr (BITS != 16) {
+        // Scales and biases: the lines of the first and the last key of each array.
+        if (t < 8) {
+            const int key = jt + ((t & 1) ? nk - 1 : 0);
+            const T* arr = (t >> 1) == 0   ? ks + g * p.k_sc_sh + (size_t)key * p.k_sc_sk
+                           : (t >> 1) == 1 ? kb + g * p.k_sc_sh + (size_t)key * p.k_sc_sk
+                           : (t >> 1) == 2 ? vs + g * p.v_sc_sh + (size_t)key * p.v_sc_sk
+                                           : vb + g * p.v_sc_sh + (size_t)key * p.v_sc_sk;
+            pf(arr);
+        }
+    }
+}
+
 template <typename T, int HD, int BITS, int STAGES = 0, int NTS = 1, bool ENTRY = false>
 __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __restrict__ q,
                                               const uint32_t* __restrict__ kc,
@@ -515,9 +548,17 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
     // them too (a second wait returns at once). The queries come after the wait either way.
     constexpr int FIRST_KEYS = STAGES > 0 ? (STAGES - 1) * NTS * QT_KEYS : QT_KEYS;
     // `settled`: keys settled_lo | settled_hi << 32 (`SeqPlan::settled` in launch.rs).
-    if (ENTRY && !((uint32_t)j0 >= (uint32_t)settled &&
-                   (uint32_t)min(j0 + FIRST_KEYS, j1) <= (uint32_t)(settled >> 32)))
-        pdl_wait();
+    // Whether keys [j0, end) are all settled.
+    auto settled_to = [&](int end) {
+        return (uint32_t)j0 >= (uint32_t)settled && (uint32_t)end <= (uint32_t)(settled >> 32);
+    };
+    if (ENTRY && !settled_to(min(j0 + FIRST_KEYS, j1))) pdl_wait();
+    // Packed keys [jt, jt + n) (clipped to the split) into L2 before the wait, where settled.
+    auto prefetch_settled = [&](int jt, int n) {
+        const int je = min(jt + n, j1);
+        if (jt < je && settled_to(je))
+            qt_prefetch_keys<T, HD, BITS>(p, g, jt, je - jt, kc, ks, kb, vc, vs, vb);
+    };
     if constexpr (STAGES > 0) {
         static_assert(!DENSE && STAGES >= 2, "staged tiles are for packed K/V");
         extern __shared__ __align__(16) uint8_t qt_stages[];
@@ -581,7 +622,10 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
 #pragma unroll
         for (int b = 0; b < NB - 1; ++b)
             if (j0 + b * QT_KEYS < j1) load(tb[b], j0 + b * QT_KEYS);
-        if constexpr (ENTRY) pdl_entry();
+        if constexpr (ENTRY) {
+            if constexpr (!DENSE) prefetch_settled(j0 + QT_KEYS, QT_KEYS);
+            pdl_entry();
+        }
         load_queries();
         int par = 0;
         for (int jt = j0; jt < j1; jt += NB * QT_KEYS) {
