@@ -724,10 +724,14 @@ pub(super) fn plan_seq(
 /// ([`KeyPositions::settled_keys`]) as `start | end << 32`, 0 for none. The tensor-core kernels
 /// load a split's first tile (or stage) before waiting for the kernel ahead when it lies there.
 ///
+/// Packed register-tile kernels also ask L2 for the split's second tile there.
+///
 /// Measured on an H100 (`bench_kernels --attention-only`, GPU-only µs, the previous binary and
 /// this one alternating, two rounds; `bench-results/h100-s23-attn-early.md`): E4B sliding
-/// 4-bit at 32k keys 16.3-16.4 -> 14.7-14.9, dense 30.3 -> 28.8; 31B sliding 4-bit at 32k 69-70
-/// -> 66-67; every 1k point 0.3-2 µs faster.
+/// 4-bit at 32k keys 16.2-16.3 -> 14.7-14.8, dense 30.2 -> 28.8; 31B sliding 4-bit at 32k 69.2
+/// -> 66.8; 1k points 0.7-2.1 µs faster except 31B sliding 4-bit (8.0 -> 8.3-8.4). The L2
+/// prefetch then took E4B sliding 4-bit at 32k to 14.3-14.4
+/// (`bench-results/h100-s24-attn-prefetch.md`).
 fn settled_arg(positions: &KeyPositions, keys: usize) -> u64 {
     let r = positions.settled_keys();
     match (u32::try_from(r.start), u32::try_from(r.end.min(keys))) {

@@ -623,6 +623,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         for (int b = 0; b < NB - 1; ++b)
             if (j0 + b * QT_KEYS < j1) load(tb[b], j0 + b * QT_KEYS);
         if constexpr (ENTRY) {
+            // Dense kernels measured slower with it (h100-s24-attn-prefetch.md).
             if constexpr (!DENSE) prefetch_settled(j0 + QT_KEYS, QT_KEYS);
             pdl_entry();
         }
