@@ -1553,6 +1553,24 @@ fn main() -> Result<()> {
         &gpu,
         &mut stats,
     )?;
+    // One row of 8-bit codes over 6337..=8448 outputs: more than one wave of the 39-register
+    // build on an H100 (132 SMs, 6 blocks each) but one of the 32-register `_1w` build, which
+    // `qmatvec` takes there (f32 activations: one build fits 8 blocks, so never).
+    for xdtype in [DType::F32, DType::BF16, DType::F16] {
+        for (out_dim, group) in [(8192, 64), (7001, 128), (6400, 32)] {
+            all_ok &= check_qmatmul(
+                out_dim,
+                1024,
+                8,
+                group,
+                DType::BF16,
+                xdtype,
+                1,
+                &gpu,
+                &mut stats,
+            )?;
+        }
+    }
     // Tile tails (outputs not a multiple of 16/32, inputs not a multiple of 32), both tile
     // counts (the two-tile kernel from 32 * 2 * SMs outputs), 1..=8 rows.
     for dtype in [DType::BF16, DType::F16] {

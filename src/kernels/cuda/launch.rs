@@ -1064,39 +1064,60 @@ fn loads_early(settled: bool) -> bool {
 
 /// Whether `out_dim` rows (row pairs of `warps`-warp blocks) take more than one wave of
 /// `qmv_row4_{tn}_u2e` on `dev` but fit in one wave of `_u2le` (see [`row_matvec_variant`]).
-/// The two waves are asked of the driver once per kernel type and block size.
 fn late_variant_fits(
     dev: &CudaDevice,
     tn: &'static str,
     out_dim: usize,
     warps: usize,
 ) -> candle_core::Result<bool> {
-    type Waves = std::collections::HashMap<(&'static str, usize), (usize, usize)>;
-    static WAVES: std::sync::OnceLock<std::sync::Mutex<Waves>> = std::sync::OnceLock::new();
-    let known = WAVES
-        .get_or_init(Default::default)
-        .lock()
-        .ok()
-        .and_then(|m| m.get(&(tn, warps)).copied());
-    let (short, late) = match known {
-        Some(w) => w,
-        None => {
-            let wave = |suffix: &str| -> candle_core::Result<usize> {
-                let name = format!("qmv_row4_{tn}{suffix}");
-                let blocks = load_kernel(dev, &name, MODULE, IMAGE)?
-                    .resident_blocks((warps * 32) as u32)
-                    .unwrap_or(0);
-                Ok(blocks * warps * sm_count(dev))
-            };
-            let w = (wave("_u2e")?, wave("_u2le")?);
-            if let Some(mut m) = WAVES.get().and_then(|m| m.lock().ok()) {
-                m.insert((tn, warps), w);
-            }
-            w
-        }
+    fits_one_wave_only_of(
+        dev,
+        &format!("qmv_row4_{tn}_u2e"),
+        &format!("qmv_row4_{tn}_u2le"),
+        out_dim.div_ceil(2),
+        warps,
+    )
+}
+
+/// Whether `units` (one a warp, `warps` warps a block) take more than one wave of kernel
+/// `wide` on `dev` but fit in one wave of kernel `narrow` (which holds more of them at once).
+///
+/// The 8-bit one-row `qmatvec` takes its 32-register `_1w` build where this holds: the 31B
+/// q_proj shape (8192 rows, 1024 blocks, 1.29 waves of the 39-register build at 6 blocks a
+/// multiprocessor, one wave at 8) went from 0.69-0.71 to 0.74-0.76 of the copy bandwidth on an
+/// H100, while the capped build was 3-25% slower on the down projections, which fit one wave
+/// either way (`bench-results/h100-s24-qmv8.md`).
+fn fits_one_wave_only_of(
+    dev: &CudaDevice,
+    wide: &str,
+    narrow: &str,
+    units: usize,
+    warps: usize,
+) -> candle_core::Result<bool> {
+    let wave = |name: &str| -> candle_core::Result<usize> {
+        Ok(resident_units(dev, name, warps)? * sm_count(dev))
     };
-    let pairs = out_dim.div_ceil(2);
-    Ok(pairs > short && pairs <= late)
+    Ok(units > wave(wide)? && units <= wave(narrow)?)
+}
+
+/// Warps of kernel `name` in `warps`-warp blocks one multiprocessor of `dev` holds at once,
+/// asked of the driver once per kernel and block size.
+fn resident_units(dev: &CudaDevice, name: &str, warps: usize) -> candle_core::Result<usize> {
+    type Known = std::collections::HashMap<(String, usize), usize>;
+    static KNOWN: std::sync::OnceLock<std::sync::Mutex<Known>> = std::sync::OnceLock::new();
+    let key = (name.to_string(), warps);
+    let known = KNOWN.get_or_init(Default::default);
+    if let Some(n) = known.lock().ok().and_then(|m| m.get(&key).copied()) {
+        return Ok(n);
+    }
+    let blocks = load_kernel(dev, name, MODULE, IMAGE)?
+        .resident_blocks((warps * 32) as u32)
+        .unwrap_or(0);
+    let n = blocks * warps;
+    if let Ok(mut m) = known.lock() {
+        m.insert(key, n);
+    }
+    Ok(n)
 }
 
 /// Warps that share each row pair of `qmv_row4`, splitting the input (1, 2 or 4):
@@ -1191,11 +1212,17 @@ pub(crate) fn qmatvec(
         let name = format!("qmv_mma_{tn}_{sn}_{bits}_{group_size}");
         (name, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS)
     } else {
-        (
-            format!("qmatvec_{tn}_{sn}_{bits}_{r}"),
-            QMATVEC_WARPS,
-            QMATVEC_WARPS,
-        )
+        let name = format!("qmatvec_{tn}_{sn}_{bits}_{r}");
+        let one_wave = format!("{name}w");
+        let name = if bits == 8
+            && r == 1
+            && fits_one_wave_only_of(&dev, &name, &one_wave, out_dim, QMATVEC_WARPS)?
+        {
+            one_wave
+        } else {
+            name
+        };
+        (name, QMATVEC_WARPS, QMATVEC_WARPS)
     };
     let func = load_kernel(&dev, &name, MODULE, IMAGE)?;
     let cfg = LaunchConfig {
