@@ -1553,6 +1553,13 @@ fn main() -> Result<()> {
         &gpu,
         &mut stats,
     )?;
+    // The 31B q_proj shape at 4 bits, one row: settled, its row pairs need more than one wave
+    // of `qmv_row4_*_u2e` on an H100 but fit one of `_u2le` (8-warp blocks; `qmatvec`).
+    for dtype in [DType::BF16, DType::F16] {
+        for group in [64, 128] {
+            all_ok &= check_qmatmul(8192, 5376, 4, group, dtype, dtype, 1, &gpu, &mut stats)?;
+        }
+    }
     // One row of 8-bit codes over 6337..=8448 outputs: more than one wave of the 39-register
     // build on an H100 (132 SMs, 6 blocks each) but one of the 32-register `_1w` build, which
     // `qmatvec` takes there (f32 activations: one build fits 8 blocks, so never).

@@ -980,14 +980,25 @@ pub(super) fn takes_row_matvec(x_dtype: DType, w: &crate::kernels::qmatmul::Pack
 /// Warps a block of `qmv_row4`: [`QMATVEC_ROW_WARPS`], or `CANDLE_GEMMA_QROW_WARPS` (1, 2, 4
 /// or 8) to compare.
 fn row_matvec_warps() -> usize {
-    static W: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *W.get_or_init(|| {
+    row_matvec_warps_for(QMATVEC_ROW_WARPS)
+}
+
+/// Warps a block of a `qmv_row4` launch whose own default is `default`, unless
+/// `CANDLE_GEMMA_QROW_WARPS` fixes them. `_u2le` launches (one wave of row pairs) take
+/// [`QROW_MAX_WARPS`]: on an H100 the 31B q_proj at 4 bits went from 0.692-0.697 /
+/// 0.723-0.726 to 0.709-0.713 / 0.740-0.744 of the copy bandwidth (groups 128 / 64; the
+/// previous build and this one alternating, `bench-results/h100-s24-qrow-late8-ab-*.jsonl`),
+/// while 8-warp blocks for every launch made gate/up (several waves, `_u2e`) 3-4% slower
+/// (`h100-s24-qrow-warps-*.jsonl`, `CANDLE_GEMMA_QROW_WARPS`).
+fn row_matvec_warps_for(default: usize) -> usize {
+    static W: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    W.get_or_init(|| {
         std::env::var("CANDLE_GEMMA_QROW_WARPS")
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|w| matches!(w, 1 | 2 | 4 | 8))
-            .unwrap_or(QMATVEC_ROW_WARPS)
     })
+    .unwrap_or(default)
 }
 
 /// Kernel-name suffix of the `qmv_row4` variant for a launch over rows of `in_dim` codes with
@@ -1189,18 +1200,17 @@ pub(crate) fn qmatvec(
     ) {
         if rows == 1 && row_contiguous_matvec() {
             split = row_matvec_split(&dev, out_dim, in_dim);
-            let warps = row_matvec_warps().min(QROW_MAX_WARPS / split);
+            let late_warps = row_matvec_warps_for(QROW_MAX_WARPS).min(QROW_MAX_WARPS / split);
             let late_fits = loads_early(settled)
                 && long_rows(split, in_dim)
-                && late_variant_fits(&dev, tn, out_dim, warps)?;
-            (
-                format!(
-                    "qmv_row4_{tn}{}",
-                    row_matvec_variant(split, in_dim, settled, late_fits)
-                ),
-                warps * 2,
-                warps,
-            )
+                && late_variant_fits(&dev, tn, out_dim, late_warps)?;
+            let variant = row_matvec_variant(split, in_dim, settled, late_fits);
+            let warps = if variant == "_u2le" {
+                late_warps
+            } else {
+                row_matvec_warps().min(QROW_MAX_WARPS / split)
+            };
+            (format!("qmv_row4_{tn}{variant}"), warps * 2, warps)
         } else {
             (
                 format!("qmv_tc4_{tn}_b{}", tc4_blocks()),
