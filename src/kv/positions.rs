@@ -21,8 +21,10 @@ pub struct PositionRun {
 /// Absolute token position of every key of a view, in storage order, as ascending runs.
 ///
 /// Build it from a range ([`KeyPositions::range`]), run by run ([`KeyPositions::push_run`]), or
-/// from any list of positions (`From<Vec<usize>>`, `FromIterator`).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// from any list of positions (`From<Vec<usize>>`, `FromIterator`). Two values are equal when
+/// they hold the same positions in the same order; the settled mark
+/// ([`KeyPositions::settled_below`]) is a scheduling hint and does not count.
+#[derive(Debug, Clone, Default)]
 pub struct KeyPositions {
     runs: Vec<PositionRun>,
     len: usize,
@@ -138,6 +140,14 @@ impl KeyPositions {
     }
 }
 
+impl PartialEq for KeyPositions {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len && self.runs == other.runs
+    }
+}
+
+impl Eq for KeyPositions {}
+
 impl FromIterator<usize> for KeyPositions {
     fn from_iter<I: IntoIterator<Item = usize>>(iter: I) -> Self {
         let mut p = Self::new();
@@ -221,6 +231,11 @@ mod tests {
         let mut two = KeyPositions::new();
         two.push_run(0, 3);
         two.push_run(10, 5);
-        assert_eq!(two.settled_below(12).settled_keys(), 0..5);
+        assert_eq!(two.clone().settled_below(12).settled_keys(), 0..5);
+        assert_eq!(
+            two.clone().settled_below(12),
+            two,
+            "the mark is not part of the value"
+        );
     }
 }

@@ -1113,12 +1113,17 @@ fn fits_one_wave_only_of(
 
 /// Warps of kernel `name` in `warps`-warp blocks one multiprocessor of `dev` holds at once,
 /// asked of the driver once per kernel and block size.
+/// Launches ask this on the host's hot path: a known answer costs a lock and a lookup, no
+/// allocation.
 fn resident_units(dev: &CudaDevice, name: &str, warps: usize) -> candle_core::Result<usize> {
-    type Known = std::collections::HashMap<(String, usize), usize>;
+    type Known = std::collections::HashMap<usize, std::collections::HashMap<String, usize>>;
     static KNOWN: std::sync::OnceLock<std::sync::Mutex<Known>> = std::sync::OnceLock::new();
-    let key = (name.to_string(), warps);
     let known = KNOWN.get_or_init(Default::default);
-    if let Some(n) = known.lock().ok().and_then(|m| m.get(&key).copied()) {
+    let cached = known
+        .lock()
+        .ok()
+        .and_then(|m| m.get(&warps).and_then(|by_name| by_name.get(name)).copied());
+    if let Some(n) = cached {
         return Ok(n);
     }
     let blocks = load_kernel(dev, name, MODULE, IMAGE)?
@@ -1126,7 +1131,7 @@ fn resident_units(dev: &CudaDevice, name: &str, warps: usize) -> candle_core::Re
         .unwrap_or(0);
     let n = blocks * warps;
     if let Ok(mut m) = known.lock() {
-        m.insert(key, n);
+        m.entry(warps).or_default().insert(name.to_string(), n);
     }
     Ok(n)
 }
@@ -1222,16 +1227,13 @@ pub(crate) fn qmatvec(
         let name = format!("qmv_mma_{tn}_{sn}_{bits}_{group_size}");
         (name, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS)
     } else {
-        let name = format!("qmatvec_{tn}_{sn}_{bits}_{r}");
-        let one_wave = format!("{name}w");
-        let name = if bits == 8
-            && r == 1
-            && fits_one_wave_only_of(&dev, &name, &one_wave, out_dim, QMATVEC_WARPS)?
-        {
-            one_wave
-        } else {
-            name
-        };
+        let mut name = format!("qmatvec_{tn}_{sn}_{bits}_{r}");
+        if bits == 8 && r == 1 {
+            let one_wave = format!("{name}w");
+            if fits_one_wave_only_of(&dev, &name, &one_wave, out_dim, QMATVEC_WARPS)? {
+                name = one_wave;
+            }
+        }
         (name, QMATVEC_WARPS, QMATVEC_WARPS)
     };
     let func = load_kernel(&dev, &name, MODULE, IMAGE)?;

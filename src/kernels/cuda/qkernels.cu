@@ -1363,7 +1363,7 @@ __device__ __forceinline__ void dequant_body(const QmatParams p, const uint32_t*
     }
 
 // One row of 8-bit codes held to 32 registers (8 blocks a multiprocessor instead of 6), for
-// grids that then fit one wave (`qmatvec` in launch.rs).
+// grids that then fit one wave (`qmatvec` in launch.rs). It unrolls 4: 8 spills at 32.
 #define QMV_INST_1W(TN, T, SN, S)                                                              \
     extern "C" __global__ void __launch_bounds__(QMV_WARPS * 32, 8)                            \
         qmatvec_##TN##_##SN##_8_1w(const QmatParams p, const T* x, const uint32_t* c,          \
