@@ -375,6 +375,8 @@ pub(super) struct SeqPlan {
     /// registers), and the dynamic shared memory a block takes for them.
     pub(super) stages: usize,
     pub(super) smem: u32,
+    /// Whether the tensor-core kernel folds the value scales into P ([`folds_values`]).
+    pub(super) fold_values: bool,
     /// The settled keys ([`KeyPositions::settled_keys`]) as the one-sequence kernels take
     /// them: `start | end << 32` (0: none).
     pub(super) settled: u64,
@@ -391,6 +393,7 @@ impl SeqPlan {
             self.nq,
             self.tensor_cores,
             self.stages,
+            self.fold_values,
             batch,
         )
     }
@@ -417,6 +420,20 @@ fn tc_threads(head_dim: usize) -> u32 {
     (head_dim / 128 * 32) as u32
 }
 
+/// Whether the tensor-core kernel folds the value scales into P (`qsdpa_tc_fv_*`, see
+/// `qt_value_frag_folded` in qsdpa_tc.cuh): 4-bit codes whose tiles sit in registers, in groups
+/// of 64 (an m-tile of the output mma must lie in one group, and a lane reads both of its
+/// groups' scales in one 4-byte load: `aligned` is [`scales_stageable`]). The output mma then
+/// reads the codes without dequantizing them. Measured on an H100 (`bench_kernels
+/// --attention-only`, `bench-results/h100-s25-fold.md`). `CANDLE_GEMMA_QT_FOLD=0` turns it off
+/// (A/B).
+fn folds_values(bits: usize, stages: usize, group_size: usize, aligned: bool) -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_QT_FOLD").is_ok_and(|v| v == "0"));
+    !off && bits == 4 && stages == 0 && group_size == 64 && aligned
+}
+
+#[allow(clippy::too_many_arguments)]
 fn kernel_name_of(
     dtype: DType,
     hd: usize,
@@ -424,6 +441,7 @@ fn kernel_name_of(
     nq: usize,
     tensor_cores: bool,
     stages: usize,
+    fold_values: bool,
     batch: bool,
 ) -> Result<String, CacheError> {
     let tn = kname(dtype)?;
@@ -432,6 +450,8 @@ fn kernel_name_of(
         if stages > 0 {
             let nts = tc_staging(hd, bits).tiles_per_stage;
             format!("qsdpa_tc_s{stages}x{nts}_{b}{tn}_{hd}_{bits}")
+        } else if fold_values {
+            format!("qsdpa_tc_fv_{b}{tn}_{hd}_{bits}")
         } else {
             format!("qsdpa_tc_{b}{tn}_{hd}_{bits}")
         }
@@ -667,16 +687,18 @@ pub(super) fn plan_seq(
     } else {
         0
     };
+    let aligned = scales_stageable([&ks, &vs]);
+    let fold = |stages| tensor_cores && folds_values(bits, stages, k.group_size(), aligned);
     let resident = if tensor_cores {
         let threads = tc_threads(head_dim);
-        let name = kernel_name_of(dtype, head_dim, bits, nq, true, stages, false)?;
+        let name = kernel_name_of(dtype, head_dim, bits, nq, true, stages, fold(stages), false)?;
         let staged = load_kernel(dev, &name, MODULE, IMAGE)?.resident_blocks_with(threads, smem);
         let blocks = match staged {
             Some(n) => Some(n),
             None if stages > 0 => {
                 // The device refused the stages' shared memory: tiles in registers.
                 (stages, smem) = (0, 0);
-                let name = kernel_name_of(dtype, head_dim, bits, nq, true, 0, false)?;
+                let name = kernel_name_of(dtype, head_dim, bits, nq, true, 0, fold(0), false)?;
                 load_kernel(dev, &name, MODULE, IMAGE)?.resident_blocks(threads)
             }
             None => None,
@@ -716,6 +738,7 @@ pub(super) fn plan_seq(
         tensor_cores,
         stages,
         smem,
+        fold_values: fold(stages),
         settled: settled_arg(positions, keys),
     })
 }

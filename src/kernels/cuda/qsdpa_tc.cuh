@@ -21,7 +21,10 @@
 // K and V are dequantized into f16/bf16 fragments in registers (one rounding, as dequantizing
 // the cache to the query's type would); products accumulate in f32. Only the order of the dot
 // products' terms is free: lanes take the element pairs that are cheap to unpack, and the
-// queries (B of the score mma) are permuted to match once per block.
+// queries (B of the score mma) are permuted to match once per block. The folded-scale kernels
+// (FV: 4-bit codes in groups of 64, tiles in registers) dequantize nothing: both mma read the
+// codes as exact (MAGIC + c), the key scales apply to the scores in f32 and the value scales
+// ride on P (`qt_fold_scores`, `qt_value_frag_folded`): ~12% fewer instructions a tile.
 //
 // Lane = 4 gq + tq. Score mma: A = K (rows = keys, k = dims): lane reads 32 consecutive dims
 // [128w + 32 tq, + 32) of keys gq and gq + 8. Output mma: A = V^T (rows = dims, k = keys): lane
@@ -59,6 +62,24 @@ __device__ __forceinline__ uint32_t qt_affine(uint32_t c, uint32_t s2, uint32_t 
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// A T pair (low half first) as two f32.
+template <typename T>
+__device__ __forceinline__ float2 pair_to_float2(uint32_t x) {
+    if constexpr (std::is_same<T, __half>::value) {
+        return __half22float2(*reinterpret_cast<const __half2*>(&x));
+    } else {
+        return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+    }
+}
+
+// The pairwise product of two T pairs, rounded once.
+template <typename T>
+__device__ __forceinline__ uint32_t qt_mul2(uint32_t a, uint32_t b) {
+    using T2 = typename Half2Of<T>::type;
+    const T2 v = __hmul2(*reinterpret_cast<const T2*>(&a), *reinterpret_cast<const T2*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 // Byte `k` of `x` (an 8-bit code) as f32, exact (magic-number conversion).
 __device__ __forceinline__ float qt_byte_f(uint32_t x, uint32_t k) {
     return __uint_as_float(__byte_perm(x, 0x4B00u, 0x5440u | k)) - 8388608.f;
@@ -87,11 +108,15 @@ __device__ __forceinline__ uint32_t qt_pair_of(T a, T b) {
 // One tile's loads for one lane: K codes of keys gq, gq + 8 (32 dims each), V codes of keys
 // 2tq, 2tq + 1, 2tq + 8, 2tq + 9 (16 dims each), their scales and biases, the score keys'
 // positions and whether they exist.
-template <typename T, int BITS>
+// FV (folded scales, `qt_value_frag_folded`, `qt_fold_scores`): k[a] holds the lane's two
+// runs of 16 dims, v[b] its two runs of 8, and ksw/kbw/vsw/vbw the scales and biases of both
+// runs' groups (adjacent: groups of 64) in place of ks/kb/vs/vb.
+template <typename T, int BITS, bool FV = false>
 struct QtTile {
     uint32_t k[2][BITS];
     uint32_t v[4][BITS / 2];
-    T ks[2], kb[2], vs[4], vb[4];
+    T ks[FV ? 1 : 2], kb[FV ? 1 : 2], vs[FV ? 1 : 4], vb[FV ? 1 : 4];
+    uint32_t ksw[FV ? 2 : 1], kbw[FV ? 2 : 1], vsw[FV ? 4 : 1], vbw[FV ? 4 : 1];
     uint32_t pos[2];
     bool in[2];
 };
@@ -101,8 +126,8 @@ struct QtTile {
 // lane's other keys are whole key strides further. `lastr` is the last key of the tile that
 // exists (15 unless the split ends inside it): the lane's keys past it read key `lastr` again,
 // which is real data, and are masked.
-template <typename T, int BITS>
-__device__ __forceinline__ void qt_load(QtTile<T, BITS>& tl, const QsdpaParams& p,
+template <typename T, int BITS, bool FV = false>
+__device__ __forceinline__ void qt_load(QtTile<T, BITS, FV>& tl, const QsdpaParams& p,
                                         const uint32_t* __restrict__ positions, int jt,
                                         int lastr, const uint32_t* __restrict__ kcl,
                                         const uint32_t* __restrict__ vcl,
@@ -117,9 +142,17 @@ __device__ __forceinline__ void qt_load(QtTile<T, BITS>& tl, const QsdpaParams& 
         tl.in[a] = r <= lastr;
         // Keys after the lane's own: 8a, or (clamped) rc - gq.
         const int d = full ? 8 * a : min(r, lastr) - gq;
-        load_words<BITS>(kcl + d * ksk, tl.k[a]);
+        if constexpr (FV) {
+            // The lane's two runs of 16 dims are 64 dims (8 words) apart.
+            load_words<2>(kcl + d * ksk, tl.k[a]);
+            load_words<2>(kcl + d * ksk + 8, tl.k[a] + 2);
+            tl.ksw[a] = *reinterpret_cast<const uint32_t*>(ksl + d * kssk);
+            tl.kbw[a] = *reinterpret_cast<const uint32_t*>(kbl + d * kssk);
+        } else {
+            load_words<BITS>(kcl + d * ksk, tl.k[a]);
+        }
         tl.pos[a] = key_pos(p, positions, jt + gq + d);
-        if constexpr (!DENSE) {
+        if constexpr (!DENSE && !FV) {
             tl.ks[a] = ksl[d * kssk];
             tl.kb[a] = kbl[d * kssk];
         }
@@ -128,22 +161,77 @@ __device__ __forceinline__ void qt_load(QtTile<T, BITS>& tl, const QsdpaParams& 
     for (int b = 0; b < 4; ++b) {
         const int o = (b & 1) + 8 * (b >> 1);
         const int d = full ? o : min(2 * tq + o, lastr) - 2 * tq;
-        load_words<BITS / 2>(vcl + d * vsk, tl.v[b]);
-        if constexpr (!DENSE) {
+        if constexpr (FV) {
+            // The lane's two runs of 8 dims are 64 dims (8 words) apart; their groups'
+            // scales (and biases) are adjacent, 4-byte aligned (`scales_stageable`).
+            tl.v[b][0] = vcl[d * vsk];
+            tl.v[b][1] = vcl[d * vsk + 8];
+            tl.vsw[b] = *reinterpret_cast<const uint32_t*>(vsl + d * vssk);
+            tl.vbw[b] = *reinterpret_cast<const uint32_t*>(vbl + d * vssk);
+        } else {
+            load_words<BITS / 2>(vcl + d * vsk, tl.v[b]);
+        }
+        if constexpr (!DENSE && !FV) {
             tl.vs[b] = vsl[d * vssk];
             tl.vb[b] = vbl[d * vssk];
         }
     }
 }
 
+// Where a whole tile's other keys lie from the lane's own (K: key gq + 8; V: keys 2tq + 1,
+// 2tq + 8, 2tq + 9), in code words and in scale elements: set once a block, so a whole
+// tile's loads take no per-key clamping or stride products.
+struct QtWholeOffsets {
+    int k8, ks8;
+    int v[3], vs[3];
+    __device__ __forceinline__ QtWholeOffsets(int ksk, int kssk, int vsk, int vssk)
+        : k8(8 * ksk), ks8(8 * kssk), v{vsk, 8 * vsk, 9 * vsk}, vs{vssk, 8 * vssk, 9 * vssk} {}
+};
+
+// `qt_load` (folded scales) for a tile whose 16 keys all exist in the split.
+template <typename T, int BITS, bool FV>
+__device__ __forceinline__ void qt_load_whole(QtTile<T, BITS, FV>& tl, const QsdpaParams& p,
+                                              const uint32_t* __restrict__ positions, int jt,
+                                              const QtWholeOffsets& o,
+                                              const uint32_t* __restrict__ kcl,
+                                              const uint32_t* __restrict__ vcl,
+                                              const T* __restrict__ ksl, const T* __restrict__ kbl,
+                                              const T* __restrict__ vsl, const T* __restrict__ vbl,
+                                              int gq) {
+    static_assert(FV, "whole-tile loads are the folded kernels'");
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+        const int off = a ? o.k8 : 0, soff = a ? o.ks8 : 0;
+        tl.in[a] = true;
+        load_words<2>(kcl + off, tl.k[a]);
+        load_words<2>(kcl + off + 8, tl.k[a] + 2);
+        tl.pos[a] = key_pos(p, positions, jt + gq + 8 * a);
+        tl.ksw[a] = *reinterpret_cast<const uint32_t*>(ksl + soff);
+        tl.kbw[a] = *reinterpret_cast<const uint32_t*>(kbl + soff);
+    }
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+        const int off = b ? o.v[b - 1] : 0, soff = b ? o.vs[b - 1] : 0;
+        tl.v[b][0] = vcl[off];
+        tl.v[b][1] = vcl[off + 8];
+        tl.vsw[b] = *reinterpret_cast<const uint32_t*>(vsl + soff);
+        tl.vbw[b] = *reinterpret_cast<const uint32_t*>(vbl + soff);
+    }
+}
+
 // A fragment of the score mma, k-step s (16 of the warp's 128 dims): keys gq (regs 0, 2) and
 // gq + 8 (regs 1, 3), in the order `qt_query_frags` gives the queries.
-template <typename T, int BITS>
-__device__ __forceinline__ void qt_key_frag(const QtTile<T, BITS>& tl, int s, uint32_t* a) {
+template <typename T, int BITS, bool FV>
+__device__ __forceinline__ void qt_key_frag(const QtTile<T, BITS, FV>& tl, int s, uint32_t* a) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         uint32_t lo, hi;
-        if constexpr (BITS == 4) {
+        if constexpr (FV) {
+            // The codes as exact (MAGIC + c): `qt_fold_scores` applies the scales.
+            const uint32_t x = tl.k[r][s >> 1] >> (8 * (s & 1));
+            lo = qt_nibbles<T>(x);
+            hi = qt_nibbles<T>(x >> 4);
+        } else if constexpr (BITS == 4) {
             // Word s/2 holds dims 8(s/2) .. +7; pair p = nibbles (p, p + 4).
             const uint32_t x = tl.k[r][s >> 1] >> (8 * (s & 1));
             lo = dequant_pair<T>(qt_nibbles<T>(x), splat(tl.ks[r]), splat(tl.kb[r]));
@@ -164,13 +252,15 @@ __device__ __forceinline__ void qt_key_frag(const QtTile<T, BITS>& tl, int s, ui
 
 // The B fragments of the score mma for one lane: query row gq at dims [c0, c0 + 32), permuted
 // as `qt_key_frag` pairs the key's dims. Rows past the block's end are zero.
-template <typename T, int BITS>
+// FV: the lane's dims are two runs of 16, 64 apart.
+template <typename T, int BITS, bool FV = false>
 __device__ __forceinline__ void qt_query_frags(const T* __restrict__ qr, bool ok,
                                                uint32_t (*qb)[2]) {
     uint32_t u[16];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-        uint4 v = ok ? reinterpret_cast<const uint4*>(qr)[c] : make_uint4(0u, 0u, 0u, 0u);
+        const T* at = FV && c >= 2 ? qr + 48 : qr;
+        uint4 v = ok ? reinterpret_cast<const uint4*>(at)[c] : make_uint4(0u, 0u, 0u, 0u);
         u[4 * c] = v.x; u[4 * c + 1] = v.y; u[4 * c + 2] = v.z; u[4 * c + 3] = v.w;
     }
 #pragma unroll
@@ -193,8 +283,8 @@ __device__ __forceinline__ void qt_query_frags(const T* __restrict__ qr, bool ok
 
 // A fragment of the output mma, m-tile i: V^T at dims (16 gq + i, 16 gq + 8 + i) of the lane's
 // run, keys (2tq, 2tq + 1) in regs 0/1 and (2tq + 8, 2tq + 9) in regs 2/3.
-template <typename T, int BITS>
-__device__ __forceinline__ void qt_value_frag(const QtTile<T, BITS>& tl, const uint32_t* vs2,
+template <typename T, int BITS, bool FV>
+__device__ __forceinline__ void qt_value_frag(const QtTile<T, BITS, FV>& tl, const uint32_t* vs2,
                                               const uint32_t* vb2, int i, uint32_t* a) {
 #pragma unroll
     for (int kp = 0; kp < 2; ++kp) {
@@ -215,6 +305,52 @@ __device__ __forceinline__ void qt_value_frag(const QtTile<T, BITS>& tl, const u
                 r = __byte_perm(wa, wb, (d & 1) ? 0x7632 : 0x5410);
             }
             a[half + 2 * kp] = r;
+        }
+    }
+}
+
+// Folded key scales (FV): the score mma took the codes as exact (MAGIC + c) over each run of the
+// lane's dims (sc: run 0, sd: run 1), so a key's partial score is
+//   sum_r s_r (C_r - MAGIC Q_r) + b_r Q_r = sum_r s_r C_r + (b_r - MAGIC s_r) Q_r
+// with Q_r the run's query sum; in f32, so only the scale and bias roundings stay. Writes sc.
+template <typename T>
+__device__ __forceinline__ void qt_fold_scores(const uint32_t* ksw, const uint32_t* kbw,
+                                               const float (*qsum)[2], float* sc,
+                                               const float* sd) {
+#pragma unroll
+    for (int a = 0; a < 2; ++a) {
+        const float2 sf = pair_to_float2<T>(ksw[a]), bf = pair_to_float2<T>(kbw[a]);
+        const float b0 = fmaf(-MmaMagic<T>::MAGIC_F, sf.x, bf.x);
+        const float b1 = fmaf(-MmaMagic<T>::MAGIC_F, sf.y, bf.y);
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const int i = 2 * a + c;
+            sc[i] = fmaf(sf.x, sc[i], fmaf(b0, qsum[0][c], fmaf(sf.y, sd[i], b1 * qsum[1][c])));
+        }
+    }
+}
+
+// Folded values (FV: 4-bit codes, groups of 64): the output mma reads the codes as
+// exact (MAGIC + c) and the group scales ride on P instead, so no value is dequantized:
+//   sum_k p_k (s_k c_k + b_k) = sum_k (MAGIC + c_k) (p_k s_k) + sum_k (b_k p_k - MAGIC (p_k s_k)),
+// the last sum (one number a group and query row) accumulated by three small mma on the side
+// with the same rounded p_k s_k, so the MAGIC terms cancel exactly. An m-tile must then lie in
+// one group: lane gq reads dims [8 gq, + 8) and [64 + 8 gq, + 8) of the warp's 128 (runs 0 and
+// 1); m-tile i takes run i / 4, row gq <-> its dim 2 (i % 4) and row gq + 8 <-> the next.
+template <typename T, int BITS, bool FV>
+__device__ __forceinline__ void qt_value_frag_folded(const QtTile<T, BITS, FV>& tl, int i,
+                                                     uint32_t* a) {
+    static_assert(BITS == 4 && FV, "folded values are for 4-bit codes");
+    const int r = i >> 2, j = i & 3;
+#pragma unroll
+    for (int kp = 0; kp < 2; ++kp) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const uint32_t wa = tl.v[2 * kp][r], wb = tl.v[2 * kp + 1][r];
+            // Nibble 2j + half of both words into one 16-bit lane each.
+            const uint32_t xy =
+                __byte_perm(wa, wb, j < 2 ? 0x5410 : 0x7632) >> (8 * (j & 1) + 4 * half);
+            a[half + 2 * kp] = qt_nibbles<T>(xy);
         }
     }
 }
@@ -330,7 +466,8 @@ __device__ __forceinline__ void qt_prefetch_keys(const QsdpaParams& p, int g, in
     }
 }
 
-template <typename T, int HD, int BITS, int STAGES = 0, int NTS = 1, bool ENTRY = false>
+template <typename T, int HD, int BITS, int STAGES = 0, int NTS = 1, bool ENTRY = false,
+          bool FV = false>
 __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __restrict__ q,
                                               const uint32_t* __restrict__ kc,
                                               const T* __restrict__ ks, const T* __restrict__ kb,
@@ -342,6 +479,8 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
                                               const uint64_t settled = 0) {
     constexpr bool DENSE = BITS == 16;
     constexpr int NWARP = HD / 128;
+    static_assert(!FV || (BITS == 4 && STAGES == 0), "folded scales: 4-bit tiles in registers");
+    using Tile = QtTile<T, BITS, FV>;
     __shared__ float4 xs[2][NWARP][NTS][32];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -351,17 +490,32 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
     const int rows = group * p.q_len;
     const int row0 = blockIdx.x * QT_ROWS;
 
-    // Queries: row gq of the block at the lane's 32 score dims.
-    const int kd0 = 128 * warp + 32 * tq;  // score dims of this lane
-    const int vd0 = 128 * warp + 16 * gq;  // output dims of this lane
+    // Score dims of this lane: 32 from kd0, or (FV) 16 from kd0 and 16 from kd0 + 64.
+    const int kd0 = 128 * warp + (FV ? 16 : 32) * tq;
+    // Output dims of this lane: 16 from vd0, or (FV) 8 from vd0 and 8 from vd0 + 64.
+    const int vd0 = 128 * warp + (FV ? 8 : 16) * gq;
     // The queries' B fragments, read once the first tile's loads are issued (`load_queries`):
     // the two reads' latencies then overlap at the block's start.
     uint32_t qb[8][2];
+    float qsum[2][2];  // FV: run r's query sum of row 2tq + c
     auto load_queries = [&] {
         const int r = row0 + gq;
         const bool ok = r < rows;
         const int qi = ok ? r / group : 0, head = g * group + (ok ? r % group : 0);
-        qt_query_frags<T, BITS>(q + ((size_t)head * p.q_len + qi) * HD + kd0, ok, qb);
+        qt_query_frags<T, BITS, FV>(q + ((size_t)head * p.q_len + qi) * HD + kd0, ok, qb);
+        if constexpr (FV) {
+            // Each run's query sums (rows 2tq, 2tq + 1), by mma against ones.
+            const uint32_t ones[4] = {MmaMagic<T>::ONES, MmaMagic<T>::ONES, MmaMagic<T>::ONES,
+                                      MmaMagic<T>::ONES};
+            float s0[4] = {0.f, 0.f, 0.f, 0.f}, s1[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                mma_16816<T>(s0, ones, qb[s]);
+                mma_16816<T>(s1, ones, qb[s + 4]);
+            }
+            qsum[0][0] = s0[0]; qsum[0][1] = s0[1];
+            qsum[1][0] = s1[0]; qsum[1][1] = s1[1];
+        }
     };
     // Score C fragment rows: 2tq, 2tq + 1.
     // Row c sees the keys at positions lo[c] .. lo[c] + span[c] (causal, and the sliding
@@ -390,6 +544,13 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
     float acc[8][4];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    // FV: the corrections, C rows 0 / 1 = runs 0 / 1 (held by lanes gq = 0 / 1), columns the
+    // query rows as in acc; and the A fragments that add -MAGIC * (p s) of run 0 / 1 there.
+    float cor[4] = {0.f, 0.f, 0.f, 0.f};
+    const uint32_t neg_magic = MmaMagic<T>::MAGIC | 0x80008000u;
+    const uint32_t am0 = gq == 0 ? neg_magic : 0u, am1 = gq == 1 ? neg_magic : 0u;
+    // A lane's correction row is run gq % 2 (only rows 0 and 1 are read): its biases' half.
+    const uint32_t bias_half = (gq & 1) ? 0x7632u : 0x5410u;
     // Running maxima in base 2 (scores times log2 e); written out in base e for the combine.
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     const float scale2 = p.scale * LOG2E;
@@ -405,9 +566,20 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
     const T* vst = vsg + (size_t)(j0 + 2 * tq) * p.v_sc_sk;
     const T* vbt = vbg + (size_t)(j0 + 2 * tq) * p.v_sc_sk;
     // Loads the tile at jt and moves the pointers to the next one.
-    auto load = [&](QtTile<T, BITS>& tl, int jt) {
-        qt_load<T, BITS>(tl, p, positions, jt, min(QT_KEYS - 1, j1 - 1 - jt), kct, vct, kst, kbt,
-                         vst, vbt, ksk, vsk, kssk, vssk, gq, tq);
+    const QtWholeOffsets whole(ksk, kssk, vsk, vssk);
+    auto load = [&](Tile& tl, int jt) {
+        if constexpr (FV) {
+            if (jt + QT_KEYS <= j1) {
+                qt_load_whole<T, BITS, FV>(tl, p, positions, jt, whole, kct, vct, kst, kbt, vst,
+                                           vbt, gq);
+            } else {
+                qt_load<T, BITS, FV>(tl, p, positions, jt, j1 - 1 - jt, kct, vct, kst, kbt,
+                                     vst, vbt, ksk, vsk, kssk, vssk, gq, tq);
+            }
+        } else {
+            qt_load<T, BITS, FV>(tl, p, positions, jt, min(QT_KEYS - 1, j1 - 1 - jt), kct, vct,
+                                 kst, kbt, vst, vbt, ksk, vsk, kssk, vssk, gq, tq);
+        }
         kct += QT_KEYS * ksk;
         vct += QT_KEYS * vsk;
         if constexpr (!DENSE) {
@@ -419,7 +591,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
     };
     // Attends NT tiles at once (`ntc`: std::integral_constant<int, NT>): their score mma
     // chains are independent, and one exchange, max reduction and rescale serve all of them.
-    auto tiles = [&](auto ntc, const QtTile<T, BITS>* cur, const int par) {
+    auto tiles = [&](auto ntc, const Tile* cur, const int par) {
         constexpr int NT = decltype(ntc)::value;
         // Partial scores over this warp's dims.
         // Two accumulators a tile halve the chain of dependent mma.
@@ -433,14 +605,20 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
 #pragma unroll
             for (int n = 0; n < NT; ++n) {
                 uint32_t a[4];
-                qt_key_frag<T, BITS>(cur[n], s, a);
-                mma_16816<T>((s & 1) ? sd[n] : sc[n], a, qb[s]);
+                qt_key_frag<T, BITS, FV>(cur[n], s, a);
+                // FV: runs 0 and 1 (steps 0-3 and 4-7) apart, for their scales.
+                mma_16816<T>((FV ? s >= 4 : (s & 1)) ? sd[n] : sc[n], a, qb[s]);
             }
         }
 #pragma unroll
-        for (int n = 0; n < NT; ++n)
+        for (int n = 0; n < NT; ++n) {
+            if constexpr (FV) {
+                qt_fold_scores<T>(cur[n].ksw, cur[n].kbw, qsum, sc[n], sd[n]);
+            } else {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) sc[n][i] += sd[n][i];
+                for (int i = 0; i < 4; ++i) sc[n][i] += sd[n][i];
+            }
+        }
         if constexpr (NWARP > 1) {
 #pragma unroll
             for (int n = 0; n < NT; ++n)
@@ -517,12 +695,37 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
                 acc[i][0] *= corr[0]; acc[i][1] *= corr[1];
                 acc[i][2] *= corr[0]; acc[i][3] *= corr[1];
             }
+            if constexpr (FV) {
+                cor[0] *= corr[0]; cor[1] *= corr[1];
+            }
         }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
             // P^T as the B fragment of the output mma: (keys 2tq, 2tq + 1 | + 8, row gq).
             const uint32_t pb[2] = {qt_transpose(qt_pack<T>(pr[n][0], pr[n][1])),
                                     qt_transpose(qt_pack<T>(pr[n][2], pr[n][3]))};
+            if constexpr (FV) {
+                // P scaled by each run's group scales (keys as in pb), one rounding.
+                uint32_t pbs[2][2], ab[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+                for (int kp = 0; kp < 2; ++kp) {
+                    const uint32_t sa = cur[n].vsw[2 * kp], sb = cur[n].vsw[2 * kp + 1];
+                    pbs[0][kp] = qt_mul2<T>(pb[kp], __byte_perm(sa, sb, 0x5410));
+                    pbs[1][kp] = qt_mul2<T>(pb[kp], __byte_perm(sa, sb, 0x7632));
+                    ab[2 * kp] = __byte_perm(cur[n].vbw[2 * kp], cur[n].vbw[2 * kp + 1], bias_half);
+                }
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    uint32_t a[4];
+                    qt_value_frag_folded<T, BITS, FV>(cur[n], i, a);
+                    mma_16816<T>(acc[i], a, pbs[i >> 2]);
+                }
+                const uint32_t a0[4] = {am0, 0u, am0, 0u}, a1[4] = {am1, 0u, am1, 0u};
+                mma_16816<T>(cor, ab, pb);
+                mma_16816<T>(cor, a0, pbs[0]);
+                mma_16816<T>(cor, a1, pbs[1]);
+                continue;
+            }
             uint32_t vs2[2], vb2[2];
             if constexpr (DENSE) {
                 vs2[0] = vs2[1] = vb2[0] = vb2[1] = 0u;
@@ -535,12 +738,12 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 uint32_t a[4];
-                qt_value_frag<T, BITS>(cur[n], vs2, vb2, i, a);
+                qt_value_frag<T, BITS, FV>(cur[n], vs2, vb2, i, a);
                 mma_16816<T>(acc[i], a, pb);
             }
         }
     };
-    auto tile = [&](const QtTile<T, BITS>& cur, const int par) {
+    auto tile = [&](const Tile& cur, const int par) {
         tiles(std::integral_constant<int, 1>(), &cur, par);
     };
     // Single-sequence kernels (ENTRY) wait for the kernel ahead after the loads of the keys
@@ -588,7 +791,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
             __syncthreads();  // step t is in for every thread; stage (t - 1) % STAGES is free
             const QtStage<T, HD, BITS> st = stage(t);
             const int jt = j0 + t * SK, nk = min(SK, j1 - jt);
-            QtTile<T, BITS> cur[NTS];
+            Tile cur[NTS];
 #pragma unroll
             for (int n = 0; n < NTS; ++n) {
                 if (n * QT_KEYS < nk) {
@@ -618,7 +821,7 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         // math (deeper register pipelines cost blocks and ran slower). `par` alternates the
         // score exchange buffer from tile to tile.
         constexpr int NB = 2;
-        QtTile<T, BITS> tb[NB];
+        Tile tb[NB];
 #pragma unroll
         for (int b = 0; b < NB - 1; ++b)
             if (j0 + b * QT_KEYS < j1) load(tb[b], j0 + b * QT_KEYS);
@@ -643,6 +846,19 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         }
     }
 
+    if constexpr (FV) {
+        // Each run's correction (from lane gq = run, same tq) into its dims.
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            const float b0 = __shfl_sync(0xffffffffu, cor[c], tq);
+            const float b1 = __shfl_sync(0xffffffffu, cor[c], 4 + tq);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                acc[i][c] += i < 4 ? b0 : b1;
+                acc[i][2 + c] += i < 4 ? b0 : b1;
+            }
+        }
+    }
     // Row sums over the lanes that share rows (same tq).
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
@@ -658,6 +874,19 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
             const int qi = r / group, head = g * group + r % group;
             const float inv = l[c] > 0.f ? 1.f / l[c] : 0.f;
             T* o = out + ((size_t)head * p.q_len + qi) * HD + vd0;
+            if constexpr (FV) {
+                // Run r: dims vd0 + 64 r + n, n = 2j + h <-> acc[4r + j][2h + c].
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    uint4 w;
+                    w.x = qt_pack<T>(acc[4 * r][c] * inv, acc[4 * r][2 + c] * inv);
+                    w.y = qt_pack<T>(acc[4 * r + 1][c] * inv, acc[4 * r + 1][2 + c] * inv);
+                    w.z = qt_pack<T>(acc[4 * r + 2][c] * inv, acc[4 * r + 2][2 + c] * inv);
+                    w.w = qt_pack<T>(acc[4 * r + 3][c] * inv, acc[4 * r + 3][2 + c] * inv);
+                    *reinterpret_cast<uint4*>(o + 64 * r) = w;
+                }
+                continue;
+            }
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 uint4 w;
@@ -670,14 +899,26 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         } else {
             const size_t prow = (size_t)split * p.kv_heads * rows + grow;
             float* o = part_acc + prow * HD + vd0;
+            if constexpr (FV) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                reinterpret_cast<float4*>(o + 8 * h)[0] =
-                    make_float4(acc[0][2 * h + c], acc[1][2 * h + c], acc[2][2 * h + c],
-                                acc[3][2 * h + c]);
-                reinterpret_cast<float4*>(o + 8 * h)[1] =
-                    make_float4(acc[4][2 * h + c], acc[5][2 * h + c], acc[6][2 * h + c],
-                                acc[7][2 * h + c]);
+                for (int r = 0; r < 2; ++r) {
+                    reinterpret_cast<float4*>(o + 64 * r)[0] =
+                        make_float4(acc[4 * r][c], acc[4 * r][2 + c], acc[4 * r + 1][c],
+                                    acc[4 * r + 1][2 + c]);
+                    reinterpret_cast<float4*>(o + 64 * r)[1] =
+                        make_float4(acc[4 * r + 2][c], acc[4 * r + 2][2 + c], acc[4 * r + 3][c],
+                                    acc[4 * r + 3][2 + c]);
+                }
+            } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    reinterpret_cast<float4*>(o + 8 * h)[0] =
+                        make_float4(acc[0][2 * h + c], acc[1][2 * h + c], acc[2][2 * h + c],
+                                    acc[3][2 * h + c]);
+                    reinterpret_cast<float4*>(o + 8 * h)[1] =
+                        make_float4(acc[4][2 * h + c], acc[5][2 * h + c], acc[6][2 * h + c],
+                                    acc[7][2 * h + c]);
+                }
             }
             if (warp == 0 && gq == 0) {
                 part_ml[prow * 2] = m[c] * LN2;
@@ -705,6 +946,33 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         qsdpa_batch_entry<T, HD>(seqs, n_split_max, q, out, part_ml, part_acc,                 \
                                  [](const auto&... a) { qsdpa_tc_body<T, HD, BITS>(a...); });          \
     }
+
+// Folded scales (4-bit codes, tiles in registers, groups of 64): one sequence and batch.
+// Held to the registers that keep the blocks a multiprocessor of the unfolded kernels (6 / 3
+// one-sequence, 5 / 2 batch at head dim 256 / 512): unheld, the folds took 9-14 more.
+#define QSDPA_TC_FV_INST(TN, T, HD)                                                             \
+    extern "C" __global__ void __launch_bounds__(HD / 128 * 32, 1536 / HD)                      \
+        qsdpa_tc_fv_##TN##_##HD##_4(const QsdpaParams p, const T* q, const uint32_t* kc,        \
+                                    const T* ks, const T* kb, const uint32_t* vc, const T* vs,  \
+                                    const T* vb, const uint32_t* positions, T* out,             \
+                                    float* part_ml, float* part_acc, uint64_t settled) {        \
+        qsdpa_tc_body<T, HD, 4, 0, 1, true, true>(p, q, kc, ks, kb, vc, vs, vb, positions, out, \
+                                                  part_ml, part_acc, blockIdx.z, settled);      \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(HD / 128 * 32, 1280 / HD)                      \
+        qsdpa_tc_fv_batch_##TN##_##HD##_4(const QsdpaSeq* seqs, uint32_t n_split_max,           \
+                                          const T* q, T* out, float* part_ml,                   \
+                                          float* part_acc) {                                    \
+        pdl_entry();                                                                            \
+        qsdpa_batch_entry<T, HD>(                                                               \
+            seqs, n_split_max, q, out, part_ml, part_acc,                                       \
+            [](const auto&... a) { qsdpa_tc_body<T, HD, 4, 0, 1, false, true>(a...); });      \
+    }
+
+QSDPA_TC_FV_INST(f16, __half, 256)
+QSDPA_TC_FV_INST(f16, __half, 512)
+QSDPA_TC_FV_INST(bf16, __nv_bfloat16, 256)
+QSDPA_TC_FV_INST(bf16, __nv_bfloat16, 512)
 
 // Staged tiles (STAGES in shared memory, dynamic size STAGES x qt_stage_bytes), one sequence
 // and batch entries. MINB holds the one-sequence 8-bit kernels at the registers (128) that
