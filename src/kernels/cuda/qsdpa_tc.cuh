@@ -32,6 +32,8 @@
 // i takes row gq <-> dim 128w + 16 gq + i and row gq + 8 <-> dim 128w + 16 gq + 8 + i.
 
 constexpr int QT_ROWS = 8;
+// How far (log2 units) a tile's scores may pass the running max before it moves.
+constexpr float QT_MAX_SLACK = 8.f;
 constexpr int QT_KEYS = 16;
 
 template <typename T>
@@ -660,15 +662,27 @@ __device__ __forceinline__ void qsdpa_tc_body(const QsdpaParams& p, const T* __r
         // `ms`: the new maximum, or 0 while a row has seen no key (its scores are all -inf, and
         // 2^(-inf - 0) = 0 where -inf - -inf would be NaN).
         float corr[2], ms[2];
+        // The running max moves only when some score of the tile passes it by more than
+        // QT_MAX_SLACK (log2 units): below that the tile's weights stay at most 2^QT_MAX_SLACK
+        // against the kept max, and one vote replaces the lanes' max reduction and rescale.
+        if (__any_sync(0xffffffffu, tmax[0] > m[0] + QT_MAX_SLACK ||
+                                        tmax[1] > m[1] + QT_MAX_SLACK)) {
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
+            for (int c = 0; c < 2; ++c) {
 #pragma unroll
-            for (int off = 4; off < 32; off <<= 1)
-                tmax[c] = fmaxf(tmax[c], __shfl_xor_sync(0xffffffffu, tmax[c], off));
-            const float mn = fmaxf(m[c], tmax[c]);
-            corr[c] = mn == -INFINITY ? 1.f : fast_exp2(m[c] - mn);
-            ms[c] = mn == -INFINITY ? 0.f : mn;
-            m[c] = mn;
+                for (int off = 4; off < 32; off <<= 1)
+                    tmax[c] = fmaxf(tmax[c], __shfl_xor_sync(0xffffffffu, tmax[c], off));
+                const float mn = fmaxf(m[c], tmax[c]);
+                corr[c] = mn == -INFINITY ? 1.f : fast_exp2(m[c] - mn);
+                ms[c] = mn == -INFINITY ? 0.f : mn;
+                m[c] = mn;
+            }
+        } else {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                corr[c] = 1.f;
+                ms[c] = m[c] == -INFINITY ? 0.f : m[c];
+            }
         }
         float pr[NT][4];
 #pragma unroll
