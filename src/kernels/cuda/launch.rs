@@ -672,9 +672,11 @@ pub(super) fn plan_seq(
     // blocks it holds at once: one wave, no tail).
     let sms = sm_count(dev);
     let staging = tc_staging(head_dim, bits);
+    // Scales and biases at even elements: stageable in 4-byte copies, and foldable.
+    let aligned = scales_stageable([&ks, &vs]);
     let mut stages = if tensor_cores
         && matches!(bits, 4 | 8)
-        && scales_stageable([&ks, &vs])
+        && aligned
         && !registers_for_few_heads(head_dim, bits, row_blocks * kv_heads, keys)
     {
         staging.stages
@@ -687,7 +689,6 @@ pub(super) fn plan_seq(
     } else {
         0
     };
-    let aligned = scales_stageable([&ks, &vs]);
     let fold = |stages| tensor_cores && folds_values(bits, stages, k.group_size(), aligned);
     let resident = if tensor_cores {
         let threads = tc_threads(head_dim);
