@@ -1,0 +1,86 @@
+//! Launch policy: every tuning switch of the kernels, as one value.
+//!
+//! [`LaunchPolicy::default`] is what the crate ships. [`LaunchPolicy::from_env`] applies the
+//! few documented environment overrides on top; this module is the only place in the crate
+//! that reads the environment. [`crate::ModelBuilder`] resolves the policy once when a model is
+//! built ([`install`]) and the kernels read it through [`current`].
+//!
+//! | variable | field | effect |
+//! |---|---|---|
+//! | `CANDLE_GEMMA_UNFUSED=1` | [`LaunchPolicy::fused`] | candle op chains instead of the fused CUDA kernels |
+//! | `CANDLE_GEMMA_CUDA_GRAPH=0` | [`LaunchPolicy::cuda_graph`] | no CUDA graph replay for decode |
+//! | `CANDLE_GEMMA_PDL=0` | [`LaunchPolicy::dependent_launch`] | plain launches (no programmatic dependent launch) |
+//! | `CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=N` | [`LaunchPolicy::moe_grouped_max_tokens`] | token count up to which MoE runs the grouped matvec |
+//! | `CANDLE_GEMMA_METAL_KERNELS=1` | [`LaunchPolicy::metal_kernels`] | the crate's own Metal kernels |
+
+use std::sync::OnceLock;
+
+/// Every tuning switch of the kernels. `Copy`, so callers pass it by value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LaunchPolicy {
+    /// Fused CUDA kernels for add-norm, GeGLU, qkv-prep, MoE and matvec (on by default); off
+    /// runs the candle op chains they replace, which is the reference they are tested against.
+    pub fused: bool,
+    /// Replay batch-1 decode steps as a CUDA graph where every layer's cache allows it.
+    pub cuda_graph: bool,
+    /// Let a kernel launch before its predecessor finishes (`griddepcontrol`, compute 9.0+).
+    pub dependent_launch: bool,
+    /// Up to this many tokens an MoE layer runs the grouped matrix-vector kernel; above it, the
+    /// sorted tensor-core path (0 sends every forward through the sorted path).
+    pub moe_grouped_max_tokens: usize,
+    /// Use the crate's own Metal kernels for packed K/V and weights (opt-in until they have
+    /// run on a Mac).
+    pub metal_kernels: bool,
+}
+
+impl Default for LaunchPolicy {
+    fn default() -> Self {
+        Self {
+            fused: true,
+            cuda_graph: true,
+            dependent_launch: true,
+            moe_grouped_max_tokens: 64,
+            metal_kernels: false,
+        }
+    }
+}
+
+impl LaunchPolicy {
+    /// The defaults with the environment overrides in the module table applied. Values that do
+    /// not parse leave the default in place.
+    pub fn from_env() -> Self {
+        let mut p = Self::default();
+        if let Ok(v) = std::env::var("CANDLE_GEMMA_UNFUSED") {
+            p.fused = v.is_empty() || v == "0";
+        }
+        if let Ok(v) = std::env::var("CANDLE_GEMMA_CUDA_GRAPH") {
+            p.cuda_graph = v != "0";
+        }
+        if let Ok(v) = std::env::var("CANDLE_GEMMA_PDL") {
+            p.dependent_launch = v != "0";
+        }
+        if let Ok(v) = std::env::var("CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS") {
+            if let Ok(n) = v.parse() {
+                p.moe_grouped_max_tokens = n;
+            }
+        }
+        if let Ok(v) = std::env::var("CANDLE_GEMMA_METAL_KERNELS") {
+            p.metal_kernels = v == "1";
+        }
+        p
+    }
+}
+
+static CURRENT: OnceLock<LaunchPolicy> = OnceLock::new();
+
+/// Sets the process's policy. The first call wins (kernels cache launch decisions, so the policy
+/// cannot change under them); returns whether this call's policy is the one in force.
+pub fn install(policy: LaunchPolicy) -> bool {
+    *CURRENT.get_or_init(|| policy) == policy
+}
+
+/// The policy in force: the installed one, else [`LaunchPolicy::from_env`] resolved once.
+pub fn current() -> LaunchPolicy {
+    *CURRENT.get_or_init(LaunchPolicy::from_env)
+}
