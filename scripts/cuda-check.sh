@@ -1,22 +1,30 @@
 #!/bin/bash
-# Builds the `cuda` feature (library, quantized kernels, and the kernel_check, bench_kernels,
-# bench and generate examples) on a machine with nvcc but no GPU, and packs the binaries for the
-# lent GPU machine.
-# CI has no nvcc: this is the developer's command.
+# Builds the `cuda` feature (library, kernels, the CUDA kernel tests, the CUDA benches and the
+# generate example) on a machine with nvcc but no GPU, and packs the binaries for the lent GPU
+# machine, which has no Rust toolchain. CI has no nvcc: this is the developer's command.
 #
 #   scripts/cuda-check.sh            # check + build, binaries in .device/*.xz
-#   then on the GPU (device tool, carry .device):
-#   xz -d .device/*.xz && source .device/device-env.sh && .device/kernel_check && .device/bench_kernels
+#   then on the GPU machine (carry .device): bash scripts/device-run.sh check bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source ../shared/cuda/toolkit.sh >/dev/null
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target-cuda}
 # --release: reuses the build-script outputs (candle's PTX, ours) of the release build below.
 cargo check --release --features cuda --all-targets
-cargo build --release --features cuda --example kernel_check --example bench_kernels --example bench --example generate
+cargo build --release --features cuda --example generate
 mkdir -p .device
-for b in kernel_check bench_kernels bench generate; do
-  xz -6 -T2 -c "$CARGO_TARGET_DIR/release/examples/$b" > ".device/$b.xz"
-done
+xz -6 -T2 -c "$CARGO_TARGET_DIR/release/examples/generate" > .device/generate.xz
+# Test and bench binaries carry a hash in their names: ask cargo where it put them.
+executable() { # NAME, then the cargo command that builds it (bench builds optimised anyway)
+  local name=$1; shift
+  cargo "$@" --features cuda --no-run --message-format=json 2>/dev/null | python3 -c '
+import json, sys
+paths = [j["executable"] for j in map(json.loads, sys.stdin)
+         if j.get("reason") == "compiler-artifact" and j.get("executable") and j["target"]["name"] == sys.argv[1]]
+print(paths[-1])' "$name"
+}
+xz -6 -T2 -c "$(executable cuda_kernels test --release --test cuda_kernels)" > .device/cuda_kernels_test.xz
+xz -6 -T2 -c "$(executable model_speed bench --bench model_speed)" > .device/model_speed.xz
+xz -6 -T2 -c "$(executable cuda_kernels bench --bench cuda_kernels)" > .device/cuda_kernels.xz
 cp ../shared/cuda/device-env.sh .device/
 ls -la .device

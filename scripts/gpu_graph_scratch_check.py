@@ -1,13 +1,12 @@
 #!/usr/bin/env python3
 """A captured decode graph must not replay after an eager launch replaced a scratch buffer it
-holds (the seventeenth session found E4B batch-1 decode at context 32768 giving other ids in
-some runs when batch-8 steps and a longer prefill ran between the capture and the replay).
+holds (batch-8 steps and a longer prefill between the capture and the replay grow them).
 
 Runs the bench over batch 1 and 8 at contexts 4096 and 32768 with 4-bit KV ROUNDS times with
 graphs on and once with graphs off, and checks that every (batch, context) point gives the same
 step ids in every run. Exit 1 on any difference.
 
-    python3 scripts/gpu_graph_scratch_check.py .device/bench [ROUNDS]
+    python3 scripts/gpu_graph_scratch_check.py .device/model_speed [ROUNDS]
 """
 import json
 import os

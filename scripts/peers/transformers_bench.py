@@ -1,5 +1,5 @@
 """Peer measurement: transformers' Gemma 4 with random weights at a real config's shapes, on
-the same GPU as examples/bench.rs, printing the same JSON lines (prefill and decode tok/s).
+the same GPU as benches/model_speed.rs, printing the same JSON lines (prefill and decode tok/s).
 
     python3 scripts/peers/transformers_bench.py fixtures/real-configs/e4b-config.json [...]
 """

@@ -1,6 +1,6 @@
 //! candle-transformers' `gemma4` text model as a speed peer: random bf16 weights (created on
 //! demand by a `VarMap`) at a real config's shapes, on CUDA; prints the same JSON lines as
-//! `examples/bench.rs` (prefill tok/s, decode tok/s at batch 1 and 8 after a 128-token context).
+//! `benches/model_speed.rs` (prefill tok/s, decode tok/s at batch 1 and 8 after a 128-token context).
 //! It has no PLE, KV sharing or MoE, so it runs a different (larger) amount of work on E2B/E4B
 //! and cannot run 26B-A4B; the numbers are a speed reference only.
 //!
