@@ -10,6 +10,7 @@ pub mod cuda;
 mod dense;
 mod layout;
 pub mod metal;
+pub mod plan;
 pub mod qmatmul;
 mod quant;
 pub mod policy;

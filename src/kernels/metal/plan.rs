@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::kernels::cuda::params::{
+use crate::kernels::plan::{
     split_keys, AttentionGeometry, KeySplit, QmatParams, QsdpaParams, SideStrides, QSDPA_HEAD_DIMS,
     QSDPA_WARPS,
 };
