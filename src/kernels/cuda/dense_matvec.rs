@@ -9,9 +9,7 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
 
-use super::device::{
-    as_rows, bind, by_dtype, cuda_dev, cuda_storage, sm_count, tn, u32_of, view, wrap,
-};
+use super::device::{as_rows, bind, by_dtype, cuda_dev, sm_count, tn, u32_of, wrap};
 use super::kernel_cache::{load_kernel, DENSE_MATVEC};
 use super::layer_ops::AddNormExtra;
 use super::norm_tail::{
@@ -127,7 +125,6 @@ pub fn dense_matvec_add_norm(
     };
     dense_mv(x, gate, w, Some(&fuse))
 }
-
 
 /// `rms_norm(x) * norm_w` then `· Wᵀ`, the norm computed inside the product (the MoE router's
 /// input norm); `None` where [`dense_matvec`] would not apply or the rows exceed

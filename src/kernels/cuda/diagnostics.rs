@@ -6,7 +6,7 @@ use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Result, Tensor};
 
-use super::device::{as_rows, bind, by_dtype, cuda_dev, cuda_storage, grid_stride, tn, u32_of, view, wrap};
+use super::device::{as_rows, bind, by_dtype, cuda_dev, grid_stride, tn, u32_of, wrap};
 use super::kernel_cache::{load_kernel, DIAGNOSTICS, LAYER_OPS};
 use super::layer_ops::GeluMulParams;
 

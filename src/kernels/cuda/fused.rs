@@ -3,7 +3,7 @@
 
 pub use super::dense_matvec::*;
 pub use super::diagnostics::{device_copy, probe_host_costs};
-pub use super::kv_write::{kv_destination, kv_scatter_batch, KvBatchDst, QkvDst, KV_BATCH};
+pub(crate) use super::kv_write::{kv_destination, kv_scatter_batch};
 pub use super::layer_ops::*;
 pub use super::matvec::{packed_matvec_add_norm, packed_matvec_folds_norm, PACKED_FOLD_MAX_WIDTH};
 pub use super::moe::*;

@@ -14,7 +14,13 @@ use crate::kernels::plan::QmatParams;
 
 /// Whether `t` is a cache's slots for `n` tokens as the kernels write them:
 /// `[1, kv_heads, n, head_dim]` in `dtype`, a head's tokens contiguous.
-pub(super) fn fits_kv_slots(t: &Tensor, kv_heads: usize, n: usize, head_dim: usize, dtype: DType) -> bool {
+pub(super) fn fits_kv_slots(
+    t: &Tensor,
+    kv_heads: usize,
+    n: usize,
+    head_dim: usize,
+    dtype: DType,
+) -> bool {
     let st = t.stride();
     t.dims() == [1, kv_heads, n, head_dim]
         && t.dtype() == dtype

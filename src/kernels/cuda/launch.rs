@@ -3,9 +3,7 @@
 
 pub use super::attention::launch::*;
 pub use super::diagnostics::gpu_spin;
-pub use super::kv_write::{
-    kvq_destination, quantize_kv_into, quantize_kv_into_batch, KvqBatch, KvqDst, KVQ_BATCH,
-};
-pub use super::matvec::qmatvec;
+pub(crate) use super::kv_write::{kvq_destination, quantize_kv_into, quantize_kv_into_batch};
+pub(crate) use super::matvec::qmatvec;
 pub use super::pool::*;
 pub use super::quantize::*;

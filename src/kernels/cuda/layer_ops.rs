@@ -5,7 +5,7 @@
 
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 
 use super::device::{
     as_rows, bind, by_dtype, check_dtype, cuda_dev, cuda_storage, grid_stride, tn, u32_of, view,

@@ -14,7 +14,9 @@ use super::layer_ops::AddNormExtra;
 use super::matvec_plan::{
     choose, row_matvec_variant, takes_row_matvec, MatvecKernel, QMATVEC_ROW_WARPS,
 };
-use super::norm_tail::{with_norm_counter, AddNormOut, NormFuse, NormOutputs};
+use super::norm_tail::{
+    launch_with_norm_tail, with_norm_counter, AddNormOut, NormFuse, NormOutputs,
+};
 use super::scratch::with_scratch;
 use crate::kernels::plan::QmatParams;
 use crate::kernels::qmatmul::PackedWeight;

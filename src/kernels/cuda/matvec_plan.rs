@@ -74,9 +74,8 @@ pub(super) fn choose(
         }
         let split = row_matvec_split_for(out_dim, in_dim, sm_count(dev));
         let late_warps = QROW_MAX_WARPS / split;
-        let late_fits = settled
-            && long_rows(split, in_dim)
-            && late_variant_fits(dev, tn, out_dim, late_warps)?;
+        let late_fits =
+            settled && long_rows(split, in_dim) && late_variant_fits(dev, tn, out_dim, late_warps)?;
         let variant = row_matvec_variant(split, in_dim, settled, late_fits);
         let warps = if variant == "_u2le" {
             late_warps

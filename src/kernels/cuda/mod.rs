@@ -38,9 +38,9 @@ mod kernel_cache;
 #[cfg(feature = "cuda")]
 mod kv_write;
 #[cfg(feature = "cuda")]
-mod layer_ops;
-#[cfg(feature = "cuda")]
 pub mod launch;
+#[cfg(feature = "cuda")]
+mod layer_ops;
 #[cfg(feature = "cuda")]
 mod matvec;
 #[cfg(feature = "cuda")]

@@ -7,7 +7,7 @@ use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
 
 use super::device::{
-    as_rows, bind, by_dtype, check_dtype, cuda_dev, cuda_storage, grid_stride, tn, u32_of, view,
+    as_rows, bind, by_dtype, check_dtype, contiguous_aligned16, cuda_dev, grid_stride, tn, u32_of,
     wrap,
 };
 use super::kernel_cache::{load_kernel, MOE};

@@ -68,7 +68,11 @@ pub(super) struct NormOutputs<E> {
 
 impl<E: DeviceRepr + candle_core::cuda_backend::CudaDType> NormOutputs<E> {
     /// Uninitialised outputs for `nf`.
-    pub(super) fn alloc(dev: &candle_core::CudaDevice, n: usize, nf: &NormFuse<'_>) -> Result<Self> {
+    pub(super) fn alloc(
+        dev: &candle_core::CudaDevice,
+        n: usize,
+        nf: &NormFuse<'_>,
+    ) -> Result<Self> {
         // SAFETY: the last block writes every element of each output asked for.
         unsafe {
             Ok(Self {

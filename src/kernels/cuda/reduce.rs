@@ -5,7 +5,7 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
 
-use super::device::{bind, by_dtype, check_dtype, cuda_dev, cuda_storage, tn, u32_of, view, wrap};
+use super::device::{bind, by_dtype, check_dtype, cuda_dev, tn, u32_of, wrap};
 use super::kernel_cache::{load_kernel, REDUCE};
 use super::layer_ops::NORM_THREADS;
 use crate::kernels::plan::{PositionCode, QsdpaParams};
@@ -74,11 +74,7 @@ pub fn masked_softmax(
         Some(t) => Some(dev.clone_htod(&t)?),
         None => None,
     };
-    let func = load_kernel(
-        &dev,
-        &format!("masked_softmax_{}", tn(dtype)?),
-        &REDUCE,
-    )?;
+    let func = load_kernel(&dev, &format!("masked_softmax_{}", tn(dtype)?), &REDUCE)?;
     let cfg = LaunchConfig {
         grid_dim: (params.rows.max(1), 1, 1),
         block_dim: (NORM_THREADS, 1, 1),
