@@ -340,8 +340,7 @@ fn tc_block_smem(head_dim: usize, bits: usize, staging: TcStaging) -> u32 {
 /// Whether a launch over `keys` keys with `base_blocks` blocks a key split (KV heads x row
 /// blocks) keeps tiles at head dim 256 in registers although [`tc_staging`] stages them: at
 /// most 4 such blocks (1-2 KV heads, as in E4B's and E2B's sliding layers), and for 8-bit codes
-/// fewer than 64k keys.
-
+/// fewer than 64k keys. With so few blocks a split, staging costs more than it saves.
 fn registers_for_few_heads(head_dim: usize, bits: usize, base_blocks: usize, keys: usize) -> bool {
     match (head_dim, bits) {
         (256, 4) => base_blocks <= 4,
