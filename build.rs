@@ -1,8 +1,8 @@
-//! Build script: compiles the CUDA kernels (`src/kernels/cuda/qkernels.cu`, the quantized ones, and
-//! `src/kernels/cuda/fused.cu`, the fused decoder-layer ones) to fatbins with `nvcc` when the
-//! `cuda` feature is on: machine code for `CUDA_COMPUTE_CAP` plus PTX for newer GPUs. Without
-//! the feature, nothing is built and no CUDA toolkit is needed. The fatbins are embedded by
-//! `src/kernels/cuda/launch.rs` and `fused.rs` and loaded by `kernel_cache.rs`.
+//! Build script: compiles each CUDA kernel file `src/kernels/cuda/{name}.cu` (one per concept,
+//! see [`MODULES`]) to a fatbin with `nvcc` when the `cuda` feature is on: machine code for
+//! `CUDA_COMPUTE_CAP` plus PTX for newer GPUs. Without the feature, nothing is built and no
+//! CUDA toolkit is needed. The fatbins are embedded and loaded by
+//! `src/kernels/cuda/kernel_cache.rs`.
 //!
 //! Machine code rather than PTX alone: the driver would otherwise compile ~28 MB of PTX at the
 //! first launch of each module on every new machine, about a minute before the first token.
@@ -13,13 +13,38 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+/// The kernel files, one module each (`Module` constants in `kernel_cache.rs`).
+const MODULES: [&str; 9] = [
+    "attention",
+    "attention_tc",
+    "matvec",
+    "quantize",
+    "layer_ops",
+    "moe",
+    "reduce",
+    "dense_matvec",
+    "diagnostics",
+];
+
+/// Device code the kernel files include.
+const HEADERS: [&str; 6] = [
+    "gate.cuh",
+    "common.cuh",
+    "packed.cuh",
+    "attention.cuh",
+    "qsdpa_tc.cuh",
+    "norm_tail.cuh",
+];
+
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    println!("cargo:rerun-if-changed=src/kernels/cuda/qkernels.cu");
-    println!("cargo:rerun-if-changed=src/kernels/cuda/fused.cu");
-    println!("cargo:rerun-if-changed=src/kernels/cuda/common.cuh");
-    println!("cargo:rerun-if-changed=src/kernels/cuda/qsdpa_tc.cuh");
-    println!("cargo:rerun-if-changed=src/kernels/cuda/norm_tail.cuh");
+    for file in MODULES
+        .iter()
+        .map(|m| format!("{m}.cu"))
+        .chain(HEADERS.iter().map(|h| h.to_string()))
+    {
+        println!("cargo:rerun-if-changed=src/kernels/cuda/{file}");
+    }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
@@ -40,8 +65,8 @@ fn main() {
                 .unwrap_or_else(|| PathBuf::from("nvcc"))
         });
     println!("cargo:rustc-env=CANDLE_GEMMA_CUDA_CAP={cap}");
-    // Both modules at once: compiling them to machine code is most of the build's time.
-    let jobs: Vec<_> = ["qkernels", "fused"]
+    // Every module at once: compiling them to machine code is most of the build's time.
+    let jobs: Vec<_> = MODULES
         .into_iter()
         .map(|name| {
             let (nvcc, out_dir, cap) = (nvcc.clone(), out_dir.clone(), cap.clone());

@@ -116,11 +116,8 @@ fn bytes_per_param(weights: &str) -> Result<(f64, Option<QuantBits>)> {
     })
 }
 
-/// The crate's launch counters (`CANDLE_GEMMA_LAUNCH_STATS=1`, CUDA builds).
+/// The crate's launch counters: the crate keeps none, so none are reported.
 fn launch_stats() -> Option<(u64, u64)> {
-    #[cfg(feature = "cuda")]
-    return candle_gemma::kernels::cuda::launch_stats();
-    #[cfg(not(feature = "cuda"))]
     None
 }
 

@@ -160,19 +160,15 @@ fn main() -> Result<()> {
     let attention = !std::env::args().any(|a| a == "--matmul-only");
     // `--dense-only`: only the dense bf16 matvec (tensor-core kernel vs cuBLAS).
     let dense_only = std::env::args().any(|a| a == "--dense-only");
-    // Which matvec kernel `qmatmul` takes for bf16 activations with bf16 scales (see `qmatvec`
-    // in the launcher: 4-bit codes are dequantized before the mma, one activation row read
-    // row-contiguous; of the earlier kernels, one row of 8-bit or group-32 codes stays on the
-    // SIMT kernel).
-    let force_simt = std::env::var("CANDLE_GEMMA_QMV_SIMT").is_ok_and(|v| v == "1");
-    let old_kernels = std::env::var("CANDLE_GEMMA_QMV").is_ok_and(|v| v == "old");
-    let row_contiguous = std::env::var("CANDLE_GEMMA_QROW").map_or(true, |v| v != "off");
+    // Which matvec kernel `qmatmul` takes for bf16 activations with bf16 scales (see
+    // `matvec_plan::choose`: 4-bit codes are dequantized before the mma, one activation row read
+    // row-contiguous; one row of 8-bit or group-32 codes stays on the SIMT kernel).
     let matvec_kernel = |rows: usize, bits: usize, group: usize| {
-        if rows == 1 && bits == 4 && !old_kernels && row_contiguous {
+        if rows == 1 && bits == 4 {
             "row_contiguous_tensor_core"
-        } else if rows <= 8 && bits == 4 && !old_kernels {
+        } else if rows <= 8 && bits == 4 {
             "dequant_tensor_core"
-        } else if force_simt || (rows == 1 && (bits == 8 || group == 32)) {
+        } else if rows == 1 && (bits == 8 || group == 32) {
             "simt"
         } else if rows <= 8 {
             "tensor_core"

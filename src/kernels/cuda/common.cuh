@@ -1,4 +1,4 @@
-// Helpers shared by `qkernels.cu` and `fused.cu`: element conversions, the 8-wide activation
+// Helpers shared by every kernel file: element conversions, the 8-wide activation
 // load, the streaming weight load, the m16n8k16 tensor-core product, the (value, index) warp
 // reduction of the argmax kernels, and the softmaxes' base-2 exponential.
 #pragma once

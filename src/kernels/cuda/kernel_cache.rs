@@ -3,20 +3,20 @@
 //! The crate's modules are loaded here from the fatbins `build.rs` embeds (machine code, so no
 //! JIT compilation at first use on the GPU they were built for), and every function handle is
 //! kept: candle's `get_or_load_custom_func` asks the driver for the function by name on every
-//! call (about 0.9 us of host time on the H100 machine, `bench_kernels --launch-floor`), and a
-//! decode step of a small model launches several hundred of our kernels.
+//! call (a noticeable share of a small kernel's launch cost), and a decode step of a small model
+//! launches several hundred of our kernels.
 //!
 //! Launches use programmatic dependent launch on devices of compute capability 9.0 and up: a
 //! kernel's blocks may be scheduled while the previous kernel on the stream still runs, and wait
 //! for it (`griddepcontrol.wait`, `pdl_entry` in `common.cuh`) before touching memory. Every
 //! kernel launched here starts with that wait, so the order of effects is the stream's; what is
 //! saved is the launch latency and the block-scheduling ramp between kernels.
-//! `CANDLE_GEMMA_PDL=0` launches plainly.
+//! [`LaunchPolicy::dependent_launch`](crate::kernels::policy::LaunchPolicy::dependent_launch)
+//! off launches plainly.
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::cuda_backend::cudarc::driver::{
@@ -81,6 +81,46 @@ impl Kernel {
     }
 }
 
+/// A fatbin `build.rs` compiled from one `.cu` file, and the name its loaded module is cached
+/// under.
+pub(crate) struct Module {
+    name: &'static str,
+    image: &'static [u8],
+}
+
+/// Declares the crate's modules: `NAME = "file"` embeds `$OUT_DIR/file.fatbin`, built from
+/// `src/kernels/cuda/file.cu`.
+macro_rules! modules {
+    ($($(#[$doc:meta])* $name:ident = $file:literal;)*) => {$(
+        $(#[$doc])*
+        pub(crate) const $name: Module = Module {
+            name: concat!("candle_gemma_", $file),
+            image: include_bytes!(concat!(env!("OUT_DIR"), "/", $file, ".fatbin")),
+        };
+    )*};
+}
+
+modules! {
+    /// Fused attention on CUDA cores, and the split combine.
+    ATTENTION = "attention";
+    /// Fused attention on the tensor cores.
+    ATTENTION_TC = "attention_tc";
+    /// Packed-weight matrix-vector products.
+    MATVEC = "matvec";
+    /// Affine quantization, dequantization and quantized K/V writes.
+    QUANTIZE = "quantize";
+    /// Add-norm, GeGLU, q/k/v prep and the dense K/V write.
+    LAYER_OPS = "layer_ops";
+    /// MoE routing, grouped expert products and the mix.
+    MOE = "moe";
+    /// Masked softmax and row argmax.
+    REDUCE = "reduce";
+    /// Dense-weight decode products.
+    DENSE_MATVEC = "dense_matvec";
+    /// Bench helpers: the copy kernel and the GPU spin.
+    DIAGNOSTICS = "diagnostics";
+}
+
 /// Resident blocks per multiprocessor by (kernel handle, threads a block, dynamic shared
 /// memory a block).
 type Occupancy = HashMap<(usize, u32, u32), Option<usize>>;
@@ -94,8 +134,7 @@ struct LoadedModule {
     functions: HashMap<String, CudaFunction>,
 }
 
-/// `name` from the module `module` (loaded from `image`, a fatbin that `build.rs` compiled, on
-/// first use), as [`Kernel`].
+/// `name` from `module` (loaded from its fatbin on first use), as [`Kernel`].
 ///
 /// The image carries machine code for the build's compute capability, so a matching GPU loads
 /// it without compiling anything, and PTX, which the driver compiles for other GPUs on first
@@ -107,9 +146,12 @@ struct LoadedModule {
 pub(crate) fn load_kernel(
     dev: &CudaDevice,
     name: &str,
-    module: &'static str,
-    image: &'static [u8],
+    module: &'static Module,
 ) -> candle_core::Result<Kernel> {
+    let &Module {
+        name: module,
+        image,
+    } = module;
     static HANDLES: OnceLock<Mutex<Handles>> = OnceLock::new();
     let handles = HANDLES.get_or_init(Mutex::default);
     let mut handles = handles
@@ -181,20 +223,20 @@ value_args!(
     u64,
     i32,
     f32,
-    super::params::QsdpaParams,
-    super::params::QmatParams,
-    super::launch::KvqBatch,
-    super::fused::KvBatchDst,
-    super::fused::KvScatterParams,
-    super::batched::QsdpaSeq,
-    super::fused::AddNormParams,
-    super::fused::GeluMulParams,
-    super::fused::QkvPrepParams,
-    super::fused::RouteParams,
-    super::fused::DenseMvParams,
-    super::fused::GroupedMvParams,
-    super::fused::SoftmaxParams,
-    super::fused::MvNormParams,
+    crate::kernels::plan::QsdpaParams,
+    crate::kernels::plan::QmatParams,
+    super::kv_write::KvqBatch,
+    super::kv_write::KvBatchDst,
+    super::kv_write::KvScatterParams,
+    super::attention::batched::QsdpaSeq,
+    super::layer_ops::AddNormParams,
+    super::layer_ops::GeluMulParams,
+    super::layer_ops::QkvPrepParams,
+    super::moe::RouteParams,
+    super::dense_matvec::DenseMvParams,
+    super::moe::GroupedMvParams,
+    super::reduce::SoftmaxParams,
+    super::norm_tail::MvNormParams,
 );
 
 impl<'a, T> LaunchArg<'a> for &'a CudaSlice<T> {
@@ -266,10 +308,9 @@ impl<'a> Launch<'a> {
             attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
             numAttrs: u32::from(pdl),
         };
-        let started = stats_on().then(std::time::Instant::now);
         // SAFETY: `params` holds one pointer per kernel parameter (the caller's contract),
         // each valid until this call returns (`self.args` and the borrowed values outlive it).
-        let r = unsafe {
+        unsafe {
             sys::cuLaunchKernelEx(
                 &config,
                 self.kernel.func.cu_function(),
@@ -277,45 +318,20 @@ impl<'a> Launch<'a> {
                 std::ptr::null_mut(),
             )
         }
-        .result();
-        if let Some(t) = started {
-            LAUNCHES.fetch_add(1, Ordering::Relaxed);
-            LAUNCH_NS.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        }
-        r
+        .result()
     }
 }
 
-static LAUNCHES: AtomicU64 = AtomicU64::new(0);
-static LAUNCH_NS: AtomicU64 = AtomicU64::new(0);
-
-fn stats_on() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("CANDLE_GEMMA_LAUNCH_STATS").is_ok_and(|v| v == "1"))
-}
-
-/// With `CANDLE_GEMMA_LAUNCH_STATS=1`: the crate's own kernel launches so far and the host
-/// nanoseconds spent inside the driver's launch call for them (for splitting a step's host
-/// time between the driver and everything around it); `None` otherwise. Counters are
-/// process-wide.
-pub fn launch_stats() -> Option<(u64, u64)> {
-    stats_on().then(|| {
-        (
-            LAUNCHES.load(Ordering::Relaxed),
-            LAUNCH_NS.load(Ordering::Relaxed),
-        )
-    })
-}
-
 /// Whether launches on `stream`'s device may overlap the previous kernel's tail: compute
-/// capability 9.0 or more (`griddepcontrol`), unless `CANDLE_GEMMA_PDL=0`.
+/// capability 9.0 or more (`griddepcontrol`), unless the launch policy turns dependent launches
+/// off.
 fn dependent_launch(stream: &CudaStream) -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("CANDLE_GEMMA_PDL").map_or(true, |v| v != "0")
-            && stream
+    static CAPABLE: OnceLock<bool> = OnceLock::new();
+    crate::kernels::policy::current().dependent_launch
+        && *CAPABLE.get_or_init(|| {
+            stream
                 .context()
                 .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
                 .is_ok_and(|major| major >= 9)
-    })
+        })
 }

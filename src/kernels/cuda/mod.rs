@@ -1,13 +1,34 @@
-//! Device kernels for quantized attention and quantized weights: the parameter structs shared by
-//! the CUDA and Metal launchers ([`params`], always compiled so both backends and the tests see
-//! one layout) and the CUDA launcher (`launch`, `cuda` feature only; kernels in
-//! `qkernels.cu`, compiled by `build.rs`) and the fused decoder-layer kernels (`fused`,
-//! kernels in `fused.cu`).
+//! CUDA kernels and their launchers (`cuda` feature only, except the `params` paths kept for
+//! callers of the shared launch plan, [`crate::kernels::plan`]).
+//!
+//! One file per concept, each with its `.cu` source (compiled to a fatbin by `build.rs` and
+//! loaded by `kernel_cache`):
+//!
+//! | module | kernels |
+//! |---|---|
+//! | `attention` | fused attention over packed or dense K/V: planning, one-sequence and batched launches (`attention.cu`, `attention_tc.cu`) |
+//! | `matvec`, `matvec_plan` | the packed-weight matrix-vector products and their kernel choice (`matvec.cu`) |
+//! | `dense_matvec` | dense-weight decode products, gated and normed forms (`dense_matvec.cu`) |
+//! | `norm_tail` | the residual add + norm folded into a product's last block |
+//! | `layer_ops` | residual add + RMS norm, GeGLU, q/k/v norm + RoPE + layout (`layer_ops.cu`) |
+//! | `kv_write` | writing new K/V into cache slots, dense or quantized |
+//! | `moe` | router top-k, grouped expert products, the weighted mix (`moe.cu`) |
+//! | `reduce` | masked softmax, row argmax (`reduce.cu`) |
+//! | `quantize` | affine quantization and dequantization (`quantize.cu`) |
+//! | `pool` | the device memory pool and event tracking |
+//! | `scratch`, `graph` | per-thread scratch buffers; CUDA graph capture of decode steps |
+//! | `diagnostics` | bench helpers: copy bandwidth reference, GPU spin, host-cost probe (`diagnostics.cu`) |
 
 pub mod params;
 
 #[cfg(feature = "cuda")]
-pub(crate) mod batched;
+mod attention;
+#[cfg(feature = "cuda")]
+mod dense_matvec;
+#[cfg(feature = "cuda")]
+mod device;
+#[cfg(feature = "cuda")]
+mod diagnostics;
 #[cfg(feature = "cuda")]
 pub mod fused;
 #[cfg(feature = "cuda")]
@@ -15,11 +36,29 @@ pub(crate) mod graph;
 #[cfg(feature = "cuda")]
 mod kernel_cache;
 #[cfg(feature = "cuda")]
+mod kv_write;
+#[cfg(feature = "cuda")]
 pub mod launch;
+#[cfg(feature = "cuda")]
+mod layer_ops;
+#[cfg(feature = "cuda")]
+mod matvec;
+#[cfg(feature = "cuda")]
+mod matvec_plan;
+#[cfg(feature = "cuda")]
+mod moe;
+#[cfg(feature = "cuda")]
+mod norm_tail;
+#[cfg(feature = "cuda")]
+mod pool;
+#[cfg(feature = "cuda")]
+mod quantize;
+#[cfg(feature = "cuda")]
+mod reduce;
 #[cfg(feature = "cuda")]
 pub(crate) mod scratch;
 
 #[cfg(feature = "cuda")]
-pub use kernel_cache::launch_stats;
+pub(crate) use attention::batched;
 #[cfg(feature = "cuda")]
-pub use launch::{attend_packed_cuda, QsdpaPath};
+pub use attention::launch::{attend_packed_cuda, QsdpaPath};

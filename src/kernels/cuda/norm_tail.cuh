@@ -1,6 +1,6 @@
 // The residual add + norm that a product's last block computes (`last_block_add_norm`), and
-// the helpers it shares with the fused kernels: included by fused.cu (dense products) and
-// qkernels.cu (packed products).
+// the helpers it shares with the layer kernels: included by dense_matvec.cu (dense products),
+// matvec.cu (packed products), layer_ops.cu and reduce.cu.
 #pragma once
 
 #include <stdint.h>
@@ -10,8 +10,11 @@
 // Rounds an f32 to T and back (the rounding an unfused op would apply to its output).
 template <typename T> __device__ __forceinline__ float rnd(float x) { return to_f(from_f<T>(x)); }
 
-// Sum over the block (THREADS threads, 256 by default: NORM_THREADS in fused.cu); `red` holds
-// THREADS / 32 floats.
+// Threads a block of the row-wise norm and softmax kernels.
+constexpr int NORM_THREADS = 256;
+
+// Sum over the block (THREADS threads, NORM_THREADS by default); `red` holds THREADS / 32
+// floats.
 template <int THREADS = 256>
 __device__ __forceinline__ float block_sum(float v, float* red) {
 #pragma unroll

@@ -1,8 +1,8 @@
 //! Device buffers a launch needs only while it runs (the product a folded norm reads back, the
 //! partial sums of split attention), kept per host thread and reused by the next launch instead
-//! of being allocated and freed around each one: an allocation and its free cost about 1.6 us
-//! of host time on the H100 machine (`bench_kernels --launch-floor`), and a batch-1 decode step
-//! of E2B made about 175 of them.
+//! of being allocated and freed around each one: an allocation and its free cost more host
+//! time than a small kernel's launch, and a batch-1 decode step needs a couple of hundred such
+//! buffers.
 //!
 //! Per thread because candle's device launches on the calling thread's default stream: launches
 //! of one thread run in order, so a buffer is free again for the thread's next launch (with
@@ -45,13 +45,6 @@ pub(crate) fn with_scratch<E, R>(
 where
     E: DeviceRepr + ValidAsZeroBits + 'static,
 {
-    // `CANDLE_GEMMA_SCRATCH=0`: a fresh buffer for every launch, as before (for comparison).
-    static FRESH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *FRESH.get_or_init(|| std::env::var("CANDLE_GEMMA_SCRATCH").is_ok_and(|v| v == "0")) {
-        // SAFETY: the caller writes every element it reads.
-        let mut fresh = unsafe { dev.alloc::<E>(len.max(1))? };
-        return f(&mut fresh);
-    }
     with_kept(dev, key, len, f)
 }
 

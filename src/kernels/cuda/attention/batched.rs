@@ -10,16 +10,16 @@ use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr, LaunchCon
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Tensor};
 
-use super::kernel_cache::load_kernel;
-use super::launch::{
-    combine_kernel_name, cuda_dev, cuda_storage, kname, plan_seq, view, wrap, KvOperand, SeqPlan,
-    FUSED_MAX_Q_LEN,
-};
-use super::params::{combine_launch, QsdpaParams, QSDPA_HEAD_DIMS};
+use super::launch::FUSED_MAX_Q_LEN;
+use super::plan::{combine_kernel_name, combine_launch, plan_seq, KvOperand, SeqPlan};
+use crate::kernels::cuda::device::{cuda_dev, cuda_storage, kname, view, wrap};
+use crate::kernels::cuda::graph;
+use crate::kernels::cuda::kernel_cache::{load_kernel, ATTENTION};
+use crate::kernels::plan::{QsdpaParams, QSDPA_HEAD_DIMS};
 use crate::kernels::{check_view, QueryPlan};
 use crate::kv::{CacheError, KeyPositions, KvData, KvView};
 
-/// `struct QsdpaSeq` in `qkernels.cu`.
+/// `struct QsdpaSeq` in `attention.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct QsdpaSeq {
@@ -36,15 +36,6 @@ pub(crate) struct QsdpaSeq {
 
 // SAFETY: `#[repr(C)]` plain integers and floats, read by the kernel with the same layout.
 unsafe impl DeviceRepr for QsdpaSeq {}
-
-/// Whether batches take the one-launch path (`CANDLE_GEMMA_BATCH_ATTENTION=per-sequence`
-/// keeps one launch per sequence, for comparison).
-fn enabled() -> bool {
-    static PER_SEQ: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*PER_SEQ.get_or_init(|| {
-        std::env::var("CANDLE_GEMMA_BATCH_ATTENTION").is_ok_and(|v| v == "per-sequence")
-    })
-}
 
 /// Device address of `t`'s first element.
 pub(crate) fn address(t: &Tensor, dev: &CudaDevice) -> candle_core::Result<u64> {
@@ -78,8 +69,7 @@ pub(crate) fn attend_batch(
 ) -> Result<Option<Tensor>, CacheError> {
     let (batch, n_heads, q_len, head_dim) = q.dims4()?;
     let dtype = q.dtype();
-    if !enabled()
-        || batch < 2
+    if batch < 2
         || q_len > FUSED_MAX_Q_LEN
         || !QSDPA_HEAD_DIMS.contains(&head_dim)
         || kname(dtype).is_err()
@@ -196,19 +186,9 @@ fn launch_seqs(
     let kv_heads = first.params.kv_heads as usize;
     let total_rows = n_heads * q_len;
     let tn = kname(dtype)?;
-    let func = load_kernel(
-        dev,
-        &first.kernel_name(dtype, true)?,
-        super::launch::MODULE,
-        super::launch::IMAGE,
-    )?;
+    let func = load_kernel(dev, &first.kernel_name(dtype, true)?, first.module())?;
     let combine = combine_launch(n_split_max);
-    let comb = load_kernel(
-        dev,
-        &combine_kernel_name(&combine, tn, true),
-        super::launch::MODULE,
-        super::launch::IMAGE,
-    )?;
+    let comb = load_kernel(dev, &combine_kernel_name(&combine, tn, true), &ATTENTION)?;
     // Shared-memory stages above 48 KiB need the kernel's leave (asked once).
     if first.smem > 0
         && func
@@ -398,7 +378,7 @@ fn plan_step(
 
 /// One decode query `q` `[1, n_heads, 1, head_dim]` attending `view` while a step is captured:
 /// the descriptor goes to the step's parameter area and the launch reads it from there,
-/// covering more key splits than this step needs (see [`super::graph::covered_splits`]; the
+/// covering more key splits than this step needs (see [`graph::covered_splits`]; the
 /// unused ones return at once).
 ///
 /// # Errors
@@ -411,12 +391,12 @@ pub(crate) fn attend_recorded(
     let (_, n_heads, _, head_dim) = q.dims4()?;
     let dev = cuda_dev(q)?;
     let (desc, seq) = plan_step(n_heads, head_dim, q.dtype(), view, plan, &dev)?;
-    let splits = super::graph::covered_splits(seq.n_split, seq.split_bound);
-    let slot = super::graph::Slot::Attention {
+    let splits = graph::covered_splits(seq.n_split, seq.split_bound);
+    let slot = graph::Slot::Attention {
         splits: splits as u32,
         bits: seq.bits as u32,
     };
-    let at = super::graph::record(slot, &desc)?.ok_or_else(|| {
+    let at = graph::record(slot, &desc)?.ok_or_else(|| {
         CacheError::Candle(candle_core::Error::Msg(
             "attend_recorded called outside a capture".to_string(),
         ))

@@ -1,0 +1,276 @@
+// The decoder layer's small fused kernels, each in place of a chain of candle ops (one launch
+// and one pass over memory instead of several): the residual add + RMS norm, GeGLU, the
+// per-head q/k/v norm + RoPE + layout step, and the copy of new K/V into a batch's cache
+// slots. Intermediate results are rounded to the activation type where the unfused chain rounds
+// them, so both paths agree to the last rounding step.
+//
+// Parameter structs must match `src/kernels/cuda/layer_ops.rs` and `kv_write.rs` field for
+// field (#[repr(C)]).
+
+#include <stdint.h>
+
+#include "common.cuh"
+#include "gate.cuh"
+#include "norm_tail.cuh"
+
+// The residual add + norm runs one row per block at decode: more threads, shorter serial loops.
+constexpr int ADD_NORM_THREADS = 1024;
+// Widest row of the residual add + norm: its elements stay in registers (host: ADD_NORM_MAX_WIDTH).
+constexpr int ADD_NORM_PER_THREAD = 8;
+
+struct AddNormParams {
+    uint32_t rows, dim;
+    float eps;
+    // 1: multiply the sum by scalar[0]; 2: also write norm2(out) * w2 to out2; 4: also
+    // norm2(out) * w3 to out3 (with 2).
+    uint32_t flags;
+};
+
+// Widest row of the two-branch residual add + norm (moe_add_norm): it keeps more values per
+// element in registers, so fewer elements a thread.
+constexpr int MOE_ADD_NORM_PER_THREAD = 4;
+
+// out = (res + rms(y) * w) [* scalar]; out2 = rms(out) * w2 [; out3 = rms(out) * w3]. One block
+// per row of at most PT * ADD_NORM_THREADS elements, kept in registers: every load but w3's is
+// issued before the first reduction, so the kernel waits on memory once. With TWO the branch is
+// itself y = rms(a) * wa + rms(b) * wb (the 26B-A4B dense and expert outputs, each with its own
+// post-norm), every step rounded to T as the unfused ops round it.
+template <typename T, int THREADS, int PT, bool TWO>
+__device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __restrict__ res,
+                                              const T* __restrict__ y, const T* __restrict__ w,
+                                              const T* __restrict__ scalar,
+                                              const T* __restrict__ w2, T* __restrict__ out,
+                                              T* __restrict__ out2, const T* __restrict__ w3,
+                                              T* __restrict__ out3, const T* __restrict__ b,
+                                              const T* __restrict__ wa,
+                                              const T* __restrict__ wb) {
+    __shared__ float red[THREADS / 32];
+    const size_t base = (size_t)blockIdx.x * p.dim;
+    float yv[PT], rv[PT], wv[PT], w2v[PT];
+    float bv[TWO ? PT : 1], wav[TWO ? PT : 1], wbv[TWO ? PT : 1];
+    const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
+#pragma unroll
+    for (int k = 0; k < PT; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        const bool in = i < (int)p.dim;
+        yv[k] = in ? to_f(y[base + i]) : 0.f;
+        rv[k] = in ? to_f(res[base + i]) : 0.f;
+        wv[k] = in ? to_f(w[i]) : 0.f;
+        w2v[k] = in && (p.flags & 2) ? to_f(w2[i]) : 0.f;
+        if constexpr (TWO) {
+            bv[k] = in ? to_f(b[base + i]) : 0.f;
+            wav[k] = in ? to_f(wa[i]) : 0.f;
+            wbv[k] = in ? to_f(wb[i]) : 0.f;
+        }
+    }
+    if constexpr (TWO) {
+        float sa = 0.f, sb = 0.f;
+#pragma unroll
+        for (int k = 0; k < PT; ++k) {
+            sa += yv[k] * yv[k];
+            sb += bv[k] * bv[k];
+        }
+        const float ia = rsqrtf(block_sum<THREADS>(sa, red) / p.dim + p.eps);
+        const float ib = rsqrtf(block_sum<THREADS>(sb, red) / p.dim + p.eps);
+#pragma unroll
+        for (int k = 0; k < PT; ++k)
+            yv[k] = rnd<T>(rnd<T>(yv[k] * ia * wav[k]) + rnd<T>(bv[k] * ib * wbv[k]));
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < PT; ++k) ss += yv[k] * yv[k];
+    const float inv = rsqrtf(block_sum<THREADS>(ss, red) / p.dim + p.eps);
+    float ss2 = 0.f;
+#pragma unroll
+    for (int k = 0; k < PT; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        if (i >= (int)p.dim) continue;
+        const float normed = rnd<T>(yv[k] * inv * wv[k]);
+        float o = rnd<T>(rv[k] + normed);
+        if (p.flags & 1) o = rnd<T>(o * s);
+        out[base + i] = from_f<T>(o);
+        yv[k] = o;
+        ss2 += o * o;
+    }
+    if (!(p.flags & 2)) return;
+    const float inv2 = rsqrtf(block_sum<THREADS>(ss2, red) / p.dim + p.eps);
+#pragma unroll
+    for (int k = 0; k < PT; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        if (i >= (int)p.dim) continue;
+        out2[base + i] = from_f<T>(yv[k] * inv2 * w2v[k]);
+        if (p.flags & 4) out3[base + i] = from_f<T>(yv[k] * inv2 * to_f(w3[i]));
+    }
+}
+
+struct GeluMulParams {
+    uint32_t rows, width;
+    // Row strides (elements) of a and b; out is dense [rows, width].
+    uint32_t a_stride, b_stride;
+};
+
+// out = gelu_tanh(a) * b, with gelu's output rounded to T as an unfused op would.
+template <typename T>
+__device__ __forceinline__ void gelu_mul_body(const GeluMulParams p, const T* __restrict__ a,
+                                              const T* __restrict__ b, T* __restrict__ out) {
+    const size_t n = (size_t)p.rows * p.width;
+    for (size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x; t < n;
+         t += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = t / p.width, i = t % p.width;
+        const float g = gelu_tanh(to_f(a[r * p.a_stride + i]));
+        out[t] = from_f<T>(rnd<T>(g) * to_f(b[r * p.b_stride + i]));
+    }
+}
+
+struct QkvPrepParams {
+    uint32_t batch, seq_len, n_heads, kv_heads, head_dim;
+    // Row strides (elements) of the q, k and v sources.
+    uint32_t q_stride, k_stride, v_stride;
+    float eps;
+    // Elements between consecutive heads of the k and v outputs (seq_len * head_dim when they
+    // are fresh tensors; the cache's slots a head when written into the cache).
+    uint32_t kv_head_stride;
+};
+
+// Per head of one token: RMS norm (q and k with their weights, v without), rotate-half RoPE
+// on q and k from the step's cos/sin tables ([batch * seq_len, head_dim / 2]), and the write to
+// [batch, heads, seq_len, head_dim] (k and v heads kv_head_stride apart). One block per (token, head slot): slots are the n_heads
+// query heads, then kv_heads key heads, then kv_heads value heads.
+template <typename T>
+__device__ __forceinline__ void qkv_prep_body(const QkvPrepParams p, const T* __restrict__ qs,
+                                              const T* __restrict__ ks, const T* __restrict__ vs,
+                                              const T* __restrict__ qw, const T* __restrict__ kw,
+                                              const T* __restrict__ cos,
+                                              const T* __restrict__ sin, T* __restrict__ q,
+                                              T* __restrict__ k, T* __restrict__ v) {
+    extern __shared__ float x[];
+    __shared__ float red[NORM_THREADS / 32];
+    const int token = blockIdx.x, slot = blockIdx.y;
+    const int hd = p.head_dim, half = hd / 2;
+    const int b = token / p.seq_len, s = token % p.seq_len;
+    const T* src;
+    const T* w;
+    T* dst;
+    bool rope = true;
+    if (slot < (int)p.n_heads) {
+        src = qs + (size_t)token * p.q_stride + (size_t)slot * hd;
+        w = qw;
+        dst = q + (((size_t)b * p.n_heads + slot) * p.seq_len + s) * hd;
+    } else if (slot < (int)(p.n_heads + p.kv_heads)) {
+        const int h = slot - p.n_heads;
+        src = ks + (size_t)token * p.k_stride + (size_t)h * hd;
+        w = kw;
+        dst = k + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd;
+    } else {
+        const int h = slot - p.n_heads - p.kv_heads;
+        src = vs + (size_t)token * p.v_stride + (size_t)h * hd;
+        w = nullptr;
+        rope = false;
+        dst = v + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd;
+    }
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hd; i += NORM_THREADS) {
+        const float val = to_f(src[i]);
+        x[i] = val;
+        ss += val * val;
+    }
+    const float inv = rsqrtf(block_sum(ss, red) / hd + p.eps);
+    __syncthreads();
+    for (int i = threadIdx.x; i < hd; i += NORM_THREADS)
+        x[i] = rnd<T>(x[i] * inv * (w ? to_f(w[i]) : 1.f));
+    __syncthreads();
+    if (!rope) {
+        for (int i = threadIdx.x; i < hd; i += NORM_THREADS) dst[i] = from_f<T>(x[i]);
+        return;
+    }
+    const T* c = cos + (size_t)token * half;
+    const T* sn = sin + (size_t)token * half;
+    for (int i = threadIdx.x; i < half; i += NORM_THREADS) {
+        const float cc = to_f(c[i]), ssn = to_f(sn[i]);
+        const float x1 = x[i], x2 = x[i + half];
+        dst[i] = from_f<T>(x1 * cc - x2 * ssn);
+        dst[i + half] = from_f<T>(x2 * cc + x1 * ssn);
+    }
+}
+
+// Where a captured decode step writes its K and V: read from device memory at run time, so
+// one CUDA graph serves every step (the cache slot moves, the graph does not change).
+struct QkvDst {
+    uint64_t k, v;
+    uint32_t kv_head_stride, pad_;
+};
+
+// The K/V slots of up to KV_BATCH sequences of a batch cache, passed by value (kernel parameter
+// space): `kv_scatter_batch` copies sequence blockIdx.z's new rows into d[blockIdx.z], one
+// launch for a batch instead of two copies per sequence. `KvBatchDst` in kv_write.rs.
+constexpr int KV_BATCH = 16;
+struct KvBatchDst {
+    QkvDst d[KV_BATCH];
+};
+// Rows of one sequence: kv_heads x n tokens x head_dim, contiguous in the source.
+struct KvScatterParams {
+    uint32_t kv_heads, n, head_dim, pad_;
+};
+
+template <typename T>
+__device__ __forceinline__ void kv_scatter_body(const KvScatterParams p, const KvBatchDst& dst,
+                                                const T* __restrict__ k,
+                                                const T* __restrict__ v) {
+    const QkvDst& d = dst.d[blockIdx.z];
+    const bool is_v = blockIdx.y == 1;
+    const size_t head = (size_t)p.n * p.head_dim, per_seq = head * p.kv_heads;
+    const T* src = (is_v ? v : k) + blockIdx.z * per_seq;
+    T* out = reinterpret_cast<T*>(is_v ? d.v : d.k);
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < per_seq;
+         i += (size_t)gridDim.x * blockDim.x) {
+        out[(i / head) * d.kv_head_stride + i % head] = src[i];
+    }
+}
+
+#define LAYER_OPS_INST(TN, T)                                                                   \
+    extern "C" __global__ void kv_scatter_batch_##TN(const KvScatterParams p,                   \
+                                                     const KvBatchDst dst, const T* k,          \
+                                                     const T* v) {                              \
+        pdl_entry();                                                                            \
+        kv_scatter_body<T>(p, dst, k, v);                                                       \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                              \
+        add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,              \
+                      const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3) {    \
+        pdl_entry();                                                                            \
+        add_norm_body<T, ADD_NORM_THREADS, ADD_NORM_PER_THREAD, false>(                         \
+            p, res, y, w, scalar, w2, out, out2, w3, out3, y, w, w);                            \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                              \
+        moe_add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,          \
+                          const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3,  \
+                          const T* b, const T* wa, const T* wb) {                               \
+        pdl_entry();                                                                            \
+        add_norm_body<T, ADD_NORM_THREADS, MOE_ADD_NORM_PER_THREAD, true>(                      \
+            p, res, y, w, scalar, w2, out, out2, w3, out3, b, wa, wb);                          \
+    }                                                                                           \
+    extern "C" __global__ void gelu_mul_##TN(const GeluMulParams p, const T* a, const T* b,     \
+                                             T* out) {                                          \
+        pdl_entry();                                                                            \
+        gelu_mul_body<T>(p, a, b, out);                                                         \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                  \
+        qkv_prep_##TN(const QkvPrepParams p, const T* qs, const T* ks, const T* vs,             \
+                      const T* qw, const T* kw, const T* cos, const T* sin, T* q, T* k, T* v) { \
+        pdl_entry();                                                                            \
+        qkv_prep_body<T>(p, qs, ks, vs, qw, kw, cos, sin, q, k, v);                             \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                  \
+        qkv_prep_dyn_##TN(const QkvPrepParams p, const QkvDst* dst, const T* qs, const T* ks,   \
+                          const T* vs, const T* qw, const T* kw, const T* cos, const T* sin,    \
+                          T* q) {                                                               \
+        pdl_entry();                                                                            \
+        QkvPrepParams pd = p;                                                                   \
+        pd.kv_head_stride = dst->kv_head_stride;                                                \
+        qkv_prep_body<T>(pd, qs, ks, vs, qw, kw, cos, sin, q, reinterpret_cast<T*>(dst->k),     \
+                         reinterpret_cast<T*>(dst->v));                                         \
+    }
+
+LAYER_OPS_INST(f32, float)
+LAYER_OPS_INST(f16, __half)
+LAYER_OPS_INST(bf16, __nv_bfloat16)

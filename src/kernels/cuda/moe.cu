@@ -1,0 +1,326 @@
+// The routed experts of an MoE block: router top-k with its softmax mix weights, the expert
+// products grouped by expert (dense or MLX-packed experts, the GeGLU gate optionally computed
+// inside), and the weighted sum of each token's picks.
+//
+// Parameter structs must match `src/kernels/cuda/moe.rs` field for field (#[repr(C)]).
+
+#include <stdint.h>
+
+#include "common.cuh"
+#include "gate.cuh"
+#include "norm_tail.cuh"
+
+// Router top-k: per token, the top_k largest logits (ties: lower expert first), a softmax over
+// them, times per_expert_scale of each pick. One warp per token; experts <= 32 * ROUTE_MAX_PER_LANE.
+constexpr int ROUTE_MAX_PER_LANE = 16;
+
+struct RouteParams {
+    uint32_t tokens, experts, top_k, pad_;
+};
+
+template <typename T>
+__device__ __forceinline__ void moe_route_body(const RouteParams p, const T* __restrict__ logits,
+                                               const float* __restrict__ scale,
+                                               uint32_t* __restrict__ idx,
+                                               float* __restrict__ mix) {
+    const int t = blockIdx.x, lane = threadIdx.x;
+    float v[ROUTE_MAX_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
+        const int e = i * 32 + lane;
+        v[i] = e < (int)p.experts ? to_f(logits[(size_t)t * p.experts + e]) : -INFINITY;
+    }
+    // Pick j ends in lane j's registers (no per-thread arrays indexed at run time, which would
+    // live in local memory).
+    float mine = -INFINITY;
+    int mine_e = 0;
+    for (int j = 0; j < (int)p.top_k && j < 32; ++j) {
+        float bv = -INFINITY;
+        int be = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i) {
+            const int e = i * 32 + lane;
+            if (e < (int)p.experts) argmax_step(bv, be, v[i], e);
+        }
+        warp_argmax(bv, be);
+        if (lane == j) {
+            mine = bv;
+            mine_e = be;
+        }
+#pragma unroll
+        for (int i = 0; i < ROUTE_MAX_PER_LANE; ++i)
+            if (i * 32 + lane == be) v[i] = -INFINITY;
+    }
+    const float top0 = __shfl_sync(0xffffffffu, mine, 0);
+    const float w = (lane < (int)p.top_k) ? expf(mine - top0) : 0.f;
+    // The softmax sum in pick order, as a sequential loop would add it.
+    float sum = 0.f;
+    for (int j = 0; j < (int)p.top_k && j < 32; ++j) sum += __shfl_sync(0xffffffffu, w, j);
+    if (lane < (int)p.top_k) {
+        idx[(size_t)t * p.top_k + lane] = (uint32_t)mine_e;
+        mix[(size_t)t * p.top_k + lane] = w / sum * scale[mine_e];
+    }
+}
+
+struct GroupedMvParams {
+    // pairs = tokens * top_k routed (token, pick) pairs; x row of pair p: p / top_k when
+    // x_per_token, else p.
+    uint32_t pairs, top_k, out_dim, in_dim;
+    uint64_t expert_stride;
+    // by_slot: block x is pair slot x and takes expert idx[x] unless an earlier slot holds the
+    // same expert (a grid of `pairs` blocks when fewer pairs than experts); else block x is
+    // expert x.
+    uint32_t x_per_token, experts, by_slot, x_stride;
+    // Gated kernels: the row stride of the second input. Packed experts: inputs per scale group.
+    uint32_t b_stride, group_size, pad1, pad2;
+};
+
+constexpr int GMV_WARPS = 8;
+constexpr int GMV_MAX_PAIRS = 4096;
+
+// dot(W row, x) over in_dim (a multiple of 8) by one warp, 16-byte loads.
+template <typename T>
+__device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __restrict__ xr,
+                                          int in_dim) {
+    // Four weight loads a lane in flight: unconditional (clamped, zeroed after) so that the
+    // compiler issues them together instead of each right before its use.
+    constexpr int B = 4;
+    const int lane = threadIdx.x & 31;
+    float acc = 0.f;
+    for (int e0 = lane * 8; e0 < in_dim; e0 += 32 * 8 * B) {
+        float wv[B][8];
+#pragma unroll
+        for (int b = 0; b < B; ++b) load_x8<T>(wr + min(e0 + 256 * b, in_dim - 8), wv[b]);
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int e = e0 + 256 * b;
+            float xv[8];
+            load_x8<T>(xr + min(e, in_dim - 8), xv);
+            const float keep = e < in_dim ? 1.f : 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc = fmaf(wv[b][i] * keep, xv[i], acc);
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    return acc;
+}
+
+// Routed expert products grouped by expert: block (e, tile) finds the pairs routed to expert
+// e, then each warp takes Rows::R output rows of e and computes them for every such pair, so each
+// expert row is read from memory once per call however many tokens picked it.
+//   y[p, o] = W[e][o, :] . x[row(p), :]      for every pair p with idx[p] == e
+//
+// GATED: the pair rows are gelu_tanh(x) * xb (rows strided by x_stride and b_stride), computed
+// by the block for its pairs into dynamic shared memory first.
+// Rows of dense experts: W [E, out, in]. One row a warp.
+template <typename T> struct DenseExpertRows {
+    static constexpr int R = 1;
+    const T* __restrict__ w;
+    __device__ __forceinline__ void dot(const GroupedMvParams& p, uint32_t e, int o0,
+                                        const T* xrow, float (&acc)[R]) const {
+        acc[0] = warp_dot(w + (size_t)e * p.expert_stride + (size_t)o0 * p.in_dim, xrow, p.in_dim);
+    }
+};
+
+// Rows of MLX-packed experts, flattened to [E * out, in]: codes [E * out, in * BITS / 32],
+// scales/biases [E * out, in / group]. A warp computes R rows at once: each lane reads 16 bytes
+// of codes of every row a step (32 four-bit or 16 eight-bit codes, inside one group), so R loads
+// are in flight together, and the activations and their sum are read once for the R rows. The
+// group's scale and bias apply to the partial sums, as in the one-row qmatvec. Codes become
+// floats through their bit pattern (2^23 + code, minus 2^23): exact, and without the integer to
+// float conversion, whose low throughput bounded the kernel.
+template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
+    static constexpr int R = ROWS;
+    const uint32_t* __restrict__ codes;
+    const S* __restrict__ scales;
+    const S* __restrict__ biases;
+    __device__ __forceinline__ void dot(const GroupedMvParams& p, uint32_t e, int o0,
+                                        const T* xrow, float (&acc)[R]) const {
+        constexpr int EPC = 128 / BITS;
+        constexpr uint32_t MASK = (1u << BITS) - 1;
+        const int lane = threadIdx.x & 31;
+        const int words = (int)p.in_dim * BITS / 32, groups = (int)(p.in_dim / p.group_size);
+        const int last = (int)p.out_dim - 1;
+        const uint32_t* wr[R];
+        const S* sr[R];
+        const S* br[R];
+#pragma unroll
+        for (int m = 0; m < R; ++m) {
+            // Rows past the end repeat the last one (their sums are not stored).
+            const size_t r = (size_t)e * p.out_dim + min(o0 + m, last);
+            wr[m] = codes + r * words;
+            sr[m] = scales + r * groups;
+            br[m] = biases + r * groups;
+            acc[m] = 0.f;
+        }
+#pragma unroll 2
+        for (int c = lane; c < words / 4; c += 32) {
+            const int e0 = c * EPC;
+            const int g = e0 / (int)p.group_size;
+            uint4 w4[R];
+            float sc[R], bi[R];
+#pragma unroll
+            for (int m = 0; m < R; ++m) {
+                w4[m] = ld_stream4(wr[m] + c * 4);
+                sc[m] = to_f(sr[m][g]);
+                bi[m] = to_f(br[m][g]);
+            }
+            float dot[R], xs = 0.f;
+#pragma unroll
+            for (int m = 0; m < R; ++m) dot[m] = 0.f;
+#pragma unroll
+            for (int k8 = 0; k8 < EPC; k8 += 8) {
+                float xv[8];
+                load_x8<T>(xrow + e0 + k8, xv);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    const int i = k8 + k;
+                    xs += xv[k];
+#pragma unroll
+                    for (int m = 0; m < R; ++m) {
+                        const uint32_t w[4] = {w4[m].x, w4[m].y, w4[m].z, w4[m].w};
+                        const uint32_t code = (w[(i * BITS) >> 5] >> ((i * BITS) & 31)) & MASK;
+                        const float cf = __uint_as_float(0x4B000000u | code) - 8388608.f;
+                        dot[m] = fmaf(cf, xv[k], dot[m]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < R; ++m) acc[m] = fmaf(sc[m], dot[m], fmaf(bi[m], xs, acc[m]));
+        }
+#pragma unroll
+        for (int m = 0; m < R; ++m) {
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1)
+                acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
+        }
+    }
+};
+
+template <typename T, bool GATED, typename Rows>
+__device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const Rows rows,
+                                                const uint32_t* __restrict__ idx,
+                                                const T* __restrict__ x,
+                                                const T* __restrict__ xb, T* __restrict__ y) {
+    __shared__ uint32_t mine[GMV_MAX_PAIRS];
+    __shared__ uint32_t count, taken;
+    const uint32_t e = p.by_slot ? idx[blockIdx.x] : blockIdx.x;
+    if (e >= p.experts) return;  // uniform across the block
+    if (threadIdx.x == 0) count = taken = 0;
+    __syncthreads();
+    for (uint32_t q = threadIdx.x; q < p.pairs; q += blockDim.x) {
+        if (idx[q] == e) {
+            mine[atomicAdd(&count, 1u)] = q;
+            if (p.by_slot && q < blockIdx.x) taken = 1;
+        }
+    }
+    __syncthreads();
+    const uint32_t n = count;
+    if (n == 0 || taken) return;
+    extern __shared__ __align__(16) unsigned char gmv_smem[];
+    T* sx = reinterpret_cast<T*>(gmv_smem);
+    if constexpr (GATED) {
+        const int n8 = (int)(n * p.in_dim / 8);
+        for (int t = threadIdx.x; t < n8; t += blockDim.x) {
+            const int el = t * 8, i = el / (int)p.in_dim, c = el % (int)p.in_dim;
+            const uint32_t q = mine[i];
+            const uint4 av = *reinterpret_cast<const uint4*>(x + (size_t)q * p.x_stride + c);
+            const uint4 bv = *reinterpret_cast<const uint4*>(xb + (size_t)q * p.b_stride + c);
+            *reinterpret_cast<uint4*>(sx + el) = gate8<T>(av, bv);
+        }
+        __syncthreads();
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int R = Rows::R;
+    const int o0 = (blockIdx.y * GMV_WARPS + warp) * R;
+    if (o0 >= (int)p.out_dim) return;
+    for (uint32_t i = 0; i < n; ++i) {
+        const uint32_t q = mine[i];
+        const uint32_t row = p.x_per_token ? q / p.top_k : q;
+        const T* xrow = GATED ? sx + (size_t)i * p.in_dim : x + (size_t)row * p.in_dim;
+        float acc[R];
+        rows.dot(p, e, o0, xrow, acc);
+        if (lane == 0) {
+#pragma unroll
+            for (int m = 0; m < R; ++m)
+                if (o0 + m < (int)p.out_dim) y[(size_t)q * p.out_dim + o0 + m] = from_f<T>(acc[m]);
+        }
+    }
+}
+
+// out[t, o] = sum_j mix[t, j] * y[t * top_k + j, o]
+template <typename T>
+__device__ __forceinline__ void moe_mix_body(const GroupedMvParams p, const T* __restrict__ y,
+                                             const float* __restrict__ mix, T* __restrict__ out) {
+    const size_t tokens = p.pairs / p.top_k;
+    const size_t n = tokens * p.out_dim;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t t = i / p.out_dim, o = i % p.out_dim;
+        float acc = 0.f;
+        for (uint32_t j = 0; j < p.top_k; ++j)
+            acc = fmaf(mix[t * p.top_k + j], to_f(y[(t * p.top_k + j) * p.out_dim + o]), acc);
+        out[i] = from_f<T>(acc);
+    }
+}
+
+#define MOE_INST(TN, T)                                                                        \
+    extern "C" __global__ void moe_route_##TN(const RouteParams p, const T* logits,            \
+                                              const float* scale, uint32_t* idx, float* mix) { \
+        pdl_entry();                                                                           \
+        moe_route_body<T>(p, logits, scale, idx, mix);                                         \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
+        grouped_mv_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx, const T* x,  \
+                        T* y) {                                                                \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, false>(p, DenseExpertRows<T>{w}, idx, x, x, y);                     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
+        grouped_mv_gated_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx,        \
+                              const T* x, const T* xb, T* y) {                                 \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, true>(p, DenseExpertRows<T>{w}, idx, x, xb, y);                     \
+    }                                                                                          \
+    extern "C" __global__ void moe_mix_##TN(const GroupedMvParams p, const T* y,               \
+                                            const float* mix, T* out) {                        \
+        pdl_entry();                                                                           \
+        moe_mix_body<T>(p, y, mix, out);                                                       \
+    }
+
+MOE_INST(f32, float)
+MOE_INST(f16, __half)
+MOE_INST(bf16, __nv_bfloat16)
+
+// Grouped products over MLX-packed experts (names grouped_qmv[_gated]_{T}_{S}_{BITS}_r{R}, R
+// output rows a warp); the gated form only for 16-bit activations, as with dense experts.
+#define GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, R, MINB, V)                                    \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, MINB)                         \
+        grouped_qmv_##TN##_##SN##_##BITS##_##V(const GroupedMvParams p, const uint32_t* c,     \
+                                               const S* s, const S* b, const uint32_t* idx,    \
+                                               const T* x, T* y) {                             \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, false>(p, PackedExpertRows<T, S, BITS, R>{c, s, b}, idx, x, x, y);  \
+    }
+#define GROUPED_QMV_GATED_KERNELS(TN, T, SN, S, BITS, R, MINB, V)                              \
+    GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, R, MINB, V)                                        \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, MINB)                         \
+        grouped_qmv_gated_##TN##_##SN##_##BITS##_##V(                                          \
+            const GroupedMvParams p, const uint32_t* c, const S* s, const S* b,                \
+            const uint32_t* idx, const T* x, const T* xb, T* y) {                              \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, true>(p, PackedExpertRows<T, S, BITS, R>{c, s, b}, idx, x, xb, y);  \
+    }
+// 4 rows a warp, 3 blocks a multiprocessor (80 registers a thread, no spills).
+#define GROUPED_QMV_INST(TN, T, SN, S, BITS) GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, 4, 3, r4)
+#define GROUPED_QMV_GATED_INST(TN, T, SN, S, BITS) \
+    GROUPED_QMV_GATED_KERNELS(TN, T, SN, S, BITS, 4, 3, r4)
+#define GROUPED_QMV_BITS(INST, TN, T, SN, S) INST(TN, T, SN, S, 4) INST(TN, T, SN, S, 8)
+#define GROUPED_QMV_SCALES(INST, TN, T)                   \
+    GROUPED_QMV_BITS(INST, TN, T, f32, float)             \
+    GROUPED_QMV_BITS(INST, TN, T, f16, __half)            \
+    GROUPED_QMV_BITS(INST, TN, T, bf16, __nv_bfloat16)
+GROUPED_QMV_SCALES(GROUPED_QMV_INST, f32, float)
+GROUPED_QMV_SCALES(GROUPED_QMV_GATED_INST, f16, __half)
+GROUPED_QMV_SCALES(GROUPED_QMV_GATED_INST, bf16, __nv_bfloat16)

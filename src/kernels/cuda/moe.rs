@@ -1,0 +1,432 @@
+//! The routed experts of an MoE block on CUDA (`moe.cu`): router top-k with the softmax mix
+//! weights, the expert products grouped by expert (dense or MLX-packed experts, optionally
+//! with the GeGLU gate computed inside), and the weighted sum of each token's picks.
+
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{DType, Result, Tensor};
+
+use super::device::{
+    as_rows, bind, by_dtype, check_dtype, contiguous_aligned16, cuda_dev, grid_stride, tn, u32_of,
+    wrap,
+};
+use super::kernel_cache::{load_kernel, MOE};
+use crate::kernels::qmatmul::PackedWeight;
+
+/// Warps per grouped-matvec block (`GMV_WARPS`).
+const GMV_WARPS: usize = 8;
+/// Output rows a warp of the packed grouped matvec computes (`R` in `GROUPED_QMV_INST`).
+const GMV_PACKED_ROWS: usize = 4;
+/// Experts per lane of the router kernel (`ROUTE_MAX_PER_LANE`): at most 512 experts.
+const ROUTE_MAX_PER_LANE: usize = 16;
+
+/// `struct RouteParams` in `moe.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RouteParams {
+    tokens: u32,
+    experts: u32,
+    top_k: u32,
+    pad_: u32,
+}
+
+/// `struct GroupedMvParams` in `moe.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct GroupedMvParams {
+    pairs: u32,
+    top_k: u32,
+    out_dim: u32,
+    in_dim: u32,
+    expert_stride: u64,
+    x_per_token: u32,
+    experts: u32,
+    by_slot: u32,
+    x_stride: u32,
+    b_stride: u32,
+    group_size: u32,
+    pad1: u32,
+    pad2: u32,
+}
+
+// SAFETY: `#[repr(C)]` plain integers, passed by value, read by the kernels with the same field
+// layout.
+unsafe impl DeviceRepr for RouteParams {}
+unsafe impl DeviceRepr for GroupedMvParams {}
+
+/// Router top-k on the device: for each row of `logits` `[tokens, E]`, the `top_k` largest
+/// (ties: lower expert first) as u32 `idx` `[tokens, top_k]`, and `mix` f32 `[tokens, top_k]`:
+/// the softmax over the picked logits times `scale[e]` (f32 `[E]`) of each pick.
+///
+/// # Errors
+/// More than 512 experts or more than 32 picks, dtype mismatch, CUDA errors.
+pub fn moe_route(logits: &Tensor, scale: &Tensor, top_k: usize) -> Result<(Tensor, Tensor)> {
+    let dtype = logits.dtype();
+    check_dtype(&[logits], dtype)?;
+    let (tokens, experts) = logits.dims2()?;
+    if experts > 32 * ROUTE_MAX_PER_LANE || top_k == 0 || top_k > 32.min(experts) {
+        candle_core::bail!("moe_route: {experts} experts, top {top_k}");
+    }
+    let dev = cuda_dev(logits)?;
+    let logits = logits.contiguous()?;
+    let scale = scale.to_dtype(DType::F32)?.contiguous()?;
+    let params = RouteParams {
+        tokens: u32_of(tokens, "tokens")?,
+        experts: u32_of(experts, "experts")?,
+        top_k: u32_of(top_k, "top_k")?,
+        pad_: 0,
+    };
+    let func = load_kernel(&dev, &format!("moe_route_{}", tn(dtype)?), &MOE)?;
+    let cfg = LaunchConfig {
+        grid_dim: (params.tokens.max(1), 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let n = (tokens * top_k).max(1);
+    // SAFETY: one warp per token writes all its picks.
+    let (mut idx, mut mix) = unsafe { (dev.alloc::<u32>(n)?, dev.alloc::<f32>(n)?) };
+    if tokens > 0 {
+        by_dtype!(dtype, E, {
+            bind!(lv, logits, E);
+            bind!(sv, scale, f32);
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&lv);
+            b.arg(&sv);
+            b.arg(&mut idx);
+            b.arg(&mut mix);
+            // SAFETY: arguments match the kernel's signature; experts bounded above.
+            unsafe { b.launch(cfg) }.w()?;
+        })
+    }
+    Ok((
+        wrap(idx, &dev, &[tokens, top_k]),
+        wrap(mix, &dev, &[tokens, top_k]),
+    ))
+}
+
+/// Most (token, pick) pairs one [`grouped_matvec`] call takes (`GMV_MAX_PAIRS`).
+pub const GROUPED_MAX_PAIRS: usize = 4096;
+
+/// Routed expert products grouped by expert (each picked expert's rows are read once per call):
+/// `weights` `[E, out, in]` (contiguous), `idx` u32 `[tokens, top_k]`; `x` is `[tokens, in]`
+/// when `x_per_token` (every pick of a token reads its row) or `[tokens * top_k, in]`.
+/// Returns `[tokens * top_k, out]`, row `t * top_k + j` through expert `idx[t, j]`.
+///
+/// # Errors
+/// Shapes or dtypes that disagree (`in` must be a multiple of 8), more than
+/// [`GROUPED_MAX_PAIRS`] pairs, CUDA errors.
+pub fn grouped_matvec(
+    weights: &Tensor,
+    idx: &Tensor,
+    x: &Tensor,
+    x_per_token: bool,
+) -> Result<Tensor> {
+    grouped_mv(ExpertStack::Dense(weights), idx, x, None, x_per_token)?
+        .ok_or_else(|| candle_core::Error::Msg("grouped_matvec: not applicable".into()))
+}
+
+/// [`grouped_matvec`] over MLX-packed experts: `weights` is the stack `[E, out, in]` flattened to
+/// `[E * out, in]` (expert `e` owns rows `e * out ..`), read packed (4 or 8 bits).
+///
+/// # Errors
+/// As [`grouped_matvec`], and when `weights` does not split into `experts` equal stacks.
+pub fn grouped_qmatvec(
+    weights: &PackedWeight,
+    experts: usize,
+    idx: &Tensor,
+    x: &Tensor,
+    x_per_token: bool,
+) -> Result<Tensor> {
+    let stack = ExpertStack::Packed(weights, experts);
+    grouped_mv(stack, idx, x, None, x_per_token)?
+        .ok_or_else(|| candle_core::Error::Msg("grouped_qmatvec: not applicable".into()))
+}
+
+/// [`grouped_matvec_gated`] over MLX-packed experts (see [`grouped_qmatvec`]).
+///
+/// # Errors
+/// As [`grouped_matvec_gated`].
+pub fn grouped_qmatvec_gated(
+    weights: &PackedWeight,
+    experts: usize,
+    idx: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+) -> Result<Option<Tensor>> {
+    grouped_mv(
+        ExpertStack::Packed(weights, experts),
+        idx,
+        a,
+        Some(b),
+        false,
+    )
+}
+
+/// The expert weights of a grouped product.
+#[derive(Clone, Copy)]
+enum ExpertStack<'a> {
+    /// `[E, out, in]` in the activations' dtype.
+    Dense(&'a Tensor),
+    /// `[E * out, in]` packed, and `E`.
+    Packed(&'a PackedWeight, usize),
+}
+
+impl ExpertStack<'_> {
+    /// Output rows one warp computes (`Rows::R` of the kernel's row reader).
+    fn rows_per_warp(&self) -> usize {
+        match self {
+            ExpertStack::Dense(_) => 1,
+            ExpertStack::Packed(..) => GMV_PACKED_ROWS,
+        }
+    }
+
+    /// `(experts, out, in)`.
+    fn dims(&self) -> Result<(usize, usize, usize)> {
+        match *self {
+            ExpertStack::Dense(w) => w.dims3(),
+            ExpertStack::Packed(w, e) => {
+                if e == 0 || w.out_dim % e != 0 {
+                    candle_core::bail!("{} packed rows do not split into {e} experts", w.out_dim);
+                }
+                Ok((e, w.out_dim / e, w.in_dim))
+            }
+        }
+    }
+
+    /// The kernel's name for activations of `dtype`.
+    fn kernel(&self, gated: bool, dtype: DType) -> Result<String> {
+        let g = if gated { "_gated" } else { "" };
+        let t = tn(dtype)?;
+        Ok(match *self {
+            ExpertStack::Dense(_) => format!("grouped_mv{g}_{t}"),
+            ExpertStack::Packed(w, _) => {
+                let s = tn(w.scales.dtype())?;
+                let r = GMV_PACKED_ROWS;
+                format!("grouped_qmv{g}_{t}_{s}_{}_r{r}", w.bits.bits())
+            }
+        })
+    }
+}
+
+/// Most bytes of gated rows one [`grouped_matvec_gated`] block keeps in shared memory (its
+/// pairs times `in` elements; a block's pairs are at most the tokens), beside the 16 KB pair
+/// list.
+pub const GROUPED_GATED_MAX_SMEM: usize = 24 << 10;
+
+/// [`grouped_matvec`] over the rows `gelu_tanh(a) * b` (pair rows, `[tokens * top_k, in]`
+/// each, rows possibly strided: the halves of the gate/up output), the gate computed inside
+/// the product; `None` for f32, when tokens times `in` elements exceed
+/// [`GROUPED_GATED_MAX_SMEM`], or when a row is not 16-byte aligned.
+///
+/// # Errors
+/// Shapes or dtypes that disagree, CUDA errors.
+pub fn grouped_matvec_gated(
+    weights: &Tensor,
+    idx: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+) -> Result<Option<Tensor>> {
+    grouped_mv(ExpertStack::Dense(weights), idx, a, Some(b), false)
+}
+
+fn grouped_mv(
+    weights: ExpertStack<'_>,
+    idx: &Tensor,
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    x_per_token: bool,
+) -> Result<Option<Tensor>> {
+    let dtype = x.dtype();
+    if let Some(g) = gate {
+        if g.dims() != x.dims() {
+            candle_core::bail!("grouped_matvec gated: {:?} vs {:?}", x.dims(), g.dims());
+        }
+    }
+    let mut ts = vec![x];
+    ts.extend(gate);
+    if let ExpertStack::Dense(w) = weights {
+        ts.push(w);
+    }
+    check_dtype(&ts, dtype)?;
+    let (experts, out_dim, in_dim) = weights.dims()?;
+    let (tokens, top_k) = idx.dims2()?;
+    let pairs = tokens * top_k;
+    let x_rows = if x_per_token { tokens } else { pairs };
+    if x.dims2()? != (x_rows, in_dim)
+        || in_dim % 8 != 0
+        || idx.dtype() != DType::U32
+        || pairs > GROUPED_MAX_PAIRS
+    {
+        candle_core::bail!(
+            "grouped_matvec: x {:?}, weights {experts}x{out_dim}x{in_dim}, idx {:?} {:?}",
+            x.dims(),
+            idx.dims(),
+            idx.dtype()
+        );
+    }
+    let dev = cuda_dev(x)?;
+    let smem = tokens * in_dim * dtype.size_in_bytes();
+    // Gated rows stay as given (strided); plain rows are made contiguous.
+    let rows_of = |t: &Tensor| -> Result<Option<(Tensor, usize)>> {
+        let (t, _, _, stride) = as_rows(t)?;
+        Ok((t.layout().start_offset() % 8 == 0 && stride % 8 == 0).then_some((t, stride)))
+    };
+    let (x, gate) = match gate {
+        Some(g) => {
+            // The gate works on 16-byte chunks of eight 16-bit elements.
+            if smem > GROUPED_GATED_MAX_SMEM || !matches!(dtype, DType::BF16 | DType::F16) {
+                return Ok(None);
+            }
+            match (rows_of(x)?, rows_of(g)?) {
+                (Some(xs), Some(gs)) => (xs, Some(gs)),
+                _ => return Ok(None),
+            }
+        }
+        // The packed rows read x 16 bytes at a time from the row's first element.
+        None => ((contiguous_aligned16(x)?, in_dim), None),
+    };
+    let idx = idx.contiguous()?;
+    // Fewer pairs than experts (decode): one block column per pair slot instead of one per
+    // expert, so the grid holds no blocks for experts nobody picked.
+    let by_slot = pairs < experts;
+    let params = GroupedMvParams {
+        pairs: u32_of(pairs, "pairs")?,
+        top_k: u32_of(top_k, "top_k")?,
+        out_dim: u32_of(out_dim, "rows")?,
+        in_dim: u32_of(in_dim, "columns")?,
+        expert_stride: (out_dim * in_dim) as u64,
+        x_per_token: u32::from(x_per_token),
+        experts: u32_of(experts, "experts")?,
+        by_slot: u32::from(by_slot),
+        x_stride: u32_of(x.1, "row stride")?,
+        b_stride: u32_of(gate.as_ref().map_or(x.1, |g| g.1), "row stride")?,
+        group_size: match weights {
+            ExpertStack::Packed(w, _) => u32_of(w.group_size, "group size")?,
+            ExpertStack::Dense(_) => 0,
+        },
+        pad1: 0,
+        pad2: 0,
+    };
+    let func = load_kernel(&dev, &weights.kernel(gate.is_some(), dtype)?, &MOE)?;
+    let cfg = LaunchConfig {
+        grid_dim: (
+            u32_of(if by_slot { pairs } else { experts }, "experts")?,
+            out_dim.div_ceil(GMV_WARPS * weights.rows_per_warp()) as u32,
+            1,
+        ),
+        block_dim: ((GMV_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: if gate.is_some() { smem as u32 } else { 0 },
+    };
+    let x = x.0;
+    // Packed codes are read 16 bytes at a time; scales and biases one element at a time.
+    enum WeightArgs {
+        Dense(Tensor),
+        Packed(Tensor, Tensor, Tensor),
+    }
+    let weight_args = match weights {
+        ExpertStack::Dense(w) => WeightArgs::Dense(w.contiguous()?),
+        ExpertStack::Packed(w, _) => WeightArgs::Packed(
+            contiguous_aligned16(&w.codes)?,
+            w.scales.contiguous()?,
+            w.biases.contiguous()?,
+        ),
+    };
+    by_dtype!(dtype, E, {
+        // SAFETY: every pair has one expert, whose block writes its whole output row.
+        let mut y = unsafe { dev.alloc::<E>((pairs * out_dim).max(1))? };
+        if pairs > 0 {
+            bind!(iv, idx, u32);
+            bind!(xv, x, E);
+            let gt = gate.as_ref().map_or(&x, |g| &g.0);
+            bind!(gv, gt, E);
+            // The arguments after the weights, then the launch.
+            macro_rules! finish {
+                ($b:ident) => {{
+                    $b.arg(&iv);
+                    $b.arg(&xv);
+                    if gate.is_some() {
+                        $b.arg(&gv);
+                    }
+                    $b.arg(&mut y);
+                    // SAFETY: arguments match the kernel's signature; expert ids that are not
+                    // below E match no block and are the router's to avoid (moe_route only
+                    // emits valid ones).
+                    unsafe { $b.launch(cfg) }.w()?;
+                }};
+            }
+            let mut b = func.builder();
+            b.arg(&params);
+            match &weight_args {
+                WeightArgs::Dense(w) => {
+                    bind!(wv, w, E);
+                    b.arg(&wv);
+                    finish!(b);
+                }
+                WeightArgs::Packed(c, s, bi) => {
+                    bind!(cv, c, u32);
+                    by_dtype!(s.dtype(), S, {
+                        bind!(sv, s, S);
+                        bind!(bv, bi, S);
+                        b.arg(&cv);
+                        b.arg(&sv);
+                        b.arg(&bv);
+                        finish!(b);
+                    });
+                }
+            }
+        }
+        Ok(Some(wrap(y, &dev, &[pairs, out_dim])))
+    })
+}
+
+/// `out[t] = sum_j mix[t, j] * y[t * top_k + j]`: `y` `[tokens * top_k, out]`, `mix` f32
+/// `[tokens, top_k]`; returns `[tokens, out]`.
+///
+/// # Errors
+/// Shapes that disagree, CUDA errors.
+pub fn moe_mix(y: &Tensor, mix: &Tensor) -> Result<Tensor> {
+    let dtype = y.dtype();
+    check_dtype(&[y], dtype)?;
+    let (tokens, top_k) = mix.dims2()?;
+    let (pairs, out_dim) = y.dims2()?;
+    if pairs != tokens * top_k {
+        candle_core::bail!("moe_mix: y {:?}, mix {:?}", y.dims(), mix.dims());
+    }
+    let dev = cuda_dev(y)?;
+    let (y, mix) = (y.contiguous()?, mix.to_dtype(DType::F32)?.contiguous()?);
+    let params = GroupedMvParams {
+        pairs: u32_of(pairs, "pairs")?,
+        top_k: u32_of(top_k, "top_k")?,
+        out_dim: u32_of(out_dim, "rows")?,
+        in_dim: 0,
+        expert_stride: 0,
+        x_per_token: 0,
+        experts: 0,
+        by_slot: 0,
+        x_stride: 0,
+        b_stride: 0,
+        group_size: 0,
+        pad1: 0,
+        pad2: 0,
+    };
+    let n = tokens * out_dim;
+    let func = load_kernel(&dev, &format!("moe_mix_{}", tn(dtype)?), &MOE)?;
+    let cfg = grid_stride(n);
+    by_dtype!(dtype, E, {
+        // SAFETY: grid-stride loop writes every element.
+        let mut out = unsafe { dev.alloc::<E>(n.max(1))? };
+        if n > 0 {
+            bind!(yv, y, E);
+            bind!(mv, mix, f32);
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&yv);
+            b.arg(&mv);
+            b.arg(&mut out);
+            // SAFETY: arguments match the kernel's signature.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(wrap(out, &dev, &[tokens, out_dim]))
+    })
+}

@@ -1,0 +1,104 @@
+// Row reductions: the softmax of attention scores under a causal / sliding mask built from key
+// positions inside the kernel, and the argmax of each row (greedy decoding).
+//
+// SoftmaxParams must match `src/kernels/cuda/reduce.rs` field for field (#[repr(C)]).
+
+#include <stdint.h>
+
+#include "common.cuh"
+#include "norm_tail.cuh"
+
+struct SoftmaxParams {
+    // rows = kv_heads * group * q_len score rows; row r is query (r % q_len) of its head.
+    uint32_t rows, keys, q_len, q_offset;
+    // window 0: causal only. Key positions as in QsdpaParams (mode 0 linear, 1 two runs, 2 table).
+    uint32_t window, pos_mode, pos_base, pos_split;
+    uint32_t pos_base2;
+    float scale;
+};
+
+__device__ __forceinline__ uint32_t softmax_key_pos(const SoftmaxParams& p,
+                                                    const uint32_t* pos, uint32_t j) {
+    if (p.pos_mode == 0) return p.pos_base + j;
+    if (p.pos_mode == 1) return j < p.pos_split ? p.pos_base + j : p.pos_base2 + (j - p.pos_split);
+    return pos[j];
+}
+
+// Softmax over each score row with the causal / sliding mask computed from key positions (no
+// mask tensor), in f32, written in T. One block per row; a row with no visible key gets zeros.
+template <typename T>
+__device__ __forceinline__ void masked_softmax_body(const SoftmaxParams p,
+                                                    const T* __restrict__ scores,
+                                                    const uint32_t* __restrict__ positions,
+                                                    T* __restrict__ out) {
+    __shared__ float red[NORM_THREADS / 32];
+    const size_t row = blockIdx.x;
+    const uint32_t qpos = p.q_offset + (uint32_t)(row % p.q_len);
+    const T* sr = scores + row * p.keys;
+    T* orow = out + row * p.keys;
+    auto visible = [&](uint32_t j) {
+        const uint32_t k = softmax_key_pos(p, positions, j);
+        return k <= qpos && (p.window == 0 || k + p.window > qpos);
+    };
+    float m = -INFINITY;
+    for (uint32_t j = threadIdx.x; j < p.keys; j += NORM_THREADS)
+        if (visible(j)) m = fmaxf(m, to_f(sr[j]) * p.scale);
+    // Block max.
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        __syncthreads();
+        if (lane == 0) red[warp] = m;
+        __syncthreads();
+        m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NORM_THREADS / 32; ++w) m = fmaxf(m, red[w]);
+    }
+    float sum = 0.f;
+    for (uint32_t j = threadIdx.x; j < p.keys; j += NORM_THREADS)
+        if (visible(j)) sum += __expf(to_f(sr[j]) * p.scale - m);
+    sum = block_sum(sum, red);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    for (uint32_t j = threadIdx.x; j < p.keys; j += NORM_THREADS)
+        orow[j] = from_f<T>(visible(j) ? __expf(to_f(sr[j]) * p.scale - m) * inv : 0.f);
+}
+
+// Greedy pick: the index of the largest f32 of each row (ties: the lowest index; NaN never
+// wins). One block of 1024 threads per row.
+extern "C" __global__ void __launch_bounds__(1024)
+    argmax_rows_f32(const float* __restrict__ x, uint32_t cols, uint32_t* __restrict__ out) {
+    pdl_entry();
+    __shared__ float sv[32];
+    __shared__ uint32_t si[32];
+    const float* r = x + (size_t)blockIdx.x * cols;
+    float bv = -INFINITY;
+    uint32_t bi = 0xffffffffu;
+    for (uint32_t j = threadIdx.x; j < cols; j += blockDim.x) argmax_step(bv, bi, r[j], j);
+    warp_argmax(bv, bi);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) {
+        sv[warp] = bv;
+        si[warp] = bi;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int nw = blockDim.x / 32;
+        bv = lane < nw ? sv[lane] : -INFINITY;
+        bi = lane < nw ? si[lane] : 0xffffffffu;
+        warp_argmax(bv, bi);
+        if (lane == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
+    }
+}
+
+#define REDUCE_INST(TN, T)                                                                     \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
+        masked_softmax_##TN(const SoftmaxParams p, const T* scores, const uint32_t* positions, \
+                            T* out) {                                                          \
+        pdl_entry();                                                                           \
+        masked_softmax_body<T>(p, scores, positions, out);                                     \
+    }
+
+REDUCE_INST(f32, float)
+REDUCE_INST(f16, __half)
+REDUCE_INST(bf16, __nv_bfloat16)

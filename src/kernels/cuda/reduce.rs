@@ -1,0 +1,135 @@
+//! Row reductions on CUDA (`reduce.cu`): the masked softmax of attention scores with the mask
+//! built from key positions inside the kernel, and the argmax of each row for greedy decoding.
+
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{DType, Result, Tensor};
+
+use super::device::{bind, by_dtype, check_dtype, cuda_dev, tn, u32_of, wrap};
+use super::kernel_cache::{load_kernel, REDUCE};
+use super::layer_ops::NORM_THREADS;
+use crate::kernels::plan::{PositionCode, QsdpaParams};
+
+/// `struct SoftmaxParams` in `reduce.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct SoftmaxParams {
+    rows: u32,
+    keys: u32,
+    q_len: u32,
+    q_offset: u32,
+    window: u32,
+    pos_mode: u32,
+    pos_base: u32,
+    pos_split: u32,
+    pos_base2: u32,
+    scale: f32,
+}
+
+// SAFETY: `#[repr(C)]` plain integers and a float, read by the kernel with the same layout.
+unsafe impl DeviceRepr for SoftmaxParams {}
+
+/// Softmax over the last axis of attention scores `[.., rows, keys]` (row `r` is query
+/// `r % q_len` of its head, at position `q_offset + r % q_len`) with the causal / sliding mask
+/// built from `positions[j]` inside the kernel: no mask tensor, one pass in, one out, in the
+/// scores' dtype. `scale` multiplies the scores first.
+///
+/// # Errors
+/// Positions beyond `u32`, CUDA errors.
+pub fn masked_softmax(
+    scores: &Tensor,
+    positions: &[usize],
+    q_offset: usize,
+    q_len: usize,
+    window: Option<usize>,
+    scale: f64,
+) -> Result<Tensor> {
+    let dtype = scores.dtype();
+    check_dtype(&[scores], dtype)?;
+    let keys = positions.len();
+    let dims = scores.dims().to_vec();
+    if dims.last() != Some(&keys) || q_len == 0 {
+        candle_core::bail!("masked_softmax: scores {dims:?} for {keys} keys");
+    }
+    let rows = scores.elem_count() / keys.max(1);
+    let code = PositionCode::encode(positions)
+        .ok_or_else(|| candle_core::Error::Msg("key position beyond u32".into()))?;
+    let mut qp = QsdpaParams::default();
+    let table = code.apply(&mut qp).map(<[u32]>::to_vec);
+    let params = SoftmaxParams {
+        rows: u32_of(rows, "rows")?,
+        keys: u32_of(keys, "keys")?,
+        q_len: u32_of(q_len, "q_len")?,
+        q_offset: u32_of(q_offset, "q_offset")?,
+        window: u32_of(window.unwrap_or(0), "window")?,
+        pos_mode: qp.pos_mode,
+        pos_base: qp.pos_base,
+        pos_split: qp.pos_split,
+        pos_base2: qp.pos_base2,
+        scale: scale as f32,
+    };
+    let dev = cuda_dev(scores)?;
+    let scores = scores.contiguous()?;
+    let table = match table {
+        Some(t) => Some(dev.clone_htod(&t)?),
+        None => None,
+    };
+    let func = load_kernel(&dev, &format!("masked_softmax_{}", tn(dtype)?), &REDUCE)?;
+    let cfg = LaunchConfig {
+        grid_dim: (params.rows.max(1), 1, 1),
+        block_dim: (NORM_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    by_dtype!(dtype, E, {
+        // SAFETY: one block per row writes every key of its row.
+        let mut out = unsafe { dev.alloc::<E>((rows * keys).max(1))? };
+        if rows * keys > 0 {
+            bind!(sv, scores, E);
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&sv);
+            match &table {
+                Some(t) => b.arg(t),
+                None => b.arg(&sv),
+            };
+            b.arg(&mut out);
+            // SAFETY: arguments match the kernel's signature; the table, when read, has `keys`
+            // entries.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(wrap(out, &dev, &dims))
+    })
+}
+
+/// Index of the largest value of each row of f32 `[rows, cols]` (ties: lowest index), as u32
+/// `[rows]`: greedy decoding without copying the logits to the host.
+///
+/// # Errors
+/// Non-f32 input, CUDA errors.
+pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
+    let (rows, cols) = x.dims2()?;
+    if x.dtype() != DType::F32 {
+        candle_core::bail!("argmax_rows: f32 expected, found {:?}", x.dtype());
+    }
+    let dev = cuda_dev(x)?;
+    let x = x.contiguous()?;
+    let func = load_kernel(&dev, "argmax_rows_f32", &REDUCE)?;
+    let cfg = LaunchConfig {
+        grid_dim: (u32_of(rows, "rows")?.max(1), 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let cols32 = u32_of(cols, "columns")?;
+    // SAFETY: one block per row writes its index.
+    let mut out = unsafe { dev.alloc::<u32>(rows.max(1))? };
+    if rows > 0 {
+        bind!(xv, x, f32);
+        let mut b = func.builder();
+        b.arg(&xv);
+        b.arg(&cols32);
+        b.arg(&mut out);
+        // SAFETY: arguments match the kernel's signature.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(wrap(out, &dev, &[rows]))
+}
