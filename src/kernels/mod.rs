@@ -94,9 +94,9 @@ pub fn visible(key: usize, query: usize, window: Option<usize>) -> bool {
 /// GQA: query head `h` reads KV head `h / (n_heads / kv_heads)`; K/V are never repeated.
 /// Scores and softmax are f32; the output is `[batch, n_heads, q_len, head_dim]` in `q`'s dtype.
 ///
-/// Packed K/V run the CPU reference kernel on the CPU. On other devices they are dequantized
-/// and sent through the dense path for now (correct, but it materialises the dense K/V; fused
-/// device kernels will replace this).
+/// Packed K/V run the CPU reference kernel on the CPU, the quantized attention kernels on CUDA
+/// (and on Metal when [`policy::LaunchPolicy::metal_kernels`] is on); elsewhere they are
+/// dequantized and sent through the dense path.
 ///
 /// # Errors
 /// [`KernelError::Shape`] when the batch, heads or head dimension of `q` and the view disagree,

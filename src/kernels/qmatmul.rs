@@ -4,8 +4,9 @@
 //!
 //! [`qmatmul`] and [`qembedding`] dispatch on the device: the CPU runs the plain-Rust reference
 //! below (never a dense copy of `W`); CUDA runs a matrix-vector kernel for up to
-//! [`MATVEC_MAX_ROWS`] rows and dequantize-then-GEMM beyond; on Metal the weight is
-//! dequantized per product for now (the `.metal` kernels exist but are not launched yet).
+//! [`MATVEC_MAX_ROWS`] rows and dequantize-then-GEMM beyond; on Metal the Metal kernels run
+//! when [`super::policy::LaunchPolicy::metal_kernels`] is on, else the weight is dequantized
+//! per product.
 //!
 //! Per output element the reference computes, with `x` in f32:
 //! ```text

@@ -3,10 +3,10 @@
 //! The kernels live in `qkernels.metal` (same parameter structs as CUDA, see
 //! [`super::cuda::params`]); `plan` turns a call into the parameters, grids and buffer layout
 //! of their launch, and `launch` (`metal` feature) compiles the source once per device and
-//! dispatches those plans. The launches have not run on a Mac yet, so they are opt-in
-//! ([`super::policy::LaunchPolicy::metal_kernels`], `CANDLE_GEMMA_METAL_KERNELS=1`); otherwise these entry points dequantize on the
-//! device and use candle's dense ops (correct, but a transient dense copy of K/V or of the
-//! weight per call). The kernels and plans themselves are checked on every `cargo test` by
+//! dispatches those plans. The launches have not run on a Mac, so they are opt-in
+//! ([`super::policy::LaunchPolicy::metal_kernels`]); otherwise these entry points dequantize
+//! on the device and use candle's dense ops (correct, but a transient dense copy of K/V or of
+//! the weight per call). The kernels and plans themselves are checked on every `cargo test` by
 //! running them on CPU threads through `shim.h` (`emulated`).
 
 #[cfg(test)]
