@@ -214,7 +214,7 @@ pub(crate) fn attend_packed(
     } else {
         let kd = dequantize_kv(k, q.dtype())?;
         let vd = dequantize_kv(v, q.dtype())?;
-        dense::attend_dense(q, &kd, &vd, &positions.to_vec(), plan)
+        Ok(dense::attend_dense(q, &kd, &vd, &positions.to_vec(), plan)?)
     }
 }
 
@@ -997,7 +997,7 @@ pub(super) fn takes_row_matvec(x_dtype: DType, w: &crate::kernels::qmatmul::Pack
         w.biases.dtype(),
         w.bits.bits(),
         w.group_size,
-        w.in_dim,
+        w.in_dim(),
     ) && row_contiguous_matvec()
 }
 
@@ -1471,13 +1471,12 @@ pub(crate) fn quantize(
         DType::F16 => go!(half::f16),
         _ => go!(half::bf16),
     };
-    Ok(PackedKv {
+    Ok(PackedKv::from_parts(
         codes,
         scales,
         biases,
-        bits,
-        group_size,
-    })
+        crate::kernels::AffineSpec { bits, group_size },
+    ))
 }
 
 /// [`quantize`] of new K and V rows (`k`, `v`: `[1, kv_heads, n, head_dim]`) written straight
