@@ -132,15 +132,15 @@ fn packed(
     group: usize,
     dev: &Device,
 ) -> Result<PackedKv> {
-    Ok(PackedKv {
-        codes: rand_codes((1, kvh, keys, hd * bits / 32), dev)?,
-        scales: Tensor::rand(0.001f32, 0.02, (1, kvh, keys, hd / group), dev)?
-            .to_dtype(DType::BF16)?,
-        biases: Tensor::rand(-0.1f32, 0.0, (1, kvh, keys, hd / group), dev)?
-            .to_dtype(DType::BF16)?,
-        bits: QuantBits::from_bits(bits)?,
-        group_size: group,
-    })
+    Ok(PackedKv::from_parts(
+        rand_codes((1, kvh, keys, hd * bits / 32), dev)?,
+        Tensor::rand(0.001f32, 0.02, (1, kvh, keys, hd / group), dev)?.to_dtype(DType::BF16)?,
+        Tensor::rand(-0.1f32, 0.0, (1, kvh, keys, hd / group), dev)?.to_dtype(DType::BF16)?,
+        candle_gemma::kernels::AffineSpec {
+            bits: QuantBits::from_bits(bits)?,
+            group_size: group,
+        },
+    ))
 }
 
 /// The value after `flag` on the command line, if given.

@@ -18,13 +18,7 @@ use candle_gemma::kv::{
 use std::collections::BTreeMap;
 
 fn to_dev(p: &PackedKv, dev: &Device) -> Result<PackedKv> {
-    Ok(PackedKv {
-        codes: p.codes.to_device(dev)?,
-        scales: p.scales.to_device(dev)?,
-        biases: p.biases.to_device(dev)?,
-        bits: p.bits,
-        group_size: p.group_size,
-    })
+    Ok(p.to_device(dev)?)
 }
 
 fn max_abs(a: &Tensor, b: &Tensor) -> Result<f32> {

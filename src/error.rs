@@ -103,6 +103,9 @@ pub enum Error {
     /// A KV cache misuse or mismatch.
     #[error(transparent)]
     Cache(#[from] crate::kv::CacheError),
+    /// Operands a kernel cannot take (shapes, dtypes or packing that do not fit it).
+    #[error(transparent)]
+    Kernel(crate::kernels::KernelError),
     /// Chat template rendering or output parsing failed.
     #[error(transparent)]
     Chat(#[from] crate::chat::ChatError),
@@ -122,6 +125,22 @@ pub enum Error {
     /// An error raised by candle.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+}
+
+impl From<crate::kernels::KernelError> for Error {
+    /// Packed tensors that do not fit read as [`Error::Quantized`] and candle errors as
+    /// [`Error::Candle`], as from the loader; everything else as [`Error::Kernel`].
+    fn from(e: crate::kernels::KernelError) -> Self {
+        use crate::kernels::KernelError;
+        match e {
+            KernelError::Packed { what, reason } => Error::Quantized {
+                tensor: what.to_string(),
+                reason,
+            },
+            KernelError::Candle(e) => Error::Candle(e),
+            other => Error::Kernel(other),
+        }
+    }
 }
 
 fn layer_suffix(layer: Option<usize>) -> String {

@@ -284,7 +284,7 @@ fn bad_options_are_typed_errors() {
         Err(candle_gemma::Error::Cache(CacheError::BadGroupSize { .. }))
     ));
     assert!(matches!(
-        QuantBits::from_bits(3),
+        QuantBits::from_bits(3).map_err(CacheError::from),
         Err(CacheError::UnsupportedBits { bits: 3 })
     ));
 }

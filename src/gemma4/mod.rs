@@ -58,7 +58,7 @@ impl Linear {
                 Some(y) => Ok(y),
                 None => Ok(l.forward(x)?),
             },
-            Linear::Packed(p) => crate::kernels::qmatmul::qmatmul(x, p),
+            Linear::Packed(p) => Ok(crate::kernels::qmatmul::qmatmul(x, p)?),
         }
     }
 }
@@ -182,7 +182,7 @@ impl Embedding {
     pub fn lookup(&self, ids: &Tensor, dtype: DType) -> crate::Result<Tensor> {
         match self {
             Embedding::Dense(t) => Ok(t.index_select(ids, 0)?),
-            Embedding::Packed(p) => crate::kernels::qmatmul::qembedding(ids, p, dtype),
+            Embedding::Packed(p) => Ok(crate::kernels::qmatmul::qembedding(ids, p, dtype)?),
         }
     }
 
@@ -195,7 +195,9 @@ impl Embedding {
     pub(crate) fn lookup_checked_ids(&self, ids: &Tensor, dtype: DType) -> crate::Result<Tensor> {
         match self {
             Embedding::Dense(t) => Ok(t.index_select(ids, 0)?),
-            Embedding::Packed(p) => crate::kernels::qmatmul::qembedding_checked_ids(ids, p, dtype),
+            Embedding::Packed(p) => Ok(crate::kernels::qmatmul::qembedding_checked_ids(
+                ids, p, dtype,
+            )?),
         }
     }
 
@@ -209,7 +211,7 @@ impl Embedding {
                 Some(y) => Ok(y),
                 None => Ok(x.broadcast_matmul(&t.t()?)?),
             },
-            Embedding::Packed(p) => crate::kernels::qmatmul::qmatmul(x, p),
+            Embedding::Packed(p) => Ok(crate::kernels::qmatmul::qmatmul(x, p)?),
         }
     }
 }

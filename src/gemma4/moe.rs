@@ -98,8 +98,8 @@ impl ExpertMatrices {
         match self {
             ExpertMatrices::Dense(t) => Ok(x.matmul(&t.get(e)?.t()?)?),
             ExpertMatrices::Packed { weight, experts } => {
-                let out = weight.out_dim / experts;
-                qmatmul(x, &weight.narrow_rows(e * out, out)?)
+                let out = weight.out_dim() / experts;
+                Ok(qmatmul(x, &weight.narrow_rows(e * out, out)?)?)
             }
         }
     }

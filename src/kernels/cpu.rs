@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Storage, Tensor};
 
 use super::quant::code_at;
 use super::{visible, QueryPlan};
-use crate::kv::{CacheError, PackedKv};
+use crate::kernels::{KernelError, PackedAffine};
 
 /// Packed codes of one K or V, read in place from CPU storage when possible.
 struct Codes {
@@ -31,7 +31,7 @@ struct Codes {
 }
 
 impl Codes {
-    fn read(codes: &Tensor) -> Result<Self, CacheError> {
+    fn read(codes: &Tensor) -> Result<Self, KernelError> {
         let (_, _, keys, row_words) = codes.dims4()?;
         // A narrowed ring view is strided along heads; gather it into one row-major buffer of
         // packed words (the packed size, not a dense copy).
@@ -72,7 +72,7 @@ impl Codes {
 }
 
 /// Scales or biases as f32, row-major `[kv_heads, keys, groups]` (one value per group: small).
-fn groups_f32(t: &Tensor) -> Result<Vec<f32>, CacheError> {
+fn groups_f32(t: &Tensor) -> Result<Vec<f32>, KernelError> {
     Ok(t.to_device(&Device::Cpu)?
         .to_dtype(DType::F32)?
         .flatten_all()?
@@ -94,7 +94,7 @@ struct Side {
 }
 
 impl Side {
-    fn read(p: &PackedKv, head_dim: usize) -> Result<Self, CacheError> {
+    fn read(p: &PackedAffine, head_dim: usize) -> Result<Self, KernelError> {
         Ok(Self {
             codes: Codes::read(&p.codes)?,
             scales: groups_f32(&p.scales)?,
@@ -126,11 +126,11 @@ struct Inputs<'a> {
 /// `q`'s dtype on `q`'s device. Query heads are spread over the available cores.
 pub(crate) fn attend_packed(
     q: &Tensor,
-    k: &PackedKv,
-    v: &PackedKv,
+    k: &PackedAffine,
+    v: &PackedAffine,
     positions: &[usize],
     plan: &QueryPlan,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let (_, n_heads, q_len, head_dim) = q.dims4()?;
     let (_, kv_heads, keys, _) = k.codes.dims4()?;
     let group = n_heads / kv_heads;

@@ -4,7 +4,7 @@
 use candle_core::{DType, Tensor};
 
 use super::{visible, QueryPlan};
-use crate::kv::CacheError;
+use crate::kernels::KernelError;
 
 /// Dense attention for one sequence.
 ///
@@ -17,7 +17,7 @@ pub(crate) fn attend_dense(
     v: &Tensor,
     positions: &[usize],
     plan: &QueryPlan,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let (_, n_heads, q_len, head_dim) = q.dims4()?;
     let (_, kv_heads, keys, _) = k.dims4()?;
     let group = n_heads / kv_heads;
@@ -45,7 +45,7 @@ fn fused_softmax(
     positions: &[usize],
     plan: &QueryPlan,
     q_len: usize,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     Ok(crate::kernels::cuda::fused::masked_softmax(
         scores,
         positions,
@@ -62,7 +62,7 @@ fn fused_softmax(
     positions: &[usize],
     plan: &QueryPlan,
     q_len: usize,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let (kvh, rows, keys) = scores.dims3()?;
     softmax(
         scores.clone(),
@@ -78,7 +78,7 @@ fn softmax(
     positions: &[usize],
     plan: &QueryPlan,
     (kv_heads, group, q_len, keys): (usize, usize, usize, usize),
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let scores = scores.to_dtype(DType::F32)?;
     let scores = if plan.scale == 1.0 {
         scores
@@ -162,7 +162,7 @@ fn mask<'a>(
     positions: &'a [usize],
     plan: &QueryPlan,
     q_len: usize,
-) -> Result<Option<HostMask<'a>>, CacheError> {
+) -> Result<Option<HostMask<'a>>, KernelError> {
     let first_q = plan.q_offset;
     let last_q = plan.q_offset.saturating_add(q_len.saturating_sub(1));
     let all_visible = positions

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::kv::PackedKv;
+use crate::kernels::PackedAffine;
 
 /// `t` `[.., heads, keys, last]` with its last dimension contiguous (copied when strided), and
 /// its head and key strides (dims 1 and 2) in elements. The layout's start offset is kept.
@@ -20,7 +20,7 @@ pub(crate) fn last_dim_contiguous(t: &Tensor) -> candle_core::Result<(Tensor, u6
 /// The scales and biases of packed K or V in `dtype`, with the one (head, key) stride pair the
 /// kernels read both with: both made contiguous when their layouts differ.
 pub(crate) fn scales_and_biases(
-    p: &PackedKv,
+    p: &PackedAffine,
     dtype: DType,
 ) -> candle_core::Result<(Tensor, Tensor, u64, u64)> {
     let cast = |t: &Tensor| {

@@ -1,37 +1,55 @@
-//! Attention kernels over cache views, and the affine K/V quantization they read.
+//! The kernels: their operand types, their error type, and one backend-neutral entry point per
+//! operation.
 //!
-//! [`attend`] is the one entry point: it matches on the [`KvView`] a cache update returned, so
-//! dense K/V go to the matmul path (`dense`, any device) and packed K/V to the quantized
-//! kernel ([`cpu`], the plain-Rust reference). Masks come from key positions, so a ring buffer's
-//! unsorted storage and a batch's per-sequence offsets need no special casing.
+//! Operands: [`QuantBits`] and [`AffineSpec`] (how a tensor is packed), [`PackedAffine`] (one
+//! MLX affine-packed tensor, weight or K/V), [`KeyPositions`] (the absolute position of every
+//! key) and [`KvView`]/[`KvData`] (the attention operand, dense or packed). Errors are
+//! [`KernelError`]s. This module imports nothing from the layers above it (caches, model,
+//! generation, weight loading); they build these operands and convert the errors.
+//!
+//! [`attend`] matches on the [`KvView`] a cache update returned, so dense K/V go to the matmul
+//! path (`dense`, any device) and packed K/V to the quantized kernel ([`cpu`], the plain-Rust
+//! reference; the CUDA and Metal kernels on their devices). Masks come from key positions, so
+//! a ring buffer's unsorted storage and a batch's per-sequence offsets need no special casing.
+//! [`qmatmul`] holds the packed matrix products, [`quantize`]/[`dequantize`] the affine
+//! packing, `kv_write` the in-place K/V writes of the caches.
 
 pub mod cpu;
 pub mod cuda;
 mod dense;
+mod error;
+pub(crate) mod kv_write;
 mod layout;
 pub mod metal;
+mod operand;
 pub mod plan;
 pub mod policy;
+mod positions;
 pub mod qmatmul;
 mod quant;
+#[cfg(test)]
+pub(crate) mod testutil;
 
-pub use quant::{check_group_size, dequantize, quantize, GROUP_SIZES};
-pub(crate) use quant::{quantize_kv_into, quantize_kv_into_batch};
+pub use error::KernelError;
+pub(crate) use kv_write::{quantize_kv_into, quantize_kv_into_batch};
+pub use operand::{
+    check_group_size, AffineSpec, KvData, KvView, PackedAffine, QuantBits, GROUP_SIZES,
+};
+pub use positions::{KeyPositions, PositionRun};
+pub(crate) use quant::dequantize_rows;
+pub use quant::{dequantize, quantize};
+
+/// [`PackedAffine`] under the name the CUDA launchers use for packed K/V.
+pub type PackedKv = PackedAffine;
 
 use candle_core::{Device, Tensor};
 
-use crate::kv::{CacheError, KeyPositions, KvData, KvView};
-
 /// Whether the fused CUDA kernels (`cuda` feature, tensors on a CUDA device) run instead of the
-/// candle op chains they replace. `CANDLE_GEMMA_UNFUSED=1` switches them off, to measure what
-/// the fusion buys or to rule it out when debugging. The first call on CUDA also lets the
-/// device's memory pool keep freed blocks (every forward reallocates the same sizes).
+/// candle op chains they replace ([`policy::LaunchPolicy::fused`]). The first call on CUDA
+/// also lets the device's memory pool keep freed blocks (every forward reallocates the same
+/// sizes).
 pub(crate) fn fused_enabled(device: &Device) -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let off = *OFF.get_or_init(|| {
-        std::env::var("CANDLE_GEMMA_UNFUSED").is_ok_and(|v| !v.is_empty() && v != "0")
-    });
-    let on = cfg!(feature = "cuda") && device.is_cuda() && !off;
+    let on = cfg!(feature = "cuda") && device.is_cuda() && policy::current().fused;
     #[cfg(feature = "cuda")]
     if on {
         static POOL: std::sync::OnceLock<()> = std::sync::OnceLock::new();
@@ -77,12 +95,12 @@ pub fn visible(key: usize, query: usize, window: Option<usize>) -> bool {
 /// GQA: query head `h` reads KV head `h / (n_heads / kv_heads)`; K/V are never repeated.
 /// Scores and softmax are f32; the output is `[batch, n_heads, q_len, head_dim]` in `q`'s dtype.
 ///
-/// Packed K/V run the CPU reference kernel on the CPU. On other devices they are dequantized
-/// and sent through the dense path for now (correct, but it materialises the dense K/V; fused
-/// device kernels will replace this).
+/// Packed K/V run the CPU reference kernel on the CPU, the quantized attention kernels on CUDA
+/// (and on Metal when [`policy::LaunchPolicy::metal_kernels`] is on); elsewhere they are
+/// dequantized and sent through the dense path.
 ///
 /// # Errors
-/// [`CacheError::Shape`] when the batch, heads or head dimension of `q` and the view disagree,
+/// [`KernelError::Shape`] when the batch, heads or head dimension of `q` and the view disagree,
 /// or `q_offsets` has the wrong length; candle errors.
 pub fn attend(
     q: &Tensor,
@@ -90,10 +108,10 @@ pub fn attend(
     q_offsets: &[usize],
     window: Option<usize>,
     scale: f64,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let (batch, _, _, _) = q.dims4()?;
     if q_offsets.len() != batch {
-        return Err(CacheError::Shape {
+        return Err(KernelError::Shape {
             what: "q_offsets",
             expected: format!("one offset per sequence ({batch})"),
             found: vec![q_offsets.len()],
@@ -110,9 +128,9 @@ pub fn attend(
                     window,
                     scale,
                 };
-                cuda::batched::attend_recorded(q, view, &plan)
+                Ok(cuda::batched::attend_recorded(q, view, &plan)?)
             }
-            _ => Err(CacheError::BatchSize {
+            _ => Err(KernelError::BatchSize {
                 expected: 1,
                 found: batch,
             }),
@@ -121,7 +139,7 @@ pub fn attend(
     match view {
         KvView::Single { data, positions } => {
             if batch != 1 {
-                return Err(CacheError::BatchSize {
+                return Err(KernelError::BatchSize {
                     expected: 1,
                     found: batch,
                 });
@@ -135,7 +153,7 @@ pub fn attend(
         }
         KvView::Batch(views) => {
             if views.len() != batch {
-                return Err(CacheError::BatchSize {
+                return Err(KernelError::BatchSize {
                     expected: views.len(),
                     found: batch,
                 });
@@ -163,7 +181,7 @@ fn attend_one(
     data: &KvData,
     positions: &KeyPositions,
     plan: &QueryPlan,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let (_, n_heads, _, head_dim) = q.dims4()?;
     check_view(n_heads, head_dim, data, positions)?;
     match data {
@@ -175,16 +193,21 @@ fn attend_one(
                 && v.dtype() == q.dtype()
                 && cuda::params::QSDPA_HEAD_DIMS.contains(&head_dim)
             {
-                return cuda::launch::attend_dense_fused(q, k, v, positions, plan);
+                return Ok(cuda::launch::attend_dense_fused(q, k, v, positions, plan)?);
             }
             dense::attend_dense(q, k, v, &positions.to_vec(), plan)
         }
         KvData::Packed { k, v } => match q.device() {
             Device::Cpu => cpu::attend_packed(q, k, v, &positions.to_vec(), plan),
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => {
-                cuda::launch::attend_packed(q, k, v, positions, plan, cuda::QsdpaPath::Auto)
-            }
+            Device::Cuda(_) => Ok(cuda::launch::attend_packed(
+                q,
+                k,
+                v,
+                positions,
+                plan,
+                cuda::QsdpaPath::Auto,
+            )?),
             #[cfg(feature = "metal")]
             Device::Metal(_) => metal::attend_packed(q, k, v, positions, plan),
             _ => {
@@ -203,19 +226,10 @@ pub(crate) fn check_view(
     head_dim: usize,
     data: &KvData,
     positions: &KeyPositions,
-) -> Result<(), CacheError> {
+) -> Result<(), KernelError> {
     let (k_dims, v_dims) = match data {
         KvData::Dense { k, v } => (k.dims().to_vec(), v.dims().to_vec()),
-        KvData::Packed { k, v } => {
-            let hd = |p: &crate::kv::PackedKv| {
-                let mut d = p.codes.dims().to_vec();
-                if let Some(last) = d.last_mut() {
-                    *last = *last * 32 / p.bits.bits();
-                }
-                d
-            };
-            (hd(k), hd(v))
-        }
+        KvData::Packed { k, v } => (k.dims(), v.dims()),
     };
     let ok = k_dims.len() == 4
         && k_dims == v_dims
@@ -225,7 +239,7 @@ pub(crate) fn check_view(
         && k_dims[2] == positions.len()
         && k_dims[3] == head_dim;
     if !ok {
-        return Err(CacheError::Shape {
+        return Err(KernelError::Shape {
             what: "view K/V",
             expected: format!(
                 "[1, kv_heads dividing {n_heads}, {} keys, {head_dim}] for K and V",
@@ -237,14 +251,14 @@ pub(crate) fn check_view(
     if let KvData::Packed { k, v } = data {
         for p in [k, v] {
             if p.group_size == 0 || head_dim % p.group_size != 0 {
-                return Err(CacheError::BadGroupSize {
+                return Err(KernelError::BadGroupSize {
                     group_size: p.group_size,
-                    head_dim,
+                    dim: head_dim,
                 });
             }
             let groups = [1, k_dims[1], k_dims[2], head_dim / p.group_size];
             if p.scales.dims() != groups || p.biases.dims() != groups {
-                return Err(CacheError::Shape {
+                return Err(KernelError::Shape {
                     what: "packed scales/biases",
                     expected: format!("{groups:?}"),
                     found: p.scales.dims().to_vec(),

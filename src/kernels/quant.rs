@@ -1,33 +1,18 @@
-//! MLX's group-wise affine quantization of K/V rows: `x ≈ scale * code + bias` per group of
-//! `group_size` elements along the last axis, codes packed little-endian into `u32` words.
+//! MLX's group-wise affine quantization: `x ≈ scale * code + bias` per group of `group_size`
+//! elements along the last axis, codes packed little-endian into `u32` words. [`quantize`]
+//! packs a tensor; [`dequantize`], [`PackedAffine::dequantize`] and the weight loader all
+//! unpack through [`dequantize_rows`].
 //!
 //! The arithmetic mirrors MLX 0.32's CPU `quantize` exactly (f32 throughout, the group's
 //! larger-magnitude end snapped onto a code, round half to even), so codes written here equal
 //! `mx.quantize`'s for the same input and the packed tensors can be exchanged with mlx-lm.
-//! Quantization runs on the host: the input is copied to the CPU and the packed result copied
-//! back to its device (one K/V step is small; a device kernel can replace this later).
+//! Off CUDA, quantization runs on the host: the input is copied to the CPU and the packed
+//! result copied back to its device.
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::kv::{CacheError, PackedKv, QuantBits};
-
-/// Group sizes MLX supports for affine quantization.
-pub const GROUP_SIZES: [usize; 3] = [32, 64, 128];
-
-/// Checks that `group_size` is one of [`GROUP_SIZES`] and divides `head_dim`.
-///
-/// # Errors
-/// [`CacheError::BadGroupSize`] otherwise.
-pub fn check_group_size(group_size: usize, head_dim: usize) -> Result<(), CacheError> {
-    if GROUP_SIZES.contains(&group_size) && head_dim % group_size == 0 && head_dim > 0 {
-        Ok(())
-    } else {
-        Err(CacheError::BadGroupSize {
-            group_size,
-            head_dim,
-        })
-    }
-}
+use super::operand::check_group_size;
+use super::{AffineSpec, KernelError, PackedAffine, QuantBits};
 
 /// Scale and bias of one group, as MLX computes them (in f32, before rounding to the storage
 /// dtype). Codes are chosen with these f32 values; the stored scale/bias are then rounded.
@@ -95,69 +80,25 @@ pub(crate) fn code_at(words: &[u32], e: usize, bits: usize) -> u32 {
     (words[e / per_word] >> ((e % per_word) * bits)) & mask
 }
 
-/// Quantizes new K and V rows (`[1, kv_heads, n, head_dim]`, as [`quantize`] would) straight
-/// into a packed cache's reserved slots `dst` (codes, scales, biases of K, then of V), in one
-/// CUDA launch. Returns `Ok(false)`, writing nothing, off CUDA or when `dst` is not laid out as
-/// the kernel writes it; the caller then quantizes and copies.
-///
-/// # Errors
-/// Candle/CUDA errors.
-pub(crate) fn quantize_kv_into(
-    k: &Tensor,
-    v: &Tensor,
-    bits: QuantBits,
-    group_size: usize,
-    dst: &[Tensor],
-) -> Result<bool, CacheError> {
-    #[cfg(feature = "cuda")]
-    if k.device().is_cuda() {
-        return Ok(super::cuda::launch::quantize_kv_into(
-            k, v, bits, group_size, dst,
-        )?);
-    }
-    let _ = (k, v, bits, group_size, dst);
-    Ok(false)
-}
-
-/// [`quantize_kv_into`] for a batch: sequence `b` of `k`, `v` (`[batch, kv_heads, n,
-/// head_dim]`) into `dst[b]`, each sequence's own slots, in one CUDA launch for up to 16
-/// sequences. Returns `Ok(false)`, writing nothing, off CUDA or when any sequence's slots are
-/// not laid out as the kernel writes them.
-///
-/// # Errors
-/// Candle/CUDA errors.
-pub(crate) fn quantize_kv_into_batch(
-    k: &Tensor,
-    v: &Tensor,
-    bits: QuantBits,
-    group_size: usize,
-    dst: &[Vec<Tensor>],
-) -> Result<bool, CacheError> {
-    #[cfg(feature = "cuda")]
-    if k.device().is_cuda() {
-        return Ok(super::cuda::launch::quantize_kv_into_batch(
-            k, v, bits, group_size, dst,
-        )?);
-    }
-    let _ = (k, v, bits, group_size, dst);
-    Ok(false)
-}
-
 /// Quantizes `x` (`[..., dim]`, a float dtype) group-wise along its last axis.
 ///
 /// Returns codes `[..., dim * bits / 32]` (`u32`) and scales/biases `[..., dim / group_size]` in
 /// `x`'s dtype, on `x`'s device.
 ///
 /// # Errors
-/// [`CacheError::BadGroupSize`] when `group_size` is not 32, 64 or 128 or does not divide the
-/// last dimension; [`CacheError::DType`] for a non-float input; candle errors.
-pub fn quantize(x: &Tensor, bits: QuantBits, group_size: usize) -> Result<PackedKv, CacheError> {
+/// [`KernelError::BadGroupSize`] when `group_size` is not 32, 64 or 128 or does not divide the
+/// last dimension; [`KernelError::DType`] for a non-float input; candle errors.
+pub fn quantize(
+    x: &Tensor,
+    bits: QuantBits,
+    group_size: usize,
+) -> Result<PackedAffine, KernelError> {
     let dims = x.dims().to_vec();
     let dim = dims.last().copied().unwrap_or(0);
     check_group_size(group_size, dim)?;
     let dtype = x.dtype();
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return Err(CacheError::DType {
+        return Err(KernelError::DType {
             what: "tensor to quantize",
             expected: DType::BF16,
             found: dtype,
@@ -167,11 +108,7 @@ pub fn quantize(x: &Tensor, bits: QuantBits, group_size: usize) -> Result<Packed
     if x.device().is_cuda() {
         return Ok(super::cuda::launch::quantize(x, bits, group_size)?);
     }
-    let host: Vec<f32> = x
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1()?;
+    let host = host_f32(x)?;
     let (codes, scales, biases) = quantize_rows(&host, dim, bits, group_size);
     let lead = &dims[..dims.len() - 1];
     let shape_with = |last: usize| {
@@ -189,21 +126,65 @@ pub fn quantize(x: &Tensor, bits: QuantBits, group_size: usize) -> Result<Packed
     let biases = Tensor::from_vec(biases, shape_with(n_groups), &Device::Cpu)?
         .to_dtype(dtype)?
         .to_device(device)?;
-    Ok(PackedKv {
+    Ok(PackedAffine::from_parts(
         codes,
         scales,
         biases,
-        bits,
-        group_size,
-    })
+        AffineSpec { bits, group_size },
+    ))
 }
 
-/// Dequantizes a packed tensor: `[..., dim]` in the scales' dtype, on their device, computing
-/// `scale * code + bias` in f32 and rounding once.
+/// `t` copied to the host as f32, flattened.
+fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1()
+}
+
+/// MLX affine dequantization on the host, the one implementation in the crate: rows `rows` of
+/// packed `codes` (row-major `[n, dim * bits / 32]` words) with `scales`, `biases` (row-major
+/// `[n, dim / group_size]`, f32) → row-major `[rows.len(), dim]` f32, each element
+/// `scale * code + bias` computed in f32. Any width from 2 to 8 bits: a code may straddle two
+/// words (3, 5 and 6 bits).
+///
+/// The caller checks the shapes: a row past `n` panics.
+pub(crate) fn dequantize_rows(
+    codes: &[u32],
+    scales: &[f32],
+    biases: &[f32],
+    dim: usize,
+    bits: usize,
+    group_size: usize,
+    rows: impl IntoIterator<Item = usize>,
+) -> Vec<f32> {
+    let words = dim * bits / 32;
+    let groups = dim / group_size;
+    let mask = (1u64 << bits) - 1;
+    let rows = rows.into_iter();
+    let mut out = Vec::with_capacity(rows.size_hint().0 * dim); // [rows, dim]
+    for r in rows {
+        let row = &codes[r * words..(r + 1) * words];
+        for e in 0..dim {
+            let bit = e * bits;
+            let (word, shift) = (bit / 32, bit % 32);
+            let lo = u64::from(row[word]);
+            let hi = u64::from(row.get(word + 1).copied().unwrap_or(0));
+            let q = (((hi << 32) | lo) >> shift) & mask;
+            let g = r * groups + e / group_size;
+            out.push(scales[g] * q as f32 + biases[g]);
+        }
+    }
+    out
+}
+
+/// [`dequantize_rows`] of a packed tensor's rows `rows` (every axis but the last flattened),
+/// read from its device: row-major `[rows.len(), p.in_dim()]` f32 on the host.
 ///
 /// # Errors
-/// [`CacheError::Shape`] when codes, scales and biases disagree; candle errors.
-pub fn dequantize(p: &PackedKv) -> Result<Tensor, CacheError> {
+/// [`KernelError::Shape`] when codes, scales and biases disagree, or a row is out of range;
+/// candle errors.
+pub(crate) fn dequantize_host(p: &PackedAffine, rows: &[usize]) -> Result<Vec<f32>, KernelError> {
     let b = p.bits.bits();
     let cdims = p.codes.dims().to_vec();
     let words = cdims.last().copied().unwrap_or(0);
@@ -218,42 +199,76 @@ pub fn dequantize(p: &PackedKv) -> Result<Tensor, CacheError> {
         || p.scales.dims() != sdims
         || p.biases.dims() != sdims
     {
-        return Err(CacheError::Shape {
+        return Err(KernelError::Shape {
             what: "packed scales/biases",
             expected: format!("{sdims:?} (codes {cdims:?}, group {})", p.group_size),
             found: p.scales.dims().to_vec(),
         });
     }
+    let n = p.out_dim();
+    if let Some(&bad) = rows.iter().find(|&&r| r >= n) {
+        return Err(KernelError::Shape {
+            what: "dequantized rows",
+            expected: format!("rows below {n}"),
+            found: vec![bad],
+        });
+    }
     let codes: Vec<u32> = p.codes.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?;
-    let scales: Vec<f32> = p
-        .scales
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1()?;
-    let biases: Vec<f32> = p
-        .biases
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1()?;
-    let rows = codes.len().checked_div(words).unwrap_or(0);
-    let mut out = Vec::with_capacity(rows * dim); // [rows, dim]
-    for r in 0..rows {
-        let row = &codes[r * words..(r + 1) * words];
-        for e in 0..dim {
-            let g = r * n_groups + e / p.group_size;
-            out.push(scales[g] * code_at(row, e, b) as f32 + biases[g]);
-        }
-    }
-    let mut odims = cdims;
-    if let Some(last) = odims.last_mut() {
-        *last = dim;
-    }
-    let t = Tensor::from_vec(out, odims, &Device::Cpu)?
+    let (scales, biases) = (host_f32(&p.scales)?, host_f32(&p.biases)?);
+    Ok(dequantize_rows(
+        &codes,
+        &scales,
+        &biases,
+        dim,
+        b,
+        p.group_size,
+        rows.iter().copied(),
+    ))
+}
+
+/// Dequantizes a packed tensor: `[..., dim]` in the scales' dtype, on their device, computing
+/// `scale * code + bias` in f32 and rounding once.
+///
+/// # Errors
+/// [`KernelError::Shape`] when codes, scales and biases disagree; candle errors.
+pub fn dequantize(p: &PackedAffine) -> Result<Tensor, KernelError> {
+    let rows: Vec<usize> = (0..p.out_dim()).collect();
+    let out = dequantize_host(p, &rows)?;
+    let t = Tensor::from_vec(out, p.dims(), &Device::Cpu)?
         .to_dtype(p.scales.dtype())?
         .to_device(p.scales.device())?;
     Ok(t)
+}
+
+impl PackedAffine {
+    /// The dense matrix `[out_dim, in_dim]` in `dtype`, on the codes' device (the dequantize
+    /// kernel on CUDA, [`dequantize_rows`] elsewhere).
+    ///
+    /// # Errors
+    /// [`KernelError::Shape`] when codes, scales and biases disagree; candle errors.
+    pub fn dequantize(&self, dtype: DType) -> Result<Tensor, KernelError> {
+        match self.codes.device() {
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => Ok(super::cuda::launch::dequant_rows(
+                &self.codes,
+                &self.scales,
+                &self.biases,
+                self.bits.bits(),
+                self.group_size,
+                None,
+                dtype,
+            )?),
+            _ => {
+                let rows: Vec<usize> = (0..self.out_dim()).collect();
+                let dense = dequantize_host(self, &rows)?;
+                Ok(
+                    Tensor::from_vec(dense, (self.out_dim(), self.in_dim()), &Device::Cpu)?
+                        .to_dtype(dtype)?
+                        .to_device(self.codes.device())?,
+                )
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -453,14 +468,14 @@ mod tests {
         let t = Tensor::zeros((1, 96), DType::F32, &Device::Cpu).unwrap();
         assert!(matches!(
             quantize(&t, QuantBits::Four, 64),
-            Err(CacheError::BadGroupSize {
+            Err(KernelError::BadGroupSize {
                 group_size: 64,
-                head_dim: 96
+                dim: 96
             })
         ));
         assert!(matches!(
             quantize(&t, QuantBits::Four, 48),
-            Err(CacheError::BadGroupSize { .. })
+            Err(KernelError::BadGroupSize { .. })
         ));
     }
 }

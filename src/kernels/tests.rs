@@ -3,8 +3,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::testutil::max_abs_diff;
 use super::*;
-use crate::kv::QuantBits;
 
 pub(crate) fn lcg_vec(seed: u64, n: usize) -> Vec<f32> {
     let mut s = seed.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -75,14 +75,6 @@ fn naive(
         }
     }
     out
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 fn dense_view(k: &Tensor, v: &Tensor, positions: Vec<usize>) -> KvView {
@@ -253,7 +245,7 @@ fn batch_view_runs_per_sequence() {
     assert_eq!(flat(&got), [flat(&a), flat(&b)].concat());
     assert!(matches!(
         attend(&q, &view, &[2], None, 1.0),
-        Err(CacheError::Shape { .. })
+        Err(KernelError::Shape { .. })
     ));
 }
 

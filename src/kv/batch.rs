@@ -2,23 +2,9 @@
 
 use candle_core::Tensor;
 
-use super::quantized::quantizes_in_place;
 use super::{CacheError, KvCache, KvView, LayerCache};
+use crate::kernels::kv_write::{scatter_kv_batch, writes_in_place};
 use crate::kernels::quantize_kv_into_batch;
-
-/// [`crate::kernels::cuda::fused::kv_scatter_batch`] on CUDA; `Ok(false)` without the `cuda`
-/// feature.
-fn scatter_kv_batch(k: &Tensor, v: &Tensor, dst: &[(Tensor, Tensor)]) -> Result<bool, CacheError> {
-    #[cfg(feature = "cuda")]
-    {
-        Ok(crate::kernels::cuda::fused::kv_scatter_batch(k, v, dst)?)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (k, v, dst);
-        Ok(false)
-    }
-}
 
 /// The caches of a batch of sequences, one single-sequence [`LayerCache`] each.
 ///
@@ -144,9 +130,9 @@ impl BatchCache {
         }
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// The sequences' caches, mutably (crate only: their count must not change behind the
     /// batch's back).
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub(crate) fn sequences_mut(&mut self) -> &mut [LayerCache] {
         &mut self.seqs
     }
@@ -165,13 +151,6 @@ impl BatchCache {
     }
 }
 
-/// Whether a batch of several sequences writes its new K/V with one launch where it can;
-/// `CANDLE_GEMMA_BATCH_KV_LAUNCH=0` writes sequence by sequence (A/B).
-fn batch_launch() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_BATCH_KV_LAUNCH").is_ok_and(|v| v == "0"))
-}
-
 impl BatchCache {
     /// Several sequences on CUDA, all dense (simple or rotating) or all packed quantized:
     /// every sequence's new K/V written into its own next slots by one launch (up to 16
@@ -179,18 +158,18 @@ impl BatchCache {
     /// of one or two launches per sequence. `None`, having changed nothing, where that does not
     /// apply (fewer than two sequences, mixed kinds or quantizations, a sequence not packed yet,
     /// a ring write that wraps or overwrites a needed key, off CUDA); the caller then updates
-    /// sequence by sequence. `CANDLE_GEMMA_BATCH_KV_LAUNCH=0` turns it off (A/B).
+    /// sequence by sequence.
     fn update_together(
         &mut self,
         k: &Tensor,
         v: &Tensor,
     ) -> Result<Option<Vec<KvView>>, CacheError> {
-        if !batch_launch() || self.seqs.len() < 2 || !k.device().is_cuda() {
+        if self.seqs.len() < 2 || !writes_in_place(k.device()) {
             return Ok(None);
         }
         let (n, device) = (k.dim(2)?, k.device());
         let written = match self.seqs.first() {
-            Some(LayerCache::Quantized(c)) if quantizes_in_place() => {
+            Some(LayerCache::Quantized(c)) => {
                 let quant = *c.quant();
                 match self.reserve_each(|c| c.reserve_packed_slots(n, device))? {
                     Some(slots) => {

@@ -178,14 +178,14 @@ impl GrowBuf {
         self.len -= n.min(self.len);
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// The counter a commit advances (see [`crate::kv::CacheMark`]).
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub fn mark(&self) -> usize {
         self.len
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// Sets the counter back to `len` (storage untouched).
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub fn restore(&mut self, len: usize) {
         self.len = len.min(self.cap);
     }
@@ -434,14 +434,14 @@ impl RingBuf {
         self.first = self.first.min(self.offset);
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// The counters a commit advances: `(first, offset)` (see [`crate::kv::CacheMark`]).
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub fn mark(&self) -> (usize, usize) {
         (self.first, self.offset)
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// Sets the counters back (storage untouched).
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub fn restore(&mut self, (first, offset): (usize, usize)) {
         self.first = first;
         self.offset = offset;

@@ -4,6 +4,7 @@
 use candle_core::{DType, Device};
 
 use super::{CacheError, LayerCache, QuantBits, QuantizedCache, RotatingCache, SimpleCache};
+use crate::kernels::AffineSpec;
 
 /// Affine K/V quantization parameters (MLX's format).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,6 +17,16 @@ pub struct QuantSpec {
     /// Tokens kept dense before the cache converts to packed form (0: packed from the first
     /// token). mlx-lm's `quantized_kv_start`.
     pub start: usize,
+}
+
+impl QuantSpec {
+    /// The packing the kernels see: bits and group size.
+    pub fn affine(&self) -> AffineSpec {
+        AffineSpec {
+            bits: self.bits,
+            group_size: self.group_size,
+        }
+    }
 }
 
 impl Default for QuantSpec {

@@ -3,6 +3,8 @@
 
 use std::path::PathBuf;
 
+use crate::kernels::KernelError;
+
 /// A KV cache misuse or mismatch, returned instead of a panic.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -127,4 +129,86 @@ pub enum CacheError {
     /// An error raised by candle.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+}
+
+impl From<KernelError> for CacheError {
+    /// Keeps the variant where the cache has the same one (a bad group size reads as the cache
+    /// configuration error it is); a kernel-only failure becomes [`CacheError::Config`].
+    fn from(e: KernelError) -> Self {
+        match e {
+            KernelError::UnsupportedBits { bits } => CacheError::UnsupportedBits { bits },
+            KernelError::BadGroupSize { group_size, dim } => CacheError::BadGroupSize {
+                group_size,
+                head_dim: dim,
+            },
+            KernelError::Shape {
+                what,
+                expected,
+                found,
+            } => CacheError::Shape {
+                what,
+                expected,
+                found,
+            },
+            KernelError::DType {
+                what,
+                expected,
+                found,
+            } => CacheError::DType {
+                what,
+                expected,
+                found,
+            },
+            KernelError::BatchSize { expected, found } => CacheError::BatchSize { expected, found },
+            KernelError::Config { field, reason } => CacheError::Config { field, reason },
+            KernelError::Candle(e) => CacheError::Candle(e),
+            other => CacheError::Config {
+                field: "kernel operand",
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
+/// Transitional: the CUDA launchers still return [`CacheError`]; this lets the kernels' entry
+/// points pass their errors on as [`KernelError`]s. Variants without a kernel counterpart
+/// become [`KernelError::Config`].
+impl From<CacheError> for KernelError {
+    fn from(e: CacheError) -> Self {
+        match e {
+            CacheError::UnsupportedBits { bits } => KernelError::UnsupportedBits { bits },
+            CacheError::BadGroupSize {
+                group_size,
+                head_dim,
+            } => KernelError::BadGroupSize {
+                group_size,
+                dim: head_dim,
+            },
+            CacheError::Shape {
+                what,
+                expected,
+                found,
+            } => KernelError::Shape {
+                what,
+                expected,
+                found,
+            },
+            CacheError::DType {
+                what,
+                expected,
+                found,
+            } => KernelError::DType {
+                what,
+                expected,
+                found,
+            },
+            CacheError::BatchSize { expected, found } => KernelError::BatchSize { expected, found },
+            CacheError::Config { field, reason } => KernelError::Config { field, reason },
+            CacheError::Candle(e) => KernelError::Candle(e),
+            other => KernelError::Config {
+                field: "cache",
+                reason: other.to_string(),
+            },
+        }
+    }
 }

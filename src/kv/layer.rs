@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use super::quantized::QuantMark;
 use super::{BatchCache, CacheError, KvCache, KvView, QuantizedCache, RotatingCache, SimpleCache};
+use crate::kernels::kv_write::capturing_graph;
 
 /// The cache of one KV-owning layer.
 #[derive(Debug)]
@@ -195,9 +196,9 @@ impl LayerCache {
     }
 }
 
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 /// The counters of a dense cache that writing a token advances, taken before a step and put
 /// back if the step is abandoned before any kernel ran (storage is never touched).
+#[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum CacheMark {
     /// A [`SimpleCache`]'s tokens held.
@@ -210,7 +211,7 @@ pub(crate) enum CacheMark {
     Batch(Vec<CacheMark>),
 }
 
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+#[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
 impl LayerCache {
     /// The counters to restore this cache to; `None` for kinds without marks (quantized).
     pub(crate) fn mark(&self) -> Option<CacheMark> {
@@ -279,7 +280,7 @@ impl KvCache for LayerCache {
         // Keys held before this update are settled: only its own writes may still run.
         let offsets = self.offsets();
         let view = match self {
-            LayerCache::Simple(_) | LayerCache::Rotating(_) if super::capturing_graph() => {
+            LayerCache::Simple(_) | LayerCache::Rotating(_) if capturing_graph() => {
                 Err(dense_in_capture())
             }
             LayerCache::Simple(c) => c.update(k, v),

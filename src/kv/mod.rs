@@ -8,6 +8,10 @@
 //!
 //! Shapes: a single-sequence cache takes `[1, kv_heads, tokens, head_dim]`; a batch cache takes
 //! `[batch, kv_heads, tokens, head_dim]` and returns one view per sequence.
+//!
+//! The views and their parts ([`KvView`], [`KvData`], [`PackedAffine`], [`KeyPositions`],
+//! [`QuantBits`]) are the kernels' operand types, re-exported here; kernel errors reach cache
+//! users as [`CacheError`]s.
 
 mod batch;
 mod buffer;
@@ -15,12 +19,10 @@ mod config;
 mod error;
 mod layer;
 mod model_cache;
-mod positions;
 mod prompt;
 mod quantized;
 mod rotating;
 mod simple;
-mod view;
 
 pub use batch::BatchCache;
 pub use config::{CacheConfig, CacheMode, LayerCacheSpec, QuantSpec};
@@ -28,12 +30,16 @@ pub use error::CacheError;
 pub(crate) use layer::CacheMark;
 pub use layer::{CacheKind, LayerCache};
 pub use model_cache::ModelCache;
-pub use positions::{KeyPositions, PositionRun};
 pub use prompt::{CacheMeta, PromptCache};
 pub use quantized::QuantizedCache;
 pub use rotating::RotatingCache;
 pub use simple::SimpleCache;
-pub use view::{KvData, KvView, PackedKv, QuantBits};
+
+pub use crate::kernels::{
+    KernelError, KeyPositions, KvData, KvView, PackedAffine, PositionRun, QuantBits,
+};
+/// [`PackedAffine`] under the name of packed K/V.
+pub type PackedKv = PackedAffine;
 
 use candle_core::Tensor;
 
@@ -68,17 +74,3 @@ pub trait KvCache {
 
 #[cfg(test)]
 mod tests;
-
-/// Whether this thread is capturing a CUDA graph (never without the `cuda` feature): cache
-/// writes must then go to reserved slots, whose addresses each replay rewrites; a copy into
-/// storage would be replayed at the address it had at capture.
-pub(crate) fn capturing_graph() -> bool {
-    #[cfg(feature = "cuda")]
-    {
-        crate::kernels::cuda::graph::recording()
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        false
-    }
-}

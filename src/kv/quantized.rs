@@ -4,20 +4,11 @@
 use candle_core::{DType, Tensor};
 
 use super::buffer::{unallocated, Geometry, GrowBuf, PartSpec, RingBuf};
-use super::capturing_graph;
 use super::rotating::{ring_trim, window_of};
 use super::simple::pair;
-use super::{
-    CacheError, KeyPositions, KvCache, KvData, KvView, LayerCacheSpec, PackedKv, QuantSpec,
-};
-use crate::kernels::{check_group_size, quantize, quantize_kv_into};
-
-/// Whether packed caches on CUDA quantize new tokens straight into their slots;
-/// `CANDLE_GEMMA_KVQ_IN_PLACE=0` makes them quantize and copy (A/B runs).
-pub(crate) fn quantizes_in_place() -> bool {
-    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    !*OFF.get_or_init(|| std::env::var("CANDLE_GEMMA_KVQ_IN_PLACE").is_ok_and(|v| v == "0"))
-}
+use super::{CacheError, KeyPositions, KvCache, KvData, KvView, LayerCacheSpec, QuantSpec};
+use crate::kernels::kv_write::{capturing_graph, writes_in_place};
+use crate::kernels::{quantize, quantize_kv_into, PackedAffine};
 
 /// The storage counters of a packed [`QuantizedCache`], to put back if a step is abandoned
 /// before any kernel ran.
@@ -37,7 +28,7 @@ enum Store {
 }
 
 /// K/V quantized group-wise along the head dimension, in MLX's affine layout (see
-/// [`PackedKv`]): per token and KV head, codes `[head_dim * bits / 32]` `u32` words plus one
+/// [`PackedAffine`]): per token and KV head, codes `[head_dim * bits / 32]` `u32` words plus one
 /// scale and one bias per group, in the activation dtype.
 ///
 /// The cache stays dense until it has seen `start` tokens; the update that finds it there
@@ -64,7 +55,7 @@ impl QuantizedCache {
     /// `head_dim`; [`CacheError::DType`] for a non-float dtype; [`CacheError::Config`] for a
     /// window of 0.
     pub fn new(spec: &LayerCacheSpec, quant: &QuantSpec, dtype: DType) -> Result<Self, CacheError> {
-        check_group_size(quant.group_size, spec.head_dim)?;
+        quant.affine().check(spec.head_dim)?;
         if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
             return Err(CacheError::DType {
                 what: "quantized cache activations",
@@ -131,23 +122,11 @@ impl QuantizedCache {
             let (k, v) = pair(parts).ok_or_else(unallocated)?;
             return Ok(KvData::Dense { k, v });
         }
-        let (bits, group_size) = (self.quant.bits, self.quant.group_size);
+        let spec = self.quant.affine();
         let mut it = parts.into_iter();
         let mut next = || it.next().ok_or_else(unallocated);
-        let k = PackedKv {
-            codes: next()?,
-            scales: next()?,
-            biases: next()?,
-            bits,
-            group_size,
-        };
-        let v = PackedKv {
-            codes: next()?,
-            scales: next()?,
-            biases: next()?,
-            bits,
-            group_size,
-        };
+        let k = PackedAffine::from_parts(next()?, next()?, next()?, spec);
+        let v = PackedAffine::from_parts(next()?, next()?, next()?, spec);
         Ok(KvData::Packed { k, v })
     }
 
@@ -216,9 +195,9 @@ impl QuantizedCache {
         })
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// The storage counters (see [`crate::kv::CacheMark`]); `None` before the cache is packed
     /// (the next update may convert it, which no mark can undo).
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub(crate) fn mark(&self) -> Option<QuantMark> {
         self.packed.then(|| match &self.store {
             Store::Grow(b) => QuantMark::Grow(b.mark()),
@@ -226,9 +205,9 @@ impl QuantizedCache {
         })
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// Sets the counters back to a [`QuantizedCache::mark`]; a mark of the other store kind
     /// is ignored.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub(crate) fn restore(&mut self, mark: QuantMark) {
         match (&mut self.store, mark) {
             (Store::Grow(b), QuantMark::Grow(len)) => b.restore(len),
@@ -237,8 +216,8 @@ impl QuantizedCache {
         }
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// The dtype of the scales and biases once packed (the activations'); `None` before.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub(crate) fn packed_dtype(&self) -> Option<DType> {
         self.packed.then_some(self.geometry.dtype)
     }
@@ -247,9 +226,8 @@ impl QuantizedCache {
     /// CUDA launch instead of two quantizations, six fresh tensors and six copies); `None`,
     /// having written nothing, where that cannot be done (off CUDA, a ring write that wraps or
     /// overwrites a needed key).
-    /// `CANDLE_GEMMA_KVQ_IN_PLACE=0` turns it off (the quantize-and-copy path, for A/B runs).
     fn update_in_place(&mut self, k: &Tensor, v: &Tensor) -> Result<Option<KvView>, CacheError> {
-        if !quantizes_in_place() || !k.device().is_cuda() {
+        if !writes_in_place(k.device()) {
             return Ok(None);
         }
         let n = k.dim(2)?;

@@ -183,14 +183,14 @@ impl RotatingCache {
         dense_view(parts, positions)
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// The ring's counters (see [`crate::kv::CacheMark`]).
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub(crate) fn mark(&self) -> (usize, usize) {
         self.ring.mark()
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     /// Sets the counters back to a [`RotatingCache::mark`].
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub(crate) fn restore(&mut self, mark: (usize, usize)) {
         self.ring.restore(mark);
     }

@@ -1,8 +1,12 @@
-//! MLX affine quantization of weights: codes packed little-endian into `u32` words (element 0
-//! in the lowest bits of word 0), one scale and one bias per group of `group_size` inputs:
-//! `w[o, g*G + i] = scales[o, g] * code[o, g*G + i] + biases[o, g]`.
+//! Loading MLX affine-quantized weights that the packed kernels do not take (other widths
+//! than 4 and 8 bits, tensors that are not matrices): codes packed little-endian into `u32`
+//! words (element 0 in the lowest bits of word 0), one scale and one bias per group of
+//! `group_size` inputs, `w[o, g*G + i] = scales[o, g] * code[o, g*G + i] + biases[o, g]`,
+//! dequantized on load by [`crate::kernels`]' one implementation.
 
 use candle_core::{DType, Device, Tensor};
+
+use crate::kernels::dequantize_rows;
 
 /// Dequantizes MLX affine codes to a dense f32 tensor of `shape` (`[.., out, in]`), inferring
 /// bits and group size from the packed shapes as mlx-lm does. Returns `(dense, bits, group)`.
@@ -59,21 +63,7 @@ pub fn dequantize(
         .and_then(|t| t.to_vec1::<u32>())
         .map_err(|e| e.to_string())?;
     let (scales, biases) = (to_vec(scales)?, to_vec(biases)?);
-    let mut out = vec![0f32; rows * in_dim];
-    let mask = (1u64 << bits) - 1;
-    for r in 0..rows {
-        let row_codes = &codes[r * words..(r + 1) * words];
-        for i in 0..in_dim {
-            let bit = i * bits;
-            let (word, shift) = (bit / 32, bit % 32);
-            // A code may straddle two words for 3, 5 and 6 bits.
-            let lo = row_codes[word] as u64;
-            let hi = row_codes.get(word + 1).copied().unwrap_or(0) as u64;
-            let q = (((hi << 32) | lo) >> shift) & mask;
-            let g = r * groups + i / group;
-            out[r * in_dim + i] = scales[g] * q as f32 + biases[g];
-        }
-    }
+    let out = dequantize_rows(&codes, &scales, &biases, in_dim, bits, group, 0..rows);
     let dense = Tensor::from_vec(out, shape, &Device::Cpu).map_err(|e| e.to_string())?;
     Ok((dense, bits, group))
 }

@@ -1,6 +1,6 @@
 //! Checkpoint weights: memory-mapped safetensors (one file or shards listed in
 //! `model.safetensors.index.json`), the three key layouts Gemma 4 ships in, and MLX affine
-//! quantized tensors (kept packed as [`PackedWeight`] where the packed kernels take them, else
+//! quantized tensors (kept packed as [`PackedAffine`] where the packed kernels take them, else
 //! dequantized on load by [`affine`]).
 //!
 //! Names passed to [`WeightStore`] are *logical*: the text-stack name without any layout prefix
@@ -15,8 +15,7 @@ use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
-use crate::kernels::qmatmul::PackedWeight;
-use crate::kv::QuantBits;
+use crate::kernels::{PackedAffine, QuantBits};
 
 /// How the text-stack tensors are named in a checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,7 +75,7 @@ pub enum LoadedMatrix {
     Dense(Tensor),
     /// A 4/8-bit matrix with group 32, 64 or 128, resident packed. A stack `[n, out, in]` (the
     /// MoE experts) is held as one `[n * out, in]` matrix: matrix `i` owns rows `i * out ..`.
-    Packed(PackedWeight),
+    Packed(PackedAffine),
 }
 
 impl LoadedMatrix {
@@ -88,7 +87,7 @@ impl LoadedMatrix {
     pub fn into_dense(self, dtype: DType) -> Result<Tensor> {
         match self {
             LoadedMatrix::Dense(t) => Ok(t),
-            LoadedMatrix::Packed(p) => p.dequantize(dtype),
+            LoadedMatrix::Packed(p) => Ok(p.dequantize(dtype)?),
         }
     }
 }
@@ -183,7 +182,7 @@ impl WeightStore {
     }
 
     /// A random packed `[out, in]` matrix, or `None` when `in` is not a multiple of the group.
-    fn generate_packed(&self, out: usize, inp: usize) -> Result<Option<PackedWeight>> {
+    fn generate_packed(&self, out: usize, inp: usize) -> Result<Option<PackedAffine>> {
         let Some((bits, group)) = self.random_packing else {
             return Ok(None);
         };
@@ -200,7 +199,7 @@ impl WeightStore {
         let scales =
             (Tensor::ones((out, inp / group), self.dtype, &self.device)? * (0.08 / levels))?;
         let biases = (Tensor::ones((out, inp / group), self.dtype, &self.device)? * -0.04)?;
-        let p = PackedWeight::new(codes, scales, biases, out, inp)?.settled();
+        let p = PackedAffine::new(codes, scales, biases, out, inp)?.settled();
         self.count_generated(p.packed_bytes());
         Ok(Some(p))
     }
@@ -338,7 +337,7 @@ impl WeightStore {
         let a = self.matrix_on(first, layer, &shape, &host)?;
         let b = self.matrix_on(second, layer, &shape, &host)?;
         if let (LoadedMatrix::Packed(pa), LoadedMatrix::Packed(pb)) = (&a, &b) {
-            if let Some(p) = PackedWeight::stack_rows(&[pa, pb], n)? {
+            if let Some(p) = PackedAffine::stack_rows(&[pa, pb], n)? {
                 return Ok(LoadedMatrix::Packed(p.to_device(&self.device)?));
             }
         }
@@ -388,7 +387,7 @@ impl WeightStore {
             let joined = Tensor::cat(&ts, 0)?.to_device(&self.device)?;
             return Ok(Some(LoadedMatrix::Dense(joined)));
         }
-        let packed: Option<Vec<&PackedWeight>> = loaded
+        let packed: Option<Vec<&PackedAffine>> = loaded
             .iter()
             .map(|m| match m {
                 LoadedMatrix::Packed(p) => Some(p),
@@ -396,7 +395,7 @@ impl WeightStore {
             })
             .collect();
         Ok(match packed {
-            Some(ps) => PackedWeight::stack_rows(&ps, 1)?
+            Some(ps) => PackedAffine::stack_rows(&ps, 1)?
                 .map(|p| p.to_device(&self.device))
                 .transpose()?
                 .map(LoadedMatrix::Packed),
@@ -445,7 +444,7 @@ impl WeightStore {
                 Ok(t.reshape((rows, last))?.to_device(device)?)
             };
             if let Ok(p) =
-                PackedWeight::new(flat(&codes)?, flat(&scales)?, flat(&biases)?, rows, inp)
+                PackedAffine::new(flat(&codes)?, flat(&scales)?, flat(&biases)?, rows, inp)
             {
                 return Ok(LoadedMatrix::Packed(p.settled()));
             }
@@ -515,8 +514,8 @@ fn detect_layout(routing: &HashMap<String, usize>) -> Result<KeyLayout> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::testutil::max_abs_diff;
     use crate::kernels::{dequantize, quantize};
-    use crate::kv::QuantBits;
 
     /// Writes an MLX-layout file holding random matrices `m.{name}` of the given shapes,
     /// quantized at group 32 where bits are given, dense f32 otherwise, and opens it; returns
@@ -558,19 +557,6 @@ mod tests {
         (store, dense)
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
-    }
-
     /// `m.gate_proj` over `m.up_proj`, expert stacks `[2, 4, 64]`, and their dense join.
     fn expert_pair(tag: &str, gate: QuantBits, up: QuantBits) -> (LoadedMatrix, Tensor) {
         let shape: &[usize] = &[2, 4, 64];
@@ -594,7 +580,7 @@ mod tests {
         let LoadedMatrix::Packed(p) = pair else {
             panic!("two 4-bit stacks should stay packed");
         };
-        assert_eq!((p.out_dim, p.in_dim), (16, 64));
+        assert_eq!((p.out_dim(), p.in_dim()), (16, 64));
         assert!(
             p.is_settled(),
             "joined loaded weights keep the settled mark"
@@ -604,7 +590,7 @@ mod tests {
             .unwrap()
             .reshape((2, 8, 64))
             .unwrap();
-        assert_eq!(max_diff(&got, &want), 0.0);
+        assert_eq!(max_abs_diff(&got, &want), 0.0);
     }
 
     #[test]
@@ -614,7 +600,7 @@ mod tests {
             panic!("4-bit over 8-bit cannot be one packed matrix");
         };
         assert_eq!(got.dims(), &[2, 8, 64]);
-        assert!(max_diff(&got, &want) < 1e-6);
+        assert!(max_abs_diff(&got, &want) < 1e-6);
     }
 
     #[test]
@@ -642,16 +628,16 @@ mod tests {
         // Packed alike: one packed matrix, the parts one above the other.
         match rows(&["a", "b"]) {
             Some(LoadedMatrix::Packed(p)) => {
-                assert_eq!(p.out_dim, 6);
+                assert_eq!(p.out_dim(), 6);
                 assert!(p.is_settled(), "loaded weights are marked settled");
                 let got = p.dequantize(DType::F32).unwrap();
-                assert_eq!(max_diff(&got, &want(&["a", "b"])), 0.0);
+                assert_eq!(max_abs_diff(&got, &want(&["a", "b"])), 0.0);
             }
             other => panic!("expected one packed matrix, got {other:?}"),
         }
         // Dense parts stack dense.
         match rows(&["d", "d"]) {
-            Some(LoadedMatrix::Dense(t)) => assert_eq!(max_diff(&t, &want(&["d", "d"])), 0.0),
+            Some(LoadedMatrix::Dense(t)) => assert_eq!(max_abs_diff(&t, &want(&["d", "d"])), 0.0),
             other => panic!("expected one dense matrix, got {other:?}"),
         }
         // Different bit widths, or packed beside dense, do not stack.

@@ -262,13 +262,15 @@ fn packed_view(c: &AttentionCase, seed: f32) -> PackedKv {
     .expect("random K/V");
     let p = quantize(&dense, c.bits, c.group).expect("quantize");
     let view = |t: &Tensor| t.narrow(2, 0, c.keys).expect("narrow");
-    PackedKv {
-        codes: view(&p.codes),
-        scales: view(&p.scales),
-        biases: view(&p.biases),
-        bits: c.bits,
-        group_size: c.group,
-    }
+    PackedKv::from_parts(
+        view(&p.codes),
+        view(&p.scales),
+        view(&p.biases),
+        crate::kernels::AffineSpec {
+            bits: c.bits,
+            group_size: c.group,
+        },
+    )
 }
 
 /// Random queries and packed K/V for a case, on the CPU.
@@ -541,7 +543,7 @@ fn run_matvec_case(emulator: &Path, rows: usize, x_dtype: DType, w: &PackedWeigh
     .enumerate()
     .map(|(i, (name, t))| (i + 1, *name, job.tensor(name, t)))
     .collect();
-    job.alloc("y", rows * w.out_dim * x_dtype.size_in_bytes());
+    job.alloc("y", rows * w.out_dim() * x_dtype.size_in_bytes());
     let mut binds = [vec![(0, "params", 0)], binds, vec![(5, "y", 0)]].concat();
     binds.sort();
     job.dispatch(
@@ -550,7 +552,7 @@ fn run_matvec_case(emulator: &Path, rows: usize, x_dtype: DType, w: &PackedWeigh
         MATVEC_WARPS * 32,
         &binds,
     );
-    let got = job.run(emulator, "y", x_dtype, &[rows, w.out_dim]);
+    let got = job.run(emulator, "y", x_dtype, &[rows, w.out_dim()]);
     max_abs_diff(&got, &reference)
 }
 
@@ -563,7 +565,7 @@ fn run_dequant_case(emulator: &Path, dtype: DType, w: &PackedWeight) -> f32 {
     let c = job.tensor("c", &w.codes);
     let s = job.tensor("s", &w.scales);
     let b = job.tensor("b", &w.biases);
-    job.alloc("out", w.out_dim * w.in_dim * dtype.size_in_bytes());
+    job.alloc("out", w.out_dim() * w.in_dim() * dtype.size_in_bytes());
     let groups = launch.threads.div_ceil(DEQUANT_THREADS);
     job.dispatch(
         &launch.kernel,
@@ -579,7 +581,7 @@ fn run_dequant_case(emulator: &Path, dtype: DType, w: &PackedWeight) -> f32 {
             (6, "out", 0),
         ],
     );
-    let got = job.run(emulator, "out", dtype, &[w.out_dim, w.in_dim]);
+    let got = job.run(emulator, "out", dtype, &[w.out_dim(), w.in_dim()]);
     max_abs_diff(&got, &reference)
 }
 
@@ -624,7 +626,7 @@ fn check_weight_cases(
 }
 
 fn random_rows(rows: usize, w: &PackedWeight, dtype: DType) -> Tensor {
-    Tensor::randn(0f32, 1.0, (rows, w.in_dim), &Device::Cpu)
+    Tensor::randn(0f32, 1.0, (rows, w.in_dim()), &Device::Cpu)
         .and_then(|t| t.to_dtype(dtype))
         .expect("random x")
 }
@@ -654,12 +656,7 @@ fn metal_kernels_match_the_cpu_reference_on_the_device() {
         return;
     };
     let on = |t: &Tensor| t.to_device(&dev).expect("to Metal");
-    let on_kv = |p: &PackedKv| PackedKv {
-        codes: on(&p.codes),
-        scales: on(&p.scales),
-        biases: on(&p.biases),
-        ..p.clone()
-    };
+    let on_kv = |p: &PackedKv| p.to_device(&dev).expect("to Metal");
     check_attention_cases("Metal attention on the device", |c| {
         let (q, k, v) = attention_inputs(c);
         let reference = cpu_reference(c, &q, &k, &v);
@@ -679,8 +676,8 @@ fn metal_kernels_match_the_cpu_reference_on_the_device() {
             on(&w.codes),
             on(&w.scales),
             on(&w.biases),
-            w.out_dim,
-            w.in_dim,
+            w.out_dim(),
+            w.in_dim(),
         )
         .expect("packed weight")
     };

@@ -17,9 +17,8 @@ use super::plan::{
     plan_attention, plan_dequant, plan_matvec, ATTENTION_THREADS, COMBINE_THREADS, DEQUANT_THREADS,
     MATVEC_WARPS, TARGET_GROUPS,
 };
-use crate::kernels::qmatmul::PackedWeight;
 use crate::kernels::QueryPlan;
-use crate::kv::{CacheError, KeyPositions, PackedKv};
+use crate::kernels::{KernelError, KeyPositions, PackedAffine};
 
 fn kernel_error(e: MetalKernelError) -> candle_core::Error {
     MetalError::from(e).into()
@@ -118,23 +117,23 @@ fn new_tensor(
 /// Fused quantized attention of one sequence (see [`super::attend_packed`]).
 pub(super) fn attend_packed(
     q: &Tensor,
-    k: &PackedKv,
-    v: &PackedKv,
+    k: &PackedAffine,
+    v: &PackedAffine,
     positions: &KeyPositions,
     plan: &QueryPlan,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     attend_packed_with(q, k, v, positions, plan, TARGET_GROUPS)
 }
 
 /// [`attend_packed`] aiming for `target_groups` threadgroups (tests split short views so).
 pub(super) fn attend_packed_with(
     q: &Tensor,
-    k: &PackedKv,
-    v: &PackedKv,
+    k: &PackedAffine,
+    v: &PackedAffine,
     positions: &KeyPositions,
     plan: &QueryPlan,
     target_groups: usize,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let dev = metal_dev(q)?;
     let launch = plan_attention(q, k, v, positions, plan, target_groups)?;
     let dtype = q.dtype();
@@ -187,7 +186,7 @@ pub(super) fn attend_packed_with(
 
 /// `x` `[rows, in]` · `Wᵀ` on the matvec kernel, or `None` where it does not apply (see
 /// [`plan_matvec`]).
-pub(super) fn qmatvec(x: &Tensor, w: &PackedWeight) -> crate::Result<Option<Tensor>> {
+pub(super) fn qmatvec(x: &Tensor, w: &PackedAffine) -> Result<Option<Tensor>, KernelError> {
     let (rows, _) = x.dims2()?;
     let Some(launch) = plan_matvec(rows, x.dtype(), w) else {
         return Ok(None);
@@ -199,7 +198,7 @@ pub(super) fn qmatvec(x: &Tensor, w: &PackedWeight) -> crate::Result<Option<Tens
         w.scales.contiguous()?,
         w.biases.contiguous()?,
     );
-    let (y, y_buf) = new_tensor(&dev, rows * w.out_dim, x.dtype(), &[rows, w.out_dim])?;
+    let (y, y_buf) = new_tensor(&dev, rows * w.out_dim(), x.dtype(), &[rows, w.out_dim()])?;
     let p = pipeline(&dev, &launch.kernel)?;
     let guard = dev.command_encoder()?;
     let enc: &ComputeCommandEncoder = guard.as_ref();
@@ -215,7 +214,10 @@ pub(super) fn qmatvec(x: &Tensor, w: &PackedWeight) -> crate::Result<Option<Tens
 }
 
 /// All of `w` dequantized to `dtype` `[out, in]`, or `None` for a dtype without a kernel.
-pub(super) fn dequantize_weight(w: &PackedWeight, dtype: DType) -> crate::Result<Option<Tensor>> {
+pub(super) fn dequantize_weight(
+    w: &PackedAffine,
+    dtype: DType,
+) -> Result<Option<Tensor>, KernelError> {
     let Some(launch) = plan_dequant(w, dtype) else {
         return Ok(None);
     };
@@ -225,7 +227,12 @@ pub(super) fn dequantize_weight(w: &PackedWeight, dtype: DType) -> crate::Result
         w.scales.contiguous()?,
         w.biases.contiguous()?,
     );
-    let (out, out_buf) = new_tensor(&dev, w.out_dim * w.in_dim, dtype, &[w.out_dim, w.in_dim])?;
+    let (out, out_buf) = new_tensor(
+        &dev,
+        w.out_dim() * w.in_dim(),
+        dtype,
+        &[w.out_dim(), w.in_dim()],
+    )?;
     let p = pipeline(&dev, &launch.kernel)?;
     let guard = dev.command_encoder()?;
     let enc: &ComputeCommandEncoder = guard.as_ref();

@@ -3,10 +3,10 @@
 //! The kernels live in `qkernels.metal` (same parameter structs as CUDA, see
 //! [`super::cuda::params`]); `plan` turns a call into the parameters, grids and buffer layout
 //! of their launch, and `launch` (`metal` feature) compiles the source once per device and
-//! dispatches those plans. The launches have not run on a Mac yet, so they are opt-in:
-//! `CANDLE_GEMMA_METAL_KERNELS=1` selects them; otherwise these entry points dequantize on the
-//! device and use candle's dense ops (correct, but a transient dense copy of K/V or of the
-//! weight per call). The kernels and plans themselves are checked on every `cargo test` by
+//! dispatches those plans. The launches have not run on a Mac, so they are opt-in
+//! ([`super::policy::LaunchPolicy::metal_kernels`]); otherwise these entry points dequantize
+//! on the device and use candle's dense ops (correct, but a transient dense copy of K/V or of
+//! the weight per call). The kernels and plans themselves are checked on every `cargo test` by
 //! running them on CPU threads through `shim.h` (`emulated`).
 
 #[cfg(test)]
@@ -19,20 +19,17 @@ pub(crate) mod plan;
 use candle_core::Tensor;
 
 #[cfg(feature = "metal")]
-use super::qmatmul::PackedWeight;
-#[cfg(feature = "metal")]
 use super::{dense, dequantize, QueryPlan};
 #[cfg(feature = "metal")]
-use crate::kv::{CacheError, KeyPositions, PackedKv};
+use crate::kernels::{KernelError, KeyPositions, PackedAffine};
 
 /// MSL source of the quantized kernels, compiled at run time by the Metal device.
 pub const SOURCE: &str = include_str!("qkernels.metal");
 
-/// Whether the Metal kernels are launched (`CANDLE_GEMMA_METAL_KERNELS=1`), read once.
+/// Whether the Metal kernels are launched ([`super::policy::LaunchPolicy::metal_kernels`]).
 #[cfg(feature = "metal")]
 fn kernels_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("CANDLE_GEMMA_METAL_KERNELS").is_ok_and(|v| v == "1"))
+    super::policy::current().metal_kernels
 }
 
 /// Quantized attention of one sequence on a Metal device (shapes as
@@ -41,11 +38,11 @@ fn kernels_on() -> bool {
 #[cfg(feature = "metal")]
 pub(crate) fn attend_packed(
     q: &Tensor,
-    k: &PackedKv,
-    v: &PackedKv,
+    k: &PackedAffine,
+    v: &PackedAffine,
     positions: &KeyPositions,
     plan: &QueryPlan,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     if kernels_on() && q.dim(2)? <= plan::MAX_FUSED_Q_LEN {
         return launch::attend_packed(q, k, v, positions, plan);
     }
@@ -57,7 +54,7 @@ pub(crate) fn attend_packed(
 /// kernels are on, else a dense product with the weight dequantized (by the Metal dequantize
 /// kernel when the kernels are on).
 #[cfg(feature = "metal")]
-pub(crate) fn qmatmul(x: &Tensor, w: &PackedWeight) -> crate::Result<Tensor> {
+pub(crate) fn qmatmul(x: &Tensor, w: &PackedAffine) -> Result<Tensor, KernelError> {
     if kernels_on() {
         if let Some(y) = launch::qmatvec(x, w)? {
             return Ok(y);

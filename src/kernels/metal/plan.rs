@@ -13,9 +13,9 @@ use crate::kernels::plan::{
     split_keys, AttentionGeometry, KeySplit, QmatParams, QsdpaParams, SideStrides, QSDPA_HEAD_DIMS,
     QSDPA_WARPS,
 };
-use crate::kernels::qmatmul::PackedWeight;
+use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
 use crate::kernels::QueryPlan;
-use crate::kv::{CacheError, KeyPositions, PackedKv};
+use crate::kernels::{KernelError, KeyPositions, PackedAffine};
 
 /// Query rows a threadgroup of `qsdpa_*` takes (`QS_NQ` in `qkernels.metal`).
 pub(crate) const ATTENTION_ROWS: usize = 4;
@@ -60,7 +60,7 @@ pub(crate) struct KvSide {
     strides: SideStrides,
 }
 
-fn kv_side(p: &PackedKv, dtype: DType) -> candle_core::Result<KvSide> {
+fn kv_side(p: &PackedAffine, dtype: DType) -> candle_core::Result<KvSide> {
     let (codes, codes_sh, codes_sk) = last_dim_contiguous(&p.codes)?;
     let (scales, biases, sc_sh, sc_sk) = scales_and_biases(p, dtype)?;
     Ok(KvSide {
@@ -103,20 +103,20 @@ pub(crate) struct AttentionLaunch {
 /// (shapes already checked by the dispatcher), aiming for `target_groups` threadgroups.
 ///
 /// # Errors
-/// [`CacheError::Shape`] for a head dim without a kernel, K and V of different bits or group
-/// sizes, or positions beyond `u32`; [`CacheError::DType`] for a non-float query.
+/// [`KernelError::Shape`] for a head dim without a kernel, K and V of different bits or group
+/// sizes, or positions beyond `u32`; [`KernelError::DType`] for a non-float query.
 pub(crate) fn plan_attention(
     q: &Tensor,
-    k: &PackedKv,
-    v: &PackedKv,
+    k: &PackedAffine,
+    v: &PackedAffine,
     positions: &KeyPositions,
     plan: &QueryPlan,
     target_groups: usize,
-) -> Result<AttentionLaunch, CacheError> {
+) -> Result<AttentionLaunch, KernelError> {
     let (_, n_heads, q_len, head_dim) = q.dims4()?;
     let (_, kv_heads, keys, _) = k.codes.dims4()?;
     let dtype = q.dtype();
-    let tn = type_name(dtype).ok_or(CacheError::DType {
+    let tn = type_name(dtype).ok_or(KernelError::DType {
         what: "Metal attention query",
         expected: DType::F32,
         found: dtype,
@@ -124,7 +124,7 @@ pub(crate) fn plan_attention(
     let bits = k.bits.bits();
     if !QSDPA_HEAD_DIMS.contains(&head_dim) || bits != v.bits.bits() || k.group_size != v.group_size
     {
-        return Err(CacheError::Shape {
+        return Err(KernelError::Shape {
             what: "Metal fused attention (head_dim, K bits, V bits, K group, V group)",
             expected: format!(
                 "head_dim in {QSDPA_HEAD_DIMS:?}, K and V of one bit width and group"
@@ -197,23 +197,23 @@ pub(crate) struct MatvecLaunch {
 /// Plans `x` `[rows, in]` · `Wᵀ` on the matvec kernel, or `None` where it does not apply: more
 /// rows than [`MATVEC_ROW_VARIANTS`] holds, a non-float activation or scale dtype, or an input
 /// width that is not a whole number of 4-word chunks (the kernel reads 128 bits a step).
-pub(crate) fn plan_matvec(rows: usize, x_dtype: DType, w: &PackedWeight) -> Option<MatvecLaunch> {
+pub(crate) fn plan_matvec(rows: usize, x_dtype: DType, w: &PackedAffine) -> Option<MatvecLaunch> {
     let tn = type_name(x_dtype)?;
     let sn = type_name(w.scales.dtype())?;
     let bits = w.bits.bits();
     let variant = *MATVEC_ROW_VARIANTS.iter().find(|&&r| r >= rows)?;
-    if rows == 0 || w.in_dim % (128 / bits) != 0 {
+    if rows == 0 || w.in_dim() % (128 / bits) != 0 {
         return None;
     }
     Some(MatvecLaunch {
         params: QmatParams {
             rows: u32::try_from(rows).ok()?,
-            out_dim: u32::try_from(w.out_dim).ok()?,
-            in_dim: u32::try_from(w.in_dim).ok()?,
+            out_dim: u32::try_from(w.out_dim()).ok()?,
+            in_dim: u32::try_from(w.in_dim()).ok()?,
             group_size: u32::try_from(w.group_size).ok()?,
         },
         kernel: format!("qmatvec_{tn}_{sn}_{bits}_{variant}"),
-        groups: w.out_dim.div_ceil(MATVEC_WARPS),
+        groups: w.out_dim().div_ceil(MATVEC_WARPS),
     })
 }
 
@@ -227,18 +227,18 @@ pub(crate) struct DequantLaunch {
 }
 
 /// Plans dequantizing all of `w` to `dtype`, or `None` for a non-float dtype.
-pub(crate) fn plan_dequant(w: &PackedWeight, dtype: DType) -> Option<DequantLaunch> {
+pub(crate) fn plan_dequant(w: &PackedAffine, dtype: DType) -> Option<DequantLaunch> {
     let tn = type_name(dtype)?;
     let sn = type_name(w.scales.dtype())?;
     let bits = w.bits.bits();
     Some(DequantLaunch {
         params: QmatParams {
-            rows: u32::try_from(w.out_dim).ok()?,
-            out_dim: u32::try_from(w.out_dim).ok()?,
-            in_dim: u32::try_from(w.in_dim).ok()?,
+            rows: u32::try_from(w.out_dim()).ok()?,
+            out_dim: u32::try_from(w.out_dim()).ok()?,
+            in_dim: u32::try_from(w.in_dim()).ok()?,
             group_size: u32::try_from(w.group_size).ok()?,
         },
         kernel: format!("dequant_{tn}_{sn}_{bits}"),
-        threads: w.out_dim * w.in_dim * bits / 32,
+        threads: w.out_dim() * w.in_dim() * bits / 32,
     })
 }

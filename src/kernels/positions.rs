@@ -103,8 +103,8 @@ impl KeyPositions {
     /// The CUDA tensor-core attention then reads a split's first tile of settled keys before
     /// it waits for the kernel ahead of it (programmatic dependent launch), so those loads
     /// overlap that kernel's tail. The model's caches mark every view with the offset the
-    /// update started at ([`crate::kv::KvCache::offsets`]); an unmarked view is read only
-    /// after the wait.
+    /// update started at (the cache's offset read before the update); an unmarked view is read
+    /// only after the wait.
     ///
     /// This holds because every kernel of this crate that may start before its predecessor
     /// ends waits for that predecessor before it lets its own successor start (except the
