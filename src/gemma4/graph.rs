@@ -4,11 +4,10 @@
 //! The first eligible decode step runs eagerly: it sizes the per-thread scratch buffers and fills
 //! candle's cache of uploaded kernel parameters (the shapes and strides of strided operands),
 //! which the capture must find there. The second is captured into a graph and launched; later
-//! steps replay that graph. A replay does on
-//! the host only what a step must: advance each layer's cache by one token and plan each
-//! layer's attention over its new view (the same planning the captured launches did), then
-//! write the token id, the rotary tables and those plans into fixed device buffers and launch
-//! the graph (see `kernels::ops::graph`). The graph holds no cache address and no key count,
+//! steps replay that graph. A replay does on the host only what a step must: advance each
+//! layer's cache by one token and plan each layer's attention over its new view (the same
+//! planning the captured launches did), then write the token id, the rotary tables and those
+//! plans into fixed device buffers and launch the graph. The graph holds no cache address and no key count,
 //! so it stays valid as caches grow, wrap or change; it holds the capturing thread's scratch
 //! buffers, so only that thread replays it (other threads run eagerly), and only while those
 //! buffers live: an eager launch that outgrows one (a long prefill, a batched step) replaces
@@ -20,10 +19,10 @@
 //! or a batch of one; a quantized cache still below its `start` runs eagerly until the update
 //! that packs it). Quantized layers write K/V to a fresh buffer and quantize it into the
 //! slots their parameter block names. [`crate::kernels::policy::LaunchPolicy::cuda_graph`]
-//! turns graphs off. A
-//! capture that fails (an op that reads back to the host, such as MoE routing on the sorted
-//! path, or an upload candle has not cached) turns them off for the model, rolls the caches
-//! back and runs the step eagerly; the reason is in [`TextModel::cuda_graph_state`].
+//! turns graphs off. A capture that fails (an op that reads back to the host, such as MoE
+//! routing on the sorted path, or an upload candle has not cached) turns them off for the
+//! model, rolls the caches back and runs the step eagerly; the reason is in
+//! [`TextModel::cuda_graph_state`].
 
 use std::sync::{Mutex, TryLockError};
 use std::thread::ThreadId;
@@ -35,7 +34,7 @@ use super::routing::KvRouting;
 use super::step::Step;
 use super::KvInput;
 use crate::config::{KvSource, LayerKind};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::kernels::ops::graph::{self, DecodeGraph, StepRecord};
 use crate::kernels::QueryPlan;
 use crate::kv::ModelCache;
@@ -91,8 +90,8 @@ const _: fn() = || {
 impl DecodeGraphs {
     /// One line: whether steps replay a graph, and if not, why.
     pub(crate) fn describe(&self) -> String {
-        if !cfg!(feature = "cuda") {
-            return "off: the cuda feature is not built".to_string();
+        if let Some(why) = graph::unsupported() {
+            return format!("off: {why}");
         }
         match self.state.try_lock() {
             Ok(s) => match &*s {

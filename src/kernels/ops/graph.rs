@@ -17,6 +17,11 @@ pub(crate) fn available(device: &Device) -> bool {
     cfg!(feature = "cuda") && device.is_cuda() && crate::kernels::policy::current().cuda_graph
 }
 
+/// Why this build captures nothing (`None` where it can capture).
+pub(crate) fn unsupported() -> Option<&'static str> {
+    (!cfg!(feature = "cuda")).then_some("the cuda feature is not built")
+}
+
 #[cfg(feature = "cuda")]
 mod imp {
     use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaSlice, DevicePtr};

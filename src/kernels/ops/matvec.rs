@@ -26,6 +26,7 @@ impl Weight {
     }
 
     /// The weight of a dense matrix (`None` when packed).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn dense_weight(&self) -> Option<&Tensor> {
         match self {
             Weight::Dense(l) => Some(l.weight()),
