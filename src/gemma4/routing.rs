@@ -67,3 +67,34 @@ impl<'p> KvRouting<'p> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(r: Result<KvInput<'_>>) -> String {
+        match r {
+            Ok(_) => "routed".to_string(),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn missing_cache_entry_and_unproduced_view_are_input_errors() {
+        let producers = [true, false];
+        let routing = KvRouting::new(&producers);
+        let mut cache = ModelCache {
+            layers: vec![None, None],
+        };
+        let own = message(routing.input(0, KvSource::Own, &mut cache));
+        assert!(
+            own.contains("layer 0 owns K/V but the cache has no entry for it"),
+            "{own}"
+        );
+        let shared = message(routing.input(1, KvSource::Shared { producer: 0 }, &mut cache));
+        assert!(
+            shared.contains("layer 1 reads layer 0's K/V, which was not produced"),
+            "{shared}"
+        );
+    }
+}
