@@ -359,16 +359,7 @@ pub fn best_device(cpu: bool) -> Result<Device> {
     if cpu {
         return Ok(Device::Cpu);
     }
-    #[cfg(feature = "cuda")]
-    {
-        return Ok(Device::new_cuda(0)?);
-    }
-    #[cfg(all(feature = "metal", not(feature = "cuda")))]
-    {
-        return Ok(Device::new_metal(0)?);
-    }
-    #[allow(unreachable_code)]
-    Ok(Device::Cpu)
+    crate::kernels::ops::memory::best_gpu()
 }
 
 /// FNV-1a over config.json, the weight file names and sizes, and the dtype.
@@ -410,14 +401,5 @@ fn fingerprint(dir: &Path, dtype: DType) -> Result<String> {
 /// where the backend does not report it (the CPU, Metal). Sampled before and after loading a
 /// model, the difference is the model's resident size as the driver sees it.
 pub fn device_memory_in_use(device: &Device) -> Option<usize> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = device {
-        device.synchronize().ok()?;
-        // Freed blocks the pool keeps for reuse are not in use.
-        crate::kernels::cuda::launch::trim_pool(d).ok()?;
-        let (free, total) = d.cuda_stream().context().mem_get_info().ok()?;
-        return Some(total - free);
-    }
-    let _ = device;
-    None
+    crate::kernels::ops::memory::device_memory_in_use(device)
 }

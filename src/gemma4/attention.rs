@@ -4,13 +4,13 @@
 
 use candle_core::Tensor;
 
-use super::fused;
 use super::norm::RmsNorm;
 use super::rope::Rope;
 use super::step::Step;
 use super::Linear;
 use crate::config::{Config, KvSource, LayerKind, LayerPlan};
 use crate::error::{Error, Result};
+use crate::kernels::ops::qkv::{self, QkvInput, QkvOutput};
 use crate::kv::{KvCache, KvView, LayerCache};
 use crate::weights::WeightStore;
 
@@ -231,36 +231,35 @@ impl Attention {
         let (b, s, _) = x.dims3()?;
         let (cos, sin) = step.rope(self.kind);
         let (q_raw, k_raw, v_raw) = self.proj.forward(x)?;
-        let prep = |with_kv: Option<&KvNorms>,
-                    kv_dst: Option<(&Tensor, &Tensor)>|
-         -> Result<fused::QkvOutput> {
-            let k = match (with_kv, &k_raw) {
-                (Some(n), Some(k)) => Some((k, &n.k_norm)),
-                _ => None,
+        let prep =
+            |with_kv: Option<&KvNorms>, kv_dst: Option<(&Tensor, &Tensor)>| -> Result<QkvOutput> {
+                let k = match (with_kv, &k_raw) {
+                    (Some(n), Some(k)) => Some((k, n.k_norm.operand())),
+                    _ => None,
+                };
+                // V is the raw K projection when the layer has no v_proj.
+                let v = match (with_kv, v_raw.as_ref().or(k_raw.as_ref())) {
+                    (Some(n), Some(v)) => Some((v, n.v_norm.operand())),
+                    _ => None,
+                };
+                qkv::qkv_prep(&QkvInput {
+                    q: &q_raw,
+                    k,
+                    v,
+                    q_norm: self.q_norm.operand(),
+                    cos,
+                    sin,
+                    head_dim: self.head_dim,
+                    kv_dst,
+                })
             };
-            // V is the raw K projection when the layer has no v_proj.
-            let v = match (with_kv, v_raw.as_ref().or(k_raw.as_ref())) {
-                (Some(n), Some(v)) => Some((v, &n.v_norm)),
-                _ => None,
-            };
-            fused::qkv_prep(&fused::QkvInput {
-                q: &q_raw,
-                k,
-                v,
-                q_norm: &self.q_norm,
-                cos,
-                sin,
-                head_dim: self.head_dim,
-                kv_dst,
-            })
-        };
 
         let mut produced = None;
         let (q, view): (Tensor, &KvView) = match (kv, &self.kv) {
             (KvInput::Own(cache), Some(norms)) => {
                 // The kernel writes K and V straight into the cache's next slots where it can
                 // (no separate copy into the cache).
-                let slots = if fused::writes_kv_in_place(&q_raw, &self.q_norm) {
+                let slots = if qkv::writes_kv_in_place(&q_raw, self.q_norm.operand()) {
                     cache.reserve_slots(s, x.device())?
                 } else {
                     None

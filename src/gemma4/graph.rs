@@ -1,13 +1,13 @@
-//! Batch-1 decode steps replayed from a CUDA graph.
+//! Batch-1 decode steps replayed from a captured graph (CUDA graphs, through
+//! [`crate::kernels::ops::graph`]; elsewhere every step runs eagerly).
 //!
 //! The first eligible decode step runs eagerly: it sizes the per-thread scratch buffers and fills
 //! candle's cache of uploaded kernel parameters (the shapes and strides of strided operands),
 //! which the capture must find there. The second is captured into a graph and launched; later
-//! steps replay that graph. A replay does on
-//! the host only what a step must: advance each layer's cache by one token and plan each
-//! layer's attention over its new view (the same planning the captured launches did), then
-//! write the token id, the rotary tables and those plans into fixed device buffers and launch
-//! the graph (see `kernels::cuda::graph`). The graph holds no cache address and no key count,
+//! steps replay that graph. A replay does on the host only what a step must: advance each
+//! layer's cache by one token and plan each layer's attention over its new view (the same
+//! planning the captured launches did), then write the token id, the rotary tables and those
+//! plans into fixed device buffers and launch the graph. The graph holds no cache address and no key count,
 //! so it stays valid as caches grow, wrap or change; it holds the capturing thread's scratch
 //! buffers, so only that thread replays it (other threads run eagerly), and only while those
 //! buffers live: an eager launch that outgrows one (a long prefill, a batched step) replaces
@@ -18,33 +18,26 @@
 //! one of those) or quantized and already packed with scales in that dtype (growing or ring,
 //! or a batch of one; a quantized cache still below its `start` runs eagerly until the update
 //! that packs it). Quantized layers write K/V to a fresh buffer and quantize it into the
-//! slots their parameter block names. `CANDLE_GEMMA_CUDA_GRAPH=0` turns graphs off. A
-//! capture that fails (an op that reads back to the host, such as MoE routing on the sorted
-//! path, or an upload candle has not cached) turns them off for the model, rolls the caches
-//! back and runs the step eagerly; the reason is in [`TextModel::cuda_graph_state`].
+//! slots their parameter block names. [`crate::kernels::policy::LaunchPolicy::cuda_graph`]
+//! turns graphs off. A capture that fails (an op that reads back to the host, such as MoE
+//! routing on the sorted path, or an upload candle has not cached) turns them off for the
+//! model, rolls the caches back and runs the step eagerly; the reason is in
+//! [`TextModel::cuda_graph_state`].
 
 use std::sync::{Mutex, TryLockError};
 use std::thread::ThreadId;
 
-use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaSlice, DevicePtr};
-use candle_core::cuda_backend::CudaDevice;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 
 use super::model::TextModel;
+use super::routing::KvRouting;
 use super::step::Step;
+use super::KvInput;
 use crate::config::{KvSource, LayerKind};
-use crate::error::{Error, Result};
-use crate::kernels::cuda::batched::{address, step_descriptor};
-use crate::kernels::cuda::fused::kv_destination;
-use crate::kernels::cuda::graph::{self, Slot, StepParams};
-use crate::kernels::cuda::launch::kvq_destination;
-use crate::kernels::cuda::scratch;
+use crate::error::Result;
+use crate::kernels::ops::graph::{self, DecodeGraph, StepRecord};
 use crate::kernels::QueryPlan;
-use crate::kv::{KvView, ModelCache};
-
-/// Bytes of the parameter area: two blocks a layer (a `QsdpaSeq` is 192 bytes), ample for
-/// every Gemma 4 depth.
-const PARAM_BYTES: usize = 64 * 1024;
+use crate::kv::ModelCache;
 
 /// Eager decode steps before the capture (the first sizes the scratch buffers).
 const EAGER_STEPS: usize = 1;
@@ -77,41 +70,15 @@ impl Default for State {
     }
 }
 
-/// A captured step and the fixed buffers it reads.
+/// A captured step and the buffer its logits land in.
 struct Captured {
-    graph: CudaGraph,
+    /// The graph; its inputs are the token id `[1, 1]` u32 and the rotary tables (sliding,
+    /// full) `[2, 1, 1, head_dim / 2]`, in that order.
+    graph: DecodeGraph,
     thread: ThreadId,
-    /// What each parameter block feeds, as recorded at capture.
-    slots: Vec<Slot>,
-    /// The parameter area, `PARAM_BYTES` bytes, and its device address.
-    _params: CudaSlice<u8>,
-    params_at: u64,
-    /// Token id `[1, 1]` u32.
-    ids_at: u64,
-    /// Rotary tables (sliding, full), `[2, 1, 1, head_dim / 2]` each.
-    rope_at: [u64; 2],
     /// The step's logits `[1, vocab]` f32, written by the graph.
     out: Tensor,
-    /// Kept alive for the graph.
-    _inputs: (Tensor, Tensor, Tensor),
-    /// The device the graph runs on (to wait for its last replay before it is destroyed).
-    dev: CudaDevice,
-    /// The capturing thread's scratch generation (`scratch::generation`) the graph's
-    /// addresses belong to.
-    scratch_generation: u64,
 }
-
-impl Drop for Captured {
-    fn drop(&mut self) {
-        // The graph and its memory go only once its last replay has finished (a failed wait
-        // has no one to report to).
-        let _ = self.dev.cuda_stream().synchronize();
-    }
-}
-
-// SAFETY: the graph's handles may be used from any thread once the context is bound (every
-// launch binds it); the state is only touched under the mutex.
-unsafe impl Send for Captured {}
 
 // Models are shared across threads.
 const _: fn() = || {
@@ -120,27 +87,18 @@ const _: fn() = || {
     shared::<TextModel>();
 };
 
-fn enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("CANDLE_GEMMA_CUDA_GRAPH").map_or(true, |v| v != "0"))
-}
-
-fn cuda_device(device: &Device) -> Option<&CudaDevice> {
-    match device {
-        Device::Cuda(d) => Some(d),
-        _ => None,
-    }
-}
-
 impl DecodeGraphs {
     /// One line: whether steps replay a graph, and if not, why.
     pub(crate) fn describe(&self) -> String {
+        if let Some(why) = graph::unsupported() {
+            return format!("off: {why}");
+        }
         match self.state.try_lock() {
             Ok(s) => match &*s {
                 State::Cold { eager_steps } => {
                     format!("not captured yet ({eager_steps} eligible steps run)")
                 }
-                State::Ready(c) => format!("captured ({} parameter blocks)", c.slots.len()),
+                State::Ready(c) => format!("captured ({} parameter blocks)", c.graph.blocks()),
                 State::Off(why) => format!("off: {why}"),
             },
             Err(_) => "in use".to_string(),
@@ -162,10 +120,7 @@ impl DecodeGraphs {
             [seq] if seq.len() == 1 => seq[0],
             _ => return Ok(None),
         };
-        let Some(dev) = cuda_device(model.device()) else {
-            return Ok(None);
-        };
-        if !enabled() || !eligible(model, cache) {
+        if !graph::available(model.device()) || !eligible(model, cache) {
             return Ok(None);
         }
         let mut state = match self.state.try_lock() {
@@ -177,13 +132,15 @@ impl DecodeGraphs {
             State::Off(_) => Ok(None),
             State::Cold { eager_steps } if *eager_steps < EAGER_STEPS => {
                 *eager_steps += 1;
-                // candle uploads the shapes and strides of strided operands for its kernels;
-                // a capture must find each of them in candle's upload cache (a captured upload
-                // would read freed host memory at replay), so this step fills the cache.
-                let _uploads = dev.enable_cuda_graph_htod_cache();
-                Ok(Some(model.run_eager(batch, cache.offsets(), cache)?))
+                // A capture must find candle's uploads of shapes and strides in its upload
+                // cache, so this step fills the cache.
+                let offsets = cache.offsets();
+                let logits = graph::with_cached_uploads(model.device(), || {
+                    model.run_eager(batch, offsets, cache)
+                })?;
+                Ok(Some(logits))
             }
-            State::Cold { .. } => match capture(model, dev, id, cache)? {
+            State::Cold { .. } => match capture(model, id, cache)? {
                 Ok((captured, logits)) => {
                     *state = State::Ready(Box::new(captured));
                     Ok(Some(logits))
@@ -194,7 +151,7 @@ impl DecodeGraphs {
                 }
             },
             State::Ready(c) if c.thread != std::thread::current().id() => Ok(None),
-            State::Ready(c) => match replay(model, dev, c, id, cache)? {
+            State::Ready(c) => match replay(model, c, id, cache)? {
                 Replayed::Logits(logits) => Ok(Some(logits)),
                 Replayed::NotThisStep => Ok(None),
                 Replayed::Outgrown => {
@@ -214,7 +171,7 @@ impl DecodeGraphs {
 fn eligible(model: &TextModel, cache: &ModelCache) -> bool {
     let dtype = model.dtype();
     matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
-        && crate::kernels::fused_enabled(model.device())
+        && crate::kernels::ops::fused(model.device())
         && cache.layers.len() == model.config().layers.len()
         && model
             .config()
@@ -244,65 +201,44 @@ fn window_of(model: &TextModel, kind: LayerKind) -> Option<usize> {
 /// (the caller rolls back and runs it eagerly).
 fn record_step(
     model: &TextModel,
-    dev: &CudaDevice,
     cache: &mut ModelCache,
     pos: usize,
-    rec: &mut StepParams,
+    rec: &mut StepRecord,
 ) -> Result<bool> {
     let config = model.config();
-    let mut views: Vec<Option<KvView>> = vec![None; config.layers.len()];
+    let (device, dtype) = (model.device(), model.dtype());
+    let mut routing = KvRouting::new(&model.producers);
     for (i, plan) in config.layers.iter().enumerate() {
-        let view = match plan.kv {
-            KvSource::Own => {
-                let c = cache.layers[i].as_mut().ok_or_else(|| {
-                    Error::Input(format!(
-                        "layer {i} owns K/V but the cache has no entry for it"
-                    ))
-                })?;
-                if let Some((kd, vd)) = c.reserve_slots(1, model.device())? {
-                    rec.push(Slot::KvDestination, &kv_destination(&kd, &vd)?)?;
-                } else if let Some(parts) = c.reserve_packed_slots(1, model.device())? {
-                    let Some((dst, slot)) = kvq_destination(&parts, plan.head_dim, model.dtype())?
-                    else {
+        let view = match routing.input(i, plan.kv, cache)? {
+            KvInput::Own(c) => {
+                if let Some((kd, vd)) = c.reserve_slots(1, device)? {
+                    rec.kv_destination(&kd, &vd)?;
+                } else if let Some(parts) = c.reserve_packed_slots(1, device)? {
+                    if !rec.packed_kv_destination(&parts, plan.head_dim, dtype)? {
                         return Ok(false);
-                    };
-                    rec.push(slot, &dst)?;
+                    }
                 } else {
                     return Ok(false);
                 }
                 c.commit_slots(1)?
             }
-            KvSource::Shared { producer } => views[producer].clone().ok_or_else(|| {
-                Error::Input(format!(
-                    "layer {i} reads layer {producer}'s K/V, which was not produced"
-                ))
-            })?,
+            KvInput::Shared(view) => view.clone(),
         };
         let query = QueryPlan {
             q_offset: pos,
             window: window_of(model, plan.kind),
             scale: 1.0,
         };
-        let Ok((desc, bits)) = step_descriptor(
+        if !rec.attention(
             config.num_attention_heads,
             plan.head_dim,
-            model.dtype(),
+            dtype,
             &view,
             &query,
-            dev,
-        ) else {
+        )? {
             return Ok(false);
-        };
-        rec.push(
-            Slot::Attention {
-                splits: desc.p.n_split,
-                bits: bits as u32,
-            },
-            &desc,
-        )?;
-        if model.producers[i] {
-            views[i] = Some(view);
         }
+        routing.produced(i, Some(view));
     }
     Ok(true)
 }
@@ -312,7 +248,6 @@ fn record_step(
 /// before and the caller runs the step eagerly).
 fn capture(
     model: &TextModel,
-    dev: &CudaDevice,
     id: u32,
     cache: &mut ModelCache,
 ) -> Result<std::result::Result<(Captured, Tensor), String>> {
@@ -338,48 +273,25 @@ fn capture(
     let rope_s = model.rope_sliding.both(&[pos], 1, dtype, device)?;
     let rope_f = model.rope_full.both(&[pos], 1, dtype, device)?;
     let out = Tensor::zeros((1, model.config().vocab_size), DType::F32, device)?;
-    let params = dev.alloc_zeros::<u8>(PARAM_BYTES)?;
-    let params_at = params.device_ptr(&dev.cuda_stream()).0;
     let step = Step::from_both(vec![pos], 1, &rope_s, &rope_f)?;
-
-    // Candle's uploads come from the cache the eager step filled (a miss fails the capture).
-    // The fixed buffers above were made before, so none of them is a shared cache entry.
-    let uploads = dev.enable_cuda_graph_htod_cache();
-    graph::begin_capture(dev)?;
-    let (ran, rec) = graph::with_recording(StepParams::new(params_at, PARAM_BYTES), || {
+    let inputs = vec![ids.clone(), rope_s.clone(), rope_f.clone()];
+    let captured = DecodeGraph::capture(device, inputs, || {
         let logits = model.run(&ids, step, cache)?;
         out.slice_set(&logits, 0, 0)?;
-        Ok::<(), Error>(())
-    });
-    let ended = graph::end_capture(dev);
-    drop(uploads);
-    let graph = match (ran, ended) {
-        (Ok(()), Ok(Some(g))) => g,
-        (ran, ended) => {
+        Ok(())
+    })?;
+    let graph = match captured {
+        Ok(g) => g,
+        Err(why) => {
             cache.restore(&marks);
-            let why = match (ran, ended) {
-                (Err(e), _) => format!("capture failed: {e}"),
-                (_, Err(e)) => format!("capture failed: {e}"),
-                _ => "nothing was captured".to_string(),
-            };
             return Ok(Err(why));
         }
     };
-    rec.upload(dev)?;
-    graph.launch().map_err(candle_core::Error::wrap)?;
     let logits = out.copy()?;
     let captured = Captured {
         graph,
         thread: std::thread::current().id(),
-        slots: rec.slots().to_vec(),
-        _params: params,
-        params_at,
-        ids_at: address(&ids, dev)?,
-        rope_at: [address(&rope_s, dev)?, address(&rope_f, dev)?],
         out,
-        _inputs: (ids, rope_s, rope_f),
-        dev: dev.clone(),
-        scratch_generation: scratch::generation(),
     };
     Ok(Ok((captured, logits)))
 }
@@ -396,33 +308,18 @@ enum Replayed {
 }
 
 /// Replays the captured step for token `id`.
-fn replay(
-    model: &TextModel,
-    dev: &CudaDevice,
-    c: &Captured,
-    id: u32,
-    cache: &mut ModelCache,
-) -> Result<Replayed> {
-    // An eager launch since the capture (a longer prefill, a batch) replaced a scratch buffer
-    // the graph writes: its old address is freed, so capture again.
-    if scratch::generation() != c.scratch_generation {
+fn replay(model: &TextModel, c: &Captured, id: u32, cache: &mut ModelCache) -> Result<Replayed> {
+    if c.graph.outgrown() {
         return Ok(Replayed::Outgrown);
     }
     let Some(marks) = cache.marks() else {
         return Ok(Replayed::NotThisStep);
     };
     let pos = cache.offsets().first().copied().unwrap_or(0);
-    let mut rec = StepParams::new(c.params_at, PARAM_BYTES);
-    let recorded = record_step(model, dev, cache, pos, &mut rec);
-    let same_launches = rec.slots().len() == c.slots.len()
-        && rec
-            .slots()
-            .iter()
-            .zip(&c.slots)
-            .all(|(a, b)| std::mem::discriminant(a) == std::mem::discriminant(b));
-    let fits = same_launches && rec.slots().iter().zip(&c.slots).all(|(a, b)| a.fits(*b));
+    let mut rec = c.graph.record();
+    let recorded = record_step(model, cache, pos, &mut rec);
     match recorded {
-        Ok(true) if fits => {}
+        Ok(true) if c.graph.fits(&rec) => {}
         // More key splits than captured, or other launches (the model now decodes with a
         // cache of another kind or bits): capture again.
         Ok(true) => {
@@ -439,14 +336,9 @@ fn replay(
         }
     }
     let dtype = model.dtype();
-    graph::upload_bytes(dev, c.ids_at, &id.to_le_bytes())?;
-    for (rope, at) in [&model.rope_sliding, &model.rope_full]
-        .into_iter()
-        .zip(c.rope_at)
-    {
-        graph::upload_bytes(dev, at, &rope.both_bytes(&[pos], 1, dtype)?)?;
-    }
-    rec.upload(dev)?;
-    c.graph.launch().map_err(candle_core::Error::wrap)?;
+    let rope_s = model.rope_sliding.both_bytes(&[pos], 1, dtype)?;
+    let rope_f = model.rope_full.both_bytes(&[pos], 1, dtype)?;
+    c.graph
+        .replay(&rec, &[&id.to_le_bytes(), &rope_s, &rope_f])?;
     Ok(Replayed::Logits(c.out.copy()?))
 }

@@ -8,9 +8,10 @@ use super::mlp::Mlp;
 use super::moe::MoeBlock;
 use super::norm::RmsNorm;
 use super::step::Step;
-use super::{fused, Linear};
+use super::Linear;
 use crate::config::{Config, LayerPlan};
 use crate::error::{Error, Result};
+use crate::kernels::ops::norm::{self, ProductAddNorm};
 use crate::kv::KvView;
 use crate::weights::WeightStore;
 
@@ -162,7 +163,7 @@ impl DecoderLayer {
             None => self.input_layernorm.forward(x)?,
         };
         // The output projection, the residual add and the feed-forward input norms are one
-        // launch on CUDA decode (see `fused::product_add_norm`).
+        // launch on CUDA decode (see `kernels::ops::norm::product_add_norm`).
         let (attn, view) = self.self_attn.attend(&normed_in, step, kv)?;
         let o_proj = self.self_attn.o_proj();
         // The layer scalar multiplies the whole residual at the end of the layer: fold it into
@@ -175,16 +176,19 @@ impl DecoderLayer {
         };
         // On 26B-A4B both feed-forward inputs are norms of the same residual, computed in the
         // same pass; its two branch outputs meet in the layer's last residual add.
-        let (x, normed, normed_2) = fused::product_add_norm(
-            o_proj,
+        let (x, normed, normed_2) = norm::product_add_norm(
+            o_proj.weight(),
             &attn,
             None,
-            &fused::ProductAddNorm {
+            &ProductAddNorm {
                 res: x,
-                norm: &self.post_attention_layernorm,
+                norm: self.post_attention_layernorm.operand(),
                 scalar: None,
-                next: Some(&self.pre_feedforward_layernorm),
-                next2: self.moe.as_ref().map(|m| &m.pre_feedforward_layernorm_2),
+                next: Some(self.pre_feedforward_layernorm.operand()),
+                next2: self
+                    .moe
+                    .as_ref()
+                    .map(|m| m.pre_feedforward_layernorm_2.operand()),
             },
         )?;
         let normed = normed.ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
@@ -194,13 +198,13 @@ impl DecoderLayer {
             let dense = self.mlp.forward(&normed)?;
             let experts = m.block.forward(&x, &normed_2)?;
             if ple.is_none() {
-                let (x, next_normed) = fused::add_two_branch_norm(
+                let (x, next_normed) = norm::add_two_branch_norm(
                     &x,
-                    (&dense, &m.post_feedforward_layernorm_1),
-                    (&experts, &m.post_feedforward_layernorm_2),
-                    &self.post_feedforward_layernorm,
+                    (&dense, m.post_feedforward_layernorm_1.operand()),
+                    (&experts, m.post_feedforward_layernorm_2.operand()),
+                    self.post_feedforward_layernorm.operand(),
                     scalar,
-                    next_norm,
+                    next_norm.map(RmsNorm::operand),
                 )?;
                 return Ok(LayerOutput {
                     x,
@@ -210,19 +214,29 @@ impl DecoderLayer {
             }
             let ff = (m.post_feedforward_layernorm_1.forward(&dense)?
                 + m.post_feedforward_layernorm_2.forward(&experts)?)?;
-            let (x, _) = fused::add_norm(&x, &ff, &self.post_feedforward_layernorm, None, None)?;
+            let (x, _) = norm::add_norm(
+                &x,
+                &ff,
+                self.post_feedforward_layernorm.operand(),
+                None,
+                None,
+            )?;
             return self.finish_ple(x, ple, next_norm, view);
         }
         let (input, up) = self.mlp.down_input(&normed)?;
-        let (x, next_normed, _) = fused::product_add_norm(
-            self.mlp.down_proj(),
+        let (x, next_normed, _) = norm::product_add_norm(
+            self.mlp.down_proj().weight(),
             &input,
             up.as_ref(),
-            &fused::ProductAddNorm {
+            &ProductAddNorm {
                 res: &x,
-                norm: &self.post_feedforward_layernorm,
+                norm: self.post_feedforward_layernorm.operand(),
                 scalar,
-                next: if ple.is_none() { next_norm } else { None },
+                next: if ple.is_none() {
+                    next_norm.map(RmsNorm::operand)
+                } else {
+                    None
+                },
                 next2: None,
             },
         )?;
@@ -250,15 +264,15 @@ impl DecoderLayer {
                 "finish_ple called for a layer without a PLE gate".into(),
             ));
         };
-        let (x, next_normed, _) = fused::product_add_norm(
-            &g.per_layer_projection,
+        let (x, next_normed, _) = norm::product_add_norm(
+            g.per_layer_projection.weight(),
             &g.per_layer_input_gate.forward(&x)?,
             Some(ple),
-            &fused::ProductAddNorm {
+            &ProductAddNorm {
                 res: &x,
-                norm: &g.post_per_layer_input_norm,
+                norm: g.post_per_layer_input_norm.operand(),
                 scalar: Some(&self.layer_scalar),
-                next: next_norm,
+                next: next_norm.map(RmsNorm::operand),
                 next2: None,
             },
         )?;
@@ -298,6 +312,6 @@ impl DecoderLayer {
             + norms
             + moe
             + ple
-            + super::tensor_bytes(&self.layer_scalar)
+            + crate::kernels::ops::tensor_bytes(&self.layer_scalar)
     }
 }

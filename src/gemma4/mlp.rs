@@ -4,6 +4,7 @@ use candle_core::Tensor;
 
 use super::Linear;
 use crate::error::Result;
+use crate::kernels::ops::geglu::geglu_matvec;
 use crate::weights::WeightStore;
 
 /// The gate and up projections: stacked into one `[gate; up]` product when both are dense (or
@@ -83,14 +84,9 @@ impl Mlp {
     /// # Errors
     /// Shape mismatch.
     pub fn down_input(&self, x: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
-        #[cfg(feature = "cuda")]
         if let GateUp::Stacked { weight, .. } = &self.gate_up {
-            if let Some(w) = weight.dense_weight() {
-                if crate::kernels::fused_enabled(x.device()) {
-                    if let Some(h) = crate::kernels::cuda::fused::dense_matvec_geglu(x, w)? {
-                        return Ok((h, None));
-                    }
-                }
+            if let Some(h) = geglu_matvec(x, weight.weight())? {
+                return Ok((h, None));
             }
         }
         let (gate, up) = self.gate_and_up(x)?;

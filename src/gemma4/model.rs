@@ -3,16 +3,16 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::attention::KvInput;
 use super::layer::DecoderLayer;
 use super::norm::RmsNorm;
 use super::ple::{self, scale_in_dtype, PerLayerEmbeddings};
 use super::rope::Rope;
+use super::routing::KvRouting;
 use super::step::Step;
 use super::{Embedding, Linear};
 use crate::config::{Config, KvSource, LayerKind};
 use crate::error::{Error, Result};
-use crate::kv::{KvView, LayerCacheSpec, ModelCache};
+use crate::kv::{LayerCacheSpec, ModelCache};
 use crate::weights::WeightStore;
 
 /// Longest run of new tokens one forward pass takes at once; longer prompts are split.
@@ -36,7 +36,6 @@ pub struct TextModel {
     dtype: DType,
     device: Device,
     /// Captured batch-1 decode steps (shared by clones of the model).
-    #[cfg(feature = "cuda")]
     graphs: std::sync::Arc<super::graph::DecodeGraphs>,
 }
 
@@ -86,7 +85,6 @@ impl TextModel {
             dtype: vb.dtype(),
             device: vb.device().clone(),
             config,
-            #[cfg(feature = "cuda")]
             graphs: Default::default(),
         })
     }
@@ -108,7 +106,6 @@ impl TextModel {
     }
 
     /// Whether batch-1 decode steps run as a CUDA graph, and if not, why (one line).
-    #[cfg(feature = "cuda")]
     pub fn cuda_graph_state(&self) -> String {
         self.graphs.describe()
     }
@@ -231,7 +228,6 @@ impl TextModel {
     fn forward_chunk(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
         let offsets = cache.offsets();
         self.validate(batch, &offsets)?;
-        #[cfg(feature = "cuda")]
         if let Some(logits) = self.graphs.decode(self, batch, cache)? {
             return Ok(logits);
         }
@@ -282,7 +278,7 @@ impl TextModel {
             None => None,
         };
 
-        let mut views: Vec<Option<KvView>> = vec![None; self.layers.len()];
+        let mut routing = KvRouting::new(&self.producers);
         // The next layer's input norm, computed by the previous layer's last residual add.
         let mut normed: Option<Tensor> = None;
         if cache.layers.len() != self.layers.len() {
@@ -301,20 +297,7 @@ impl TextModel {
                 ple_all = ple_all.map(|p| p.narrow(1, last, 1)).transpose()?;
                 step = step.last_only()?;
             }
-            let kv = match layer.plan.kv {
-                KvSource::Own => KvInput::Own(cache.layers[i].as_mut().ok_or_else(|| {
-                    Error::Input(format!(
-                        "layer {i} owns K/V but the cache has no entry for it"
-                    ))
-                })?),
-                KvSource::Shared { producer } => {
-                    KvInput::Shared(views[producer].as_ref().ok_or_else(|| {
-                        Error::Input(format!(
-                            "layer {i} reads layer {producer}'s K/V, which was not produced"
-                        ))
-                    })?)
-                }
-            };
+            let kv = routing.input(i, layer.plan.kv, cache)?;
             let ple_l = ple_all
                 .as_ref()
                 .map(|p| ple::layer_slice(p, i))
@@ -322,9 +305,7 @@ impl TextModel {
             let next_norm = self.layers.get(i + 1).map(DecoderLayer::input_norm);
             let out =
                 layer.forward_chained(&x, normed.as_ref(), &step, ple_l.as_ref(), kv, next_norm)?;
-            if self.producers[i] {
-                views[i] = out.view;
-            }
+            routing.produced(i, out.view);
             x = out.x;
             normed = out.next_normed;
         }

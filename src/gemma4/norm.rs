@@ -4,6 +4,8 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
+use crate::kernels::ops::Norm;
+
 /// RMSNorm over the last axis, with or without a learned scale.
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
@@ -34,8 +36,7 @@ impl RmsNorm {
     /// # Errors
     /// Last axis not equal to the weight's length.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.contiguous()?;
-        candle_nn::ops::rms_norm(&x, &self.weight.to_dtype(x.dtype())?, self.eps)
+        crate::kernels::ops::norm::rms_norm(x, self.operand())
     }
 }
 
@@ -50,8 +51,16 @@ impl RmsNorm {
         f64::from(self.eps)
     }
 
+    /// The norm as the kernels take it.
+    pub(crate) fn operand(&self) -> Norm<'_> {
+        Norm {
+            weight: &self.weight,
+            eps: self.eps(),
+        }
+    }
+
     /// Bytes of the scale.
     pub fn resident_bytes(&self) -> usize {
-        super::tensor_bytes(&self.weight)
+        crate::kernels::ops::tensor_bytes(&self.weight)
     }
 }

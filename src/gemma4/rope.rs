@@ -127,14 +127,6 @@ fn upload_in_dtype(
     }
 }
 
-/// Applies rotate-half RoPE to `x` `[batch, heads, seq_len, head_dim]`.
-///
-/// # Errors
-/// Shapes that disagree with the tables.
-pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

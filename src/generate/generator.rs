@@ -269,15 +269,16 @@ impl Stream<'_, '_> {
         s
     }
 
-    /// The next token from the current logits. Plain greedy decoding on CUDA takes the argmax
-    /// on the device and copies one id back; anything else copies the logits to the sampler.
+    /// The next token from the current logits. Plain greedy decoding takes the argmax on the
+    /// device where it has a kernel for it and copies one id back; anything else copies the
+    /// logits to the sampler.
     fn pick(&mut self) -> Result<u32> {
-        #[cfg(feature = "cuda")]
-        if self.sampler.is_plain_greedy() && self.logits.device().is_cuda() {
+        if self.sampler.is_plain_greedy() {
             let rows = self.logits.unsqueeze(0)?;
-            let ids = crate::kernels::cuda::fused::argmax_rows(&rows)?.to_vec1::<u32>()?;
-            if let Some(&id) = ids.first() {
-                return Ok(id);
+            if let Some(ids) = crate::kernels::ops::argmax::argmax_rows(&rows)? {
+                if let Some(&id) = ids.to_vec1::<u32>()?.first() {
+                    return Ok(id);
+                }
             }
         }
         let host = self.logits.to_vec1::<f32>()?;

@@ -22,6 +22,7 @@ pub(crate) mod kv_write;
 mod layout;
 pub mod metal;
 mod operand;
+pub(crate) mod ops;
 pub mod plan;
 pub mod policy;
 mod positions;

@@ -1,0 +1,347 @@
+//! Decode-step capture and replay: the device side of the decode-graph driver
+//! (`gemma4::graph`).
+//!
+//! On CUDA a captured step is a CUDA graph (see `kernels::cuda::graph`): the launches read the
+//! arguments that change from step to step from a parameter area in device memory, which the
+//! host rewrites before each replay ([`StepRecord`]), and read the token id and rotary tables
+//! from fixed input buffers, rewritten the same way. Off CUDA nothing can be captured:
+//! [`available`] is `false` and [`DecodeGraph::capture`] says why.
+
+use candle_core::Device;
+
+pub(crate) use imp::{with_cached_uploads, DecodeGraph, StepRecord};
+
+/// Whether decode steps on `device` may be captured: the `cuda` feature is built, `device` is a
+/// CUDA device and [`crate::kernels::policy::LaunchPolicy::cuda_graph`] is on.
+pub(crate) fn available(device: &Device) -> bool {
+    cfg!(feature = "cuda") && device.is_cuda() && crate::kernels::policy::current().cuda_graph
+}
+
+/// Why this build captures nothing (`None` where it can capture).
+pub(crate) fn unsupported() -> Option<&'static str> {
+    (!cfg!(feature = "cuda")).then_some("the cuda feature is not built")
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use candle_core::cuda_backend::cudarc::driver::{CudaGraph, CudaSlice, DevicePtr};
+    use candle_core::cuda_backend::CudaDevice;
+    use candle_core::{DType, Device, Tensor};
+
+    use crate::error::Result;
+    use crate::kernels::cuda::batched::{address, step_descriptor};
+    use crate::kernels::cuda::fused::kv_destination;
+    use crate::kernels::cuda::graph::{self, Slot, StepParams};
+    use crate::kernels::cuda::launch::kvq_destination;
+    use crate::kernels::cuda::scratch;
+    use crate::kernels::QueryPlan;
+    use crate::kv::KvView;
+
+    /// Bytes of the parameter area: two blocks a layer (a `QsdpaSeq` is 192 bytes), ample for
+    /// every Gemma 4 depth.
+    const PARAM_BYTES: usize = 64 * 1024;
+
+    fn cuda_device(device: &Device) -> Option<&CudaDevice> {
+        match device {
+            Device::Cuda(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// Runs `f` with candle's uploads of the shapes and strides of strided operands going
+    /// through its upload cache: an eager step fills it, and a capture must find each upload
+    /// there (a captured upload would read freed host memory at replay). Off CUDA devices `f`
+    /// just runs.
+    pub(crate) fn with_cached_uploads<R>(device: &Device, f: impl FnOnce() -> R) -> R {
+        let _uploads = cuda_device(device).map(CudaDevice::enable_cuda_graph_htod_cache);
+        f()
+    }
+
+    /// The parameter blocks of one replayed step, in launch order: where each KV-owning layer
+    /// writes its new K and V, and each layer's attention over its view.
+    pub(crate) struct StepRecord {
+        params: StepParams,
+        dev: CudaDevice,
+    }
+
+    impl StepRecord {
+        /// Records where a layer's new K and V go: dense slots `kd`, `vd`
+        /// (`[1, kv_heads, 1, head_dim]` views).
+        ///
+        /// # Errors
+        /// Slots not laid out as the kernel writes them; the area is full.
+        pub(crate) fn kv_destination(&mut self, kd: &Tensor, vd: &Tensor) -> Result<()> {
+            self.params
+                .push(Slot::KvDestination, &kv_destination(kd, vd)?)?;
+            Ok(())
+        }
+
+        /// Records where a layer's new K and V are quantized to: packed slots `parts` (codes,
+        /// scales, biases of K, then of V). `false`: the slots are not laid out as the kernel
+        /// writes them (the step cannot replay).
+        ///
+        /// # Errors
+        /// Slots not on the device; the area is full.
+        pub(crate) fn packed_kv_destination(
+            &mut self,
+            parts: &[Tensor],
+            head_dim: usize,
+            dtype: DType,
+        ) -> Result<bool> {
+            let Some((dst, slot)) = kvq_destination(parts, head_dim, dtype)? else {
+                return Ok(false);
+            };
+            self.params.push(slot, &dst)?;
+            Ok(true)
+        }
+
+        /// Records one layer's attention of `n_heads` queries over `view`. `false`: the view
+        /// does not suit a captured launch (the step cannot replay).
+        ///
+        /// # Errors
+        /// The area is full.
+        pub(crate) fn attention(
+            &mut self,
+            n_heads: usize,
+            head_dim: usize,
+            dtype: DType,
+            view: &KvView,
+            plan: &QueryPlan,
+        ) -> Result<bool> {
+            let Ok((desc, bits)) = step_descriptor(n_heads, head_dim, dtype, view, plan, &self.dev)
+            else {
+                return Ok(false);
+            };
+            let slot = Slot::Attention {
+                splits: desc.p.n_split,
+                bits: bits as u32,
+            };
+            self.params.push(slot, &desc)?;
+            Ok(true)
+        }
+    }
+
+    /// A captured decode step: the graph, its parameter area and its fixed input buffers.
+    pub(crate) struct DecodeGraph {
+        graph: CudaGraph,
+        /// What each parameter block feeds, as recorded at capture.
+        slots: Vec<Slot>,
+        /// The parameter area, `PARAM_BYTES` bytes, and its device address.
+        _params: CudaSlice<u8>,
+        params_at: u64,
+        /// The inputs rewritten before each replay, kept alive for the graph, and their
+        /// device addresses.
+        inputs: Vec<(Tensor, u64)>,
+        /// The device the graph runs on (to wait for its last replay before it is destroyed).
+        dev: CudaDevice,
+        /// The capturing thread's scratch generation (`scratch::generation`) the graph's
+        /// addresses belong to.
+        scratch_generation: u64,
+    }
+
+    impl Drop for DecodeGraph {
+        fn drop(&mut self) {
+            // The graph and its memory go only once its last replay has finished (a failed
+            // wait has no one to report to).
+            let _ = self.dev.cuda_stream().synchronize();
+        }
+    }
+
+    // SAFETY: the graph's handles may be used from any thread once the context is bound (every
+    // launch binds it); its owner touches it only under a mutex.
+    unsafe impl Send for DecodeGraph {}
+
+    impl DecodeGraph {
+        /// Captures what `run` launches on `device` into a graph and launches it once. `inputs`
+        /// are the buffers `run` reads that [`DecodeGraph::replay`] rewrites, in that order.
+        /// The outer error is a failure of the step itself; the inner one says why no graph
+        /// could be made (the caller then undoes what `run` changed and runs the step eagerly).
+        ///
+        /// # Errors
+        /// Device errors of the allocation, the upload or the launch.
+        pub(crate) fn capture(
+            device: &Device,
+            inputs: Vec<Tensor>,
+            run: impl FnOnce() -> Result<()>,
+        ) -> Result<std::result::Result<Self, String>> {
+            let Some(dev) = cuda_device(device) else {
+                return Ok(Err("not a CUDA device".to_string()));
+            };
+            let params = dev.alloc_zeros::<u8>(PARAM_BYTES)?;
+            let params_at = params.device_ptr(&dev.cuda_stream()).0;
+            // Candle's uploads come from the cache the eager step filled (a miss fails the
+            // capture). The fixed buffers were made before, so none of them is a shared cache
+            // entry.
+            let uploads = dev.enable_cuda_graph_htod_cache();
+            graph::begin_capture(dev)?;
+            let (ran, rec) = graph::with_recording(StepParams::new(params_at, PARAM_BYTES), run);
+            let ended = graph::end_capture(dev);
+            drop(uploads);
+            let graph = match (ran, ended) {
+                (Ok(()), Ok(Some(g))) => g,
+                (Err(e), _) => return Ok(Err(format!("capture failed: {e}"))),
+                (_, Err(e)) => return Ok(Err(format!("capture failed: {e}"))),
+                _ => return Ok(Err("nothing was captured".to_string())),
+            };
+            rec.upload(dev)?;
+            graph.launch().map_err(candle_core::Error::wrap)?;
+            let inputs = inputs
+                .into_iter()
+                .map(|t| {
+                    let at = address(&t, dev)?;
+                    Ok((t, at))
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            Ok(Ok(Self {
+                graph,
+                slots: rec.slots().to_vec(),
+                _params: params,
+                params_at,
+                inputs,
+                dev: dev.clone(),
+                scratch_generation: scratch::generation(),
+            }))
+        }
+
+        /// Parameter blocks a step records.
+        pub(crate) fn blocks(&self) -> usize {
+            self.slots.len()
+        }
+
+        /// Whether an eager launch since the capture (a longer prefill, a batch) replaced a
+        /// scratch buffer the graph writes: its old address is freed, so the graph must not
+        /// replay.
+        pub(crate) fn outgrown(&self) -> bool {
+            scratch::generation() != self.scratch_generation
+        }
+
+        /// An empty record of the next step's parameter blocks.
+        pub(crate) fn record(&self) -> StepRecord {
+            StepRecord {
+                params: StepParams::new(self.params_at, PARAM_BYTES),
+                dev: self.dev.clone(),
+            }
+        }
+
+        /// Whether `rec` feeds the captured launches: the same blocks in the same order, each
+        /// within what its launch covers (attention splits, quantization).
+        pub(crate) fn fits(&self, rec: &StepRecord) -> bool {
+            let slots = rec.params.slots();
+            slots.len() == self.slots.len()
+                && slots
+                    .iter()
+                    .zip(&self.slots)
+                    .all(|(a, b)| std::mem::discriminant(a) == std::mem::discriminant(b))
+                && slots.iter().zip(&self.slots).all(|(a, b)| a.fits(*b))
+        }
+
+        /// Writes `inputs` (the bytes of each capture input, in order) and `rec` to the device
+        /// and launches the graph.
+        ///
+        /// # Errors
+        /// Device errors.
+        pub(crate) fn replay(&self, rec: &StepRecord, inputs: &[&[u8]]) -> Result<()> {
+            for ((_, at), bytes) in self.inputs.iter().zip(inputs) {
+                graph::upload_bytes(&self.dev, *at, bytes)?;
+            }
+            rec.params.upload(&self.dev)?;
+            self.graph.launch().map_err(candle_core::Error::wrap)?;
+            Ok(())
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    use candle_core::{DType, Device, Tensor};
+
+    use crate::error::Result;
+    use crate::kernels::QueryPlan;
+    use crate::kv::KvView;
+
+    /// No value: nothing is captured without the `cuda` feature.
+    enum Never {}
+
+    /// Runs `f` (candle's upload cache exists on CUDA only).
+    pub(crate) fn with_cached_uploads<R>(_device: &Device, f: impl FnOnce() -> R) -> R {
+        f()
+    }
+
+    /// The parameter blocks of one replayed step (none exist without CUDA).
+    pub(crate) struct StepRecord {
+        never: Never,
+    }
+
+    impl StepRecord {
+        /// See the CUDA build.
+        pub(crate) fn kv_destination(&mut self, _kd: &Tensor, _vd: &Tensor) -> Result<()> {
+            match self.never {}
+        }
+
+        /// See the CUDA build.
+        pub(crate) fn packed_kv_destination(
+            &mut self,
+            _parts: &[Tensor],
+            _head_dim: usize,
+            _dtype: DType,
+        ) -> Result<bool> {
+            match self.never {}
+        }
+
+        /// See the CUDA build.
+        pub(crate) fn attention(
+            &mut self,
+            _n_heads: usize,
+            _head_dim: usize,
+            _dtype: DType,
+            _view: &KvView,
+            _plan: &QueryPlan,
+        ) -> Result<bool> {
+            match self.never {}
+        }
+    }
+
+    /// A captured decode step (none exist without CUDA).
+    pub(crate) struct DecodeGraph {
+        never: Never,
+    }
+
+    impl DecodeGraph {
+        /// Nothing can be captured without the `cuda` feature.
+        ///
+        /// # Errors
+        /// None.
+        pub(crate) fn capture(
+            _device: &Device,
+            _inputs: Vec<Tensor>,
+            _run: impl FnOnce() -> Result<()>,
+        ) -> Result<std::result::Result<Self, String>> {
+            Ok(Err("the cuda feature is off".to_string()))
+        }
+
+        /// See the CUDA build.
+        pub(crate) fn blocks(&self) -> usize {
+            match self.never {}
+        }
+
+        /// See the CUDA build.
+        pub(crate) fn outgrown(&self) -> bool {
+            match self.never {}
+        }
+
+        /// See the CUDA build.
+        pub(crate) fn record(&self) -> StepRecord {
+            match self.never {}
+        }
+
+        /// See the CUDA build.
+        pub(crate) fn fits(&self, _rec: &StepRecord) -> bool {
+            match self.never {}
+        }
+
+        /// See the CUDA build.
+        pub(crate) fn replay(&self, _rec: &StepRecord, _inputs: &[&[u8]]) -> Result<()> {
+            match self.never {}
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! Mixture of experts: routing (top-k of the router logits, softmax over the picks, a scale per
+//! expert) and the routed GeGLU expert products, summed with the routing weights.
+//!
+//! With the fused CUDA kernels the routing stays on the device and the experts run grouped by
+//! expert (each picked expert's rows read once per call), or, for many tokens, sorted by expert
+//! into batched tensor-core matmuls. Elsewhere the routing is read back to the host and each
+//! expert runs one matmul over the tokens routed to it, which is the reference.
+
+use candle_core::{DType, Tensor};
+
+use super::geglu::gelu_mul;
+use super::{matvec, Norm, Weight};
+use crate::error::Result;
+use crate::kernels::qmatmul::{qmatmul, PackedWeight};
+
+/// One stack of expert matrices `[E, out, in]`: dense, or MLX-packed and kept packed.
+#[derive(Debug, Clone)]
+pub(crate) enum ExpertWeights {
+    /// `[E, out, in]` in the model's dtype.
+    Dense(Tensor),
+    /// `[E * out, in]` packed: expert `e` owns rows `e * out ..`.
+    Packed {
+        /// The stacked rows.
+        weight: PackedWeight,
+        /// `E`.
+        experts: usize,
+    },
+}
+
+impl ExpertWeights {
+    /// The number of experts `E`.
+    ///
+    /// # Errors
+    /// A dense stack that is not 3-D.
+    pub(crate) fn count(&self) -> Result<usize> {
+        match self {
+            ExpertWeights::Dense(t) => Ok(t.dim(0)?),
+            ExpertWeights::Packed { experts, .. } => Ok(*experts),
+        }
+    }
+
+    /// Expert `e`'s product `x · W_eᵀ`: `x` `[n, in]` → `[n, out]`.
+    fn product(&self, e: usize, x: &Tensor) -> Result<Tensor> {
+        match self {
+            ExpertWeights::Dense(t) => Ok(x.matmul(&t.get(e)?.t()?)?),
+            ExpertWeights::Packed { weight, experts } => {
+                let out = weight.out_dim / experts;
+                qmatmul(x, &weight.narrow_rows(e * out, out)?)
+            }
+        }
+    }
+
+    /// The routed products on the device (see `grouped_matvec`).
+    #[cfg(feature = "cuda")]
+    fn grouped(&self, idx: &Tensor, x: &Tensor, x_per_token: bool) -> Result<Tensor> {
+        use crate::kernels::cuda::fused::{grouped_matvec, grouped_qmatvec};
+        Ok(match self {
+            ExpertWeights::Dense(t) => grouped_matvec(t, idx, x, x_per_token)?,
+            ExpertWeights::Packed { weight, experts } => {
+                grouped_qmatvec(weight, *experts, idx, x, x_per_token)?
+            }
+        })
+    }
+
+    /// The routed products over `gelu_tanh(a) * b`, the gate inside the kernel where it fits.
+    #[cfg(feature = "cuda")]
+    fn grouped_gated(&self, idx: &Tensor, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
+        use crate::kernels::cuda::fused::{grouped_matvec_gated, grouped_qmatvec_gated};
+        Ok(match self {
+            ExpertWeights::Dense(t) => grouped_matvec_gated(t, idx, a, b)?,
+            ExpertWeights::Packed { weight, experts } => {
+                grouped_qmatvec_gated(weight, *experts, idx, a, b)?
+            }
+        })
+    }
+
+    /// Bytes of resident weights (packed experts at their packed size).
+    pub(crate) fn resident_bytes(&self) -> usize {
+        match self {
+            ExpertWeights::Dense(t) => super::tensor_bytes(t),
+            ExpertWeights::Packed { weight, .. } => weight.packed_bytes(),
+        }
+    }
+}
+
+/// The router: `softmax` over the top-k logits of `norm(x) · projᵀ`, times `per_expert_scale`
+/// (softmax over the selected logits equals the renormalised full softmax).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Router<'a> {
+    /// `[E, H]`.
+    pub proj: &'a Weight,
+    /// The router's input norm (scale and `H^-½` folded into its weight).
+    pub norm: Norm<'a>,
+    /// `[E]` host copy.
+    pub per_expert_scale: &'a [f32],
+    /// `[E]` f32 on the model's device (for routing without a host round trip).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub per_expert_scale_dev: &'a Tensor,
+    /// Picks per token.
+    pub top_k: usize,
+}
+
+/// The expert weights, gate and up stacked.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Experts<'a> {
+    /// `[E, 2I, H]`: gate rows, then up rows.
+    pub gate_up: &'a ExpertWeights,
+    /// `[E, H, I]`.
+    pub down: &'a ExpertWeights,
+    /// `I`.
+    pub width: usize,
+}
+
+/// The routed expert sum of `x` `[tokens, H]`, routed by `router_input` `[tokens, H]`:
+/// `[tokens, H]`.
+///
+/// # Errors
+/// Shape mismatch; [`crate::Error::Input`] for a routing outside the experts.
+pub(crate) fn moe(
+    router_input: &Tensor,
+    x: &Tensor,
+    router: &Router<'_>,
+    experts: &Experts<'_>,
+) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if super::fused(x.device()) {
+        return on_device(router_input, x, router, experts);
+    }
+    let routes = route_on_host(router_input, router)?;
+    let n_experts = experts.gate_up.count()?;
+    // Group tokens by expert so each expert runs one matmul over its tokens.
+    let mut by_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); n_experts];
+    for (token, picks) in routes.iter().enumerate() {
+        for &(e, w) in picks {
+            by_expert[e].0.push(token as u32);
+            by_expert[e].1.push(w);
+        }
+    }
+    let width = experts.width;
+    let mut out = Tensor::zeros(x.dims(), x.dtype(), x.device())?;
+    for (e, (tokens, weights)) in by_expert.into_iter().enumerate() {
+        if tokens.is_empty() {
+            continue;
+        }
+        let n = tokens.len();
+        let idx = Tensor::from_vec(tokens, n, x.device())?;
+        let xe = x.index_select(&idx, 0)?;
+        let gu = experts.gate_up.product(e, &xe)?;
+        let hidden = gelu_mul(&gu.narrow(1, 0, width)?, &gu.narrow(1, width, width)?)?;
+        let y = experts.down.product(e, &hidden)?;
+        let w = Tensor::from_vec(weights, (n, 1), x.device())?.to_dtype(y.dtype())?;
+        out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
+    }
+    Ok(out)
+}
+
+/// Routes `x` `[tokens, H]` on the host: for each token, `(expert, weight)` pairs.
+fn route_on_host(x: &Tensor, r: &Router<'_>) -> Result<Vec<Vec<(usize, f32)>>> {
+    let logits = matvec::normed_matmul(x, r.norm, r.proj)?;
+    let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    Ok(logits
+        .into_iter()
+        .map(|row| {
+            let mut idx: Vec<usize> = (0..row.len()).collect();
+            idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            idx.truncate(r.top_k);
+            let max = idx.first().map_or(0.0, |&i| row[i]);
+            let exps: Vec<f32> = idx.iter().map(|&i| (row[i] - max).exp()).collect();
+            let sum: f32 = exps.iter().sum();
+            idx.iter()
+                .zip(exps)
+                .map(|(&e, w)| (e, w / sum * r.per_expert_scale[e]))
+                .collect()
+        })
+        .collect())
+}
+
+/// Routing and experts without a host round trip (CUDA): top-k on the device, then the routed
+/// expert products grouped by expert, so each picked expert's rows are read once per call. Long
+/// inputs run in slices of at most `GROUPED_MAX_PAIRS / top_k` tokens; more tokens than
+/// [`crate::kernels::policy::LaunchPolicy::moe_grouped_max_tokens`] take the sorted path.
+#[cfg(feature = "cuda")]
+fn on_device(
+    router_input: &Tensor,
+    x: &Tensor,
+    r: &Router<'_>,
+    experts: &Experts<'_>,
+) -> Result<Tensor> {
+    use crate::kernels::cuda::fused::{moe_mix, moe_route, GROUPED_MAX_PAIRS};
+    let logits = matvec::normed_matmul(router_input, r.norm, r.proj)?;
+    let tokens = logits.dim(0)?;
+    if tokens > crate::kernels::policy::current().moe_grouped_max_tokens {
+        let (idx, mix) = moe_route(&logits, r.per_expert_scale_dev, r.top_k)?;
+        return sorted(x, &idx, &mix, experts);
+    }
+    let slice = (GROUPED_MAX_PAIRS / r.top_k).max(1);
+    let width = experts.width;
+    let mut outs = Vec::with_capacity(tokens.div_ceil(slice));
+    for start in (0..tokens).step_by(slice) {
+        let n = slice.min(tokens - start);
+        let (idx, mix) = moe_route(
+            &logits.narrow(0, start, n)?,
+            r.per_expert_scale_dev,
+            r.top_k,
+        )?;
+        let gu = experts
+            .gate_up
+            .grouped(&idx, &x.narrow(0, start, n)?, true)?;
+        let (gate, up) = (gu.narrow(1, 0, width)?, gu.narrow(1, width, width)?);
+        // The gate inside the down product where its rows fit the kernel's shared memory.
+        let y = match experts.down.grouped_gated(&idx, &gate, &up)? {
+            Some(y) => y,
+            None => {
+                let hidden = gelu_mul(&gate, &up)?;
+                experts.down.grouped(&idx, &hidden, false)?
+            }
+        };
+        outs.push(moe_mix(&y, &mix)?);
+    }
+    Ok(if outs.len() == 1 {
+        outs.remove(0)
+    } else {
+        Tensor::cat(&outs, 0)?
+    })
+}
+
+/// Many tokens (prefill): the picks are grouped by expert on the host (one copy of the routing
+/// per layer). Dense experts: one `[experts, longest group, hidden]` block padded with row 0,
+/// and both expert products as one batched tensor-core matmul each (padding rows are computed
+/// and dropped). Packed experts: one product per picked expert over its rows (each dequantizes
+/// that expert for the GEMM).
+#[cfg(feature = "cuda")]
+fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Result<Tensor> {
+    use crate::error::Error;
+    use crate::kernels::cuda::fused::moe_mix;
+    let (_, k) = idx.dims2()?;
+    let picks = idx.flatten_all()?.to_vec1::<u32>()?;
+    let n_experts = experts.gate_up.count()?;
+    let mut groups: Vec<Vec<u32>> = vec![Vec::new(); n_experts];
+    for (p, &e) in picks.iter().enumerate() {
+        let e = e as usize;
+        if e >= n_experts {
+            return Err(Error::Input(format!(
+                "router picked expert {e} of {n_experts}"
+            )));
+        }
+        groups[e].push(p as u32);
+    }
+    let dev = x.device();
+    let h = x.dim(1)?;
+    let width = experts.width;
+    let gelu_halves = |gu: &Tensor, dim: usize| -> Result<Tensor> {
+        gelu_mul(&gu.narrow(dim, 0, width)?, &gu.narrow(dim, width, width)?)
+    };
+    let u32s = |v: Vec<u32>| -> Result<Tensor> {
+        let n = v.len();
+        Ok(Tensor::from_vec(v, n, dev)?)
+    };
+    // Output rows in some slot order, and the slot of each pair for the way back.
+    let mut slot_of = vec![0u32; picks.len()];
+    let stacked = match (experts.gate_up, experts.down) {
+        (ExpertWeights::Dense(gate_up), ExpertWeights::Dense(down)) => {
+            let longest = groups.iter().map(Vec::len).max().unwrap_or(0).max(1);
+            // Row of each padded slot (token of the pair, or 0 for padding).
+            let mut rows = vec![0u32; n_experts * longest];
+            for (e, g) in groups.iter().enumerate() {
+                for (i, &p) in g.iter().enumerate() {
+                    rows[e * longest + i] = p / k as u32;
+                    slot_of[p as usize] = (e * longest + i) as u32;
+                }
+            }
+            let n_slots = rows.len();
+            let x_pad = x
+                .index_select(&u32s(rows)?, 0)?
+                .reshape((n_experts, longest, h))?;
+            let gu = x_pad.matmul(&gate_up.transpose(1, 2)?)?; // [E, L, 2I]
+            let y_pad = gelu_halves(&gu, 2)?.matmul(&down.transpose(1, 2)?)?; // [E, L, H]
+            y_pad.reshape((n_slots, h))?
+        }
+        _ => {
+            let mut ys = Vec::new();
+            let mut slot = 0u32;
+            for (e, g) in groups.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
+                let rows: Vec<u32> = g.iter().map(|&p| p / k as u32).collect();
+                let xe = x.index_select(&u32s(rows)?, 0)?;
+                let gu = experts.gate_up.product(e, &xe)?;
+                ys.push(experts.down.product(e, &gelu_halves(&gu, 1)?)?);
+                for &p in g {
+                    slot_of[p as usize] = slot;
+                    slot += 1;
+                }
+            }
+            Tensor::cat(&ys, 0)?
+        }
+    };
+    let y = stacked.index_select(&u32s(slot_of)?, 0)?;
+    Ok(moe_mix(&y, mix)?)
+}

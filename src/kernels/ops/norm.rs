@@ -1,0 +1,237 @@
+//! RMSNorm and the residual adds around it: `res + norm(y)` with the norms of the sum the next
+//! step needs, and the product `y = x · Wᵀ` folded into the same launch where a kernel serves.
+//!
+//! On CUDA with the fused kernels on, each entry point is one launch; elsewhere it runs the
+//! candle ops below, which are the reference.
+
+use candle_core::Tensor;
+
+use super::{matvec, Norm, Weight};
+use crate::error::Result;
+
+/// `x * (mean(x²) + eps)^-½ * w` over the last axis, computed by candle in f32 (the reference
+/// every fused norm is tested against).
+///
+/// # Errors
+/// Last axis not equal to the weight's length.
+pub(crate) fn rms_norm(x: &Tensor, n: Norm<'_>) -> candle_core::Result<Tensor> {
+    let x = x.contiguous()?;
+    candle_nn::ops::rms_norm(&x, &n.weight.to_dtype(x.dtype())?, n.eps as f32)
+}
+
+/// Whether the fused CUDA residual add + norm takes `res` normed by `n`: CUDA with the fused
+/// kernels on, a norm weight of the activation dtype, rows at most `max_width` wide.
+#[cfg(feature = "cuda")]
+fn cuda_add_norm_applies(res: &Tensor, n: Norm<'_>, max_width: usize) -> bool {
+    super::fused(res.device())
+        && n.weight.dtype() == res.dtype()
+        && n.weight.elem_count() <= max_width
+}
+
+/// `res + norm(y)`, times `scalar` when given; with `next` also `next(result)`.
+///
+/// # Errors
+/// Shape mismatch.
+pub(crate) fn add_norm(
+    res: &Tensor,
+    y: &Tensor,
+    norm: Norm<'_>,
+    scalar: Option<&Tensor>,
+    next: Option<Norm<'_>>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    #[cfg(feature = "cuda")]
+    if cuda_add_norm_applies(res, norm, crate::kernels::cuda::fused::ADD_NORM_MAX_WIDTH) {
+        return Ok(crate::kernels::cuda::fused::add_norm(
+            res,
+            y,
+            norm.weight,
+            norm.eps,
+            scalar,
+            next.map(|n| n.weight),
+        )?);
+    }
+    let mut x = (res + rms_norm(y, norm)?)?;
+    if let Some(s) = scalar {
+        x = x.broadcast_mul(s)?;
+    }
+    let n = match next {
+        Some(n) => Some(rms_norm(&x, n)?),
+        None => None,
+    };
+    Ok((x, n))
+}
+
+/// `res + norm(y)` and two norms of the result (`next`, `next2`), in one launch on CUDA.
+///
+/// # Errors
+/// Shape mismatch.
+pub(crate) fn add_norm_two_next(
+    res: &Tensor,
+    y: &Tensor,
+    norm: Norm<'_>,
+    next: Norm<'_>,
+    next2: Norm<'_>,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if cuda_add_norm_applies(res, norm, crate::kernels::cuda::fused::ADD_NORM_MAX_WIDTH) {
+        let extra = crate::kernels::cuda::fused::AddNormExtra {
+            next: Some(next.weight),
+            next2: Some(next2.weight),
+            ..Default::default()
+        };
+        let (x, n1, n2) =
+            crate::kernels::cuda::fused::add_norm_ext(res, y, norm.weight, norm.eps, &extra)?;
+        if let (Some(n1), Some(n2)) = (n1, n2) {
+            return Ok((x, n1, n2));
+        }
+    }
+    let x = (res + rms_norm(y, norm)?)?;
+    let (n1, n2) = (rms_norm(&x, next)?, rms_norm(&x, next2)?);
+    Ok((x, n1, n2))
+}
+
+/// The two-branch layer end (26B-A4B): `res + norm(norm_a(a) + norm_b(b))`, times `scalar`
+/// when given, with `next(result)` when asked, in one launch on CUDA.
+///
+/// # Errors
+/// Shape mismatch.
+pub(crate) fn add_two_branch_norm(
+    res: &Tensor,
+    (a, norm_a): (&Tensor, Norm<'_>),
+    (b, norm_b): (&Tensor, Norm<'_>),
+    norm: Norm<'_>,
+    scalar: Option<&Tensor>,
+    next: Option<Norm<'_>>,
+) -> Result<(Tensor, Option<Tensor>)> {
+    #[cfg(feature = "cuda")]
+    if cuda_add_norm_applies(
+        res,
+        norm,
+        crate::kernels::cuda::fused::MOE_ADD_NORM_MAX_WIDTH,
+    ) {
+        let extra = crate::kernels::cuda::fused::AddNormExtra {
+            scalar,
+            next: next.map(|n| n.weight),
+            second_branch: Some((b, norm_a.weight, norm_b.weight)),
+            ..Default::default()
+        };
+        let (x, n1, _) =
+            crate::kernels::cuda::fused::add_norm_ext(res, a, norm.weight, norm.eps, &extra)?;
+        return Ok((x, n1));
+    }
+    let y = (rms_norm(a, norm_a)? + rms_norm(b, norm_b)?)?;
+    add_norm(res, &y, norm, scalar, next)
+}
+
+/// What [`product_add_norm`] adds and normalises.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ProductAddNorm<'a> {
+    /// The residual.
+    pub res: &'a Tensor,
+    /// The norm of the product before the add.
+    pub norm: Norm<'a>,
+    /// Multiplies the sum.
+    pub scalar: Option<&'a Tensor>,
+    /// A norm of the sum, returned second.
+    pub next: Option<Norm<'a>>,
+    /// Another norm of the sum (with `next`), returned third.
+    pub next2: Option<Norm<'a>>,
+}
+
+/// The sum and the norms of it that [`product_add_norm`] was asked for.
+pub(crate) type AddNormOut = (Tensor, Option<Tensor>, Option<Tensor>);
+
+/// `res + norm(x · Wᵀ)` (with `gate`: `(gelu_tanh(x) * gate) · Wᵀ`), times `scalar`, and the
+/// norms of the sum asked for. On CUDA decode the product, the add and the norms are one launch
+/// where a kernel serves (see `folded`).
+///
+/// # Errors
+/// Shape mismatch.
+pub(crate) fn product_add_norm(
+    w: &Weight,
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    a: &ProductAddNorm<'_>,
+) -> Result<AddNormOut> {
+    #[cfg(feature = "cuda")]
+    if let Some(out) = folded(w, x, gate, a)? {
+        return Ok(out);
+    }
+    let y = match gate {
+        Some(g) => matvec::matmul_gated(x, g, w)?,
+        None => matvec::matmul(x, w)?,
+    };
+    match (a.next, a.next2) {
+        (Some(n1), Some(n2)) if a.scalar.is_none() => {
+            let (s, o1, o2) = add_norm_two_next(a.res, &y, a.norm, n1, n2)?;
+            Ok((s, Some(o1), Some(o2)))
+        }
+        (n1, n2) => {
+            let (s, o1) = add_norm(a.res, &y, a.norm, a.scalar, n1)?;
+            let o2 = match n2 {
+                Some(n) => Some(rms_norm(&s, n)?),
+                None => None,
+            };
+            Ok((s, o1, o2))
+        }
+    }
+}
+
+/// The product, the add and the norms in one launch where a kernel serves: a dense weight
+/// (`dense_mv_norm`), or a packed 4-bit one at one row (`qmv_row4_norm`; a gated input is
+/// computed first, by [`super::geglu::gelu_mul`]). `None`: the caller runs them apart.
+#[cfg(feature = "cuda")]
+fn folded(
+    w: &Weight,
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    a: &ProductAddNorm<'_>,
+) -> Result<Option<AddNormOut>> {
+    use crate::kernels::cuda::fused as k;
+    if !super::fused(x.device())
+        || a.norm.weight.dtype() != a.res.dtype()
+        || (a.next2.is_some() && a.next.is_none())
+    {
+        return Ok(None);
+    }
+    let rows = super::rows_of(x);
+    let extra = k::AddNormExtra {
+        scalar: a.scalar,
+        next: a.next.map(|n| n.weight),
+        next2: a.next2.map(|n| n.weight),
+        second_branch: None,
+    };
+    let (norm_w, eps) = (a.norm.weight, a.norm.eps);
+    match w {
+        Weight::Dense(l) => {
+            let wd = l.weight();
+            let bytes = super::tensor_bytes(wd);
+            let wanted = match gate {
+                Some(_) => k::gated_matvec_wanted(bytes, rows),
+                None => k::dense_matvec_wanted(bytes, rows),
+            };
+            if !wanted {
+                return Ok(None);
+            }
+            Ok(k::dense_matvec_add_norm(
+                x, gate, wd, a.res, norm_w, eps, &extra,
+            )?)
+        }
+        Weight::Packed(p) => {
+            if !k::packed_matvec_folds_norm(x.dtype(), rows, p) {
+                return Ok(None);
+            }
+            let gated;
+            let input = match gate {
+                Some(g) => {
+                    gated = super::geglu::gelu_mul(x, g)?;
+                    &gated
+                }
+                None => x,
+            };
+            Ok(k::packed_matvec_add_norm(
+                input, p, a.res, norm_w, eps, &extra,
+            )?)
+        }
+    }
+}
