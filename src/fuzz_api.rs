@@ -84,7 +84,7 @@ pub fn parse_config(bytes: &[u8]) -> Result<Config> {
     if specs.len() <= MAX_CACHE_LAYERS {
         let quantized = QuantSpec {
             bits: QuantBits::Four,
-            group_size: 64,
+            group_size: 32,
             start: 0,
         };
         for mode in [

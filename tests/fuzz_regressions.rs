@@ -167,7 +167,7 @@ fn write_prompt_cache_seeds() -> candle_core::Result<()> {
             .save(&path)
             .map_err(candle_core::Error::wrap)?;
         // The target's input: how many tokens the next prompt shares, then the file.
-        let mut bytes = vec![3u8];
+        let mut bytes = vec![5u8];
         bytes.extend(std::fs::read(&path)?);
         std::fs::write(&path, bytes)?;
     }
