@@ -80,8 +80,8 @@ fn config_seeds_validate() {
 #[test]
 fn safetensors_seeds_load() {
     for (path, bytes) in seeds("safetensors_header") {
-        let loaded = fuzz_api::open_checkpoint(&bytes)
-            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let loaded =
+            fuzz_api::open_checkpoint(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         assert!(loaded > 0, "{}: nothing loaded", path.display());
         // A truncated copy is a typed error naming the file.
         let cut = fuzz_api::open_checkpoint(&bytes[..bytes.len() - 1]);
