@@ -111,6 +111,34 @@ fn output_parser_seeds_split_anywhere() {
     }
 }
 
+/// Inputs the `output_parser` target stopped on when it also required that no special-token
+/// string appear inside `Text` or `Thinking`: the text around a dropped special token or role
+/// header can spell one (`B<e` `<tool|>` `os>` shows as `B<eos>`, `A<turn|` `<|turn>m` `>` as
+/// `A<turn|>`). The parser shows that text as written; both still split anywhere alike.
+#[test]
+fn output_parser_text_around_dropped_tokens() {
+    let inputs: [&[u8]; 2] = [
+        b"\x00A<turn|\xff\xff<|tu\xffrn>m<channel|>>",
+        b"\xfe\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\
+          \xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\
+          \xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\
+          \xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\xffu*n|\
+          \xc2\x0a<|tu\xffrn>m2\x00\x00\x00odel\x0aB<e<tool|>os>",
+    ];
+    let expected = [
+        vec![OutputEvent::Text("A<turn|>".into())],
+        vec![OutputEvent::Text(
+            "u*n|\u{FFFD}\nm2\0\0\0odel\nB<eos>".into(),
+        )],
+    ];
+    for (bytes, expected) in inputs.iter().zip(expected) {
+        let (&mode, text) = bytes.split_first().expect("non-empty");
+        let (chunked, whole) = parse_chunked(mode & 1 == 1, text);
+        assert_eq!(chunked, whole);
+        assert_eq!(chunked, expected);
+    }
+}
+
 /// The prompt caches of the `prompt_cache` seeds: one sliding layer (window 4), one full layer
 /// and one KV-shared layer, 1 head of 32, after 6 tokens.
 fn seed_cache(mode: CacheMode, tokens: usize) -> candle_core::Result<PromptCache> {
