@@ -59,6 +59,8 @@
 pub mod chat;
 pub mod config;
 mod error;
+#[doc(hidden)]
+pub mod fuzz_api;
 pub mod gemma4;
 pub mod generate;
 #[cfg(feature = "hub")]
