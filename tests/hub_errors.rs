@@ -310,7 +310,7 @@ fn bytes_that_differ_from_the_hash_are_reported_and_discarded() {
 }
 
 #[test]
-fn connection_that_keeps_breaking_gives_a_network_error_and_keeps_the_prefix() {
+fn connection_that_keeps_breaking_gives_a_network_error() {
     let repo = sharded();
     let server = HubServer::start(vec![repo.clone()]);
     // Every transfer breaks before its first byte: no progress, so the retries run out.
