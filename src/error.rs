@@ -110,7 +110,7 @@ pub enum Error {
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     /// A hub checkpoint could not be found, downloaded or verified.
-    #[error("hub: repo `{repo}`, file `{file}`: {cause}")]
+    #[error("hub: repo `{repo}`{}: {cause}", file_suffix(file))]
     Hub {
         /// The repo id (`org/name`).
         repo: String,
@@ -234,6 +234,13 @@ fn unauthorized(token_sent: bool, gated: bool) -> &'static str {
         (true, true) => "gated repository: the token's account has not been granted access",
         (false, false) => "unauthorized: the repository needs a token",
         (true, false) => "unauthorized: the token was refused or has no access",
+    }
+}
+
+fn file_suffix(file: &str) -> String {
+    match file {
+        "" => String::new(),
+        f => format!(", file `{f}`"),
     }
 }
 

@@ -117,7 +117,7 @@ fn gated_repo_without_token_with_a_wrong_one_and_with_the_right_one() {
     let cache = TempCache::new("gated");
 
     let (r, file, cause) = hub_error(resolve(REPO, &opts(&server, &cache)));
-    assert_eq!((r.as_str(), file.as_str()), (REPO, ""));
+    assert_eq!((r.as_str(), file.as_str()), (REPO, "config.json"));
     assert!(matches!(
         cause,
         HubError::Unauthorized {
@@ -131,7 +131,8 @@ fn gated_repo_without_token_with_a_wrong_one_and_with_the_right_one() {
         token: Some("hf_wrong".into()),
         ..opts(&server, &cache)
     };
-    let (_, _, cause) = hub_error(resolve(REPO, &wrong));
+    let (_, file, cause) = hub_error(resolve(REPO, &wrong));
+    assert_eq!(file, "config.json");
     assert!(matches!(
         cause,
         HubError::Unauthorized {

@@ -9,7 +9,7 @@
 //!   a 200 with `ETag`, `X-Repo-Commit` and the bytes;
 //! - `GET /cdn/{sha256}`: the bytes, honouring `Range: bytes=N-` with a 206;
 //! - errors carry `X-Error-Code` (`RepoNotFound`, `RevisionNotFound`, `EntryNotFound`,
-//!   `GatedRepo`).
+//!   `GatedRepo`); a gated repo lists its files to anyone and serves them with its token.
 //!
 //! The server stops when dropped: the accept loop polls a flag, and each connection thread
 //! ends with its request (socket timeouts bound a stuck client).
@@ -341,11 +341,6 @@ fn route(state: &State, base: &str, req: &Seen) -> Reply {
     let Some(repo) = state.repos.iter().find(|r| r.id == id) else {
         return Reply::status(404, Some("RepoNotFound"));
     };
-    if let Some(t) = &repo.token {
-        if req.auth.as_deref() != Some(&format!("Bearer {t}")) {
-            return Reply::status(401, Some("GatedRepo"));
-        }
-    }
     let rev = decode(rev);
     if rev != repo.commit && !repo.branches.contains(&rev) {
         return Reply::status(404, Some("RevisionNotFound"));
@@ -361,6 +356,12 @@ fn route(state: &State, base: &str, req: &Seen) -> Reply {
         r.body = body.to_string().into_bytes();
         return r;
     };
+    // A gated repo lists its files to anyone; its files need the token.
+    if let Some(t) = &repo.token {
+        if req.auth.as_deref() != Some(&format!("Bearer {t}")) {
+            return Reply::status(401, Some("GatedRepo"));
+        }
+    }
     let Some(bytes) = repo.file(&file) else {
         return Reply::status(404, Some("EntryNotFound"));
     };
