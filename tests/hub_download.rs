@@ -1,8 +1,8 @@
 //! `Model::builder().repo(..)` over HTTP against a loopback hub (tests/common/hub_server.rs):
 //! a cold download of the sharded fixture reproduces its goldens, a second build makes no
 //! request, a transfer cut mid-file resumes with `Range`, a partial file left by an earlier
-//! run is resumed (or fetched again when its bytes are wrong), and five clients sharing one
-//! cache fetch each file once.
+//! run is resumed (or fetched again when its bytes are wrong), five clients sharing one cache
+//! fetch each file once, and a renamed repo is followed through the hub's redirects.
 #![cfg(feature = "hub")]
 
 mod common;
@@ -256,4 +256,23 @@ fn five_clients_share_one_cache_and_fetch_each_file_once() {
         assert_eq!((fetched, most), (1, 1), "{name}: transfers, most at once");
     }
     check_goldens(&Model::builder().path(&dirs[0]).build().expect("loads"));
+}
+
+#[test]
+fn renamed_repo_is_followed_through_relative_redirects() {
+    let repo = HubRepo::from_fixture("test-org/e2b", &fixture("e2b-hf"));
+    let server = HubServer::start(vec![repo.clone()]);
+    server.rename("test-org/e2b-old", "test-org/e2b");
+    let cache = TempCache::new("renamed");
+    let model = Model::builder()
+        .repo("test-org/e2b-old")
+        .endpoint(server.url())
+        .hub_cache_dir(&cache.0)
+        .build()
+        .expect("download through the redirect");
+    assert_snapshot_matches(model.dir(), &repo);
+    assert!(model.dir().starts_with(cache.repo_dir("test-org/e2b-old")));
+    let seen = server.requests();
+    assert!(seen.iter().any(|s| s.path.contains("/test-org/e2b-old/")));
+    assert!(seen.iter().any(|s| s.path.contains("/test-org/e2b/")));
 }

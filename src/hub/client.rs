@@ -17,8 +17,8 @@ use serde::Deserialize;
 
 use super::HubError;
 
-/// Requests made for one step (model info, metadata, or one download) before giving up on
-/// server errors and broken connections.
+/// Requests made for the model info or a file's metadata, and transfers in a row that bring
+/// no new byte of a file, before giving up on server errors and broken connections.
 pub const ATTEMPTS: u32 = 5;
 /// Wait before the first retry; doubled for each further one.
 const BACKOFF: Duration = Duration::from_millis(200);

@@ -275,6 +275,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn progress_bar_per_file_is_hidden_when_off() {
+        assert!(progress_bar(false, "model.safetensors", 10).is_hidden());
+        let bar = progress_bar(true, "model-00001-of-00042.safetensors.extra-long-name", 10);
+        assert_eq!(bar.length(), Some(10));
+        assert!(bar.message().starts_with("..") && bar.message().chars().count() == 32);
+    }
+
+    #[test]
     fn sha256_hex_of_abc() {
         assert_eq!(
             hex(&Sha256::digest(b"abc")),

@@ -14,8 +14,9 @@
 //! - every file comes from the one commit the revision resolves to;
 //! - a transfer goes to `blobs/<etag>.incomplete` and resumes from there (HTTP `Range`) after
 //!   a broken connection, in this run or the next;
-//! - server errors (5xx, 429) and broken connections are retried with exponential backoff, at
-//!   most [`ATTEMPTS`] requests per step;
+//! - server errors (5xx, 429) and broken connections are retried with exponential backoff:
+//!   at most [`ATTEMPTS`] requests for the model info or a file's metadata, and at most
+//!   [`ATTEMPTS`] transfers in a row that bring no new byte for a file's contents;
 //! - a file enters the cache only once its size matches the announced one and, for LFS files
 //!   (the weights), its sha256 matches the hub's `X-Linked-Etag`; otherwise it is discarded
 //!   and reported ([`HubError::SizeMismatch`], [`HubError::HashMismatch`]);
@@ -143,42 +144,34 @@ fn download(cache: &RepoCache, revision: &str, opts: &HubOptions) -> Result<Path
             .map_err(|cause| hub_error(repo, file, cause))
     };
 
-    let mut files: Vec<String> = Vec::new();
-    for file in REQUIRED {
-        if !listed.contains(file) {
-            let cause = HubError::FileNotFound {
-                revision: revision.to_string(),
-            };
-            return Err(hub_error(repo, file, cause));
-        }
-        files.push(file.to_string());
-    }
-    files.extend(
-        OPTIONAL
-            .iter()
-            .filter(|f| listed.contains(*f))
-            .map(|f| f.to_string()),
-    );
-    if listed.contains(INDEX) {
-        let index = get(INDEX)?;
-        for shard in shards(repo, &index)? {
-            if !listed.contains(shard.as_str()) {
-                let cause = HubError::FileNotFound {
-                    revision: revision.to_string(),
-                };
-                return Err(hub_error(repo, &shard, cause));
-            }
-            files.push(shard);
-        }
-    } else if listed.contains(SINGLE) {
-        files.push(SINGLE.to_string());
-    } else {
+    let not_listed = |file: &str| {
         let cause = HubError::FileNotFound {
             revision: revision.to_string(),
         };
-        return Err(hub_error(repo, SINGLE, cause));
+        hub_error(repo, file, cause)
+    };
+
+    // Config and tokenizer first, so that a gated repo's refusal names `config.json`.
+    for file in REQUIRED {
+        if !listed.contains(file) {
+            return Err(not_listed(file));
+        }
+        get(file)?;
     }
-    for file in &files {
+    for file in OPTIONAL.iter().filter(|f| listed.contains(*f)) {
+        get(file)?;
+    }
+    let weights = if listed.contains(INDEX) {
+        shards(repo, &get(INDEX)?)?
+    } else if listed.contains(SINGLE) {
+        vec![SINGLE.to_string()]
+    } else {
+        return Err(not_listed(SINGLE));
+    };
+    if let Some(file) = weights.iter().find(|f| !listed.contains(f.as_str())) {
+        return Err(not_listed(file));
+    }
+    for file in &weights {
         get(file)?;
     }
     if revision != commit {

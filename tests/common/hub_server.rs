@@ -8,6 +8,7 @@
 //!   `/cdn/{sha256}` with `X-Linked-Etag`, `X-Linked-Size`, `X-Repo-Commit`; for other files
 //!   a 200 with `ETag`, `X-Repo-Commit` and the bytes;
 //! - `GET /cdn/{sha256}`: the bytes, honouring `Range: bytes=N-` with a 206;
+//! - a renamed repo ([`HubServer::rename`]): a relative 307 to the new path;
 //! - errors carry `X-Error-Code` (`RepoNotFound`, `RevisionNotFound`, `EntryNotFound`,
 //!   `GatedRepo`); a gated repo lists its files to anyone and serves them with its token.
 //!
@@ -110,6 +111,8 @@ struct State {
     active: Mutex<HashMap<String, (usize, usize)>>,
     /// Pause after each 64 KiB of body (so concurrent clients overlap).
     chunk_delay: Mutex<Duration>,
+    /// Renamed repos: old id, new id.
+    renamed: Mutex<Vec<(String, String)>>,
 }
 
 /// The running server; stops when dropped.
@@ -168,6 +171,12 @@ impl HubServer {
     /// Adds a fault for `target`: a file name, or `"api"` for model info.
     pub fn fault(&self, target: &str, fault: Fault) {
         lock(&self.state.faults).push((target.to_string(), fault));
+    }
+
+    /// Answers requests for repo `old` with a relative 307 to the same path under `new`, as
+    /// the hub does for a renamed repo.
+    pub fn rename(&self, old: &str, new: &str) {
+        lock(&self.state.renamed).push((old.to_string(), new.to_string()));
     }
 
     pub fn clear_faults(&self) {
@@ -334,6 +343,13 @@ fn route(state: &State, base: &str, req: &Seen) -> Reply {
         }
         _ => return Reply::status(404, None),
     };
+    let renamed = lock(&state.renamed)
+        .iter()
+        .find(|(old, _)| *old == id)
+        .map(|(old, new)| req.path.replacen(old.as_str(), new, 1));
+    if let Some(location) = renamed {
+        return Reply::status(307, None).header("Location", location);
+    }
     let target = file.clone().unwrap_or_else(|| "api".to_string());
     if let Some(r) = status_fault(state, &target) {
         return r;
@@ -451,6 +467,7 @@ fn write_reply(
         200 => "OK",
         206 => "Partial Content",
         302 => "Found",
+        307 => "Temporary Redirect",
         401 => "Unauthorized",
         404 => "Not Found",
         _ => "Status",
