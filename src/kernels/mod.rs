@@ -10,9 +10,9 @@ pub mod cuda;
 mod dense;
 mod layout;
 pub mod metal;
-pub mod policy;
 pub mod qmatmul;
 mod quant;
+pub mod policy;
 
 pub use quant::{check_group_size, dequantize, quantize, GROUP_SIZES};
 pub(crate) use quant::{quantize_kv_into, quantize_kv_into_batch};
