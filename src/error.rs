@@ -112,15 +112,15 @@ pub enum Error {
     /// The tokenizer failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
-    /// Hub download failed.
-    #[error("hub: repo `{repo}`, file `{file}`: {reason}")]
+    /// A hub checkpoint could not be found, downloaded or verified.
+    #[error("hub: repo `{repo}`{}: {cause}", file_suffix(file))]
     Hub {
-        /// The repo id.
+        /// The repo id (`org/name`).
         repo: String,
-        /// The file that was being fetched.
+        /// The file that was being resolved (empty when the failure concerns the whole repo).
         file: String,
-        /// Why it failed.
-        reason: String,
+        /// What went wrong.
+        cause: HubError,
     },
     /// An error raised by candle.
     #[error("candle: {0}")]
@@ -140,6 +140,126 @@ impl From<crate::kernels::KernelError> for Error {
             KernelError::Candle(e) => Error::Candle(e),
             other => Error::Kernel(other),
         }
+    }
+}
+
+/// Why a hub checkpoint could not be resolved: the cause inside [`Error::Hub`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum HubError {
+    /// The hub refused access (HTTP 401 or 403): the repo is gated or private and no token,
+    /// or a token without access to it, was sent.
+    #[error("{}", unauthorized(*.token_sent, *.gated))]
+    Unauthorized {
+        /// Whether a token was sent with the request.
+        token_sent: bool,
+        /// Whether the hub said the repo is gated (its terms must be accepted on the web page).
+        gated: bool,
+    },
+    /// No repo has this id (or it is private and the token cannot see it).
+    #[error("repository not found (check the id; a private repo needs a token)")]
+    RepoNotFound,
+    /// The repo has no such branch, tag or commit.
+    #[error("revision `{revision}` not found")]
+    RevisionNotFound {
+        /// The revision asked for.
+        revision: String,
+    },
+    /// The repo has no such file at this revision.
+    #[error("file not found at revision `{revision}`")]
+    FileNotFound {
+        /// The revision (a commit hash once resolved).
+        revision: String,
+    },
+    /// The hub kept answering with a server error (5xx or 429) until the retries ran out.
+    #[error("server error {status} after {attempts} attempts")]
+    Server {
+        /// The last HTTP status.
+        status: u16,
+        /// Requests made, the first included.
+        attempts: u32,
+    },
+    /// The hub answered with an HTTP status the client does not expect.
+    #[error("unexpected HTTP status {status}")]
+    Status {
+        /// The HTTP status.
+        status: u16,
+    },
+    /// The connection failed or broke until the retries ran out.
+    #[error("network error after {attempts} attempts: {reason}")]
+    Network {
+        /// Requests made, the first included.
+        attempts: u32,
+        /// The last transport error.
+        reason: String,
+    },
+    /// The downloaded file does not have the size the hub announced; it was discarded.
+    #[error("size mismatch: the hub announced {expected} bytes, the download has {found}")]
+    SizeMismatch {
+        /// Bytes announced (`X-Linked-Size` or `Content-Length`).
+        expected: u64,
+        /// Bytes received.
+        found: u64,
+    },
+    /// The downloaded bytes do not hash to the hub's sha256; the file was discarded.
+    #[error("sha256 mismatch: expected {expected}, got {found}")]
+    HashMismatch {
+        /// The hash the hub announced (`X-Linked-Etag`).
+        expected: String,
+        /// The hash of the received bytes.
+        found: String,
+    },
+    /// A hub response lacks a header or has a body the client cannot use.
+    #[error("malformed hub response: {reason}")]
+    BadResponse {
+        /// What is missing or malformed.
+        reason: String,
+    },
+    /// `model.safetensors.index.json` is malformed.
+    #[error("malformed index: {reason}")]
+    BadIndex {
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Offline, and the file is not in the local cache.
+    #[error("not in the local cache at {} (offline)", .cache.display())]
+    NotCached {
+        /// The hub cache folder that was searched.
+        cache: PathBuf,
+    },
+    /// The cached files belong to different snapshots of the repo (offline).
+    #[error("cached files belong to different snapshots (offline); download again online")]
+    MixedSnapshots,
+    /// There is no home directory to put the default cache in.
+    #[error("no home directory for the hub cache; set a cache dir on the builder")]
+    NoCacheDir,
+    /// A file of the cache could not be read, written, linked or locked.
+    #[error("cache file {}: {source}", .path.display())]
+    Io {
+        /// The file or folder that failed.
+        path: PathBuf,
+        /// The underlying I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The crate was built without the `hub` feature.
+    #[error("this build has no `hub` feature; download the folder and use .path()")]
+    Disabled,
+}
+
+fn unauthorized(token_sent: bool, gated: bool) -> &'static str {
+    match (token_sent, gated) {
+        (false, true) => "gated repository: accept its terms on the hub, then pass a token",
+        (true, true) => "gated repository: the token's account has not been granted access",
+        (false, false) => "unauthorized: the repository needs a token",
+        (true, false) => "unauthorized: the token was refused or has no access",
+    }
+}
+
+fn file_suffix(file: &str) -> String {
+    match file {
+        "" => String::new(),
+        f => format!(", file `{f}`"),
     }
 }
 

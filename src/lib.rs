@@ -70,7 +70,7 @@ pub mod kv;
 mod model;
 pub mod weights;
 
-pub use error::{Error, Result};
+pub use error::{Error, HubError, Result};
 pub use generate::{FinishReason, GenOptions, Generator, Output, StepOutput};
 pub use kv::{CacheConfig, KvCache};
 pub use model::{best_device, device_memory_in_use, Model, ModelBuilder};

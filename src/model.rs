@@ -27,6 +27,7 @@ pub struct ModelBuilder {
     revision: Option<String>,
     hub_token: Option<String>,
     hub_cache_dir: Option<PathBuf>,
+    hub_endpoint: Option<String>,
     offline: bool,
     progress: bool,
     device: Device,
@@ -40,6 +41,7 @@ impl Default for ModelBuilder {
             revision: None,
             hub_token: None,
             hub_cache_dir: None,
+            hub_endpoint: None,
             offline: false,
             progress: false,
             device: Device::Cpu,
@@ -80,13 +82,19 @@ impl ModelBuilder {
         self
     }
 
+    /// Hub base URL (a mirror or a local test hub) instead of `https://huggingface.co`.
+    pub fn endpoint(mut self, url: impl Into<String>) -> Self {
+        self.hub_endpoint = Some(url.into());
+        self
+    }
+
     /// Never touch the network: use only files already in the hub cache.
     pub fn offline(mut self, offline: bool) -> Self {
         self.offline = offline;
         self
     }
 
-    /// Show a progress bar per downloaded file.
+    /// Show a progress bar per downloaded file (bytes and rate, on stderr); off by default.
     pub fn progress(mut self, progress: bool) -> Self {
         self.progress = progress;
         self
@@ -118,6 +126,7 @@ impl ModelBuilder {
                     revision: self.revision.clone(),
                     token: self.hub_token.clone(),
                     cache_dir: self.hub_cache_dir.clone(),
+                    endpoint: self.hub_endpoint.clone(),
                     offline: self.offline,
                     progress: self.progress,
                 },
@@ -126,8 +135,7 @@ impl ModelBuilder {
             Some(Source::Repo(repo)) => Err(Error::Hub {
                 repo: repo.clone(),
                 file: "config.json".to_string(),
-                reason: "this build has no `hub` feature; download the folder and use .path()"
-                    .to_string(),
+                cause: crate::error::HubError::Disabled,
             }),
         }
     }

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_gemma::hub::{resolve, HubOptions};
-use candle_gemma::Error;
+use candle_gemma::{Error, HubError};
 
 const SHA: &str = "0123456789abcdef0123456789abcdef01234567";
 
@@ -74,21 +74,22 @@ fn basic_files(cache: &TempCache, repo: &str) {
     cache.add(repo, SHA, "tokenizer.json", "{}");
 }
 
-fn expect_hub_error(result: Result<PathBuf, Error>, repo: &str, file: &str) {
+/// Checks the error names `repo` and `file`, and returns its cause.
+fn expect_hub_error(result: Result<PathBuf, Error>, repo: &str, file: &str) -> HubError {
     match result {
-        Err(Error::Hub {
-            repo: r,
-            file: f,
-            reason,
-        }) => {
-            assert_eq!((r.as_str(), f.as_str()), (repo, file), "reason: {reason}");
-            let msg = Error::Hub {
+        Err(e @ Error::Hub { .. }) => {
+            let msg = e.to_string();
+            let Error::Hub {
                 repo: r,
                 file: f,
-                reason,
-            }
-            .to_string();
+                cause,
+            } = e
+            else {
+                unreachable!()
+            };
+            assert_eq!((r.as_str(), f.as_str()), (repo, file), "cause: {cause}");
             assert!(msg.contains(repo) && msg.contains(file), "{msg}");
+            cause
         }
         other => panic!("expected a hub error for {file}, got {other:?}"),
     }
@@ -145,7 +146,8 @@ fn missing_required_files_are_named() {
     cache.set_ref(repo, "main", SHA);
     cache.add(repo, SHA, "tokenizer.json", "{}");
     cache.add(repo, SHA, "model.safetensors", "w");
-    expect_hub_error(resolve(repo, &cache.opts()), repo, "config.json");
+    let cause = expect_hub_error(resolve(repo, &cache.opts()), repo, "config.json");
+    assert!(matches!(cause, HubError::NotCached { .. }), "{cause:?}");
 
     let repo2 = "org/no-weights";
     basic_files(&cache, repo2);
@@ -199,9 +201,10 @@ fn malformed_index_is_an_error_naming_it() {
         "model.safetensors.index.json",
         "{\"weight_map\": 3}",
     );
-    expect_hub_error(
+    let cause = expect_hub_error(
         resolve(repo, &cache.opts()),
         repo,
         "model.safetensors.index.json",
     );
+    assert!(matches!(cause, HubError::BadIndex { .. }), "{cause:?}");
 }
