@@ -107,7 +107,7 @@ impl Embedding {
     pub fn lookup(&self, ids: &Tensor, dtype: DType) -> crate::Result<Tensor> {
         match self {
             Embedding::Dense(t) => Ok(t.index_select(ids, 0)?),
-            Embedding::Packed(p) => crate::kernels::qmatmul::qembedding(ids, p, dtype),
+            Embedding::Packed(p) => Ok(crate::kernels::qmatmul::qembedding(ids, p, dtype)?),
         }
     }
 
@@ -120,7 +120,7 @@ impl Embedding {
     pub(crate) fn lookup_checked_ids(&self, ids: &Tensor, dtype: DType) -> crate::Result<Tensor> {
         match self {
             Embedding::Dense(t) => Ok(t.index_select(ids, 0)?),
-            Embedding::Packed(p) => crate::kernels::qmatmul::qembedding_checked_ids(ids, p, dtype),
+            Embedding::Packed(p) => Ok(crate::kernels::qmatmul::qembedding_checked_ids(ids, p, dtype)?),
         }
     }
 
@@ -131,7 +131,7 @@ impl Embedding {
     pub fn as_head(&self, x: &Tensor) -> crate::Result<Tensor> {
         match self {
             Embedding::Dense(t) => matvec::matmul_table(x, t),
-            Embedding::Packed(p) => crate::kernels::qmatmul::qmatmul(x, p),
+            Embedding::Packed(p) => Ok(crate::kernels::qmatmul::qmatmul(x, p)?),
         }
     }
 }

@@ -53,7 +53,7 @@ pub(crate) fn matmul(x: &Tensor, w: &Weight) -> Result<Tensor> {
             Some(y) => Ok(y),
             None => Ok(l.forward(x)?),
         },
-        Weight::Packed(p) => qmatmul(x, p),
+        Weight::Packed(p) => Ok(qmatmul(x, p)?),
     }
 }
 

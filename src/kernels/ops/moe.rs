@@ -44,8 +44,8 @@ impl ExpertWeights {
         match self {
             ExpertWeights::Dense(t) => Ok(x.matmul(&t.get(e)?.t()?)?),
             ExpertWeights::Packed { weight, experts } => {
-                let out = weight.out_dim / experts;
-                qmatmul(x, &weight.narrow_rows(e * out, out)?)
+                let out = weight.out_dim() / experts;
+                Ok(qmatmul(x, &weight.narrow_rows(e * out, out)?)?)
             }
         }
     }
