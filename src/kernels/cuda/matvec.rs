@@ -128,7 +128,7 @@ pub const PACKED_FOLD_MAX_WIDTH: usize = 4096;
 
 /// Whether [`packed_matvec_add_norm`] serves `rows` activation rows of `x_dtype` through `w`.
 pub fn packed_matvec_folds_norm(x_dtype: DType, rows: usize, w: &PackedWeight) -> bool {
-    rows == 1 && w.out_dim <= PACKED_FOLD_MAX_WIDTH && takes_row_matvec(x_dtype, w)
+    rows == 1 && w.out_dim() <= PACKED_FOLD_MAX_WIDTH && takes_row_matvec(x_dtype, w)
 }
 
 /// [`dense_matvec_add_norm`] over a packed 4-bit weight: one activation row through
@@ -147,7 +147,7 @@ pub fn packed_matvec_add_norm(
     extra: &AddNormExtra<'_>,
 ) -> Result<Option<AddNormOut>> {
     let dtype = x.dtype();
-    let (out_dim, in_dim) = (w.out_dim, w.in_dim);
+    let (out_dim, in_dim) = (w.out_dim(), w.in_dim());
     let rows = x.elem_count() / in_dim.max(1);
     if extra.second_branch.is_some()
         || x.dims().last() != Some(&in_dim)

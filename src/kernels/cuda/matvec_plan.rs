@@ -150,7 +150,7 @@ pub(super) fn takes_row_matvec(x_dtype: DType, w: &PackedWeight) -> bool {
         w.biases.dtype(),
         w.bits.bits(),
         w.group_size,
-        w.in_dim,
+        w.in_dim(),
     )
 }
 

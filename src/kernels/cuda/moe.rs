@@ -186,10 +186,10 @@ impl ExpertStack<'_> {
         match *self {
             ExpertStack::Dense(w) => w.dims3(),
             ExpertStack::Packed(w, e) => {
-                if e == 0 || w.out_dim % e != 0 {
-                    candle_core::bail!("{} packed rows do not split into {e} experts", w.out_dim);
+                if e == 0 || w.out_dim() % e != 0 {
+                    candle_core::bail!("{} packed rows do not split into {e} experts", w.out_dim());
                 }
-                Ok((e, w.out_dim / e, w.in_dim))
+                Ok((e, w.out_dim() / e, w.in_dim()))
             }
         }
     }

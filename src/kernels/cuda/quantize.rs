@@ -187,11 +187,10 @@ pub(crate) fn quantize(
         DType::F16 => go!(half::f16),
         _ => go!(half::bf16),
     };
-    Ok(PackedKv {
+    Ok(PackedKv::from_parts(
         codes,
         scales,
         biases,
-        bits,
-        group_size,
-    })
+        crate::kernels::AffineSpec { bits, group_size },
+    ))
 }

@@ -90,7 +90,7 @@ pub(crate) fn attend_packed(
     } else {
         let kd = dequantize_kv(k, q.dtype())?;
         let vd = dequantize_kv(v, q.dtype())?;
-        dense::attend_dense(q, &kd, &vd, &positions.to_vec(), plan)
+        Ok(dense::attend_dense(q, &kd, &vd, &positions.to_vec(), plan)?)
     }
 }
 
