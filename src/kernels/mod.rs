@@ -10,9 +10,9 @@ pub mod cuda;
 mod dense;
 mod layout;
 pub mod metal;
+pub mod policy;
 pub mod qmatmul;
 mod quant;
-pub mod policy;
 
 pub use quant::{check_group_size, dequantize, quantize, GROUP_SIZES};
 pub(crate) use quant::{quantize_kv_into, quantize_kv_into_batch};
@@ -46,7 +46,8 @@ pub(crate) fn fused_enabled(device: &Device) -> bool {
 }
 
 /// What one sequence's queries need to know besides the tensors.
-pub(crate) struct QueryPlan {
+#[doc(hidden)]
+pub struct QueryPlan {
     /// Absolute position of query 0.
     pub q_offset: usize,
     /// `Some(W)`: a key is visible iff it is one of the W latest positions up to the query's own.

@@ -127,7 +127,7 @@ pub(super) fn attend_packed(
 }
 
 /// [`attend_packed`] aiming for `target_groups` threadgroups (tests split short views so).
-pub(super) fn attend_packed_with(
+pub fn attend_packed_with(
     q: &Tensor,
     k: &PackedKv,
     v: &PackedKv,
@@ -187,7 +187,7 @@ pub(super) fn attend_packed_with(
 
 /// `x` `[rows, in]` · `Wᵀ` on the matvec kernel, or `None` where it does not apply (see
 /// [`plan_matvec`]).
-pub(super) fn qmatvec(x: &Tensor, w: &PackedWeight) -> crate::Result<Option<Tensor>> {
+pub fn qmatvec(x: &Tensor, w: &PackedWeight) -> crate::Result<Option<Tensor>> {
     let (rows, _) = x.dims2()?;
     let Some(launch) = plan_matvec(rows, x.dtype(), w) else {
         return Ok(None);
@@ -215,7 +215,7 @@ pub(super) fn qmatvec(x: &Tensor, w: &PackedWeight) -> crate::Result<Option<Tens
 }
 
 /// All of `w` dequantized to `dtype` `[out, in]`, or `None` for a dtype without a kernel.
-pub(super) fn dequantize_weight(w: &PackedWeight, dtype: DType) -> crate::Result<Option<Tensor>> {
+pub fn dequantize_weight(w: &PackedWeight, dtype: DType) -> crate::Result<Option<Tensor>> {
     let Some(launch) = plan_dequant(w, dtype) else {
         return Ok(None);
     };
