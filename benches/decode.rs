@@ -90,7 +90,7 @@ fn prefill(c: &mut Criterion) {
             b.iter(|| {
                 let mut cache = model.new_cache(&config).expect("cache");
                 model
-                    .forward(&[prompt.clone()], &mut cache)
+                    .forward(std::slice::from_ref(&prompt), &mut cache)
                     .expect("prefill")
             })
         });

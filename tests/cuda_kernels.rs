@@ -38,10 +38,17 @@
 
 mod common;
 
+#[path = "cuda_kernels/attention.rs"]
 mod attention;
+#[path = "cuda_kernels/caches.rs"]
 mod caches;
+#[path = "cuda_kernels/dense_matvec.rs"]
 mod dense_matvec;
+#[path = "cuda_kernels/layer_ops.rs"]
 mod layer_ops;
+#[path = "cuda_kernels/moe.rs"]
 mod moe;
+#[path = "cuda_kernels/qmatmul.rs"]
 mod qmatmul;
+#[path = "cuda_kernels/support.rs"]
 mod support;

@@ -24,6 +24,7 @@ use common::close::max_abs_diff;
 use emulator::{emulator, pod_bytes, Job};
 
 mod common;
+#[path = "metal_emulation/emulator.rs"]
 mod emulator;
 
 /// Largest error a kernel output in `dtype` may show against the f32 reference: the rounding of
