@@ -5,6 +5,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_gemma::kernels::qmatmul::{qembedding, qmatmul, PackedWeight};
 use candle_gemma::kernels::quantize;
 use candle_gemma::kv::QuantBits;
+use common::close::max_abs_diff;
+
+mod common;
 
 fn packed(out: usize, inp: usize, bits: usize, group: usize, dtype: DType) -> PackedWeight {
     let w = Tensor::randn(0f32, 0.05, (out, inp), &Device::Cpu)
@@ -12,18 +15,6 @@ fn packed(out: usize, inp: usize, bits: usize, group: usize, dtype: DType) -> Pa
         .unwrap();
     let p = quantize(&w, QuantBits::from_bits(bits).unwrap(), group).unwrap();
     PackedWeight::new(p.codes, p.scales, p.biases, out, inp).unwrap()
-}
-
-fn max_abs(a: &Tensor, b: &Tensor) -> f32 {
-    let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
-    d.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 #[test]
@@ -38,7 +29,7 @@ fn qmatmul_matches_dequantize_then_matmul() {
                 assert_eq!(got.dims(), &[2, 3, 48]);
                 let dense = w.dequantize(DType::F32).unwrap();
                 let want = x.broadcast_matmul(&dense.t().unwrap()).unwrap();
-                let err = max_abs(&got, &want);
+                let err = max_abs_diff(&got, &want);
                 assert!(err < 1e-4, "bits {bits} group {group} {sdtype:?}: {err}");
             }
         }
@@ -68,7 +59,7 @@ fn qembedding_matches_dequantized_rows() {
         .unwrap()
         .reshape((2, 2, 128))
         .unwrap();
-    assert_eq!(max_abs(&got, &want), 0.0);
+    assert_eq!(max_abs_diff(&got, &want), 0.0);
 }
 
 #[test]

@@ -66,7 +66,8 @@ pub(crate) fn fused_enabled(device: &Device) -> bool {
 }
 
 /// What one sequence's queries need to know besides the tensors.
-pub(crate) struct QueryPlan {
+#[doc(hidden)]
+pub struct QueryPlan {
     /// Absolute position of query 0.
     pub q_offset: usize,
     /// `Some(W)`: a key is visible iff it is one of the W latest positions up to the query's own.

@@ -1,6 +1,9 @@
-//! Shared helpers of the integration tests: fixture paths, goldens recorded from mlx-lm, and
-//! the comparison rule (exact ids up to the first step whose reference top-2 margin is small).
+//! Shared helpers of the integration tests: fixture paths, goldens recorded from mlx-lm, the
+//! comparison rule (exact ids up to the first step whose reference top-2 margin is small), and
+//! the tensor closeness check ([`close`]).
 #![allow(dead_code)]
+
+pub mod close;
 
 use std::path::PathBuf;
 

@@ -126,7 +126,7 @@ pub(super) fn attend_packed(
 }
 
 /// [`attend_packed`] aiming for `target_groups` threadgroups (tests split short views so).
-pub(super) fn attend_packed_with(
+pub fn attend_packed_with(
     q: &Tensor,
     k: &PackedAffine,
     v: &PackedAffine,
@@ -186,7 +186,7 @@ pub(super) fn attend_packed_with(
 
 /// `x` `[rows, in]` · `Wᵀ` on the matvec kernel, or `None` where it does not apply (see
 /// [`plan_matvec`]).
-pub(super) fn qmatvec(x: &Tensor, w: &PackedAffine) -> Result<Option<Tensor>, KernelError> {
+pub fn qmatvec(x: &Tensor, w: &PackedAffine) -> Result<Option<Tensor>, KernelError> {
     let (rows, _) = x.dims2()?;
     let Some(launch) = plan_matvec(rows, x.dtype(), w) else {
         return Ok(None);
@@ -214,7 +214,7 @@ pub(super) fn qmatvec(x: &Tensor, w: &PackedAffine) -> Result<Option<Tensor>, Ke
 }
 
 /// All of `w` dequantized to `dtype` `[out, in]`, or `None` for a dtype without a kernel.
-pub(super) fn dequantize_weight(
+pub fn dequantize_weight(
     w: &PackedAffine,
     dtype: DType,
 ) -> Result<Option<Tensor>, KernelError> {

@@ -7,13 +7,13 @@
 //! ([`super::policy::LaunchPolicy::metal_kernels`]); otherwise these entry points dequantize
 //! on the device and use candle's dense ops (correct, but a transient dense copy of K/V or of
 //! the weight per call). The kernels and plans themselves are checked on every `cargo test` by
-//! running them on CPU threads through `shim.h` (`emulated`).
+//! running them on CPU threads through `shim.h` (`tests/metal_emulation.rs`).
 
-#[cfg(test)]
-mod emulated;
 #[cfg(feature = "metal")]
-mod launch;
-pub(crate) mod plan;
+#[doc(hidden)]
+pub mod launch;
+#[doc(hidden)]
+pub mod plan;
 
 #[cfg(feature = "metal")]
 use candle_core::Tensor;

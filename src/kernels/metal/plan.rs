@@ -1,6 +1,6 @@
 //! Launch plans of the Metal kernels in `qkernels.metal`: parameters, grids, kernel names and
 //! operand layouts, free of Metal types. The Metal launcher (`launch`, `metal` feature) binds
-//! them to buffers; the CPU emulation test (`emulated`) runs the same plans through the same
+//! them to buffers; the CPU emulation test (`tests/metal_emulation.rs`) runs the same plans through the same
 //! kernel source compiled as C++, so what a Mac would dispatch is what the test checks.
 
 // Without the `metal` feature only the emulation tests use the plans.
@@ -19,15 +19,15 @@ use crate::kernels::{KernelError, KeyPositions, PackedAffine};
 /// Query rows a threadgroup of `qsdpa_*` takes (`QS_NQ` in `qkernels.metal`).
 pub(crate) const ATTENTION_ROWS: usize = 4;
 /// Threads a threadgroup of `qsdpa_*` (`QS_WARPS` simdgroups of 32).
-pub(crate) const ATTENTION_THREADS: usize = QSDPA_WARPS * 32;
+pub const ATTENTION_THREADS: usize = QSDPA_WARPS * 32;
 /// Threads a threadgroup of `qsdpa_combine_*` (its loop over head dims steps by this).
-pub(crate) const COMBINE_THREADS: usize = 128;
+pub const COMBINE_THREADS: usize = 128;
 /// Output rows a threadgroup of `qmatvec_*` computes, one per simdgroup (`QMV_WARPS`).
-pub(crate) const MATVEC_WARPS: usize = 8;
+pub const MATVEC_WARPS: usize = 8;
 /// Activation rows the matvec kernels are instantiated for (a launch takes the first that fits).
 pub(crate) const MATVEC_ROW_VARIANTS: [usize; 4] = [1, 2, 4, 8];
 /// Threads a threadgroup of `dequant_*`.
-pub(crate) const DEQUANT_THREADS: usize = 256;
+pub const DEQUANT_THREADS: usize = 256;
 /// Threadgroups a decode attention launch aims for across its key splits. Apple GPUs have 8-80
 /// cores and expose no count to query; 256 groups keep the largest busy while a 1k-key view
 /// still splits only four ways (see [`SPLIT_MIN_KEYS`]).
@@ -52,10 +52,10 @@ pub(crate) fn type_name(dtype: DType) -> Option<&'static str> {
 /// One side (K or V) as `qsdpa_*` reads it: codes with their head/key strides in words, and
 /// scales and biases in the queries' dtype sharing one stride pair. Tensors keep their layouts'
 /// start offsets, which the launcher turns into buffer offsets.
-pub(crate) struct KvSide {
-    pub(crate) codes: Tensor,
-    pub(crate) scales: Tensor,
-    pub(crate) biases: Tensor,
+pub struct KvSide {
+    pub codes: Tensor,
+    pub scales: Tensor,
+    pub biases: Tensor,
     strides: SideStrides,
 }
 
@@ -83,19 +83,19 @@ fn kv_side(p: &PackedAffine, dtype: DType) -> candle_core::Result<KvSide> {
 /// codes/scales/biases, 8 the position table (any buffer when `table` is empty), 9 the output
 /// `[1, n_heads, q_len, head_dim]` in `q`'s dtype, 10 and 11 the split partials (f32,
 /// `partial_ml_len` and `partial_acc_len` elements; any buffer without splits).
-pub(crate) struct AttentionLaunch {
-    pub(crate) params: QsdpaParams,
-    pub(crate) q: Tensor,
-    pub(crate) k: KvSide,
-    pub(crate) v: KvSide,
-    pub(crate) table: Vec<u32>,
-    pub(crate) kernel: String,
-    pub(crate) groups: [usize; 3],
-    pub(crate) combine: Option<String>,
-    pub(crate) combine_groups: usize,
-    pub(crate) partial_ml_len: usize,
-    pub(crate) partial_acc_len: usize,
-    pub(crate) out_dims: [usize; 4],
+pub struct AttentionLaunch {
+    pub params: QsdpaParams,
+    pub q: Tensor,
+    pub k: KvSide,
+    pub v: KvSide,
+    pub table: Vec<u32>,
+    pub kernel: String,
+    pub groups: [usize; 3],
+    pub combine: Option<String>,
+    pub combine_groups: usize,
+    pub partial_ml_len: usize,
+    pub partial_acc_len: usize,
+    pub out_dims: [usize; 4],
 }
 
 /// Plans attention of `q` `[1, n_heads, q_len, head_dim]` over packed K/V of one sequence
@@ -104,7 +104,7 @@ pub(crate) struct AttentionLaunch {
 /// # Errors
 /// [`KernelError::Shape`] for a head dim without a kernel, K and V of different bits or group
 /// sizes, or positions beyond `u32`; [`KernelError::DType`] for a non-float query.
-pub(crate) fn plan_attention(
+pub fn plan_attention(
     q: &Tensor,
     k: &PackedAffine,
     v: &PackedAffine,
@@ -187,16 +187,16 @@ pub(crate) fn plan_attention(
 /// A quantized matrix-vector launch: `kernel` over `groups` threadgroups of
 /// `MATVEC_WARPS * 32` threads. Buffers: 0 `params`, 1 `x` `[rows, in]` contiguous, 2 codes,
 /// 3 scales, 4 biases (all contiguous), 5 `y` `[rows, out]` in `x`'s dtype.
-pub(crate) struct MatvecLaunch {
-    pub(crate) params: QmatParams,
-    pub(crate) kernel: String,
-    pub(crate) groups: usize,
+pub struct MatvecLaunch {
+    pub params: QmatParams,
+    pub kernel: String,
+    pub groups: usize,
 }
 
 /// Plans `x` `[rows, in]` · `Wᵀ` on the matvec kernel, or `None` where it does not apply: more
 /// rows than [`MATVEC_ROW_VARIANTS`] holds, a non-float activation or scale dtype, or an input
 /// width that is not a whole number of 4-word chunks (the kernel reads 128 bits a step).
-pub(crate) fn plan_matvec(rows: usize, x_dtype: DType, w: &PackedAffine) -> Option<MatvecLaunch> {
+pub fn plan_matvec(rows: usize, x_dtype: DType, w: &PackedAffine) -> Option<MatvecLaunch> {
     let tn = type_name(x_dtype)?;
     let sn = type_name(w.scales.dtype())?;
     let bits = w.bits.bits();
@@ -219,14 +219,14 @@ pub(crate) fn plan_matvec(rows: usize, x_dtype: DType, w: &PackedAffine) -> Opti
 /// A dequantization launch: `kernel` over `threads` threads in all (one per code word), in
 /// threadgroups of [`DEQUANT_THREADS`]. Buffers: 0 `params`, 1 codes, 2 scales, 3 biases, 4 a
 /// row index (unused: any buffer), 5 `use_idx` (0), 6 the dense `[out, in]` output in `dtype`.
-pub(crate) struct DequantLaunch {
-    pub(crate) params: QmatParams,
-    pub(crate) kernel: String,
-    pub(crate) threads: usize,
+pub struct DequantLaunch {
+    pub params: QmatParams,
+    pub kernel: String,
+    pub threads: usize,
 }
 
 /// Plans dequantizing all of `w` to `dtype`, or `None` for a non-float dtype.
-pub(crate) fn plan_dequant(w: &PackedAffine, dtype: DType) -> Option<DequantLaunch> {
+pub fn plan_dequant(w: &PackedAffine, dtype: DType) -> Option<DequantLaunch> {
     let tn = type_name(dtype)?;
     let sn = type_name(w.scales.dtype())?;
     let bits = w.bits.bits();

@@ -4,7 +4,7 @@
 // src/kernels/metal/launch.rs from the plans of src/kernels/metal/plan.rs. No Mac here: the
 // source is compiled as C++ against src/kernels/metal/shim.h, which emulates the language's
 // threadgroups, barriers and SIMD sums on CPU threads, and `cargo test` runs the plans through
-// it against the CPU reference (src/kernels/metal/emulated.rs).
+// it against the CPU reference (tests/metal_emulation.rs).
 #include <metal_stdlib>
 using namespace metal;
 

@@ -1,6 +1,6 @@
 // CPU stand-ins for the Metal Shading Language features qkernels.metal uses, so the kernels
 // compile as C++20 on machines without a Metal compiler (scripts/metal-syntax.sh) and run on CPU
-// threads (emulate.cpp, driven by src/kernels/metal/emulated.rs):
+// threads (tests/metal_emulation/emulate.cpp, driven by tests/metal_emulation.rs):
 // * one OS thread per Metal thread, one threadgroup at a time; threadgroup arrays are function
 //   statics (QK_THREADGROUP), so they are shared by the group that runs;
 // * threadgroup_barrier is a barrier over the group's threads, simd_sum a barrier-synchronised

@@ -1,5 +1,5 @@
 // Runs dispatches of qkernels.metal on CPU threads (see shim.h for what is emulated and how).
-// Built and driven by src/kernels/metal/emulated.rs: `emulate JOB` reads a job file of lines
+// Built and driven by tests/metal_emulation.rs: `emulate JOB` reads a job file of lines
 //   load NAME FILE            buffer NAME from a file
 //   alloc NAME BYTES          buffer NAME of zeros
 //   dispatch KERNEL GX GY GZ THREADS

@@ -4,8 +4,14 @@
 //! device-to-device copy in the same process. Prints one JSON object per line.
 //!
 //! ```text
-//! cargo run --release --features cuda --example bench -- --config fixtures/real-configs/e4b-config.json
+//! cargo bench --features cuda --bench model_speed -- --config fixtures/real-configs/e4b-config.json
+//! cargo bench --bench model_speed -- --cpu --config fixtures/real-configs/e2b-config.json --prefill 0 --batch 1 --context 128
 //! ```
+//!
+//! On a GPU machine without a toolchain, build here with
+//! `cargo bench --features cuda --bench model_speed --no-run`, carry the binary it names
+//! (`target/release/deps/model_speed-<hash>`) and run it with the same flags. Without `--config`
+//! it measures nothing and says so (a plain `cargo bench` runs it that way).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -21,7 +27,7 @@ use serde_json::json;
 #[derive(Debug, Parser)]
 struct Args {
     /// config.json of the shape to build (repeatable).
-    #[arg(long, required = true)]
+    #[arg(long)]
     config: Vec<PathBuf>,
     /// Prompt lengths for prefill (0: none).
     #[arg(long, value_delimiter = ',', default_value = "512,4096")]
@@ -54,6 +60,9 @@ struct Args {
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
+    /// Passed by `cargo bench` to every bench; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 /// Copy bandwidth in bytes/s (bytes read + written) of a device-to-device copy of 1 GiB: on
@@ -177,6 +186,10 @@ fn prefill(model: &Model, cc: &CacheConfig, len: usize, seed: u32) -> Result<(Mo
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.config.is_empty() {
+        eprintln!("model_speed: no --config given, nothing to measure (see --help)");
+        return Ok(());
+    }
     let dev = candle_gemma::best_device(args.cpu)?;
     let bw = copy_bandwidth(&dev)?;
     println!(

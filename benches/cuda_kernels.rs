@@ -7,7 +7,15 @@
 //!
 //! `--experts`: the routed-expert grouped matvec (26B-A4B shapes), packed against bf16.
 //!
-//!     cargo run --release --features cuda --example bench_kernels [-- --quick]
+//! ```text
+//! cargo bench --features cuda --bench cuda_kernels [-- --quick]
+//! ```
+//!
+//! Flags: `--quick` (fewer key counts), `--l2-resident`, `--matmul-only`, `--attention-only`,
+//! `--dense-only`, `--launch-floor`, `--experts`, `--shape NAME`, `--keys N`, `--proj NAME`,
+//! `--rows N`; `BENCH_KERNELS_ONCE=N` makes each point N calls for a profiler. On a GPU machine
+//! without a toolchain, build here with `cargo bench --features cuda --bench cuda_kernels
+//! --no-run` and carry the binary it names (`target/release/deps/cuda_kernels-<hash>`).
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -153,8 +161,8 @@ fn arg_value(flag: &str) -> Option<String> {
 
 fn main() -> Result<()> {
     let quick = std::env::args().any(|a| a == "--quick");
-    // `--l2-resident`: one K/V copy a point (the earlier sessions' attention figures), so small
-    // caches stay in L2 between calls; by default copies rotate as the weights do.
+    // `--l2-resident`: one K/V copy a point, so small caches stay in L2 between calls; by
+    // default copies rotate as the weights do.
     let l2_resident = std::env::args().any(|a| a == "--l2-resident");
     // `--matmul-only`: skip the attention benches (the matvec kernels alone).
     let attention = !std::env::args().any(|a| a == "--matmul-only");

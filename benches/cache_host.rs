@@ -4,7 +4,7 @@
 //! per (cache kind, keys).
 //!
 //! ```text
-//! cargo run --release --example bench_cache_host
+//! cargo bench --bench cache_host
 //! ```
 
 use anyhow::Result;

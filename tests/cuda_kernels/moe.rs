@@ -1,0 +1,254 @@
+//! The mixture-of-experts kernels against the CPU: routing (top-k, softmax, per-expert scale),
+//! the grouped expert products over dense experts (per token, per pair, by slot, gated) with
+//! the mix, and over MLX-packed experts (plain and gated).
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use candle_gemma::kernels::cuda::fused::{
+    grouped_matvec, grouped_matvec_gated, grouped_qmatvec, grouped_qmatvec_gated, moe_mix,
+    moe_route,
+};
+use candle_gemma::kernels::qmatmul::{qmatmul, PackedWeight};
+use candle_gemma::kernels::quantize;
+use candle_gemma::kv::QuantBits;
+
+use crate::common::close::{max_abs_diff, Checks};
+use crate::layer_ops::lim;
+use crate::support::{gpu, rnd, tol};
+
+/// Routing, then the grouped products over dense experts of the routed pairs, in `dtype`.
+fn check_dense_experts(checks: &mut Checks, dtype: DType, gpu: &Device) -> Result<()> {
+    let g = |t: &Tensor| t.to_device(gpu);
+    let mut report = |name: &str, err: f32, limit: f32| {
+        checks.close(format!("fused {name} dtype={dtype:?}"), err, limit);
+    };
+    let lim = lim(dtype);
+    // Router: top-3 of 8 logits per token (ties to the lower expert), softmax, per-expert scale.
+    let (e, out, inp, tokens, k) = (8, 64, 128, 5, 3);
+    let logits = rnd(&[tokens, e], dtype)?;
+    let scale = Tensor::rand(0.5f32, 1.5, e, &Device::Cpu)?;
+    let (gidx, gmix) = moe_route(&g(&logits)?, &g(&scale)?, k)?;
+    let lg = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let sc = scale.to_vec1::<f32>()?;
+    let (gi, gm) = (
+        gidx.to_device(&Device::Cpu)?.to_vec2::<u32>()?,
+        gmix.to_device(&Device::Cpu)?.to_vec2::<f32>()?,
+    );
+    let mut route_err = 0f32;
+    let mut idx = Vec::new();
+    let mut mixv = Vec::new();
+    for t in 0..tokens {
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| lg[t][b].total_cmp(&lg[t][a]).then(a.cmp(&b)));
+        let sum: f32 = order[..k]
+            .iter()
+            .map(|&i| (lg[t][i] - lg[t][order[0]]).exp())
+            .sum();
+        for j in 0..k {
+            let want = (lg[t][order[j]] - lg[t][order[0]]).exp() / sum * sc[order[j]];
+            if gi[t][j] as usize != order[j] {
+                route_err = f32::INFINITY;
+            }
+            route_err = route_err.max((gm[t][j] - want).abs());
+            idx.push(order[j] as u32);
+            mixv.push(want);
+        }
+    }
+    report("moe_route", route_err, 1e-5);
+
+    // Grouped expert products (gate/up: x per token; down: x per pair), then the mix.
+    let wts = (rnd(&[e, out, inp], dtype)? * 0.1)?;
+    let x = rnd(&[tokens, inp], dtype)?;
+    let idx_t = Tensor::from_vec(idx.clone(), (tokens, k), &Device::Cpu)?;
+    let mut rows = Vec::new();
+    for (p, &ex) in idx.iter().enumerate() {
+        let xr = x.get(p / k)?.unsqueeze(0)?.to_dtype(DType::F32)?;
+        rows.push(xr.matmul(&wts.get(ex as usize)?.to_dtype(DType::F32)?.t()?)?);
+    }
+    let want = Tensor::cat(&rows, 0)?;
+    let got = grouped_matvec(&g(&wts)?, &g(&idx_t)?, &g(&x)?, true)?;
+    report("grouped_matvec", max_abs_diff(&got, &want), lim);
+    let wd = (rnd(&[e, inp, out], dtype)? * 0.1)?;
+    let hmid = rnd(&[tokens * k, out], dtype)?;
+    let mix = Tensor::from_vec(mixv.clone(), (tokens, k), &Device::Cpu)?;
+    let mut outs = Vec::new();
+    for t in 0..tokens {
+        let mut acc = Tensor::zeros((1, inp), DType::F32, &Device::Cpu)?;
+        for j in 0..k {
+            let p = t * k + j;
+            let yr = hmid
+                .get(p)?
+                .unsqueeze(0)?
+                .to_dtype(DType::F32)?
+                .matmul(&wd.get(idx[p] as usize)?.to_dtype(DType::F32)?.t()?)?;
+            acc = (acc + (yr * mixv[p] as f64)?)?;
+        }
+        outs.push(acc);
+    }
+    let want = Tensor::cat(&outs, 0)?;
+    let y = grouped_matvec(&g(&wd)?, &g(&idx_t)?, &g(&hmid)?, false)?;
+    let got = moe_mix(&y, &g(&mix)?)?;
+    report("grouped_matvec + moe_mix", max_abs_diff(&got, &want), lim);
+
+    // Fewer pairs than experts (the decode grid, one block column per pair slot), with experts
+    // picked twice: each must still be computed once for both of its pairs.
+    let slot_idx: Vec<u32> = vec![3, 1, 3, 7, 1, 0];
+    let (st, sk) = (2, 3);
+    let sx = rnd(&[st, inp], dtype)?;
+    let mut rows = Vec::new();
+    for (p, &ex) in slot_idx.iter().enumerate() {
+        let xr = sx.get(p / sk)?.unsqueeze(0)?.to_dtype(DType::F32)?;
+        rows.push(xr.matmul(&wts.get(ex as usize)?.to_dtype(DType::F32)?.t()?)?);
+    }
+    let want = Tensor::cat(&rows, 0)?;
+    let sidx = Tensor::from_vec(slot_idx.clone(), (st, sk), &Device::Cpu)?;
+    let got = grouped_matvec(&g(&wts)?, &g(&sidx)?, &g(&sx)?, true)?;
+    report("grouped_matvec by slot", max_abs_diff(&got, &want), lim);
+
+    // The gated down product: pair rows gelu_tanh(a) * b from the halves of one stacked tensor.
+    let gu = rnd(&[tokens * k, 2 * out], dtype)?;
+    let (ga, gb) = (gu.narrow(1, 0, out)?, gu.narrow(1, out, out)?);
+    let hidden = (ga.gelu()? * &gb)?;
+    let mut rows = Vec::new();
+    for (p, &ex) in idx.iter().enumerate() {
+        rows.push(
+            hidden
+                .get(p)?
+                .unsqueeze(0)?
+                .to_dtype(DType::F32)?
+                .matmul(&wd.get(ex as usize)?.to_dtype(DType::F32)?.t()?)?,
+        );
+    }
+    let want = Tensor::cat(&rows, 0)?;
+    let gug = g(&gu)?;
+    let got = grouped_matvec_gated(
+        &g(&wd)?,
+        &g(&idx_t)?,
+        &gug.narrow(1, 0, out)?,
+        &gug.narrow(1, out, out)?,
+    )?;
+    // f32 is declined (the caller gates separately); f16/bf16 must run.
+    let err = match (got, dtype) {
+        (Some(got), DType::BF16 | DType::F16) => max_abs_diff(&got, &want),
+        (None, DType::F32) => 0.0,
+        _ => f32::INFINITY,
+    };
+    report("grouped_matvec gated", err, lim);
+    Ok(())
+}
+
+#[test]
+fn routing_and_dense_expert_products_match_cpu() -> Result<()> {
+    let Some(gpu) = gpu("moe dense experts") else {
+        return Ok(());
+    };
+    let mut checks = Checks::new("moe dense experts");
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        check_dense_experts(&mut checks, dtype, &gpu.dev)?;
+    }
+    checks.finish();
+    Ok(())
+}
+
+/// The routed expert products over MLX-packed experts (`grouped_qmatvec`, plain and gated)
+/// against the CPU reference product of each picked expert: few pairs (one block per pair slot,
+/// experts picked twice) and many (one block per expert).
+fn check_grouped_packed(
+    xdtype: DType,
+    sdtype: DType,
+    bits: usize,
+    group: usize,
+    gpu: &Device,
+    checks: &mut Checks,
+) -> Result<()> {
+    let cpu = Device::Cpu;
+    // 40 rows an expert: not a multiple of the 8 rows of a block.
+    let (experts, out_dim, in_dim) = (8, 40, 256);
+    let w = Tensor::randn(0f32, 0.05, (experts * out_dim, in_dim), &cpu)?.to_dtype(sdtype)?;
+    let p = quantize(&w, QuantBits::from_bits(bits)?, group)?;
+    let wc = PackedWeight::new(p.codes, p.scales, p.biases, experts * out_dim, in_dim)?;
+    let wg = PackedWeight::new(
+        wc.codes.to_device(gpu)?,
+        wc.scales.to_device(gpu)?,
+        wc.biases.to_device(gpu)?,
+        experts * out_dim,
+        in_dim,
+    )?;
+    let expert = |e: u32| wc.narrow_rows(e as usize * out_dim, out_dim);
+    let lim = tol(xdtype) * ((in_dim as f32).sqrt() * 0.05).max(1.0) * 2.0;
+    let mut report = |name: String, err: f32| {
+        let case = format!("{name} x={xdtype:?} scales={sdtype:?} bits={bits} group={group}");
+        checks.close(case, err, lim);
+    };
+    for (tokens, k, idx) in [
+        (2usize, 3usize, vec![3u32, 1, 3, 7, 1, 0]),
+        (
+            20,
+            2,
+            (0..20u32)
+                .flat_map(|t| [(t * 3) % 8, (t * 3 + 5) % 8])
+                .collect(),
+        ),
+    ] {
+        let idx_t = Tensor::from_vec(idx.clone(), (tokens, k), &cpu)?;
+        let x = rnd(&[tokens, in_dim], xdtype)?;
+        let mut rows = Vec::new();
+        for (p, &e) in idx.iter().enumerate() {
+            rows.push(qmatmul(&x.get(p / k)?.unsqueeze(0)?, &expert(e)?)?);
+        }
+        let want = Tensor::cat(&rows, 0)?;
+        let got = grouped_qmatvec(
+            &wg,
+            experts,
+            &idx_t.to_device(gpu)?,
+            &x.to_device(gpu)?,
+            true,
+        )?;
+        report(
+            format!("grouped_qmatvec pairs={}", tokens * k),
+            max_abs_diff(&got, &want),
+        );
+        // Gated: pair rows gelu_tanh(a) * b from the halves of one stacked tensor (16-bit only).
+        let gu = rnd(&[tokens * k, 2 * in_dim], xdtype)?;
+        let hidden = (gu.narrow(1, 0, in_dim)?.gelu()? * gu.narrow(1, in_dim, in_dim)?)?;
+        let mut rows = Vec::new();
+        for (p, &e) in idx.iter().enumerate() {
+            rows.push(qmatmul(&hidden.get(p)?.unsqueeze(0)?, &expert(e)?)?);
+        }
+        let want = Tensor::cat(&rows, 0)?;
+        let gug = gu.to_device(gpu)?;
+        let got = grouped_qmatvec_gated(
+            &wg,
+            experts,
+            &idx_t.to_device(gpu)?,
+            &gug.narrow(1, 0, in_dim)?,
+            &gug.narrow(1, in_dim, in_dim)?,
+        )?;
+        let err = match (got, xdtype) {
+            (Some(got), DType::BF16 | DType::F16) => max_abs_diff(&got, &want),
+            (None, DType::F32) => 0.0,
+            _ => f32::INFINITY,
+        };
+        report(format!("grouped_qmatvec gated pairs={}", tokens * k), err);
+    }
+    Ok(())
+}
+
+#[test]
+fn packed_expert_products_match_cpu() -> Result<()> {
+    let Some(gpu) = gpu("grouped_qmatvec") else {
+        return Ok(());
+    };
+    let mut checks = Checks::new("grouped_qmatvec");
+    for xdtype in [DType::F32, DType::BF16, DType::F16] {
+        for sdtype in [DType::BF16, DType::F16, DType::F32] {
+            for bits in [4, 8] {
+                for group in [32, 64, 128] {
+                    check_grouped_packed(xdtype, sdtype, bits, group, &gpu.dev, &mut checks)?;
+                }
+            }
+        }
+    }
+    checks.finish();
+    Ok(())
+}
