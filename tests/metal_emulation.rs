@@ -73,7 +73,7 @@ fn packed_view(c: &AttentionCase, seed: f32) -> PackedKv {
         view(&p.codes),
         view(&p.scales),
         view(&p.biases),
-        crate::kernels::AffineSpec {
+        candle_gemma::kernels::AffineSpec {
             bits: c.bits,
             group_size: c.group,
         },
