@@ -67,13 +67,15 @@ pub fn cpu(t: &Tensor) -> Result<Tensor> {
 
 /// A packed tensor moved to `dev`.
 pub fn to_dev(p: &PackedKv, dev: &Device) -> Result<PackedKv> {
-    Ok(PackedKv {
-        codes: p.codes.to_device(dev)?,
-        scales: p.scales.to_device(dev)?,
-        biases: p.biases.to_device(dev)?,
-        bits: p.bits,
-        group_size: p.group_size,
-    })
+    Ok(PackedKv::from_parts(
+        p.codes.to_device(dev)?,
+        p.scales.to_device(dev)?,
+        p.biases.to_device(dev)?,
+        candle_gemma::kernels::AffineSpec {
+            bits: p.bits,
+            group_size: p.group_size,
+        },
+    ))
 }
 
 /// How the keys' positions are laid out in storage.
