@@ -4,7 +4,7 @@
 //! positions, and the flash-decoding split of a view's keys.
 
 use crate::kernels::QueryPlan;
-use crate::kv::{CacheError, KeyPositions};
+use crate::kernels::{KernelError, KeyPositions};
 
 /// Warps per quantized-attention block (`QS_WARPS` in the kernels).
 pub const QSDPA_WARPS: usize = 4;
@@ -102,7 +102,7 @@ impl QsdpaParams {
     /// names the launcher in errors.
     ///
     /// # Errors
-    /// [`CacheError::Shape`] when a size, position or the last query's position does not fit
+    /// [`KernelError::Shape`] when a size, position or the last query's position does not fit
     /// in `u32`.
     pub(crate) fn for_sequence(
         what: &'static str,
@@ -111,8 +111,8 @@ impl QsdpaParams {
         v: SideStrides,
         positions: &KeyPositions,
         plan: &QueryPlan,
-    ) -> Result<(Self, Vec<u32>), CacheError> {
-        let too_big = || CacheError::Shape {
+    ) -> Result<(Self, Vec<u32>), KernelError> {
+        let too_big = || KernelError::Shape {
             what,
             expected: "keys, positions and the last query's position below 2^32".into(),
             found: vec![g.keys, plan.q_offset + g.q_len],
@@ -150,9 +150,9 @@ impl QsdpaParams {
     /// Sets the flash-decoding split.
     ///
     /// # Errors
-    /// [`CacheError::Shape`] when a count does not fit in `u32`.
-    pub(crate) fn set_split(&mut self, split: KeySplit) -> Result<(), CacheError> {
-        let err = || CacheError::Shape {
+    /// [`KernelError::Shape`] when a count does not fit in `u32`.
+    pub(crate) fn set_split(&mut self, split: KeySplit) -> Result<(), KernelError> {
+        let err = || KernelError::Shape {
             what: "attention split (splits, keys a split, longer splits)",
             expected: "values below 2^32".into(),
             found: vec![split.n, split.per, split.long],

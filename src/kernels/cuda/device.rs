@@ -10,7 +10,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{DType, Device, Layout, Result, Storage, Tensor};
 
 use crate::kernels::plan::{QmatParams, QsdpaParams};
-use crate::kv::CacheError;
+use crate::kernels::KernelError;
 
 // SAFETY: both structs are `#[repr(C)]`, plain integers and floats, passed by value and read
 // by the kernels with the same field layout.
@@ -20,13 +20,13 @@ unsafe impl DeviceRepr for QmatParams {}
 /// The kernel-name suffix of a query or activation dtype (`f32`, `f16`, `bf16`).
 ///
 /// # Errors
-/// [`CacheError::DType`] for any other dtype.
-pub(super) fn kname(dtype: DType) -> std::result::Result<&'static str, CacheError> {
+/// [`KernelError::DType`] for any other dtype.
+pub(super) fn kname(dtype: DType) -> std::result::Result<&'static str, KernelError> {
     match dtype {
         DType::F32 => Ok("f32"),
         DType::F16 => Ok("f16"),
         DType::BF16 => Ok("bf16"),
-        found => Err(CacheError::DType {
+        found => Err(KernelError::DType {
             what: "queries for the CUDA quantized kernels",
             expected: DType::BF16,
             found,

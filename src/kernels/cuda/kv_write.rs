@@ -156,7 +156,7 @@ pub(crate) fn kv_scatter_batch(k: &Tensor, v: &Tensor, dst: &[(Tensor, Tensor)])
 pub(crate) fn quantize_kv_into(
     k: &Tensor,
     v: &Tensor,
-    bits: crate::kv::QuantBits,
+    bits: crate::kernels::QuantBits,
     group_size: usize,
     dst: &[Tensor],
 ) -> Result<bool> {
@@ -202,7 +202,7 @@ pub(crate) fn quantize_kv_into(
 pub(crate) fn quantize_kv_into_batch(
     k: &Tensor,
     v: &Tensor,
-    bits: crate::kv::QuantBits,
+    bits: crate::kernels::QuantBits,
     group_size: usize,
     dst: &[Vec<Tensor>],
 ) -> Result<bool> {
@@ -253,7 +253,7 @@ fn launch_quantize_into(
     k: &Tensor,
     v: &Tensor,
     rows: std::ops::Range<usize>,
-    bits: crate::kv::QuantBits,
+    bits: crate::kernels::QuantBits,
     group_size: usize,
     slots: SlotArg<'_>,
 ) -> Result<()> {

@@ -9,13 +9,13 @@ use candle_core::{DType, Tensor};
 use super::device::{cuda_dev, cuda_storage, kname, view, wrap};
 use super::kernel_cache::{load_kernel, QUANTIZE};
 use crate::kernels::plan::QmatParams;
-use crate::kv::{CacheError, PackedKv};
+use crate::kernels::{KernelError, PackedKv};
 
 /// Dense `[1, kvh, keys, head_dim]` in `dtype` from packed K or V, on the GPU.
 ///
 /// # Errors
 /// Shape, dtype and CUDA errors.
-pub fn dequantize_kv(p: &PackedKv, dtype: DType) -> Result<Tensor, CacheError> {
+pub fn dequantize_kv(p: &PackedKv, dtype: DType) -> Result<Tensor, KernelError> {
     let (b, kvh, keys, words) = p.codes.dims4()?;
     let bits = p.bits.bits();
     let hd = words * 32 / bits;
@@ -124,7 +124,7 @@ pub(crate) fn dequant_rows(
 /// size.
 pub(crate) fn quantize(
     x: &Tensor,
-    bits: crate::kv::QuantBits,
+    bits: crate::kernels::QuantBits,
     group_size: usize,
 ) -> candle_core::Result<PackedKv> {
     let dims = x.dims().to_vec();

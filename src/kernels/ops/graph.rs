@@ -35,7 +35,7 @@ mod imp {
     use crate::kernels::cuda::launch::kvq_destination;
     use crate::kernels::cuda::scratch;
     use crate::kernels::QueryPlan;
-    use crate::kv::KvView;
+    use crate::kernels::KvView;
 
     /// Bytes of the parameter area: two blocks a layer (a `QsdpaSeq` is 192 bytes), ample for
     /// every Gemma 4 depth.
@@ -257,7 +257,7 @@ mod imp {
 
     use crate::error::Result;
     use crate::kernels::QueryPlan;
-    use crate::kv::KvView;
+    use crate::kernels::KvView;
 
     /// No value: nothing is captured without the `cuda` feature.
     enum Never {}

@@ -2,7 +2,7 @@
 //! launch of the fused kernel (and one of its split combine), instead of one or two launches
 //! per sequence and a concatenation of their outputs.
 //!
-//! Each sequence keeps its own K/V storage (see [`crate::kv::BatchCache`]): the launch reads a
+//! Each sequence keeps its own K/V storage (see the batch cache): the launch reads a
 //! table of per-sequence descriptors (kernel parameters and device addresses of its K/V), so
 //! sequences of different lengths, positions and storage batch without padding.
 
@@ -17,7 +17,7 @@ use crate::kernels::cuda::graph;
 use crate::kernels::cuda::kernel_cache::{load_kernel, ATTENTION};
 use crate::kernels::plan::{QsdpaParams, QSDPA_HEAD_DIMS};
 use crate::kernels::{check_view, QueryPlan};
-use crate::kv::{CacheError, KeyPositions, KvData, KvView};
+use crate::kernels::{KernelError, KeyPositions, KvData, KvView};
 
 /// `struct QsdpaSeq` in `attention.cuh`.
 #[repr(C)]
@@ -59,14 +59,14 @@ pub(crate) fn address(t: &Tensor, dev: &CudaDevice) -> candle_core::Result<u64> 
 /// blocks, head dims the kernel lacks, or the path switched off.
 ///
 /// # Errors
-/// [`CacheError::Shape`] for views that do not fit the queries, candle/CUDA errors.
+/// [`KernelError::Shape`] for views that do not fit the queries, candle/CUDA errors.
 pub(crate) fn attend_batch(
     q: &Tensor,
     views: &[KvView],
     q_offsets: &[usize],
     window: Option<usize>,
     scale: f64,
-) -> Result<Option<Tensor>, CacheError> {
+) -> Result<Option<Tensor>, KernelError> {
     let (batch, n_heads, q_len, head_dim) = q.dims4()?;
     let dtype = q.dtype();
     if batch < 2
@@ -179,7 +179,7 @@ fn launch_seqs(
     n_split_max: usize,
     descs: u64,
     dev: &CudaDevice,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let (_, n_heads, q_len, head_dim) = q.dims4()?;
     let dtype = q.dtype();
     let row_blocks = first.row_blocks;
@@ -195,7 +195,7 @@ fn launch_seqs(
             .resident_blocks_with(first.block_threads(), first.smem)
             .is_none()
     {
-        return Err(CacheError::Config {
+        return Err(KernelError::Config {
             field: "attention shared-memory stages",
             reason: format!(
                 "the device refuses {} bytes of shared memory a block for {}",
@@ -301,7 +301,7 @@ fn single(view: &KvView) -> Option<(&KvData, &KeyPositions)> {
 /// and by each replay, so both plan alike.
 ///
 /// # Errors
-/// [`CacheError::Shape`] for a view this path cannot take (packed, another dtype, positions
+/// [`KernelError::Shape`] for a view this path cannot take (packed, another dtype, positions
 /// needing a table) or that does not fit the queries.
 pub(crate) fn step_descriptor(
     n_heads: usize,
@@ -310,7 +310,7 @@ pub(crate) fn step_descriptor(
     view: &KvView,
     plan: &QueryPlan,
     dev: &CudaDevice,
-) -> Result<(QsdpaSeq, usize), CacheError> {
+) -> Result<(QsdpaSeq, usize), KernelError> {
     let (desc, seq) = plan_step(n_heads, head_dim, dtype, view, plan, dev)?;
     Ok((desc, seq.bits))
 }
@@ -323,8 +323,8 @@ fn plan_step(
     view: &KvView,
     plan: &QueryPlan,
     dev: &CudaDevice,
-) -> Result<(QsdpaSeq, SeqPlan), CacheError> {
-    let unsupported = |what: &str| CacheError::Shape {
+) -> Result<(QsdpaSeq, SeqPlan), KernelError> {
+    let unsupported = |what: &str| KernelError::Shape {
         what: "captured decode attention",
         expected: format!(
             "one sequence of dense K/V, or packed K/V with scales, in the activations' dtype \
@@ -387,7 +387,7 @@ pub(crate) fn attend_recorded(
     q: &Tensor,
     view: &KvView,
     plan: &QueryPlan,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let (_, n_heads, _, head_dim) = q.dims4()?;
     let dev = cuda_dev(q)?;
     let (desc, seq) = plan_step(n_heads, head_dim, q.dtype(), view, plan, &dev)?;
@@ -397,7 +397,7 @@ pub(crate) fn attend_recorded(
         bits: seq.bits as u32,
     };
     let at = graph::record(slot, &desc)?.ok_or_else(|| {
-        CacheError::Candle(candle_core::Error::Msg(
+        KernelError::Candle(candle_core::Error::Msg(
             "attend_recorded called outside a capture".to_string(),
         ))
     })?;

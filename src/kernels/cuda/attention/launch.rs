@@ -12,7 +12,7 @@ use crate::kernels::cuda::kernel_cache::{load_kernel, ATTENTION};
 use crate::kernels::cuda::quantize::dequantize_kv;
 use crate::kernels::cuda::scratch::with_scratch;
 use crate::kernels::{dense, QueryPlan};
-use crate::kv::{CacheError, KeyPositions, PackedKv};
+use crate::kernels::{KernelError, KeyPositions, PackedKv};
 
 /// Which algorithm the CUDA quantized attention uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -31,7 +31,7 @@ pub enum QsdpaPath {
 pub const FUSED_MAX_Q_LEN: usize = 16;
 
 /// Fused quantized attention of one sequence on a CUDA device: the host API behind
-/// [`crate::kernels::attend`] for [`crate::kv::KvData::Packed`] on CUDA.
+/// [`crate::kernels::attend`] for [`crate::kernels::KvData::Packed`] on CUDA.
 ///
 /// * `q`: `[1, n_heads, q_len, head_dim]` (f32, f16 or bf16), on a CUDA device.
 /// * `k`, `v`: packed `[1, kv_heads, keys, ..]` on the same device, same bits and group size;
@@ -42,8 +42,8 @@ pub const FUSED_MAX_Q_LEN: usize = 16;
 /// Returns `[1, n_heads, q_len, head_dim]` in `q`'s dtype. Queries that see no key get zeros.
 ///
 /// # Errors
-/// [`CacheError::Shape`] for mismatched shapes or an unsupported head dimension (32, 64, 128,
-/// 256 or 512), [`CacheError::BadGroupSize`], [`CacheError::DType`] for a non-float query,
+/// [`KernelError::Shape`] for mismatched shapes or an unsupported head dimension (32, 64, 128,
+/// 256 or 512), [`KernelError::BadGroupSize`], [`KernelError::DType`] for a non-float query,
 /// candle/CUDA errors.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_packed_cuda(
@@ -55,7 +55,7 @@ pub fn attend_packed_cuda(
     window: Option<usize>,
     scale: f64,
     path: QsdpaPath,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let plan = QueryPlan {
         q_offset,
         window,
@@ -72,7 +72,7 @@ pub(crate) fn attend_packed(
     positions: &KeyPositions,
     plan: &QueryPlan,
     path: QsdpaPath,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let (_, _, q_len, _) = q.dims4()?;
     let fused = match path {
         QsdpaPath::Auto => q_len <= FUSED_MAX_Q_LEN,
@@ -103,7 +103,7 @@ pub(crate) fn attend_dense_fused(
     v: &Tensor,
     positions: &KeyPositions,
     plan: &QueryPlan,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     attend_fused(q, KvOperand::Dense(k), KvOperand::Dense(v), positions, plan)
 }
 
@@ -115,7 +115,7 @@ fn attend_fused(
     v: KvOperand<'_>,
     positions: &KeyPositions,
     plan: &QueryPlan,
-) -> Result<Tensor, CacheError> {
+) -> Result<Tensor, KernelError> {
     let (_, n_heads, q_len, head_dim) = q.dims4()?;
     let dtype = q.dtype();
     let tn = kname(dtype)?;

@@ -15,7 +15,7 @@ use crate::kernels::plan::{
     QsdpaParams, SideStrides, QSDPA_HEAD_DIMS, QSDPA_WARPS,
 };
 use crate::kernels::QueryPlan;
-use crate::kv::{CacheError, KeyPositions, PackedKv};
+use crate::kernels::{KernelError, KeyPositions, PackedKv};
 
 /// Query rows per CUDA-core attention block (the kernels' `NQ`; 2 is also instantiated).
 pub(crate) const QSDPA_ROWS: usize = 4;
@@ -213,7 +213,7 @@ pub(super) struct SeqPlan {
 
 impl SeqPlan {
     /// The attention kernel's name, for one sequence or (`batch`) for a batch launch.
-    pub(super) fn kernel_name(&self, dtype: DType, batch: bool) -> Result<String, CacheError> {
+    pub(super) fn kernel_name(&self, dtype: DType, batch: bool) -> Result<String, KernelError> {
         let hd = self.params.head_dim as usize;
         kernel_name_of(
             dtype,
@@ -281,7 +281,7 @@ fn kernel_name_of(
     stages: usize,
     fold_values: bool,
     batch: bool,
-) -> Result<String, CacheError> {
+) -> Result<String, KernelError> {
     let tn = kname(dtype)?;
     let b = if batch { "batch_" } else { "" };
     Ok(if tensor_cores {
@@ -385,7 +385,7 @@ pub(super) fn plan_seq(
     positions: &KeyPositions,
     plan: &QueryPlan,
     dev: &CudaDevice,
-) -> Result<SeqPlan, CacheError> {
+) -> Result<SeqPlan, KernelError> {
     let (kv_heads, keys) = k.dims()?;
     kname(dtype)?;
     let bits = k.bits(dtype);
@@ -393,7 +393,7 @@ pub(super) fn plan_seq(
         || bits != v.bits(dtype)
         || k.group_size() != v.group_size()
     {
-        return Err(CacheError::Shape {
+        return Err(KernelError::Shape {
             what: "CUDA fused attention",
             expected: format!(
                 "head_dim in {QSDPA_HEAD_DIMS:?}, K and V with the same bits and group size"
