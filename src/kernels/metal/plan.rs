@@ -25,7 +25,7 @@ pub const COMBINE_THREADS: usize = 128;
 /// Output rows a threadgroup of `qmatvec_*` computes, one per simdgroup (`QMV_WARPS`).
 pub const MATVEC_WARPS: usize = 8;
 /// Activation rows the matvec kernels are instantiated for (a launch takes the first that fits).
-pub(crate) const MATVEC_ROW_VARIANTS: [usize; 4] = [1, 2, 4, 8];
+pub const MATVEC_ROW_VARIANTS: [usize; 4] = [1, 2, 4, 8];
 /// Threads a threadgroup of `dequant_*`.
 pub const DEQUANT_THREADS: usize = 256;
 /// Threadgroups a decode attention launch aims for across its key splits. Apple GPUs have 8-80
