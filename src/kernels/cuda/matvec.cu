@@ -442,8 +442,7 @@ constexpr int QROW_MAX_WARPS = 8;  // blockDim.x / 32 * blockDim.y, 1-8 (QMATVEC
 // it): weights are never written by the kernel before (see `pdl_entry`), x may be.
 // TRIGGER_FIRST (with EARLY): the next kernel may launch before this one has waited for the
 // one before; taken by `_u2le` alone, whose row pairs fit one wave (its dependents then never
-// hold slots its own blocks wait for; as the rule for every `e` variant it cost E4B 4-bit
-// decode 1-2%).
+// hold slots its own blocks wait for, as they would in a launch of several waves).
 template <typename T, int U, bool LATE_X, bool EARLY = false, bool TRIGGER_FIRST = false>
 __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __restrict__ x,
                                               const uint32_t* __restrict__ codes,
