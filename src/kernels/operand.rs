@@ -360,7 +360,7 @@ pub enum KvView {
 impl KvView {
     /// The view with every sequence's keys below its offset before the update (`offsets`, one
     /// per sequence in batch order) marked settled ([`KeyPositions::settled_below`]).
-    pub fn settled_below(self, offsets: &[usize]) -> Self {
+    pub(crate) fn settled_below(self, offsets: &[usize]) -> Self {
         match self {
             KvView::Single { data, positions } => KvView::Single {
                 data,

@@ -15,7 +15,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::quant::dequantize_host;
+use super::quant::{dequantize_host, host_f32};
 use super::{KernelError, PackedAffine};
 
 /// A packed weight matrix `[out_dim, in_dim]`: the name the model code uses for
@@ -162,16 +162,10 @@ struct HostWeight {
 
 impl HostWeight {
     fn read(w: &PackedAffine) -> Result<Self, KernelError> {
-        let f = |t: &Tensor| -> Result<Vec<f32>, KernelError> {
-            Ok(t.to_device(&Device::Cpu)?
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1()?)
-        };
         Ok(Self {
             codes: w.codes.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?,
-            scales: f(&w.scales)?,
-            biases: f(&w.biases)?,
+            scales: host_f32(&w.scales)?,
+            biases: host_f32(&w.biases)?,
             words: w.in_dim() * w.bits.bits() / 32,
             groups: w.in_dim() / w.group_size,
         })

@@ -135,7 +135,7 @@ pub fn quantize(
 }
 
 /// `t` copied to the host as f32, flattened.
-fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+pub(crate) fn host_f32(t: &Tensor) -> candle_core::Result<Vec<f32>> {
     t.to_device(&Device::Cpu)?
         .to_dtype(DType::F32)?
         .flatten_all()?
@@ -242,7 +242,7 @@ pub fn dequantize(p: &PackedAffine) -> Result<Tensor, KernelError> {
 
 impl PackedAffine {
     /// The dense matrix `[out_dim, in_dim]` in `dtype`, on the codes' device (the dequantize
-    /// kernel on CUDA, [`dequantize_rows`] elsewhere).
+    /// kernel on CUDA, the host reference elsewhere).
     ///
     /// # Errors
     /// [`KernelError::Shape`] when codes, scales and biases disagree; candle errors.
