@@ -61,16 +61,18 @@ pub mod config;
 mod error;
 #[doc(hidden)]
 pub mod fuzz_api;
-pub mod gemma4;
+pub(crate) mod gemma4;
 pub mod generate;
 #[cfg(feature = "hub")]
 pub mod hub;
+#[doc(hidden)]
 pub mod kernels;
 pub mod kv;
 mod model;
-pub mod weights;
+pub(crate) mod weights;
 
 pub use error::{Error, HubError, Result};
+pub use gemma4::model::PREFILL_CHUNK;
 pub use generate::{FinishReason, GenOptions, Generator, Output, StepOutput};
 pub use kv::{CacheConfig, KvCache};
 pub use model::{best_device, device_memory_in_use, Model, ModelBuilder};

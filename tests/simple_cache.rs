@@ -148,7 +148,7 @@ fn prompts_longer_than_one_prefill_chunk_equal_pieces() {
     // uneven pieces by hand must give the same last logits and offsets.
     let model = load("e2b-hf");
     let vocab = model.config().vocab_size as u32;
-    let n = candle_gemma::gemma4::model::PREFILL_CHUNK + 77;
+    let n = candle_gemma::PREFILL_CHUNK + 77;
     let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 3) % vocab).collect();
     let mut whole = model.new_cache(&simple()).expect("cache");
     let want = step(&model, &mut whole, &prompt);

@@ -5,7 +5,6 @@
 use candle_core::Tensor;
 
 use super::norm::RmsNorm;
-use super::rope::Rope;
 use super::step::Step;
 use super::Linear;
 use crate::config::{Config, KvSource, LayerKind, LayerPlan};
@@ -98,7 +97,6 @@ pub struct Attention {
     n_heads: usize,
     head_dim: usize,
     window: Option<usize>,
-    rope: Rope,
 }
 
 impl Attention {
@@ -183,33 +181,7 @@ impl Attention {
                 LayerKind::Sliding => Some(cfg.sliding_window),
                 LayerKind::Full => None,
             },
-            rope: Rope::new(cfg.rope(plan.kind), hd),
         })
-    }
-
-    /// The rotary table of this layer's kind and head dim.
-    pub fn rope(&self) -> &Rope {
-        &self.rope
-    }
-
-    /// Whether this layer owns k/v projections (KV-shared layers own none).
-    pub fn owns_kv(&self) -> bool {
-        self.kv.is_some()
-    }
-
-    /// Attends `x` `[batch, seq, hidden]` and returns `[batch, seq, hidden]` plus, for a
-    /// KV-owning layer, the view its cache returned (KV-shared layers get it from here).
-    ///
-    /// # Errors
-    /// Cache errors, shape errors.
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        step: &Step,
-        kv: KvInput<'_>,
-    ) -> Result<(Tensor, Option<KvView>)> {
-        let (out, view) = self.attend(x, step, kv)?;
-        Ok((self.o_proj.forward(&out)?, view))
     }
 
     /// The output projection.
@@ -217,7 +189,7 @@ impl Attention {
         &self.o_proj
     }
 
-    /// [`Attention::forward`] without the output projection: `[batch, seq, n_heads * head_dim]`
+    /// Attention without the output projection: `[batch, seq, n_heads * head_dim]`
     /// (the caller may fold the projection into what follows it).
     ///
     /// # Errors

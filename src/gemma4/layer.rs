@@ -117,33 +117,14 @@ impl DecoderLayer {
         })
     }
 
-    /// The layer's attention.
-    pub fn attention(&self) -> &Attention {
-        &self.self_attn
-    }
-
     /// The norm applied to the residual before attention.
     pub fn input_norm(&self) -> &RmsNorm {
         &self.input_layernorm
     }
 
-    /// `x` `[B, S, H]`, `ple` this layer's `[B, S, P]` slice when the model has PLE.
-    /// Returns the new residual and, for a KV-owning layer, its cache view.
-    ///
-    /// # Errors
-    /// Cache and shape errors.
-    pub fn forward(
-        &self,
-        x: &Tensor,
-        step: &Step,
-        ple: Option<&Tensor>,
-        kv: KvInput<'_>,
-    ) -> Result<(Tensor, Option<KvView>)> {
-        let out = self.forward_chained(x, None, step, ple, kv, None)?;
-        Ok((out.x, out.view))
-    }
-
-    /// [`DecoderLayer::forward`] for a stack: `input_normed` is this layer's input norm of `x`
+    /// One layer of the stack: `x` `[B, S, H]`, `ple` this layer's `[B, S, P]` slice when the
+    /// model has PLE; returns the new residual and, for a KV-owning layer, its cache view.
+    /// `input_normed` is this layer's input norm of `x`
     /// when the previous layer already computed it, and `next_norm` the next layer's input norm,
     /// which is then computed in this layer's last residual add (one pass instead of two).
     ///

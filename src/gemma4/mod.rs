@@ -13,10 +13,8 @@ pub mod rope;
 pub(crate) mod routing;
 pub mod step;
 
-pub use attention::{Attention, KvInput};
-pub use layer::{DecoderLayer, LayerOutput};
+pub use attention::KvInput;
 pub use model::TextModel;
-pub use step::Step;
 
 use candle_core::{DType, Tensor};
 

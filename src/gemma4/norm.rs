@@ -41,11 +41,6 @@ impl RmsNorm {
 }
 
 impl RmsNorm {
-    /// The `[dim]` scale (all ones for the no-scale variant).
-    pub fn weight(&self) -> &Tensor {
-        &self.weight
-    }
-
     /// The epsilon added to the mean square.
     pub fn eps(&self) -> f64 {
         f64::from(self.eps)

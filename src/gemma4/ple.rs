@@ -66,15 +66,7 @@ impl PerLayerEmbeddings {
         }))
     }
 
-    /// `ids` `[B, S]` (u32) and the scaled embedding `h0` `[B, S, H]` → `[B, S, L, P]`.
-    ///
-    /// # Errors
-    /// Ids outside the PLE table, shape mismatch.
-    pub fn forward(&self, ids: &Tensor, h0: &Tensor) -> Result<Tensor> {
-        self.forward_with(ids, h0, false)
-    }
-
-    /// [`PerLayerEmbeddings::forward`] for ids the caller has checked against the PLE table
+    /// `ids` `[B, S]` (u32) and the scaled embedding `h0` `[B, S, H]` → `[B, S, L, P]`, for ids the caller has checked against the PLE table
     /// (packed tables then gather without reading the ids back to the host).
     ///
     /// # Errors
