@@ -86,7 +86,7 @@ fn queued_time<F: FnMut() -> Result<()>>(
     for _ in 0..5 {
         dev.synchronize()?;
         let t = Instant::now();
-        candle_gemma::kernels::cuda::launch::gpu_spin(c, spin.as_nanos() as u64)?;
+        candle_gemma::kernels::cuda::diagnostics::gpu_spin(c, spin.as_nanos() as u64)?;
         let a = stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         for _ in 0..iters {
             f()?;
@@ -448,7 +448,8 @@ fn copy_of_size(
 /// matmul), 1 and 8 rows, on the 31B and E4B projection and head shapes, with GB/s against the
 /// copy bandwidth.
 fn bench_dense_matvec(dev: &Device, copy_gbs: f64) -> Result<()> {
-    use candle_gemma::kernels::cuda::fused::{dense_matvec, dense_matvec_gated, gelu_mul};
+    use candle_gemma::kernels::cuda::dense_matvec::{dense_matvec, dense_matvec_gated};
+    use candle_gemma::kernels::cuda::layer_ops::gelu_mul;
     let shapes: [(&str, usize, usize); 16] = [
         ("31b_q_proj", 8192, 5376),
         ("31b_gate_up", 43008, 5376),
@@ -538,7 +539,7 @@ fn bench_dense_matvec(dev: &Device, copy_gbs: f64) -> Result<()> {
 /// biases) against the copy bandwidth. Each call picks 8 experts not picked in the previous 15
 /// calls, so the 128 experts' weights cycle through L2 (50 MB) instead of staying in it.
 fn bench_grouped_experts(dev: &Device, copy_gbs: f64) -> Result<()> {
-    use candle_gemma::kernels::cuda::fused::{grouped_matvec, grouped_qmatvec};
+    use candle_gemma::kernels::cuda::moe::{grouped_matvec, grouped_qmatvec};
     let (experts, top_k, hidden, width) = (128usize, 8usize, 2816usize, 704usize);
     let picks: Vec<Tensor> = (0..experts / top_k)
         .map(|set| {
@@ -596,16 +597,16 @@ fn bench_grouped_experts(dev: &Device, copy_gbs: f64) -> Result<()> {
 /// launch of a long run of them, the host far ahead): what a decode step of a small model pays
 /// per launch whatever the kernel does.
 fn bench_launch_floor(dev: &Device) -> Result<()> {
-    use candle_gemma::kernels::cuda::fused::{add_norm, gelu_mul};
+    use candle_gemma::kernels::cuda::layer_ops::{add_norm, gelu_mul};
     let x = Tensor::rand(-1f32, 1.0, (1, 1, 2560), dev)?.to_dtype(DType::BF16)?;
     let y = Tensor::rand(-1f32, 1.0, (1, 1, 2560), dev)?.to_dtype(DType::BF16)?;
     let w = Tensor::rand(0.5f32, 1.5, 2560, dev)?.to_dtype(DType::BF16)?;
     let n = 4000;
     // As the model runs: without cudarc's per-buffer events (single stream).
     if let Device::Cuda(c) = dev {
-        candle_gemma::kernels::cuda::launch::skip_event_tracking(c);
+        candle_gemma::kernels::cuda::pool::skip_event_tracking(c);
     }
-    for (what, us) in candle_gemma::kernels::cuda::fused::probe_host_costs(&x, n)? {
+    for (what, us) in candle_gemma::kernels::cuda::diagnostics::probe_host_costs(&x, n)? {
         println!("{{\"bench\":\"host_cost\",\"what\":\"{what}\",\"host_us\":{us:.3}}}");
     }
     let run = |name: &str, f: &dyn Fn() -> Result<Tensor>| -> Result<()> {

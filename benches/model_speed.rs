@@ -75,7 +75,7 @@ fn copy_bandwidth(dev: &Device) -> Result<f64> {
     let copy = || -> Result<()> {
         #[cfg(feature = "cuda")]
         if dev.is_cuda() {
-            candle_gemma::kernels::cuda::fused::device_copy(&a, &b)?;
+            candle_gemma::kernels::cuda::diagnostics::device_copy(&a, &b)?;
             return Ok(());
         }
         drop(a.copy()?);
@@ -151,7 +151,7 @@ fn profiled<T>(on: bool, dev: &Device, f: impl FnOnce() -> Result<T>) -> Result<
 fn greedy(logits: &Tensor) -> Result<Vec<u32>> {
     #[cfg(feature = "cuda")]
     if logits.device().is_cuda() {
-        return Ok(candle_gemma::kernels::cuda::fused::argmax_rows(logits)?.to_vec1::<u32>()?);
+        return Ok(candle_gemma::kernels::cuda::reduce::argmax_rows(logits)?.to_vec1::<u32>()?);
     }
     Ok(logits.argmax(1)?.to_vec1::<u32>()?)
 }

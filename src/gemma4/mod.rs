@@ -118,7 +118,9 @@ impl Embedding {
     pub(crate) fn lookup_checked_ids(&self, ids: &Tensor, dtype: DType) -> crate::Result<Tensor> {
         match self {
             Embedding::Dense(t) => Ok(t.index_select(ids, 0)?),
-            Embedding::Packed(p) => Ok(crate::kernels::qmatmul::qembedding_checked_ids(ids, p, dtype)?),
+            Embedding::Packed(p) => Ok(crate::kernels::qmatmul::qembedding_checked_ids(
+                ids, p, dtype,
+            )?),
         }
     }
 

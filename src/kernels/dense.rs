@@ -46,7 +46,7 @@ fn fused_softmax(
     plan: &QueryPlan,
     q_len: usize,
 ) -> Result<Tensor, KernelError> {
-    Ok(crate::kernels::cuda::fused::masked_softmax(
+    Ok(crate::kernels::cuda::reduce::masked_softmax(
         scores,
         positions,
         plan.q_offset,

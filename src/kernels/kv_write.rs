@@ -43,7 +43,7 @@ pub(crate) fn scatter_kv_batch(
 ) -> Result<bool, KernelError> {
     #[cfg(feature = "cuda")]
     if k.device().is_cuda() {
-        return Ok(super::cuda::fused::kv_scatter_batch(k, v, dst)?);
+        return Ok(super::cuda::kv_write::kv_scatter_batch(k, v, dst)?);
     }
     let _ = (k, v, dst);
     Ok(false)
@@ -65,7 +65,7 @@ pub(crate) fn quantize_kv_into(
 ) -> Result<bool, KernelError> {
     #[cfg(feature = "cuda")]
     if k.device().is_cuda() {
-        return Ok(super::cuda::launch::quantize_kv_into(
+        return Ok(super::cuda::kv_write::quantize_kv_into(
             k, v, bits, group_size, dst,
         )?);
     }
@@ -89,7 +89,7 @@ pub(crate) fn quantize_kv_into_batch(
 ) -> Result<bool, KernelError> {
     #[cfg(feature = "cuda")]
     if k.device().is_cuda() {
-        return Ok(super::cuda::launch::quantize_kv_into_batch(
+        return Ok(super::cuda::kv_write::quantize_kv_into_batch(
             k, v, bits, group_size, dst,
         )?);
     }

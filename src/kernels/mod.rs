@@ -57,8 +57,8 @@ pub(crate) fn fused_enabled(device: &Device) -> bool {
         POOL.get_or_init(|| {
             if let Device::Cuda(d) = device {
                 // Best effort: without it the pool only regrows more often.
-                let _ = cuda::launch::retain_pool_memory(d);
-                cuda::launch::skip_event_tracking(d);
+                let _ = cuda::pool::retain_pool_memory(d);
+                cuda::pool::skip_event_tracking(d);
             }
         });
     }
@@ -190,19 +190,21 @@ fn attend_one(
         KvData::Dense { k, v } => {
             #[cfg(feature = "cuda")]
             if q.device().is_cuda()
-                && q.dim(2)? <= cuda::launch::FUSED_MAX_Q_LEN
+                && q.dim(2)? <= cuda::attention::launch::FUSED_MAX_Q_LEN
                 && k.dtype() == q.dtype()
                 && v.dtype() == q.dtype()
                 && cuda::params::QSDPA_HEAD_DIMS.contains(&head_dim)
             {
-                return Ok(cuda::launch::attend_dense_fused(q, k, v, positions, plan)?);
+                return Ok(cuda::attention::launch::attend_dense_fused(
+                    q, k, v, positions, plan,
+                )?);
             }
             dense::attend_dense(q, k, v, &positions.to_vec(), plan)
         }
         KvData::Packed { k, v } => match q.device() {
             Device::Cpu => cpu::attend_packed(q, k, v, &positions.to_vec(), plan),
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => Ok(cuda::launch::attend_packed(
+            Device::Cuda(_) => Ok(cuda::attention::launch::attend_packed(
                 q,
                 k,
                 v,

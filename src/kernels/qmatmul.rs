@@ -49,7 +49,7 @@ pub fn qmatmul(x: &Tensor, w: &PackedAffine) -> Result<Tensor, KernelError> {
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             if rows <= MATVEC_MAX_ROWS && rows > 0 {
-                super::cuda::launch::qmatvec(
+                super::cuda::matvec::qmatvec(
                     &x2,
                     &w.codes,
                     &w.scales,
@@ -99,7 +99,7 @@ pub fn qembedding(ids: &Tensor, w: &PackedAffine, dtype: DType) -> Result<Tensor
         #[cfg(feature = "cuda")]
         Device::Cuda(_) => {
             let idx = Tensor::from_vec(flat, ids.elem_count(), w.codes.device())?;
-            super::cuda::launch::dequant_rows(
+            super::cuda::quantize::dequant_rows(
                 &w.codes,
                 &w.scales,
                 &w.biases,
@@ -137,7 +137,7 @@ pub(crate) fn qembedding_checked_ids(
     if w.codes.device().is_cuda() {
         let mut out_dims = ids.dims().to_vec();
         out_dims.push(w.in_dim());
-        let dense = super::cuda::launch::dequant_rows(
+        let dense = super::cuda::quantize::dequant_rows(
             &w.codes,
             &w.scales,
             &w.biases,

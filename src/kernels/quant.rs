@@ -106,7 +106,7 @@ pub fn quantize(
     }
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        return Ok(super::cuda::launch::quantize(x, bits, group_size)?);
+        return Ok(super::cuda::quantize::quantize(x, bits, group_size)?);
     }
     let host = host_f32(x)?;
     let (codes, scales, biases) = quantize_rows(&host, dim, bits, group_size);
@@ -249,7 +249,7 @@ impl PackedAffine {
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor, KernelError> {
         match self.codes.device() {
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => Ok(super::cuda::launch::dequant_rows(
+            Device::Cuda(_) => Ok(super::cuda::quantize::dequant_rows(
                 &self.codes,
                 &self.scales,
                 &self.biases,

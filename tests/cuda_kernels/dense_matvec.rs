@@ -5,10 +5,12 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_gemma::kernels::cuda::fused::{
+use candle_gemma::kernels::cuda::dense_matvec::{
     dense_matvec, dense_matvec_add_norm, dense_matvec_gated, dense_matvec_geglu,
-    dense_matvec_normed, packed_matvec_add_norm, AddNormExtra, GATED_MV_MAX_SMEM,
+    dense_matvec_normed, GATED_MV_MAX_SMEM,
 };
+use candle_gemma::kernels::cuda::layer_ops::AddNormExtra;
+use candle_gemma::kernels::cuda::matvec::packed_matvec_add_norm;
 use candle_gemma::kernels::qmatmul::{qmatmul, PackedWeight};
 use candle_gemma::kernels::quantize;
 use candle_gemma::kv::QuantBits;

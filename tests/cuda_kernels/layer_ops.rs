@@ -4,10 +4,11 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_gemma::kernels::cuda::fused::{
-    add_norm, add_norm_ext, argmax_rows, gelu_mul, qkv_prep, qkv_prep_into, AddNormExtra,
-    QkvSources, ADD_NORM_MAX_WIDTH,
+use candle_gemma::kernels::cuda::layer_ops::{
+    add_norm, add_norm_ext, gelu_mul, qkv_prep, qkv_prep_into, AddNormExtra, QkvSources,
+    ADD_NORM_MAX_WIDTH,
 };
+use candle_gemma::kernels::cuda::reduce::argmax_rows;
 use candle_nn::ops::rms_norm;
 
 use crate::common::close::{max_abs_diff, Checks};

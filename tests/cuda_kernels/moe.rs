@@ -4,7 +4,7 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_gemma::kernels::cuda::fused::{
+use candle_gemma::kernels::cuda::moe::{
     grouped_matvec, grouped_matvec_gated, grouped_qmatvec, grouped_qmatvec_gated, moe_mix,
     moe_route,
 };

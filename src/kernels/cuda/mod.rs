@@ -22,39 +22,35 @@
 pub mod params;
 
 #[cfg(feature = "cuda")]
-mod attention;
+pub mod attention;
 #[cfg(feature = "cuda")]
-mod dense_matvec;
+pub mod dense_matvec;
 #[cfg(feature = "cuda")]
 mod device;
 #[cfg(feature = "cuda")]
-mod diagnostics;
-#[cfg(feature = "cuda")]
-pub mod fused;
+pub mod diagnostics;
 #[cfg(feature = "cuda")]
 pub(crate) mod graph;
 #[cfg(feature = "cuda")]
 mod kernel_cache;
 #[cfg(feature = "cuda")]
-mod kv_write;
+pub mod kv_write;
 #[cfg(feature = "cuda")]
-pub mod launch;
+pub mod layer_ops;
 #[cfg(feature = "cuda")]
-mod layer_ops;
-#[cfg(feature = "cuda")]
-mod matvec;
+pub mod matvec;
 #[cfg(feature = "cuda")]
 mod matvec_plan;
 #[cfg(feature = "cuda")]
-mod moe;
+pub mod moe;
 #[cfg(feature = "cuda")]
-mod norm_tail;
+pub mod norm_tail;
 #[cfg(feature = "cuda")]
-mod pool;
+pub mod pool;
 #[cfg(feature = "cuda")]
-mod quantize;
+pub mod quantize;
 #[cfg(feature = "cuda")]
-mod reduce;
+pub mod reduce;
 #[cfg(feature = "cuda")]
 pub(crate) mod scratch;
 

@@ -214,10 +214,7 @@ pub fn qmatvec(x: &Tensor, w: &PackedAffine) -> Result<Option<Tensor>, KernelErr
 }
 
 /// All of `w` dequantized to `dtype` `[out, in]`, or `None` for a dtype without a kernel.
-pub fn dequantize_weight(
-    w: &PackedAffine,
-    dtype: DType,
-) -> Result<Option<Tensor>, KernelError> {
+pub fn dequantize_weight(w: &PackedAffine, dtype: DType) -> Result<Option<Tensor>, KernelError> {
     let Some(launch) = plan_dequant(w, dtype) else {
         return Ok(None);
     };

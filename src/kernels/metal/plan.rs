@@ -8,11 +8,11 @@
 
 use candle_core::{DType, Tensor};
 
+use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
 use crate::kernels::plan::{
     split_keys, AttentionGeometry, KeySplit, QmatParams, QsdpaParams, SideStrides, QSDPA_HEAD_DIMS,
     QSDPA_WARPS,
 };
-use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
 use crate::kernels::QueryPlan;
 use crate::kernels::{KernelError, KeyPositions, PackedAffine};
 

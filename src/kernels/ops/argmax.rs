@@ -14,7 +14,7 @@ use crate::error::Result;
 pub(crate) fn argmax_rows(x: &Tensor) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     if x.device().is_cuda() {
-        return Ok(Some(crate::kernels::cuda::fused::argmax_rows(x)?));
+        return Ok(Some(crate::kernels::cuda::reduce::argmax_rows(x)?));
     }
     let _ = x;
     Ok(None)

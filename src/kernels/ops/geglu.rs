@@ -12,7 +12,7 @@ use crate::error::Result;
 pub(crate) fn gelu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if super::fused(a.device()) {
-        return Ok(crate::kernels::cuda::fused::gelu_mul(a, b)?);
+        return Ok(crate::kernels::cuda::layer_ops::gelu_mul(a, b)?);
     }
     // candle's `gelu` is the tanh approximation (`gelu_pytorch_tanh`).
     Ok((a.gelu()? * b)?)
@@ -28,7 +28,9 @@ pub(crate) fn geglu_matvec(x: &Tensor, gate_up: &Weight) -> Result<Option<Tensor
     #[cfg(feature = "cuda")]
     if let Some(w) = gate_up.dense_weight() {
         if super::fused(x.device()) {
-            return Ok(crate::kernels::cuda::fused::dense_matvec_geglu(x, w)?);
+            return Ok(crate::kernels::cuda::dense_matvec::dense_matvec_geglu(
+                x, w,
+            )?);
         }
     }
     let _ = (x, gate_up);

@@ -30,12 +30,12 @@ mod imp {
 
     use crate::error::Result;
     use crate::kernels::cuda::batched::{address, step_descriptor};
-    use crate::kernels::cuda::fused::kv_destination;
     use crate::kernels::cuda::graph::{self, Slot, StepParams};
-    use crate::kernels::cuda::launch::kvq_destination;
+    use crate::kernels::cuda::kv_write::kv_destination;
+    use crate::kernels::cuda::kv_write::kvq_destination;
     use crate::kernels::cuda::scratch;
-    use crate::kernels::QueryPlan;
     use crate::kernels::KvView;
+    use crate::kernels::QueryPlan;
 
     /// Bytes of the parameter area: two blocks a layer (a `QsdpaSeq` is 192 bytes), ample for
     /// every Gemma 4 depth.
@@ -256,8 +256,8 @@ mod imp {
     use candle_core::{DType, Device, Tensor};
 
     use crate::error::Result;
-    use crate::kernels::QueryPlan;
     use crate::kernels::KvView;
+    use crate::kernels::QueryPlan;
 
     /// No value: nothing is captured without the `cuda` feature.
     enum Never {}

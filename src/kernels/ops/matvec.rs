@@ -81,12 +81,16 @@ pub(crate) fn matmul_gated(a: &Tensor, b: &Tensor, w: &Weight) -> Result<Tensor>
 pub(crate) fn normed_matmul(x: &Tensor, n: Norm<'_>, w: &Weight) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(wd) = w.dense_weight() {
-        use crate::kernels::cuda::fused as k;
         if super::fused(x.device())
-            && k::dense_matvec_wanted(tensor_bytes(wd), super::rows_of(x))
+            && crate::kernels::cuda::dense_matvec::dense_matvec_wanted(
+                tensor_bytes(wd),
+                super::rows_of(x),
+            )
             && n.weight.dtype() == x.dtype()
         {
-            if let Some(y) = k::dense_matvec_normed(x, n.weight, n.eps, wd)? {
+            if let Some(y) =
+                crate::kernels::cuda::dense_matvec::dense_matvec_normed(x, n.weight, n.eps, wd)?
+            {
                 return Ok(y);
             }
         }
@@ -112,9 +116,13 @@ pub(crate) fn matmul_table(x: &Tensor, table: &Tensor) -> Result<Tensor> {
 fn dense_decode_product(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
-        use crate::kernels::cuda::fused as k;
-        if super::fused(x.device()) && k::dense_matvec_wanted(tensor_bytes(w), super::rows_of(x)) {
-            return Ok(k::dense_matvec(x, w)?);
+        if super::fused(x.device())
+            && crate::kernels::cuda::dense_matvec::dense_matvec_wanted(
+                tensor_bytes(w),
+                super::rows_of(x),
+            )
+        {
+            return Ok(crate::kernels::cuda::dense_matvec::dense_matvec(x, w)?);
         }
     }
     let _ = (x, w);
@@ -125,9 +133,15 @@ fn dense_decode_product(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
 fn gated_decode_product(a: &Tensor, b: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
-        use crate::kernels::cuda::fused as k;
-        if super::fused(a.device()) && k::gated_matvec_wanted(tensor_bytes(w), super::rows_of(a)) {
-            return Ok(k::dense_matvec_gated(a, b, w)?);
+        if super::fused(a.device())
+            && crate::kernels::cuda::dense_matvec::gated_matvec_wanted(
+                tensor_bytes(w),
+                super::rows_of(a),
+            )
+        {
+            return Ok(crate::kernels::cuda::dense_matvec::dense_matvec_gated(
+                a, b, w,
+            )?);
         }
     }
     let _ = (a, b, w);

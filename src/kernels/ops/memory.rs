@@ -29,7 +29,7 @@ pub(crate) fn device_memory_in_use(device: &Device) -> Option<usize> {
     if let Device::Cuda(d) = device {
         device.synchronize().ok()?;
         // Freed blocks the pool keeps for reuse are not in use.
-        crate::kernels::cuda::launch::trim_pool(d).ok()?;
+        crate::kernels::cuda::pool::trim_pool(d).ok()?;
         let (free, total) = d.cuda_stream().context().mem_get_info().ok()?;
         return Some(total - free);
     }

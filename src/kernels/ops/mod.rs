@@ -50,8 +50,8 @@ pub(crate) fn fused(device: &Device) -> bool {
         POOL.get_or_init(|| {
             if let Device::Cuda(d) = device {
                 // Best effort: without it the pool only regrows more often.
-                let _ = crate::kernels::cuda::launch::retain_pool_memory(d);
-                crate::kernels::cuda::launch::skip_event_tracking(d);
+                let _ = crate::kernels::cuda::pool::retain_pool_memory(d);
+                crate::kernels::cuda::pool::skip_event_tracking(d);
             }
         });
     }

@@ -53,7 +53,7 @@ impl ExpertWeights {
     /// The routed products on the device (see `grouped_matvec`).
     #[cfg(feature = "cuda")]
     fn grouped(&self, idx: &Tensor, x: &Tensor, x_per_token: bool) -> Result<Tensor> {
-        use crate::kernels::cuda::fused::{grouped_matvec, grouped_qmatvec};
+        use crate::kernels::cuda::moe::{grouped_matvec, grouped_qmatvec};
         Ok(match self {
             ExpertWeights::Dense(t) => grouped_matvec(t, idx, x, x_per_token)?,
             ExpertWeights::Packed { weight, experts } => {
@@ -65,7 +65,7 @@ impl ExpertWeights {
     /// The routed products over `gelu_tanh(a) * b`, the gate inside the kernel where it fits.
     #[cfg(feature = "cuda")]
     fn grouped_gated(&self, idx: &Tensor, a: &Tensor, b: &Tensor) -> Result<Option<Tensor>> {
-        use crate::kernels::cuda::fused::{grouped_matvec_gated, grouped_qmatvec_gated};
+        use crate::kernels::cuda::moe::{grouped_matvec_gated, grouped_qmatvec_gated};
         Ok(match self {
             ExpertWeights::Dense(t) => grouped_matvec_gated(t, idx, a, b)?,
             ExpertWeights::Packed { weight, experts } => {
@@ -186,7 +186,7 @@ fn on_device(
     r: &Router<'_>,
     experts: &Experts<'_>,
 ) -> Result<Tensor> {
-    use crate::kernels::cuda::fused::{moe_mix, moe_route, GROUPED_MAX_PAIRS};
+    use crate::kernels::cuda::moe::{moe_mix, moe_route, GROUPED_MAX_PAIRS};
     let logits = matvec::normed_matmul(router_input, r.norm, r.proj)?;
     let tokens = logits.dim(0)?;
     if tokens > crate::kernels::policy::current().moe_grouped_max_tokens {
@@ -232,7 +232,7 @@ fn on_device(
 #[cfg(feature = "cuda")]
 fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Result<Tensor> {
     use crate::error::Error;
-    use crate::kernels::cuda::fused::moe_mix;
+    use crate::kernels::cuda::moe::moe_mix;
     let (_, k) = idx.dims2()?;
     let picks = idx.flatten_all()?.to_vec1::<u32>()?;
     let n_experts = experts.gate_up.count()?;

@@ -40,8 +40,12 @@ pub(crate) fn add_norm(
     next: Option<Norm<'_>>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     #[cfg(feature = "cuda")]
-    if cuda_add_norm_applies(res, norm, crate::kernels::cuda::fused::ADD_NORM_MAX_WIDTH) {
-        return Ok(crate::kernels::cuda::fused::add_norm(
+    if cuda_add_norm_applies(
+        res,
+        norm,
+        crate::kernels::cuda::layer_ops::ADD_NORM_MAX_WIDTH,
+    ) {
+        return Ok(crate::kernels::cuda::layer_ops::add_norm(
             res,
             y,
             norm.weight,
@@ -73,14 +77,18 @@ pub(crate) fn add_norm_two_next(
     next2: Norm<'_>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     #[cfg(feature = "cuda")]
-    if cuda_add_norm_applies(res, norm, crate::kernels::cuda::fused::ADD_NORM_MAX_WIDTH) {
-        let extra = crate::kernels::cuda::fused::AddNormExtra {
+    if cuda_add_norm_applies(
+        res,
+        norm,
+        crate::kernels::cuda::layer_ops::ADD_NORM_MAX_WIDTH,
+    ) {
+        let extra = crate::kernels::cuda::layer_ops::AddNormExtra {
             next: Some(next.weight),
             next2: Some(next2.weight),
             ..Default::default()
         };
         let (x, n1, n2) =
-            crate::kernels::cuda::fused::add_norm_ext(res, y, norm.weight, norm.eps, &extra)?;
+            crate::kernels::cuda::layer_ops::add_norm_ext(res, y, norm.weight, norm.eps, &extra)?;
         if let (Some(n1), Some(n2)) = (n1, n2) {
             return Ok((x, n1, n2));
         }
@@ -107,16 +115,16 @@ pub(crate) fn add_two_branch_norm(
     if cuda_add_norm_applies(
         res,
         norm,
-        crate::kernels::cuda::fused::MOE_ADD_NORM_MAX_WIDTH,
+        crate::kernels::cuda::layer_ops::MOE_ADD_NORM_MAX_WIDTH,
     ) {
-        let extra = crate::kernels::cuda::fused::AddNormExtra {
+        let extra = crate::kernels::cuda::layer_ops::AddNormExtra {
             scalar,
             next: next.map(|n| n.weight),
             second_branch: Some((b, norm_a.weight, norm_b.weight)),
             ..Default::default()
         };
         let (x, n1, _) =
-            crate::kernels::cuda::fused::add_norm_ext(res, a, norm.weight, norm.eps, &extra)?;
+            crate::kernels::cuda::layer_ops::add_norm_ext(res, a, norm.weight, norm.eps, &extra)?;
         return Ok((x, n1));
     }
     let y = (rms_norm(a, norm_a)? + rms_norm(b, norm_b)?)?;
@@ -187,7 +195,6 @@ fn folded(
     gate: Option<&Tensor>,
     a: &ProductAddNorm<'_>,
 ) -> Result<Option<AddNormOut>> {
-    use crate::kernels::cuda::fused as k;
     if !super::fused(x.device())
         || a.norm.weight.dtype() != a.res.dtype()
         || (a.next2.is_some() && a.next.is_none())
@@ -195,7 +202,7 @@ fn folded(
         return Ok(None);
     }
     let rows = super::rows_of(x);
-    let extra = k::AddNormExtra {
+    let extra = crate::kernels::cuda::layer_ops::AddNormExtra {
         scalar: a.scalar,
         next: a.next.map(|n| n.weight),
         next2: a.next2.map(|n| n.weight),
@@ -207,18 +214,18 @@ fn folded(
             let wd = l.weight();
             let bytes = super::tensor_bytes(wd);
             let wanted = match gate {
-                Some(_) => k::gated_matvec_wanted(bytes, rows),
-                None => k::dense_matvec_wanted(bytes, rows),
+                Some(_) => crate::kernels::cuda::dense_matvec::gated_matvec_wanted(bytes, rows),
+                None => crate::kernels::cuda::dense_matvec::dense_matvec_wanted(bytes, rows),
             };
             if !wanted {
                 return Ok(None);
             }
-            Ok(k::dense_matvec_add_norm(
+            Ok(crate::kernels::cuda::dense_matvec::dense_matvec_add_norm(
                 x, gate, wd, a.res, norm_w, eps, &extra,
             )?)
         }
         Weight::Packed(p) => {
-            if !k::packed_matvec_folds_norm(x.dtype(), rows, p) {
+            if !crate::kernels::cuda::matvec::packed_matvec_folds_norm(x.dtype(), rows, p) {
                 return Ok(None);
             }
             let gated;
@@ -229,7 +236,7 @@ fn folded(
                 }
                 None => x,
             };
-            Ok(k::packed_matvec_add_norm(
+            Ok(crate::kernels::cuda::matvec::packed_matvec_add_norm(
                 input, p, a.res, norm_w, eps, &extra,
             )?)
         }

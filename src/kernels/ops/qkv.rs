@@ -60,7 +60,7 @@ pub(crate) fn qkv_prep(inp: &QkvInput<'_>) -> Result<QkvOutput> {
     let hd = inp.head_dim;
     #[cfg(feature = "cuda")]
     if super::fused(inp.q.device()) && inp.q_norm.weight.dtype() == inp.q.dtype() {
-        let src = crate::kernels::cuda::fused::QkvSources {
+        let src = crate::kernels::cuda::layer_ops::QkvSources {
             q: inp.q,
             k: inp.k.map(|(k, n)| (k, n.weight)),
             v: inp.v.map(|(v, _)| v),
@@ -68,7 +68,7 @@ pub(crate) fn qkv_prep(inp: &QkvInput<'_>) -> Result<QkvOutput> {
             cos: inp.cos,
             sin: inp.sin,
         };
-        return Ok(crate::kernels::cuda::fused::qkv_prep_into(
+        return Ok(crate::kernels::cuda::layer_ops::qkv_prep_into(
             &src,
             b,
             s,
