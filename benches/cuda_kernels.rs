@@ -21,8 +21,8 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_gemma::kernels::attend;
 use candle_gemma::kernels::cuda::{attend_packed_cuda, QsdpaPath};
-use candle_gemma::kernels::qmatmul::{qmatmul, PackedWeight};
-use candle_gemma::kv::{KeyPositions, KvData, KvView, PackedKv, QuantBits};
+use candle_gemma::kernels::qmatmul::qmatmul;
+use candle_gemma::kv::{KeyPositions, KvData, KvView, PackedAffine, QuantBits};
 use std::time::Instant;
 
 /// Calls a measurement point makes under a profiler (`BENCH_KERNELS_ONCE` set: its count, or 1).
@@ -139,8 +139,8 @@ fn packed(
     bits: usize,
     group: usize,
     dev: &Device,
-) -> Result<PackedKv> {
-    Ok(PackedKv::from_parts(
+) -> Result<PackedAffine> {
+    Ok(PackedAffine::from_parts(
         rand_codes((1, kvh, keys, hd * bits / 32), dev)?,
         Tensor::rand(0.001f32, 0.02, (1, kvh, keys, hd / group), dev)?.to_dtype(DType::BF16)?,
         Tensor::rand(-0.1f32, 0.0, (1, kvh, keys, hd / group), dev)?.to_dtype(DType::BF16)?,
@@ -281,7 +281,7 @@ fn main() -> Result<()> {
                 for bits in [4usize, 8] {
                     let kv_bytes = 2 * kvh * keys * (hd * bits / 8 + 2 * 2 * hd / 64);
                     let copies = kv_copies(kv_bytes, l2_resident);
-                    let kvs: Vec<(PackedKv, PackedKv)> = (0..copies)
+                    let kvs: Vec<(PackedAffine, PackedAffine)> = (0..copies)
                         .map(|_| {
                             Ok((
                                 packed(kvh, keys, hd, bits, 64, &dev)?,
@@ -369,11 +369,11 @@ fn main() -> Result<()> {
                 .into_iter()
                 .flat_map(|b| groups.iter().map(move |g| (b, g)))
             {
-                let wq: Vec<PackedWeight> = (0..rot)
+                let wq: Vec<PackedAffine> = (0..rot)
                     .map(|_| {
                         let p = packed(1, out, inp, bits, group, &dev)?;
                         // Settled, as a loaded model's weights: complete before any call.
-                        Ok(PackedWeight::new(
+                        Ok(PackedAffine::new(
                             p.codes.squeeze(0)?.squeeze(0)?,
                             p.scales.squeeze(0)?.squeeze(0)?,
                             p.biases.squeeze(0)?.squeeze(0)?,
@@ -567,7 +567,7 @@ fn bench_grouped_experts(dev: &Device, copy_gbs: f64) -> Result<()> {
         drop(dense);
         for (bits, group) in [(4usize, 32usize), (4, 64), (8, 32), (8, 64)] {
             let p = packed(1, experts * out, inp, bits, group, dev)?;
-            let w = PackedWeight::new(
+            let w = PackedAffine::new(
                 p.codes.squeeze(0)?.squeeze(0)?,
                 p.scales.squeeze(0)?.squeeze(0)?,
                 p.biases.squeeze(0)?.squeeze(0)?,

@@ -2,19 +2,20 @@
 //! quantized embedding against rows of the dequantized table (no GPU needed).
 
 use candle_core::{DType, Device, Tensor};
-use candle_gemma::kernels::qmatmul::{qembedding, qmatmul, PackedWeight};
+use candle_gemma::kernels::qmatmul::{qembedding, qmatmul};
 use candle_gemma::kernels::quantize;
+use candle_gemma::kernels::PackedAffine;
 use candle_gemma::kv::QuantBits;
 use common::close::max_abs_diff;
 
 mod common;
 
-fn packed(out: usize, inp: usize, bits: usize, group: usize, dtype: DType) -> PackedWeight {
+fn packed(out: usize, inp: usize, bits: usize, group: usize, dtype: DType) -> PackedAffine {
     let w = Tensor::randn(0f32, 0.05, (out, inp), &Device::Cpu)
         .and_then(|w| w.to_dtype(dtype))
         .unwrap();
     let p = quantize(&w, QuantBits::from_bits(bits).unwrap(), group).unwrap();
-    PackedWeight::new(p.codes, p.scales, p.biases, out, inp).unwrap()
+    PackedAffine::new(p.codes, p.scales, p.biases, out, inp).unwrap()
 }
 
 #[test]
@@ -71,5 +72,5 @@ fn bad_shapes_and_ids_are_errors() {
     assert!(qembedding(&ids, &w, DType::F32).is_err());
     let codes = Tensor::zeros((10, 12), DType::U32, &Device::Cpu).unwrap();
     let scales = Tensor::zeros((10, 2), DType::F32, &Device::Cpu).unwrap();
-    assert!(PackedWeight::new(codes, scales.clone(), scales, 10, 128).is_err());
+    assert!(PackedAffine::new(codes, scales.clone(), scales, 10, 128).is_err());
 }

@@ -17,9 +17,9 @@ use candle_gemma::kernels::metal::plan::{
     plan_attention, plan_dequant, plan_matvec, ATTENTION_THREADS, COMBINE_THREADS, DEQUANT_THREADS,
     MATVEC_WARPS,
 };
-use candle_gemma::kernels::qmatmul::{qmatmul, PackedWeight};
+use candle_gemma::kernels::qmatmul::qmatmul;
 use candle_gemma::kernels::{attend, quantize, QueryPlan};
-use candle_gemma::kv::{KeyPositions, KvData, KvView, PackedKv, QuantBits};
+use candle_gemma::kv::{KeyPositions, KvData, KvView, PackedAffine, QuantBits};
 use common::close::max_abs_diff;
 use emulator::{emulator, pod_bytes, Job};
 
@@ -57,7 +57,7 @@ struct AttentionCase {
 
 /// Packed K or V `[1, kv_heads, keys, ..]` viewed from a cache of `capacity` slots (strided
 /// unless `keys == capacity`).
-fn packed_view(c: &AttentionCase, seed: f32) -> PackedKv {
+fn packed_view(c: &AttentionCase, seed: f32) -> PackedAffine {
     let dense = Tensor::randn(
         0f32,
         1.0,
@@ -69,7 +69,7 @@ fn packed_view(c: &AttentionCase, seed: f32) -> PackedKv {
     .expect("random K/V");
     let p = quantize(&dense, c.bits, c.group).expect("quantize");
     let view = |t: &Tensor| t.narrow(2, 0, c.keys).expect("narrow");
-    PackedKv::from_parts(
+    PackedAffine::from_parts(
         view(&p.codes),
         view(&p.scales),
         view(&p.biases),
@@ -81,7 +81,7 @@ fn packed_view(c: &AttentionCase, seed: f32) -> PackedKv {
 }
 
 /// Random queries and packed K/V for a case, on the CPU.
-fn attention_inputs(c: &AttentionCase) -> (Tensor, PackedKv, PackedKv) {
+fn attention_inputs(c: &AttentionCase) -> (Tensor, PackedAffine, PackedAffine) {
     let q = Tensor::randn(0f32, 0.3, (1, c.n_heads, c.q_len, c.head_dim), &Device::Cpu)
         .and_then(|t| t.to_dtype(c.dtype))
         .expect("random q");
@@ -97,7 +97,7 @@ fn query_plan(c: &AttentionCase) -> QueryPlan {
 }
 
 /// The CPU reference kernel's output for a case.
-fn cpu_reference(c: &AttentionCase, q: &Tensor, k: &PackedKv, v: &PackedKv) -> Tensor {
+fn cpu_reference(c: &AttentionCase, q: &Tensor, k: &PackedAffine, v: &PackedAffine) -> Tensor {
     let view = KvView::Single {
         data: KvData::Packed {
             k: k.clone(),
@@ -113,8 +113,8 @@ fn emulate_attention(
     emulator: &Path,
     c: &AttentionCase,
     q: &Tensor,
-    k: &PackedKv,
-    v: &PackedKv,
+    k: &PackedAffine,
+    v: &PackedAffine,
 ) -> Tensor {
     let launch =
         plan_attention(q, k, v, &c.positions, &query_plan(c), c.target_groups).expect("plan");
@@ -326,15 +326,15 @@ fn packed_weight(
     bits: QuantBits,
     group: usize,
     scale_dtype: DType,
-) -> PackedWeight {
+) -> PackedAffine {
     let dense = Tensor::randn(0f32, 0.05, (out, inp), &Device::Cpu)
         .and_then(|t| t.to_dtype(scale_dtype))
         .expect("random weight");
     let p = quantize(&dense, bits, group).expect("quantize");
-    PackedWeight::new(p.codes, p.scales, p.biases, out, inp).expect("packed weight")
+    PackedAffine::new(p.codes, p.scales, p.biases, out, inp).expect("packed weight")
 }
 
-fn run_matvec_case(emulator: &Path, rows: usize, x_dtype: DType, w: &PackedWeight) -> f32 {
+fn run_matvec_case(emulator: &Path, rows: usize, x_dtype: DType, w: &PackedAffine) -> f32 {
     let x = random_rows(rows, w, x_dtype);
     let reference = qmatmul(&x, w).expect("CPU reference");
     let launch = plan_matvec(rows, x_dtype, w).expect("matvec applies");
@@ -363,7 +363,7 @@ fn run_matvec_case(emulator: &Path, rows: usize, x_dtype: DType, w: &PackedWeigh
     max_abs_diff(&got, &reference)
 }
 
-fn run_dequant_case(emulator: &Path, dtype: DType, w: &PackedWeight) -> f32 {
+fn run_dequant_case(emulator: &Path, dtype: DType, w: &PackedAffine) -> f32 {
     let reference = w.dequantize(dtype).expect("CPU reference");
     let launch = plan_dequant(w, dtype).expect("dequant applies");
     let mut job = Job::new(&launch.kernel);
@@ -396,8 +396,8 @@ fn run_dequant_case(emulator: &Path, dtype: DType, w: &PackedWeight) -> f32 {
 /// last matvec threadgroup partly empty), 1, 3 and 8 activation rows.
 fn check_weight_cases(
     what: &str,
-    matvec: impl Fn(usize, DType, &PackedWeight) -> f32,
-    dequant: impl Fn(DType, &PackedWeight) -> f32,
+    matvec: impl Fn(usize, DType, &PackedAffine) -> f32,
+    dequant: impl Fn(DType, &PackedAffine) -> f32,
 ) {
     let mut worst = Vec::new();
     for (bits, group, scale_dtype) in [
@@ -432,7 +432,7 @@ fn check_weight_cases(
     eprintln!("{what}: max abs errors {worst:?}");
 }
 
-fn random_rows(rows: usize, w: &PackedWeight, dtype: DType) -> Tensor {
+fn random_rows(rows: usize, w: &PackedAffine, dtype: DType) -> Tensor {
     Tensor::randn(0f32, 1.0, (rows, w.in_dim()), &Device::Cpu)
         .and_then(|t| t.to_dtype(dtype))
         .expect("random x")
@@ -463,7 +463,7 @@ fn metal_kernels_match_the_cpu_reference_on_the_device() {
         return;
     };
     let on = |t: &Tensor| t.to_device(&dev).expect("to Metal");
-    let on_kv = |p: &PackedKv| p.to_device(&dev).expect("to Metal");
+    let on_kv = |p: &PackedAffine| p.to_device(&dev).expect("to Metal");
     check_attention_cases("Metal attention on the device", |c| {
         let (q, k, v) = attention_inputs(c);
         let reference = cpu_reference(c, &q, &k, &v);
@@ -478,8 +478,8 @@ fn metal_kernels_match_the_cpu_reference_on_the_device() {
         .expect("Metal attention");
         max_abs_diff(&got.to_device(&Device::Cpu).expect("to CPU"), &reference)
     });
-    let on_w = |w: &PackedWeight| {
-        PackedWeight::new(
+    let on_w = |w: &PackedAffine| {
+        PackedAffine::new(
             on(&w.codes),
             on(&w.scales),
             on(&w.biases),

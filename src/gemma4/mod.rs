@@ -19,7 +19,7 @@ pub use model::TextModel;
 use candle_core::{DType, Tensor};
 
 use crate::kernels::ops::{self, matvec, Weight};
-use crate::kernels::qmatmul::PackedWeight;
+use crate::kernels::PackedAffine;
 use crate::weights::LoadedMatrix;
 
 /// A bias-free linear layer over a `[out, in]` weight: dense, or MLX-quantized and kept packed
@@ -86,7 +86,7 @@ pub enum Embedding {
     /// A dense table.
     Dense(Tensor),
     /// A packed affine-quantized table (rows are dequantized only when looked up).
-    Packed(PackedWeight),
+    Packed(PackedAffine),
 }
 
 impl Embedding {

@@ -71,7 +71,7 @@ impl TextModel {
         let ple = PerLayerEmbeddings::new(&config, vb)?;
         let norm = RmsNorm::new(vb.tensor("norm.weight", None, &[h])?, config.rms_norm_eps);
         // Every weight is written before the first forward pass: the packed ones are marked
-        // settled (`PackedWeight::settled`), which lets their products start reading them early.
+        // settled (`PackedAffine::settled`), which lets their products start reading them early.
         vb.device().synchronize()?;
         Ok(Self {
             rope_sliding: Rope::new(&config.rope_sliding, head_dim(LayerKind::Sliding)),

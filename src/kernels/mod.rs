@@ -40,9 +40,6 @@ pub use positions::{KeyPositions, PositionRun};
 pub(crate) use quant::dequantize_rows;
 pub use quant::{dequantize, quantize};
 
-/// [`PackedAffine`] under the name the CUDA launchers use for packed K/V.
-pub type PackedKv = PackedAffine;
-
 use candle_core::{Device, Tensor};
 
 /// Whether the fused CUDA kernels (`cuda` feature, tensors on a CUDA device) run instead of the

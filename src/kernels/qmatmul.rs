@@ -18,10 +18,6 @@ use candle_core::{DType, Device, Tensor};
 use super::quant::{dequantize_host, host_f32};
 use super::{KernelError, PackedAffine};
 
-/// A packed weight matrix `[out_dim, in_dim]`: the name the model code uses for
-/// [`PackedAffine`].
-pub type PackedWeight = PackedAffine;
-
 /// Activation rows up to which the GPU uses the matrix-vector kernel; more rows dequantize the
 /// weight and call the dense GEMM.
 pub const MATVEC_MAX_ROWS: usize = 8;

@@ -38,9 +38,6 @@ pub use simple::SimpleCache;
 pub use crate::kernels::{
     KernelError, KeyPositions, KvData, KvView, PackedAffine, PositionRun, QuantBits,
 };
-/// [`PackedAffine`] under the name of packed K/V.
-pub type PackedKv = PackedAffine;
-
 use candle_core::Tensor;
 
 /// The operations every cache supports. No method traps: an operation a cache cannot honour

@@ -11,8 +11,9 @@ use candle_gemma::kernels::cuda::dense_matvec::{
 };
 use candle_gemma::kernels::cuda::layer_ops::AddNormExtra;
 use candle_gemma::kernels::cuda::matvec::packed_matvec_add_norm;
-use candle_gemma::kernels::qmatmul::{qmatmul, PackedWeight};
+use candle_gemma::kernels::qmatmul::qmatmul;
 use candle_gemma::kernels::quantize;
+use candle_gemma::kernels::PackedAffine;
 use candle_gemma::kv::QuantBits;
 use candle_nn::ops::rms_norm;
 
@@ -198,7 +199,7 @@ fn check_packed_add_norm(
     let g = |t: &Tensor| t.to_device(gpu);
     let w = Tensor::randn(0f32, 0.05, (out_dim, in_dim), &Device::Cpu)?.to_dtype(dtype)?;
     let p = quantize(&w, QuantBits::from_bits(4)?, 64)?;
-    let wg = PackedWeight::new(g(&p.codes)?, g(&p.scales)?, g(&p.biases)?, out_dim, in_dim)?;
+    let wg = PackedAffine::new(g(&p.codes)?, g(&p.scales)?, g(&p.biases)?, out_dim, in_dim)?;
     let x = rnd(&[1, in_dim], dtype)?;
     let y = qmatmul(&g(&x)?, &wg)?.to_device(&Device::Cpu)?;
     let (res, nw, n1, n2) = (

@@ -8,8 +8,9 @@ use candle_gemma::kernels::cuda::moe::{
     grouped_matvec, grouped_matvec_gated, grouped_qmatvec, grouped_qmatvec_gated, moe_mix,
     moe_route,
 };
-use candle_gemma::kernels::qmatmul::{qmatmul, PackedWeight};
+use candle_gemma::kernels::qmatmul::qmatmul;
 use candle_gemma::kernels::quantize;
+use candle_gemma::kernels::PackedAffine;
 use candle_gemma::kv::QuantBits;
 
 use crate::common::close::{max_abs_diff, Checks};
@@ -166,8 +167,8 @@ fn check_grouped_packed(
     let (experts, out_dim, in_dim) = (8, 40, 256);
     let w = Tensor::randn(0f32, 0.05, (experts * out_dim, in_dim), &cpu)?.to_dtype(sdtype)?;
     let p = quantize(&w, QuantBits::from_bits(bits)?, group)?;
-    let wc = PackedWeight::new(p.codes, p.scales, p.biases, experts * out_dim, in_dim)?;
-    let wg = PackedWeight::new(
+    let wc = PackedAffine::new(p.codes, p.scales, p.biases, experts * out_dim, in_dim)?;
+    let wg = PackedAffine::new(
         wc.codes.to_device(gpu)?,
         wc.scales.to_device(gpu)?,
         wc.biases.to_device(gpu)?,

@@ -5,8 +5,9 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_gemma::kernels::qmatmul::{qembedding, qmatmul, PackedWeight};
+use candle_gemma::kernels::qmatmul::{qembedding, qmatmul};
 use candle_gemma::kernels::quantize;
+use candle_gemma::kernels::PackedAffine;
 use candle_gemma::kv::QuantBits;
 
 use crate::common::close::{max_abs_diff, Checks};
@@ -29,8 +30,8 @@ fn check_qmatmul(
     let cpu = Device::Cpu;
     let w = Tensor::randn(0f32, 0.05, (out_dim, in_dim), &cpu)?.to_dtype(sdtype)?;
     let p = quantize(&w, QuantBits::from_bits(bits)?, group)?;
-    let wc = PackedWeight::new(p.codes, p.scales, p.biases, out_dim, in_dim)?;
-    let wg = PackedWeight::new(
+    let wc = PackedAffine::new(p.codes, p.scales, p.biases, out_dim, in_dim)?;
+    let wg = PackedAffine::new(
         wc.codes.to_device(gpu)?,
         wc.scales.to_device(gpu)?,
         wc.biases.to_device(gpu)?,

@@ -6,7 +6,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_gemma::kv::{KeyPositions, KvData, KvView, PackedKv};
+use candle_gemma::kv::{KeyPositions, KvData, KvView, PackedAffine};
 
 use crate::common::close::max_abs_diff;
 
@@ -66,8 +66,8 @@ pub fn cpu(t: &Tensor) -> Result<Tensor> {
 }
 
 /// A packed tensor moved to `dev`.
-pub fn to_dev(p: &PackedKv, dev: &Device) -> Result<PackedKv> {
-    Ok(PackedKv::from_parts(
+pub fn to_dev(p: &PackedAffine, dev: &Device) -> Result<PackedAffine> {
+    Ok(PackedAffine::from_parts(
         p.codes.to_device(dev)?,
         p.scales.to_device(dev)?,
         p.biases.to_device(dev)?,
@@ -122,7 +122,7 @@ pub fn positions(keys: usize, pos: Pos, seed: u64) -> KeyPositions {
 
 /// Whether two packed tensors (on any devices) hold the same shapes, the same code words and
 /// bit-identical scales and biases (f16/bf16 values are exact in f32).
-pub fn packed_identical(a: &PackedKv, b: &PackedKv) -> Result<bool> {
+pub fn packed_identical(a: &PackedAffine, b: &PackedAffine) -> Result<bool> {
     let words = |t: &Tensor| -> Result<Vec<u32>> { Ok(cpu(t)?.flatten_all()?.to_vec1::<u32>()?) };
     let f32s = |t: &Tensor| -> Result<Vec<f32>> {
         Ok(cpu(t)?

@@ -19,12 +19,12 @@ use super::norm_tail::{
 };
 use super::scratch::with_scratch;
 use crate::kernels::plan::QmatParams;
-use crate::kernels::qmatmul::PackedWeight;
+use crate::kernels::PackedAffine;
 
 /// Quantized `x · Wᵀ` for `rows <= 8` activation rows (decode): `x` `[rows, in]` contiguous,
 /// `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns `[rows, out]`.
 /// `settled`: the weight is
-/// [`PackedWeight::settled`](crate::kernels::qmatmul::PackedWeight::settled) (see
+/// [`PackedAffine::settled`](crate::kernels::PackedAffine::settled) (see
 /// `row_matvec_variant`).
 ///
 /// # Errors
@@ -127,7 +127,7 @@ pub(crate) fn qmatvec(
 pub const PACKED_FOLD_MAX_WIDTH: usize = 4096;
 
 /// Whether [`packed_matvec_add_norm`] serves `rows` activation rows of `x_dtype` through `w`.
-pub fn packed_matvec_folds_norm(x_dtype: DType, rows: usize, w: &PackedWeight) -> bool {
+pub fn packed_matvec_folds_norm(x_dtype: DType, rows: usize, w: &PackedAffine) -> bool {
     rows == 1 && w.out_dim() <= PACKED_FOLD_MAX_WIDTH && takes_row_matvec(x_dtype, w)
 }
 
@@ -140,7 +140,7 @@ pub fn packed_matvec_folds_norm(x_dtype: DType, rows: usize, w: &PackedWeight) -
 /// Shapes or dtypes that disagree, CUDA errors.
 pub fn packed_matvec_add_norm(
     x: &Tensor,
-    w: &PackedWeight,
+    w: &PackedAffine,
     res: &Tensor,
     norm_w: &Tensor,
     eps: f64,

@@ -7,7 +7,7 @@ use candle_core::DType;
 
 use super::device::sm_count;
 use super::kernel_cache::{load_kernel, MATVEC};
-use crate::kernels::qmatmul::PackedWeight;
+use crate::kernels::PackedAffine;
 
 /// Output rows per quantized matrix-vector block (`QMV_WARPS`).
 pub(crate) const QMATVEC_WARPS: usize = 8;
@@ -35,7 +35,7 @@ pub(super) struct MatvecKernel {
 /// Chooses the kernel of `rows` activation rows of dtype `x_dtype` through `[out_dim, in_dim]`
 /// codes of `bits` bits in groups of `group_size`, scales and biases of `scale_dtype` /
 /// `bias_dtype`; `tn`/`sn` are the activation and scale dtypes' name suffixes. `settled`: the
-/// weight is [`PackedWeight::settled`](crate::kernels::qmatmul::PackedWeight::settled).
+/// weight is [`PackedAffine::settled`](crate::kernels::PackedAffine::settled).
 ///
 /// # Errors
 /// The driver's occupancy query fails to load a kernel.
@@ -143,7 +143,7 @@ fn dequantizes_before_mma(
 
 /// Whether one activation row of `x_dtype` through `w` takes `qmv_row4` (so `qmv_row4_norm`
 /// can fold the residual add + norm into it).
-pub(super) fn takes_row_matvec(x_dtype: DType, w: &PackedWeight) -> bool {
+pub(super) fn takes_row_matvec(x_dtype: DType, w: &PackedAffine) -> bool {
     dequantizes_before_mma(
         x_dtype,
         w.scales.dtype(),
@@ -171,7 +171,7 @@ pub(crate) fn row_matvec_split_for(out_dim: usize, in_dim: usize, sms: usize) ->
 /// Kernel-name suffix of the `qmv_row4` variant for a launch over rows of `in_dim` codes with
 /// `split` warps a row pair: `_u1` issues one step's loads before its math, `_u2` two; an `e`
 /// after it issues the first weight loads before the PDL wait, for weights marked
-/// [`PackedWeight::settled`](crate::kernels::qmatmul::PackedWeight::settled) (`settled`).
+/// [`PackedAffine::settled`](crate::kernels::PackedAffine::settled) (`settled`).
 ///
 /// Unsplit rows of at least 5120 codes take `_u2`, the rest `_u1` (two steps in flight pay
 /// off only on long rows). Settled weights take the same choice with `e`, and `_u2le` (x read

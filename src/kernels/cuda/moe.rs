@@ -11,7 +11,7 @@ use super::device::{
     wrap,
 };
 use super::kernel_cache::{load_kernel, MOE};
-use crate::kernels::qmatmul::PackedWeight;
+use crate::kernels::PackedAffine;
 
 /// Warps per grouped-matvec block (`GMV_WARPS`).
 const GMV_WARPS: usize = 8;
@@ -132,7 +132,7 @@ pub fn grouped_matvec(
 /// # Errors
 /// As [`grouped_matvec`], and when `weights` does not split into `experts` equal stacks.
 pub fn grouped_qmatvec(
-    weights: &PackedWeight,
+    weights: &PackedAffine,
     experts: usize,
     idx: &Tensor,
     x: &Tensor,
@@ -148,7 +148,7 @@ pub fn grouped_qmatvec(
 /// # Errors
 /// As [`grouped_matvec_gated`].
 pub fn grouped_qmatvec_gated(
-    weights: &PackedWeight,
+    weights: &PackedAffine,
     experts: usize,
     idx: &Tensor,
     a: &Tensor,
@@ -169,7 +169,7 @@ enum ExpertStack<'a> {
     /// `[E, out, in]` in the activations' dtype.
     Dense(&'a Tensor),
     /// `[E * out, in]` packed, and `E`.
-    Packed(&'a PackedWeight, usize),
+    Packed(&'a PackedAffine, usize),
 }
 
 impl ExpertStack<'_> {

@@ -9,13 +9,13 @@ use candle_core::{DType, Tensor};
 use super::device::{cuda_dev, cuda_storage, kname, view, wrap};
 use super::kernel_cache::{load_kernel, QUANTIZE};
 use crate::kernels::plan::QmatParams;
-use crate::kernels::{KernelError, PackedKv};
+use crate::kernels::{KernelError, PackedAffine};
 
 /// Dense `[1, kvh, keys, head_dim]` in `dtype` from packed K or V, on the GPU.
 ///
 /// # Errors
 /// Shape, dtype and CUDA errors.
-pub fn dequantize_kv(p: &PackedKv, dtype: DType) -> Result<Tensor, KernelError> {
+pub fn dequantize_kv(p: &PackedAffine, dtype: DType) -> Result<Tensor, KernelError> {
     let (b, kvh, keys, words) = p.codes.dims4()?;
     let bits = p.bits.bits();
     let hd = words * 32 / bits;
@@ -126,7 +126,7 @@ pub(crate) fn quantize(
     x: &Tensor,
     bits: crate::kernels::QuantBits,
     group_size: usize,
-) -> candle_core::Result<PackedKv> {
+) -> candle_core::Result<PackedAffine> {
     let dims = x.dims().to_vec();
     let dim = dims.last().copied().unwrap_or(0);
     let b = bits.bits();
@@ -187,7 +187,7 @@ pub(crate) fn quantize(
         DType::F16 => go!(half::f16),
         _ => go!(half::bf16),
     };
-    Ok(PackedKv::from_parts(
+    Ok(PackedAffine::from_parts(
         codes,
         scales,
         biases,

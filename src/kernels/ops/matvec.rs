@@ -8,7 +8,8 @@ use candle_core::{Module, Tensor};
 
 use super::{geglu, norm, tensor_bytes, Norm};
 use crate::error::Result;
-use crate::kernels::qmatmul::{qmatmul, PackedWeight};
+use crate::kernels::qmatmul::qmatmul;
+use crate::kernels::PackedAffine;
 
 /// A bias-free weight matrix `[out, in]`: dense, or MLX-quantized and kept packed.
 #[derive(Debug, Clone)]
@@ -16,7 +17,7 @@ pub enum Weight {
     /// A dense weight.
     Dense(candle_nn::Linear),
     /// A packed affine-quantized weight (the product reads the codes directly).
-    Packed(PackedWeight),
+    Packed(PackedAffine),
 }
 
 impl Weight {

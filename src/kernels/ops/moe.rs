@@ -11,7 +11,8 @@ use candle_core::{DType, Tensor};
 use super::geglu::gelu_mul;
 use super::{matvec, Norm, Weight};
 use crate::error::Result;
-use crate::kernels::qmatmul::{qmatmul, PackedWeight};
+use crate::kernels::qmatmul::qmatmul;
+use crate::kernels::PackedAffine;
 
 /// One stack of expert matrices `[E, out, in]`: dense, or MLX-packed and kept packed.
 #[derive(Debug, Clone)]
@@ -21,7 +22,7 @@ pub(crate) enum ExpertWeights {
     /// `[E * out, in]` packed: expert `e` owns rows `e * out ..`.
     Packed {
         /// The stacked rows.
-        weight: PackedWeight,
+        weight: PackedAffine,
         /// `E`.
         experts: usize,
     },

@@ -12,7 +12,7 @@ use crate::kernels::cuda::kernel_cache::{load_kernel, ATTENTION};
 use crate::kernels::cuda::quantize::dequantize_kv;
 use crate::kernels::cuda::scratch::with_scratch;
 use crate::kernels::{dense, QueryPlan};
-use crate::kernels::{KernelError, KeyPositions, PackedKv};
+use crate::kernels::{KernelError, KeyPositions, PackedAffine};
 
 /// Which algorithm the CUDA quantized attention uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -48,8 +48,8 @@ pub const FUSED_MAX_Q_LEN: usize = 16;
 #[allow(clippy::too_many_arguments)]
 pub fn attend_packed_cuda(
     q: &Tensor,
-    k: &PackedKv,
-    v: &PackedKv,
+    k: &PackedAffine,
+    v: &PackedAffine,
     positions: &KeyPositions,
     q_offset: usize,
     window: Option<usize>,
@@ -67,8 +67,8 @@ pub fn attend_packed_cuda(
 /// [`attend_packed_cuda`] with the dispatcher's [`QueryPlan`].
 pub(crate) fn attend_packed(
     q: &Tensor,
-    k: &PackedKv,
-    v: &PackedKv,
+    k: &PackedAffine,
+    v: &PackedAffine,
     positions: &KeyPositions,
     plan: &QueryPlan,
     path: QsdpaPath,

@@ -15,7 +15,7 @@ use crate::kernels::plan::{
     QsdpaParams, SideStrides, QSDPA_HEAD_DIMS, QSDPA_WARPS,
 };
 use crate::kernels::QueryPlan;
-use crate::kernels::{KernelError, KeyPositions, PackedKv};
+use crate::kernels::{KernelError, KeyPositions, PackedAffine};
 
 /// Query rows per CUDA-core attention block (the kernels' `NQ`; 2 is also instantiated).
 pub(crate) const QSDPA_ROWS: usize = 4;
@@ -80,7 +80,7 @@ fn key_split(
 #[derive(Clone, Copy)]
 pub(crate) enum KvOperand<'a> {
     /// MLX affine codes with scales and biases.
-    Packed(&'a PackedKv),
+    Packed(&'a PackedAffine),
     /// Dense `[1, kv_heads, keys, head_dim]` in the queries' dtype.
     Dense(&'a Tensor),
 }
