@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::config::{Config, KvSource, LayerKind};
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::kv::{
     CacheConfig, CacheError, CacheMode, KvCache, LayerCacheSpec, ModelCache, PromptCache,
@@ -98,21 +98,8 @@ pub fn parse_config(bytes: &[u8]) -> Result<Config> {
     Ok(config)
 }
 
-/// The cache geometry of each layer of `config`, `None` for KV-shared layers (the model's
-/// `cache_specs`).
 fn cache_specs(config: &Config) -> Vec<Option<LayerCacheSpec>> {
-    config
-        .layers
-        .iter()
-        .map(|l| match l.kv {
-            KvSource::Shared { .. } => None,
-            KvSource::Own => Some(LayerCacheSpec {
-                kv_heads: l.kv_heads,
-                head_dim: l.head_dim,
-                window: (l.kind == LayerKind::Sliding).then_some(config.sliding_window),
-            }),
-        })
-        .collect()
+    crate::kv::layer_cache_specs(config)
 }
 
 /// Opens `bytes` as the only safetensors file of a checkpoint folder, with the crate's weight

@@ -127,21 +127,7 @@ impl TextModel {
 
     /// What each layer's cache must hold; `None` for KV-shared layers, which own no cache.
     pub fn cache_specs(&self) -> Vec<Option<LayerCacheSpec>> {
-        self.config
-            .layers
-            .iter()
-            .map(|l| match l.kv {
-                KvSource::Shared { .. } => None,
-                KvSource::Own => Some(LayerCacheSpec {
-                    kv_heads: l.kv_heads,
-                    head_dim: l.head_dim,
-                    window: match l.kind {
-                        LayerKind::Sliding => Some(self.config.sliding_window),
-                        LayerKind::Full => None,
-                    },
-                }),
-            })
-            .collect()
+        crate::kv::layer_cache_specs(&self.config)
     }
 
     /// Checks ids against the vocabulary and positions against the context length.

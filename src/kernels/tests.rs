@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::testutil::max_abs_diff;
+use super::testutil::{flat, max_abs_diff};
 use super::*;
 
 pub(crate) fn lcg_vec(seed: u64, n: usize) -> Vec<f32> {
@@ -21,15 +21,6 @@ pub(crate) fn lcg_vec(seed: u64, n: usize) -> Vec<f32> {
 fn rand(seed: u64, shape: (usize, usize, usize, usize)) -> Tensor {
     let n = shape.0 * shape.1 * shape.2 * shape.3;
     Tensor::from_vec(lcg_vec(seed, n), shape, &Device::Cpu).unwrap()
-}
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 /// Softmax attention by the definition, one score at a time, in f64.

@@ -49,3 +49,8 @@ where
             }
         })
 }
+
+/// `t` as host `f32`, flattened in row-major order.
+pub(crate) fn flat(t: &Tensor) -> Vec<f32> {
+    t.values()
+}

@@ -4,6 +4,7 @@
 use candle_core::{DType, Device};
 
 use super::{CacheError, LayerCache, QuantBits, QuantizedCache, RotatingCache, SimpleCache};
+use crate::config::{Config, KvSource, LayerKind};
 use crate::kernels::AffineSpec;
 
 /// Affine K/V quantization parameters (MLX's format).
@@ -120,4 +121,23 @@ impl CacheConfig {
             }
         })
     }
+}
+
+/// What each layer of `config` must cache; `None` for KV-shared layers, which own no cache.
+pub(crate) fn layer_cache_specs(config: &Config) -> Vec<Option<LayerCacheSpec>> {
+    config
+        .layers
+        .iter()
+        .map(|l| match l.kv {
+            KvSource::Shared { .. } => None,
+            KvSource::Own => Some(LayerCacheSpec {
+                kv_heads: l.kv_heads,
+                head_dim: l.head_dim,
+                window: match l.kind {
+                    LayerKind::Sliding => Some(config.sliding_window),
+                    LayerKind::Full => None,
+                },
+            }),
+        })
+        .collect()
 }

@@ -25,6 +25,7 @@ mod rotating;
 mod simple;
 
 pub use batch::BatchCache;
+pub(crate) use config::layer_cache_specs;
 pub use config::{CacheConfig, CacheMode, LayerCacheSpec, QuantSpec};
 pub use error::CacheError;
 pub(crate) use layer::CacheMark;

@@ -67,7 +67,7 @@ pub fn gpu_spin(dev: &CudaDevice, ns: u64) -> Result<()> {
 
 /// Host microseconds per call of the pieces of one small-kernel launch, each timed over `n`
 /// calls (no synchronisation in the timed loops): `(what, microseconds)`. A diagnostic for
-/// `bench_kernels --launch-floor`, not part of the model's API.
+/// the `cuda_kernels` bench (`--launch-floor`), not part of the model's API.
 ///
 /// # Errors
 /// CUDA errors, or a tensor not on a CUDA device.

@@ -12,7 +12,7 @@ mod slots;
 use candle_core::{DType, Device, Tensor};
 
 use super::*;
-use crate::kernels::testutil::max_abs_diff;
+use crate::kernels::testutil::{flat, max_abs_diff};
 use crate::kernels::{attend, dequantize, quantize};
 
 const KVH: usize = 2;
@@ -31,15 +31,6 @@ fn rand(seed: u64, shape: (usize, usize, usize, usize)) -> Tensor {
         })
         .collect();
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
-fn flat(t: &Tensor) -> Vec<f32> {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 /// The full history of one sequence: what a perfect cache would hold.
