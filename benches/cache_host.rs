@@ -9,7 +9,7 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_gemma::kernels::cuda::params::PositionCode;
+use candle_gemma::kernels::plan::PositionCode;
 use candle_gemma::kv::{KvCache, KvView, LayerCacheSpec, RotatingCache, SimpleCache};
 use std::time::Instant;
 

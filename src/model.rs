@@ -143,7 +143,7 @@ impl ModelBuilder {
     /// Loads config, weights and (when present) `tokenizer.json`.
     ///
     /// # Errors
-    /// Anything [`Config::from_dir`], [`WeightStore::open`] or the layer constructors report,
+    /// Anything [`Config::from_dir`], the safetensors loader or the layer constructors report,
     /// and [`Error::Tokenizer`] for an unreadable `tokenizer.json`.
     pub fn build(self) -> Result<Model> {
         if !matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16) {
@@ -251,7 +251,7 @@ impl Model {
 
     /// Bytes of the checkpoint the model was loaded from: its safetensors files, or for a
     /// random model the stored size of every generated tensor (packed ones packed). Compare
-    /// with [`TextModel::resident_bytes`](crate::gemma4::TextModel::resident_bytes).
+    /// with the bytes the loaded weights hold on the device.
     pub fn checkpoint_bytes(&self) -> usize {
         self.checkpoint_bytes
     }
@@ -347,7 +347,10 @@ impl Model {
     /// `cache`; returns the f32 logits of each sequence's last position, `[B, vocab]`.
     ///
     /// # Errors
-    /// See [`TextModel::forward`].
+    /// [`Error::TokenOutOfVocab`], [`Error::ContextTooLong`], [`Error::Input`], cache errors.
+    ///
+    /// Prompts longer than [`crate::PREFILL_CHUNK`] tokens run as consecutive chunks of that
+    /// size; the whole batch is validated before the first chunk runs.
     pub fn forward(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
         self.text.forward(batch, cache)
     }

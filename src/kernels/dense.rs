@@ -26,7 +26,7 @@ pub(crate) fn attend_dense(
     let kk = k.squeeze(0)?; // [kvh, keys, hd]
     let vv = v.squeeze(0)?; // [kvh, keys, hd]
     let scores = matmul_strided(&qg, &kk.t()?)?; // [kvh, group*q_len, keys]
-    let probs = if super::fused_enabled(q.device()) {
+    let probs = if super::ops::fused(q.device()) {
         fused_softmax(&scores, positions, plan, q_len)?
     } else {
         softmax(scores, positions, plan, (kv_heads, group, q_len, keys))?

@@ -42,26 +42,6 @@ pub use quant::{dequantize, quantize};
 
 use candle_core::{Device, Tensor};
 
-/// Whether the fused CUDA kernels (`cuda` feature, tensors on a CUDA device) run instead of the
-/// candle op chains they replace ([`policy::LaunchPolicy::fused`]). The first call on CUDA
-/// also lets the device's memory pool keep freed blocks (every forward reallocates the same
-/// sizes).
-pub(crate) fn fused_enabled(device: &Device) -> bool {
-    let on = cfg!(feature = "cuda") && device.is_cuda() && policy::current().fused;
-    #[cfg(feature = "cuda")]
-    if on {
-        static POOL: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-        POOL.get_or_init(|| {
-            if let Device::Cuda(d) = device {
-                // Best effort: without it the pool only regrows more often.
-                let _ = cuda::pool::retain_pool_memory(d);
-                cuda::pool::skip_event_tracking(d);
-            }
-        });
-    }
-    on
-}
-
 /// What one sequence's queries need to know besides the tensors.
 #[doc(hidden)]
 pub struct QueryPlan {
@@ -190,25 +170,23 @@ fn attend_one(
                 && q.dim(2)? <= cuda::attention::launch::FUSED_MAX_Q_LEN
                 && k.dtype() == q.dtype()
                 && v.dtype() == q.dtype()
-                && cuda::params::QSDPA_HEAD_DIMS.contains(&head_dim)
+                && plan::QSDPA_HEAD_DIMS.contains(&head_dim)
             {
-                return Ok(cuda::attention::launch::attend_dense_fused(
-                    q, k, v, positions, plan,
-                )?);
+                return cuda::attention::launch::attend_dense_fused(q, k, v, positions, plan);
             }
             dense::attend_dense(q, k, v, &positions.to_vec(), plan)
         }
         KvData::Packed { k, v } => match q.device() {
             Device::Cpu => cpu::attend_packed(q, k, v, &positions.to_vec(), plan),
             #[cfg(feature = "cuda")]
-            Device::Cuda(_) => Ok(cuda::attention::launch::attend_packed(
+            Device::Cuda(_) => cuda::attention::launch::attend_packed(
                 q,
                 k,
                 v,
                 positions,
                 plan,
                 cuda::QsdpaPath::Auto,
-            )?),
+            ),
             #[cfg(feature = "metal")]
             Device::Metal(_) => metal::attend_packed(q, k, v, positions, plan),
             _ => {

@@ -1,5 +1,5 @@
-//! CUDA kernels and their launchers (`cuda` feature only, except the `params` paths kept for
-//! callers of the shared launch plan, [`crate::kernels::plan`]).
+//! CUDA kernels and their launchers (`cuda` feature only; the launch plan they share with Metal
+//! is [`crate::kernels::plan`]).
 //!
 //! One file per concept, each with its `.cu` source (compiled to a fatbin by `build.rs` and
 //! loaded by `kernel_cache`):
@@ -18,8 +18,6 @@
 //! | `pool` | the device memory pool and event tracking |
 //! | `scratch`, `graph` | per-thread scratch buffers; CUDA graph capture of decode steps |
 //! | `diagnostics` | bench helpers: copy bandwidth reference, GPU spin, host-cost probe (`diagnostics.cu`) |
-
-pub mod params;
 
 #[cfg(feature = "cuda")]
 pub mod attention;

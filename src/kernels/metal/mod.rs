@@ -1,7 +1,7 @@
 //! Metal side of the quantized kernels.
 //!
 //! The kernels live in `qkernels.metal` (same parameter structs as CUDA, see
-//! [`super::cuda::params`]); `plan` turns a call into the parameters, grids and buffer layout
+//! [`super::plan`]); `plan` turns a call into the parameters, grids and buffer layout
 //! of their launch, and `launch` (`metal` feature) compiles the source once per device and
 //! dispatches those plans. The launches have not run on a Mac, so they are opt-in
 //! ([`super::policy::LaunchPolicy::metal_kernels`]); otherwise these entry points dequantize
