@@ -125,11 +125,6 @@ fn bytes_per_param(weights: &str) -> Result<(f64, Option<QuantBits>)> {
     })
 }
 
-/// The crate's launch counters: the crate keeps none, so none are reported.
-fn launch_stats() -> Option<(u64, u64)> {
-    None
-}
-
 /// Runs `f` inside cuProfilerStart/Stop when `on` (CUDA builds), so a profiler started with
 /// `--profile-from-start off` sees exactly this region.
 fn profiled<T>(on: bool, dev: &Device, f: impl FnOnce() -> Result<T>) -> Result<T> {
@@ -257,13 +252,13 @@ fn main() -> Result<()> {
                         let mut cache = ModelCache::batch(seqs)?;
                         let kv_bytes = cache.memory_bytes();
                         let tokens: Vec<Vec<u32>> = (0..b).map(|i| vec![100 + i as u32]).collect();
-                        let _ = greedy(&model.forward(&tokens, &mut cache)?)?; // warm-up
-                                                                               // `host_ms`: the time until `forward` returns, i.e. the host's cost of
-                                                                               // enqueueing the step; near `step_ms` means the host is the limit.
-                                                                               // Several rounds, reporting the median round: the host's speed drifts
-                                                                               // between rounds on a shared machine.
+                        // Warm-up.
+                        let _ = greedy(&model.forward(&tokens, &mut cache)?)?;
+                        // `host_ms`: the time until `forward` returns, i.e. the host's cost of
+                        // enqueueing the step; near `step_ms` means the host is the limit.
+                        // Several rounds, reporting the median round: the host's speed drifts
+                        // between rounds on a shared machine.
                         let mut rounds = Vec::new();
-                        let stats_before = launch_stats();
                         // The first sequence's greedy id at each step of the first round: runs
                         // that must compute alike (CUDA graphs on and off) print the same list.
                         let mut step_ids = Vec::new();
@@ -287,13 +282,6 @@ fn main() -> Result<()> {
                         profiled(args.profile, &dev, || {
                             greedy(&model.forward(&tokens, &mut cache)?)
                         })?;
-                        // With CANDLE_GEMMA_LAUNCH_STATS=1: the crate's launches a step and the
-                        // host time inside the driver's launch call for them.
-                        let steps = (args.rounds.max(1) * args.steps) as f64;
-                        let launches = stats_before.zip(launch_stats()).map(|(a, z)| {
-                            json!({"launches_per_step": (z.0 - a.0) as f64 / steps,
-                                   "driver_launch_ms_per_step": (z.1 - a.1) as f64 / steps / 1e6})
-                        });
                         let bytes = wbytes + kv_bytes;
                         // Whether batch-1 steps replayed a CUDA graph (and if not, why).
                         #[cfg(feature = "cuda")]
@@ -307,7 +295,7 @@ fn main() -> Result<()> {
                                 "op": "decode", "batch": b, "context": ctx, "cuda_graph": graph,
                                 "tok_s": b as f64 / secs, "step_ms": secs * 1e3, "host_ms": host_ms,
                                 "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,
-                                "launch_stats": launches, "step_ids": step_ids,
+                                "step_ids": step_ids,
                             })
                         );
                     }

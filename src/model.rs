@@ -370,7 +370,7 @@ pub fn best_device(cpu: bool) -> Result<Device> {
     if cpu {
         return Ok(Device::Cpu);
     }
-    crate::kernels::ops::memory::best_gpu()
+    Ok(crate::kernels::ops::memory::best_gpu()?)
 }
 
 /// FNV-1a over config.json, the weight file names and sizes, and the dtype.

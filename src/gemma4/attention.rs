@@ -214,7 +214,7 @@ impl Attention {
                     (Some(n), Some(v)) => Some((v, n.v_norm.operand())),
                     _ => None,
                 };
-                qkv::qkv_prep(&QkvInput {
+                Ok(qkv::qkv_prep(&QkvInput {
                     q: &q_raw,
                     k,
                     v,
@@ -223,7 +223,7 @@ impl Attention {
                     sin,
                     head_dim: self.head_dim,
                     kv_dst,
-                })
+                })?)
             };
 
         let mut produced = None;

@@ -278,7 +278,7 @@ fn capture(
     let captured = DecodeGraph::capture(device, inputs, || {
         let logits = model.run(&ids, step, cache)?;
         out.slice_set(&logits, 0, 0)?;
-        Ok(())
+        Ok::<(), crate::Error>(())
     })?;
     let graph = match captured {
         Ok(g) => g,

@@ -51,7 +51,7 @@ impl Linear {
     /// # Errors
     /// Shape mismatch.
     pub fn forward(&self, x: &Tensor) -> crate::Result<Tensor> {
-        matvec::matmul(x, &self.0)
+        Ok(matvec::matmul(x, &self.0)?)
     }
 
     /// `(gelu_tanh(a) * b) · Wᵀ` for `a`, `b` of one shape: the gated input of the MLP's down
@@ -60,7 +60,7 @@ impl Linear {
     /// # Errors
     /// Shape mismatch.
     pub fn forward_gated(&self, a: &Tensor, b: &Tensor) -> crate::Result<Tensor> {
-        matvec::matmul_gated(a, b, &self.0)
+        Ok(matvec::matmul_gated(a, b, &self.0)?)
     }
 
     /// Bytes of resident weight (packed codes, scales and biases for a packed one).
@@ -130,7 +130,7 @@ impl Embedding {
     /// Shape mismatch.
     pub fn as_head(&self, x: &Tensor) -> crate::Result<Tensor> {
         match self {
-            Embedding::Dense(t) => matvec::matmul_table(x, t),
+            Embedding::Dense(t) => Ok(matvec::matmul_table(x, t)?),
             Embedding::Packed(p) => Ok(crate::kernels::qmatmul::qmatmul(x, p)?),
         }
     }

@@ -3,7 +3,7 @@
 
 use candle_core::Tensor;
 
-use crate::error::Result;
+use super::Result;
 
 /// Index of the largest value of each row of f32 `[rows, cols]` (ties: lowest index), as u32
 /// `[rows]`, computed on the device where it has a kernel for it (CUDA); `None` elsewhere,

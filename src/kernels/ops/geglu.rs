@@ -2,8 +2,8 @@
 
 use candle_core::Tensor;
 
+use super::Result;
 use super::Weight;
-use crate::error::Result;
 
 /// `gelu_tanh(a) * b` for `a`, `b` of one shape (`[.., width]`; rows may be strided).
 ///

@@ -28,12 +28,12 @@ mod imp {
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Device, Tensor};
 
-    use crate::error::Result;
     use crate::kernels::cuda::batched::{address, step_descriptor};
     use crate::kernels::cuda::graph::{self, Slot, StepParams};
     use crate::kernels::cuda::kv_write::kv_destination;
     use crate::kernels::cuda::kv_write::kvq_destination;
     use crate::kernels::cuda::scratch;
+    use crate::kernels::ops::Result;
     use crate::kernels::KvView;
     use crate::kernels::QueryPlan;
 
@@ -159,10 +159,10 @@ mod imp {
         ///
         /// # Errors
         /// Device errors of the allocation, the upload or the launch.
-        pub(crate) fn capture(
+        pub(crate) fn capture<E: std::fmt::Display>(
             device: &Device,
             inputs: Vec<Tensor>,
-            run: impl FnOnce() -> Result<()>,
+            run: impl FnOnce() -> std::result::Result<(), E>,
         ) -> Result<std::result::Result<Self, String>> {
             let Some(dev) = cuda_device(device) else {
                 return Ok(Err("not a CUDA device".to_string()));
@@ -255,7 +255,7 @@ mod imp {
 mod imp {
     use candle_core::{DType, Device, Tensor};
 
-    use crate::error::Result;
+    use crate::kernels::ops::Result;
     use crate::kernels::KvView;
     use crate::kernels::QueryPlan;
 
@@ -311,10 +311,10 @@ mod imp {
         ///
         /// # Errors
         /// None.
-        pub(crate) fn capture(
+        pub(crate) fn capture<E: std::fmt::Display>(
             _device: &Device,
             _inputs: Vec<Tensor>,
-            _run: impl FnOnce() -> Result<()>,
+            _run: impl FnOnce() -> std::result::Result<(), E>,
         ) -> Result<std::result::Result<Self, String>> {
             Ok(Err("the cuda feature is off".to_string()))
         }

@@ -6,8 +6,8 @@
 
 use candle_core::{Module, Tensor};
 
+use super::Result;
 use super::{geglu, norm, tensor_bytes, Norm};
-use crate::error::Result;
 use crate::kernels::qmatmul::qmatmul;
 use crate::kernels::PackedAffine;
 

@@ -2,7 +2,7 @@
 
 use candle_core::Device;
 
-use crate::error::Result;
+use super::Result;
 
 /// The first GPU the build supports (CUDA, then Metal); the CPU when no GPU feature is built.
 ///

@@ -28,6 +28,9 @@ pub(crate) mod qkv;
 
 pub(crate) use matvec::Weight;
 
+/// What every operation returns.
+pub(crate) type Result<T> = std::result::Result<T, crate::kernels::KernelError>;
+
 use candle_core::{Device, Tensor};
 
 /// An RMSNorm operand: the `[dim]` scale and the epsilon added to the mean square.

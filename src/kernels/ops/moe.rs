@@ -9,8 +9,8 @@
 use candle_core::{DType, Tensor};
 
 use super::geglu::gelu_mul;
+use super::Result;
 use super::{matvec, Norm, Weight};
-use crate::error::Result;
 use crate::kernels::qmatmul::qmatmul;
 use crate::kernels::PackedAffine;
 
@@ -116,7 +116,7 @@ pub(crate) struct Experts<'a> {
 /// `[tokens, H]`.
 ///
 /// # Errors
-/// Shape mismatch; [`crate::Error::Input`] for a routing outside the experts.
+/// Shape mismatch; [`KernelError::Config`] for a routing outside the experts.
 pub(crate) fn moe(
     router_input: &Tensor,
     x: &Tensor,
@@ -232,8 +232,8 @@ fn on_device(
 /// that expert for the GEMM).
 #[cfg(feature = "cuda")]
 fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Result<Tensor> {
-    use crate::error::Error;
     use crate::kernels::cuda::moe::moe_mix;
+    use crate::kernels::KernelError;
     let (_, k) = idx.dims2()?;
     let picks = idx.flatten_all()?.to_vec1::<u32>()?;
     let n_experts = experts.gate_up.count()?;
@@ -241,9 +241,10 @@ fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Resu
     for (p, &e) in picks.iter().enumerate() {
         let e = e as usize;
         if e >= n_experts {
-            return Err(Error::Input(format!(
-                "router picked expert {e} of {n_experts}"
-            )));
+            return Err(KernelError::Config {
+                field: "expert",
+                reason: format!("router picked expert {e} of {n_experts}"),
+            });
         }
         groups[e].push(p as u32);
     }

@@ -6,8 +6,8 @@
 
 use candle_core::Tensor;
 
+use super::Result;
 use super::{matvec, Norm, Weight};
-use crate::error::Result;
 
 /// `x * (mean(x²) + eps)^-½ * w` over the last axis, computed by candle in f32 (the reference
 /// every fused norm is tested against).

@@ -6,7 +6,8 @@ use candle_core::Tensor;
 
 use super::norm::rms_norm;
 use super::Norm;
-use crate::error::{Error, Result};
+use super::Result;
+use crate::kernels::KernelError;
 
 /// One step's raw q/k/v and what [`qkv_prep`] applies to them.
 #[derive(Debug, Clone, Copy)]
@@ -54,7 +55,7 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Resul
 /// Runs [`QkvInput`] through the norms and RoPE.
 ///
 /// # Errors
-/// Shape mismatch; [`Error::Input`] for destinations where the fused kernel does not run.
+/// Shape mismatch; [`KernelError::Config`] for destinations where the fused kernel does not run.
 pub(crate) fn qkv_prep(inp: &QkvInput<'_>) -> Result<QkvOutput> {
     let (b, s, _) = inp.q.dims3()?;
     let hd = inp.head_dim;
@@ -78,10 +79,11 @@ pub(crate) fn qkv_prep(inp: &QkvInput<'_>) -> Result<QkvOutput> {
         )?);
     }
     if inp.kv_dst.is_some() {
-        return Err(Error::Input(
-            "k/v destinations are written by the CUDA kernel only (see writes_kv_in_place)"
+        return Err(KernelError::Config {
+            field: "kv_dst",
+            reason: "k/v destinations are written by the CUDA kernel only (see writes_kv_in_place)"
                 .to_string(),
-        ));
+        });
     }
     let heads = |t: &Tensor| -> Result<Tensor> {
         let n = t.dim(2)? / hd;
