@@ -74,5 +74,6 @@ pub(crate) mod weights;
 pub use error::{Error, HubError, Result};
 pub use gemma4::model::PREFILL_CHUNK;
 pub use generate::{FinishReason, GenOptions, Generator, Output, StepOutput};
+pub use kernels::policy::LaunchPolicy;
 pub use kv::{CacheConfig, KvCache};
 pub use model::{best_device, device_memory_in_use, Model, ModelBuilder};

@@ -10,6 +10,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::gemma4::TextModel;
 use crate::generate::{GenOptions, Generator};
+use crate::kernels::policy::LaunchPolicy;
 use crate::kv::{CacheConfig, ModelCache};
 use crate::weights::WeightStore;
 
@@ -32,6 +33,7 @@ pub struct ModelBuilder {
     progress: bool,
     device: Device,
     dtype: DType,
+    launch_policy: Option<LaunchPolicy>,
 }
 
 impl Default for ModelBuilder {
@@ -46,6 +48,7 @@ impl Default for ModelBuilder {
             progress: false,
             device: Device::Cpu,
             dtype: DType::F32,
+            launch_policy: None,
         }
     }
 }
@@ -100,6 +103,14 @@ impl ModelBuilder {
         self
     }
 
+    /// The kernels' tuning switches. Without it, [`LaunchPolicy::from_env`]: the defaults with
+    /// the documented environment overrides applied. The policy is per process: kernels cache
+    /// launch decisions, so every model of a process runs under the first policy built with.
+    pub fn launch_policy(mut self, policy: LaunchPolicy) -> Self {
+        self.launch_policy = Some(policy);
+        self
+    }
+
     /// The device to run on (CPU by default).
     pub fn device(mut self, device: Device) -> Self {
         self.device = device;
@@ -144,13 +155,24 @@ impl ModelBuilder {
     ///
     /// # Errors
     /// Anything [`Config::from_dir`], the safetensors loader or the layer constructors report,
-    /// and [`Error::Tokenizer`] for an unreadable `tokenizer.json`.
+    /// [`Error::Tokenizer`] for an unreadable `tokenizer.json`, and [`Error::Config`] (field
+    /// `launch_policy`) when another model of this process was built under another policy.
     pub fn build(self) -> Result<Model> {
         if !matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16) {
             return Err(Error::Input(format!(
                 "dtype {:?} is not supported: use f32, bf16 or f16",
                 self.dtype
             )));
+        }
+        let policy = self.launch_policy.unwrap_or_else(LaunchPolicy::from_env);
+        if !crate::kernels::policy::install(policy) {
+            return Err(Error::Config {
+                field: "launch_policy".to_string(),
+                reason: format!(
+                    "this process already runs under another launch policy ({:?})",
+                    crate::kernels::policy::current()
+                ),
+            });
         }
         let dir = self.resolve()?;
         let config = Config::from_dir(&dir)?;

@@ -115,3 +115,30 @@ fn prompt_longer_than_the_context_is_rejected() {
         other => panic!("expected ContextTooLong, got {other:?}"),
     }
 }
+
+#[test]
+fn a_second_launch_policy_in_one_process_is_a_config_error() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/e2b-hf");
+    let first = candle_gemma::Model::builder().path(dir).build();
+    assert!(first.is_ok(), "{:?}", first.err());
+    let other = candle_gemma::LaunchPolicy::from_env();
+    let mut other_policy = other;
+    other_policy.cuda_graph = !other.cuda_graph;
+    match candle_gemma::Model::builder()
+        .path(dir)
+        .launch_policy(other_policy)
+        .build()
+    {
+        Err(candle_gemma::Error::Config { field, .. }) => assert_eq!(field, "launch_policy"),
+        other => panic!(
+            "expected a launch_policy config error, got {:?}",
+            other.err()
+        ),
+    }
+    // The policy in force is accepted again.
+    assert!(candle_gemma::Model::builder()
+        .path(dir)
+        .launch_policy(other)
+        .build()
+        .is_ok());
+}

@@ -2,8 +2,9 @@
 //!
 //! [`LaunchPolicy::default`] is what the crate ships. [`LaunchPolicy::from_env`] applies the
 //! few documented environment overrides on top; this module is the only place in the crate
-//! that reads the environment. [`crate::ModelBuilder`] resolves the policy once when a model is
-//! built ([`install`]) and the kernels read it through [`current`].
+//! that reads the environment. [`crate::ModelBuilder::launch_policy`] sets it (else
+//! `from_env`); the first model built installs it for the process ([`install`]), and the
+//! kernels read it through [`current`].
 //!
 //! | variable | field | effect |
 //! |---|---|---|
