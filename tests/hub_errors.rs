@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use candle_gemma::hub::{resolve, HubOptions, ATTEMPTS};
 use candle_gemma::{Error, HubError};
 use common::fixture;
-use hub_server::{sha256_hex, Fault, HubRepo, HubServer};
+use hub_server::{git_blob_sha1, sha256_hex, Fault, HubRepo, HubServer};
 
 const REPO: &str = "test-org/dense-sharded";
 const SHARD: &str = "model-00002-of-00003.safetensors";
@@ -301,6 +301,29 @@ fn bytes_that_differ_from_the_hash_are_reported_and_discarded() {
     match &cause {
         HubError::HashMismatch { expected, found } => {
             assert_eq!(*expected, sha256_hex(repo.file(SHARD).expect("shard")));
+            assert_ne!(expected, found);
+        }
+        other => panic!("expected a hash mismatch, got {other:?}"),
+    }
+    assert_no_half_file(&cache, &repo);
+    server.clear_faults();
+    resolve(REPO, &opts(&server, &cache)).expect("next run");
+}
+
+#[test]
+fn git_file_whose_bytes_differ_from_its_blob_hash_is_reported_and_discarded() {
+    let repo = sharded();
+    let server = HubServer::start(vec![repo.clone()]);
+    server.fault("config.json", Fault::Corrupt);
+    let cache = TempCache::new("corrupt-git");
+    let (r, file, cause) = hub_error(resolve(REPO, &opts(&server, &cache)));
+    assert_eq!((r.as_str(), file.as_str()), (REPO, "config.json"));
+    match &cause {
+        HubError::HashMismatch { expected, found } => {
+            assert_eq!(
+                *expected,
+                git_blob_sha1(repo.file("config.json").expect("config"))
+            );
             assert_ne!(expected, found);
         }
         other => panic!("expected a hash mismatch, got {other:?}"),

@@ -50,6 +50,8 @@ pub(super) struct FileMeta {
     pub size: u64,
     /// The sha256 to check the bytes against (LFS files only).
     pub sha256: Option<String>,
+    /// The git blob hash (sha1 of `blob {size}\0` + bytes) to check files kept in git against.
+    pub git_sha1: Option<String>,
     /// Where to download it from.
     pub url: String,
 }
@@ -292,10 +294,15 @@ fn parse_meta(resp: &ureq::Response, url: &str) -> Result<FileMeta, HubError> {
         .is_some()
         .then(|| etag.to_ascii_lowercase())
         .filter(|e| e.len() == 64 && e.chars().all(|c| c.is_ascii_hexdigit()));
+    let git_sha1 = linked
+        .is_none()
+        .then(|| etag.to_ascii_lowercase())
+        .filter(|e| e.len() == 40 && e.chars().all(|c| c.is_ascii_hexdigit()));
     Ok(FileMeta {
         etag,
         size,
         sha256,
+        git_sha1,
         url: url.to_string(),
     })
 }

@@ -170,7 +170,28 @@ fn transfer(
             });
         }
     }
-    p.out.sync_all().map_err(|e| io_error(part, e))
+    p.out.sync_all().map_err(|e| io_error(part, e))?;
+    if let Some(expected) = &meta.git_sha1 {
+        let bytes = std::fs::read(part).map_err(|e| io_error(part, e))?;
+        let found = git_blob_sha1(&bytes);
+        if found != *expected {
+            p.discard();
+            return Err(HubError::HashMismatch {
+                expected: expected.clone(),
+                found,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The hash git names a blob by: sha1 of `blob {len}\0` followed by the bytes.
+pub(super) fn git_blob_sha1(bytes: &[u8]) -> String {
+    use sha1::{Digest as _, Sha1};
+    let mut h = Sha1::new();
+    h.update(format!("blob {}\0", bytes.len()).as_bytes());
+    h.update(bytes);
+    hex(&h.finalize())
 }
 
 /// One request for the rest of the file; `Ok` when the body ended cleanly.
@@ -280,6 +301,19 @@ mod tests {
         let bar = progress_bar(true, "model-00001-of-00042.safetensors.extra-long-name", 10);
         assert_eq!(bar.length(), Some(10));
         assert!(bar.message().starts_with("..") && bar.message().chars().count() == 32);
+    }
+
+    #[test]
+    fn git_blob_sha1_matches_git_hash_object() {
+        // `git hash-object` of an empty file and of "hello\n".
+        assert_eq!(
+            git_blob_sha1(b""),
+            "e69de29bb2d1d6434b8b29ae775ad8c2e48c5391"
+        );
+        assert_eq!(
+            git_blob_sha1(b"hello\n"),
+            "ce013625030ba8dba906f756967f9e9ca394464a"
+        );
     }
 
     #[test]

@@ -127,6 +127,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The git blob hash of `bytes`, the ETag the hub gives files kept in git.
+pub fn git_blob_sha1(bytes: &[u8]) -> String {
+    use sha1::{Digest as _, Sha1};
+    let mut h = Sha1::new();
+    h.update(format!("blob {}\0", bytes.len()).as_bytes());
+    h.update(bytes);
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
 pub fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
         .iter()
@@ -393,7 +402,7 @@ fn route(state: &State, base: &str, req: &Seen) -> Reply {
     }
     body_reply(state, &file, bytes)
         .header("X-Repo-Commit", repo.commit.clone())
-        .header("ETag", format!("\"{}\"", &sha[..40]))
+        .header("ETag", format!("\"{}\"", git_blob_sha1(bytes)))
 }
 
 fn linked_size(state: &State, file: &str) -> Option<u64> {
