@@ -43,7 +43,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,nohead
 for phase in "$@"; do
   case $phase in
     check)
-      .device/cuda_kernels_test > "$OUT/cuda-kernels-test.txt" 2>&1; echo "cuda kernel tests exit $?"
+      CUDA_KERNELS_REQUIRE_GPU=1 .device/cuda_kernels_test --test-threads=1 --nocapture \
+        > "$OUT/cuda-kernels-test.txt" 2>&1; echo "cuda kernel tests exit $?"
       grep -E "FAIL|panicked" "$OUT/cuda-kernels-test.txt" | head -5
       grep -E "^test result" "$OUT/cuda-kernels-test.txt"
       tokens

@@ -52,7 +52,7 @@
 //!
 //! | feature | default | |
 //! |---|---|---|
-//! | `hub` | yes | Hugging Face hub downloads (hf-hub with rustls) |
+//! | `hub` | yes | Hugging Face hub downloads (ureq with rustls; resumable, verified, the cache shared with huggingface_hub) |
 //! | `cuda` | no | NVIDIA GPUs |
 //! | `metal` | no | Apple GPUs |
 

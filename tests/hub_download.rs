@@ -14,32 +14,10 @@ use std::sync::{Arc, Barrier};
 
 use candle_gemma::{CacheConfig, Model};
 use common::*;
-use hub_server::{sha256_hex, Fault, HubRepo, HubServer};
+use hub_server::{sha256_hex, Fault, HubRepo, HubServer, TempCache};
 
 const REPO: &str = "test-org/dense-sharded";
 const SHARD: &str = "model-00002-of-00003.safetensors";
-
-/// A fresh cache folder, removed on drop.
-struct TempCache(PathBuf);
-
-impl TempCache {
-    fn new(tag: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("cg-hubdl-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("temp cache");
-        Self(dir)
-    }
-
-    fn repo_dir(&self, repo: &str) -> PathBuf {
-        self.0.join(format!("models--{}", repo.replace('/', "--")))
-    }
-}
-
-impl Drop for TempCache {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn sharded() -> HubRepo {
     HubRepo::from_fixture(REPO, &fixture("dense-sharded"))

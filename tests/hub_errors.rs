@@ -13,28 +13,10 @@ use std::time::{Duration, Instant};
 use candle_gemma::hub::{resolve, HubOptions, ATTEMPTS};
 use candle_gemma::{Error, HubError};
 use common::fixture;
-use hub_server::{git_blob_sha1, sha256_hex, Fault, HubRepo, HubServer};
+use hub_server::{git_blob_sha1, sha256_hex, Fault, HubRepo, HubServer, TempCache};
 
 const REPO: &str = "test-org/dense-sharded";
 const SHARD: &str = "model-00002-of-00003.safetensors";
-
-/// A fresh cache folder, removed on drop.
-struct TempCache(PathBuf);
-
-impl TempCache {
-    fn new(tag: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("cg-huberr-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("temp cache");
-        Self(dir)
-    }
-}
-
-impl Drop for TempCache {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn sharded() -> HubRepo {
     HubRepo::from_fixture(REPO, &fixture("dense-sharded"))

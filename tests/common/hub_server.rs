@@ -19,13 +19,37 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
+
+/// A fresh hub cache folder for one test (named by the test's tag and the process), removed on
+/// drop.
+pub struct TempCache(pub PathBuf);
+
+impl TempCache {
+    pub fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("cg-hub-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp cache");
+        Self(dir)
+    }
+
+    /// The cache folder of `repo` (`models--org--name`).
+    pub fn repo_dir(&self, repo: &str) -> PathBuf {
+        self.0.join(format!("models--{}", repo.replace('/', "--")))
+    }
+}
+
+impl Drop for TempCache {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
 
 /// One repo the server hosts, at one commit.
 #[derive(Clone)]
