@@ -36,7 +36,7 @@
 use std::collections::VecDeque;
 
 use super::budget::kv_bytes_for;
-use super::prefix_stub::{LayoutKey, PrefixStore};
+use super::prefix::{LayoutKey, PrefixStore};
 use super::request::{EngineStats, Event, RequestId, SubmitError, Usage};
 use crate::error::{Error, Result};
 use crate::generate::{BatchSession, GenOptions, SeqId};
@@ -296,9 +296,8 @@ impl<'m> Scheduler<'m> {
         }
         let finished = self.session.take_finished();
         if let Some(store) = self.prefix.as_mut() {
-            let dtype = self.model.dtype();
             for f in finished {
-                let layout = LayoutKey::new(&f.options.cache, dtype);
+                let layout = LayoutKey::for_model(self.model, &f.options.cache);
                 // A store that cannot take an entry only loses a future reuse.
                 let _ = store.insert(f.tokens, layout, f.cache);
             }
@@ -317,7 +316,7 @@ impl<'m> Scheduler<'m> {
             let Some(q) = self.queue.pop_front() else {
                 break;
             };
-            let layout = LayoutKey::new(&q.options.cache, self.model.dtype());
+            let layout = LayoutKey::for_model(self.model, &q.options.cache);
             let prefix = match self.prefix.as_mut() {
                 // A failed lookup is a miss.
                 Some(store) => store.lookup(&q.prompt, &layout).unwrap_or(None),
