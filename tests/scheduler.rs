@@ -479,3 +479,44 @@ fn turn_two_of_a_chat_reuses_turn_one_in_its_own_layout_only() {
     let (_, cached, _) = run_one(&mut s, turn2, greedy(quantized(QuantBits::Eight), 4));
     assert!(cached > 0, "the 8-bit request does");
 }
+
+#[test]
+fn engine_refuses_beyond_the_queue_bound_and_fails_pending_requests_on_shutdown() {
+    let model = Arc::new(load("e2b-hf"));
+    let prompt = golden("e2b-hf").remove(0).prompt;
+    let engine = Engine::start(
+        model,
+        SchedulerConfig {
+            max_batch: 1,
+            max_queue: 1,
+            ..config()
+        },
+    )
+    .expect("engine");
+    let (tx, rx) = mpsc::channel();
+    let mut outcomes = Vec::new();
+    for _ in 0..3 {
+        let tx = tx.clone();
+        outcomes.push(engine.submit(
+            prompt.clone(),
+            greedy(CacheConfig::default(), 2000),
+            Box::new(move |e| tx.send(e).is_ok()),
+        ));
+    }
+    drop(tx);
+    // One runs, at most one waits: the third is refused whatever the worker did meanwhile.
+    assert!(outcomes[0].is_ok());
+    assert!(matches!(
+        outcomes[2],
+        Err(SubmitError::QueueFull { retry_after_secs }) if retry_after_secs > 0
+    ));
+    assert!(engine.stats().queued <= 1);
+    engine.shutdown();
+    let failed = rx.iter().filter(|e| matches!(e, Event::Failed(_))).count();
+    let accepted = outcomes.iter().filter(|o| o.is_ok()).count();
+    assert_eq!(
+        failed, accepted,
+        "every accepted request hears of the shutdown"
+    );
+    assert_eq!(engine.stats().queued, 0);
+}
