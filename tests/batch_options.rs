@@ -178,7 +178,8 @@ fn per_sequence_sampling_stops_and_eos_equal_single_decode() {
         ),
         (prompts[1].clone(), greedy(lay[2].1, 3)),
     ];
-    if !stop.trim().is_empty() {
+    let with_stop = !stop.trim().is_empty();
+    if with_stop {
         jobs.push((
             prompts[0].clone(),
             GenOptions {
@@ -196,6 +197,12 @@ fn per_sequence_sampling_stops_and_eos_equal_single_decode() {
     assert!(
         matches!(want[4].2, FinishReason::Eos(t) if t == g_tokens[2]),
         "the extra EOS ends the reference"
+    );
+    assert!(with_stop, "greedy text {g_text:?} has a stop string to cut");
+    assert_eq!(
+        want[6].2,
+        FinishReason::Stop(0),
+        "the stop string ends the reference"
     );
     let mut session = BatchSession::new(&model, GenOptions::default());
     session.set_prefill_chunk(8);
