@@ -281,32 +281,114 @@ fn eviction_keeps_bytes_under_the_budget_least_recently_used_first() {
 }
 
 #[test]
-fn an_extended_state_replaces_the_one_it_covers() {
+fn an_extended_state_replaces_the_one_it_covers_or_keeps_its_rings() {
     let model = load("e2b-hf");
     let prompt = &golden("e2b-hf")[1].prompt; // 19 tokens
     let longer: Vec<u32> = prompt.iter().copied().chain([40, 41, 42]).collect();
     for cfg in [simple(), CacheConfig::default()] {
         let layout = LayoutKey::for_model(&model, &cfg);
         let mut store = PrefixStore::new(1 << 30);
-        store
-            .insert(prompt.clone(), layout, prefilled(&model, &cfg, prompt))
-            .unwrap();
-        store
-            .insert(longer.clone(), layout, prefilled(&model, &cfg, &longer))
-            .unwrap();
-        // A growing cache cuts back anywhere: one entry serves both. A wrapped ring cannot be
-        // cut back 3 tokens: both stay.
-        let want = if cfg.mode == CacheMode::Simple { 1 } else { 2 };
-        assert_eq!(store.len(), want, "{:?}", cfg.mode);
-        let total: usize = store.bytes();
+        let short_state = prefilled(&model, &cfg, prompt);
+        let short_bytes = short_state.memory_bytes();
+        store.insert(prompt.clone(), layout, short_state).unwrap();
+        let long_state = prefilled(&model, &cfg, &longer);
+        let long_bytes = long_state.memory_bytes();
+        store.insert(longer.clone(), layout, long_state).unwrap();
+        // One entry either way: a growing cache cuts back anywhere, so the shorter state goes;
+        // a wrapped ring cannot be cut back 3 tokens, so the shorter state's rings stay as a
+        // checkpoint (less than the whole state: its full-attention layers are dropped).
+        assert_eq!(store.len(), 1, "{:?}", cfg.mode);
+        let total = store.bytes();
+        if cfg.mode == CacheMode::Simple {
+            assert_eq!(total, long_bytes);
+        } else {
+            assert!(total > long_bytes && total < long_bytes + short_bytes);
+        }
         // Re-inserting a covered prefix adds nothing.
         store
             .insert(prompt.clone(), layout, prefilled(&model, &cfg, prompt))
             .unwrap();
-        assert_eq!((store.len(), store.bytes()), (want, total));
-        let q: Vec<u32> = prompt.iter().copied().chain([99]).collect();
-        let (_, held) = store.lookup(&q, &layout).unwrap().unwrap();
-        assert_eq!(held, prompt.len());
+        assert_eq!((store.len(), store.bytes()), (1, total));
+        let q: Vec<u32> = prompt.iter().copied().chain([99, 98]).collect();
+        let got = continued(
+            &model,
+            &mut store,
+            &layout,
+            &q,
+            prompt.len(),
+            8,
+            "checkpoint",
+        );
+        assert_eq!(got, fresh(&model, &cfg, &q, 8), "{:?}", cfg.mode);
+    }
+}
+
+/// Prefills `prompt`, inserts that state, decodes 6 tokens and inserts the final state (in
+/// `prompt_first` order or the reverse); returns the 6 answer tokens.
+fn chat_turn(
+    model: &Model,
+    cfg: &CacheConfig,
+    store: &mut PrefixStore,
+    prompt: &[u32],
+    prompt_first: bool,
+) -> Vec<u32> {
+    let layout = LayoutKey::for_model(model, cfg);
+    let mut cache = model.new_cache(cfg).expect("cache");
+    let mut answer = vec![argmax(&step(model, &mut cache, prompt))];
+    let prompt_state = cache.deep_clone().expect("copy");
+    for _ in 0..5 {
+        let last = answer[answer.len() - 1];
+        answer.push(argmax(&step(model, &mut cache, &[last])));
+    }
+    let held: Vec<u32> = prompt.iter().chain(&answer[..5]).copied().collect();
+    let mut states = vec![(prompt.to_vec(), prompt_state), (held, cache)];
+    if !prompt_first {
+        states.reverse();
+    }
+    for (tokens, state) in states {
+        store.insert(tokens, layout, state).expect("insert");
+    }
+    answer
+}
+
+#[test]
+fn a_prompt_checkpoint_serves_a_next_turn_that_rewrites_the_answer() {
+    for name in ["e2b-hf", "e4b-text"] {
+        let model = load(name);
+        let prompt = &golden(name)[1].prompt; // 19 tokens: every ring has wrapped
+        for (label, cfg) in modes() {
+            for prompt_first in [true, false] {
+                let label = format!("{name} {label} prompt first: {prompt_first}");
+                let layout = LayoutKey::for_model(&model, &cfg);
+                let mut store = PrefixStore::new(1 << 30);
+                let answer = chat_turn(&model, &cfg, &mut store, prompt, prompt_first);
+                assert_eq!(store.len(), 1, "{label}");
+
+                // The next turn's template renders the answer otherwise (thinking dropped):
+                // the prompt's checkpoint serves its 19 tokens.
+                let other = if answer[0] == 300 { 301 } else { 300 };
+                let turn2: Vec<u32> = prompt.iter().copied().chain([other, 302, 303]).collect();
+                let got = continued(&model, &mut store, &layout, &turn2, prompt.len(), 8, &label);
+                assert_eq!(
+                    got,
+                    fresh(&model, &cfg, &turn2, 8),
+                    "{label}: rewritten answer"
+                );
+
+                // Rendered as generated: the whole finished state serves.
+                let turn2: Vec<u32> = prompt.iter().chain(&answer).copied().chain([7]).collect();
+                let got = continued(
+                    &model,
+                    &mut store,
+                    &layout,
+                    &turn2,
+                    prompt.len() + 5,
+                    8,
+                    &label,
+                );
+                assert_eq!(got, fresh(&model, &cfg, &turn2, 8), "{label}: same answer");
+            }
+        }
     }
 }
 
