@@ -323,27 +323,47 @@ fn an_extended_state_replaces_the_one_it_covers_or_keeps_its_rings() {
     }
 }
 
-/// Prefills `prompt`, inserts that state, decodes 6 tokens and inserts the final state (in
-/// `prompt_first` order or the reverse); returns the 6 answer tokens.
+/// How a chat turn hands its prompt's state to the store.
+#[derive(Debug, Clone, Copy)]
+enum Keep {
+    /// A deep copy inserted after the prefill, then the final state.
+    InsertPromptFirst,
+    /// The final state, then the prompt's copy.
+    InsertFinalFirst,
+    /// `PrefixStore::checkpoint` after the prefill, then the final state.
+    Checkpoint,
+}
+
+/// Prefills `prompt`, keeps that state as `keep` says, decodes 6 tokens and inserts the final
+/// state; returns the 6 answer tokens.
 fn chat_turn(
     model: &Model,
     cfg: &CacheConfig,
     store: &mut PrefixStore,
     prompt: &[u32],
-    prompt_first: bool,
+    keep: Keep,
 ) -> Vec<u32> {
     let layout = LayoutKey::for_model(model, cfg);
     let mut cache = model.new_cache(cfg).expect("cache");
     let mut answer = vec![argmax(&step(model, &mut cache, prompt))];
     let prompt_state = cache.deep_clone().expect("copy");
+    if let Keep::Checkpoint = keep {
+        store
+            .checkpoint(prompt, &layout, &cache)
+            .expect("checkpoint");
+    }
     for _ in 0..5 {
         let last = answer[answer.len() - 1];
         answer.push(argmax(&step(model, &mut cache, &[last])));
     }
     let held: Vec<u32> = prompt.iter().chain(&answer[..5]).copied().collect();
     let mut states = vec![(prompt.to_vec(), prompt_state), (held, cache)];
-    if !prompt_first {
-        states.reverse();
+    match keep {
+        Keep::InsertPromptFirst => {}
+        Keep::InsertFinalFirst => states.reverse(),
+        Keep::Checkpoint => {
+            states.remove(0);
+        }
     }
     for (tokens, state) in states {
         store.insert(tokens, layout, state).expect("insert");
@@ -357,11 +377,15 @@ fn a_prompt_checkpoint_serves_a_next_turn_that_rewrites_the_answer() {
         let model = load(name);
         let prompt = &golden(name)[1].prompt; // 19 tokens: every ring has wrapped
         for (label, cfg) in modes() {
-            for prompt_first in [true, false] {
-                let label = format!("{name} {label} prompt first: {prompt_first}");
+            for keep in [
+                Keep::InsertPromptFirst,
+                Keep::InsertFinalFirst,
+                Keep::Checkpoint,
+            ] {
+                let label = format!("{name} {label} {keep:?}");
                 let layout = LayoutKey::for_model(&model, &cfg);
                 let mut store = PrefixStore::new(1 << 30);
-                let answer = chat_turn(&model, &cfg, &mut store, prompt, prompt_first);
+                let answer = chat_turn(&model, &cfg, &mut store, prompt, keep);
                 assert_eq!(store.len(), 1, "{label}");
 
                 // The next turn's template renders the answer otherwise (thinking dropped):
@@ -417,4 +441,53 @@ fn a_match_never_covers_the_whole_prompt() {
     let extended: Vec<u32> = tokens.iter().copied().chain([1]).collect();
     let (_, held) = store.lookup(&extended, &layout).unwrap().unwrap();
     assert_eq!(held, tokens.len());
+}
+
+#[test]
+fn a_waiting_checkpoint_counts_in_the_budget_and_joins_its_entry() {
+    let model = load("e2b-hf");
+    let prompt = &golden("e2b-hf")[1].prompt; // 19 tokens
+    let cfg = CacheConfig::default();
+    let layout = LayoutKey::for_model(&model, &cfg);
+    let state = prefilled(&model, &cfg, prompt);
+
+    // Only the rings are copied, and they wait without serving.
+    let mut store = PrefixStore::new(1 << 30);
+    store.checkpoint(prompt, &layout, &state).unwrap();
+    let rings = store.bytes();
+    assert!(rings > 0 && rings < state.memory_bytes());
+    assert!(store.is_empty());
+    let q: Vec<u32> = prompt.iter().copied().chain([5]).collect();
+    assert!(store.lookup(&q, &layout).unwrap().is_none());
+    // Another layout's state of the same tokens does not adopt it.
+    let dense = simple();
+    let dense_key = LayoutKey::for_model(&model, &dense);
+    let longer: Vec<u32> = q.iter().copied().chain([6, 7]).collect();
+    store
+        .insert(
+            longer.clone(),
+            dense_key,
+            prefilled(&model, &dense, &longer),
+        )
+        .unwrap();
+    let q2: Vec<u32> = prompt.iter().copied().chain([9, 9]).collect();
+    let (_, held) = store.lookup(&q2, &dense_key).unwrap().unwrap();
+    assert_eq!(held, prompt.len());
+    assert!(store.lookup(&q2, &layout).unwrap().is_none());
+    // Its own layout's state along the tokens does.
+    store
+        .insert(longer.clone(), layout, prefilled(&model, &cfg, &longer))
+        .unwrap();
+    let got = continued(&model, &mut store, &layout, &q2, prompt.len(), 8, "adopted");
+    assert_eq!(got, fresh(&model, &cfg, &q2, 8));
+
+    // A budget below the rings keeps nothing; a dense cache has no rings to keep.
+    let mut small = PrefixStore::new(rings - 1);
+    small.checkpoint(prompt, &layout, &state).unwrap();
+    assert_eq!(small.bytes(), 0);
+    let mut store = PrefixStore::new(1 << 30);
+    store
+        .checkpoint(prompt, &dense_key, &prefilled(&model, &dense, prompt))
+        .unwrap();
+    assert_eq!(store.bytes(), 0);
 }

@@ -32,13 +32,15 @@
 //! back, serve in their place). A match of `m` tokens is then served by the entry's growing
 //! layers cut to `m` and a checkpoint's rings cut to `m`, from the checkpoint that allows the
 //! longest match. The store cannot make checkpoints itself (a wrapped ring has lost the earlier
-//! keys); it keeps those it is given:
+//! keys); it keeps those it is given, by [`PrefixStore::insert`] or, copying only the rings, by
+//! [`PrefixStore::checkpoint`] (say, a prompt's state right after its prefill, which waits for
+//! the request's final state to be inserted):
 //!
 //! - **Multi-turn chat**: the next turn's prompt extends a finished request's tokens; when its
 //!   template re-renders the answer identically the whole entry is reused, with any layout and
-//!   length. When it differs inside the answer (thinking dropped from history, say), the
-//!   prompt's state inserted right after its prefill (a checkpoint of the finished state) still
-//!   serves the previous prompt. A scheduler that inserts both gets both.
+//!   length. When it differs inside the answer (thinking dropped from history, say), a
+//!   checkpoint of the previous prompt still serves that prompt. A scheduler that checkpoints
+//!   each prompt after its prefill and inserts each finished state gets both.
 //! - **A shared system prompt**: served from any entry that has not outgrown the window since
 //!   the divergence point, from any entry of [`CacheMode::Simple`], and from a checkpoint at or
 //!   below the divergence point; a rotating or quantized layout with none of these prefills it
@@ -50,8 +52,8 @@
 //!
 //! Entries are charged their [`ModelCache::memory_bytes`] (allocated storage). After an insert,
 //! least recently used entries (a lookup hit or an insert counts as a use) are evicted until the
-//! total fits the budget, with their checkpoints; an entry larger than the whole budget is not
-//! kept. An insert that extends an entry which it can be cut back to replaces that entry, and
+//! total fits the budget, with their checkpoints (checkpoints still waiting for their entry are
+//! evicted the same way); an entry larger than the whole budget is not kept. An insert that extends an entry which it can be cut back to replaces that entry, and
 //! one that such an entry already covers only refreshes it, so a conversation holds one entry
 //! (plus ring checkpoints), not one per turn.
 
@@ -200,6 +202,15 @@ struct Checkpoint {
     bytes: usize,
 }
 
+/// A checkpoint waiting for an entry along its tokens (see [`PrefixStore::checkpoint`]).
+#[derive(Debug)]
+struct Pending {
+    tokens: Vec<u32>,
+    layout: LayoutKey,
+    checkpoint: Checkpoint,
+    used: u64,
+}
+
 /// How far a state of `len` tokens can be cut back: to any length in `floor..=len`.
 #[derive(Debug, Clone, Copy)]
 struct Reach {
@@ -238,11 +249,28 @@ fn layer_bytes<'a>(layers: impl Iterator<Item = &'a LayerCache>) -> usize {
 impl Checkpoint {
     /// The ring layers of `cache` (holding `len` tokens); its other layers are dropped.
     fn of(cache: ModelCache, len: usize) -> Self {
-        let rings: Vec<Option<LayerCache>> = cache
+        let rings = cache
             .layers
             .into_iter()
             .map(|c| c.filter(is_ring))
             .collect();
+        Self::from_rings(rings, len)
+    }
+
+    /// Deep copies of the ring layers of `cache` (holding `len` tokens).
+    fn copy_of(cache: &ModelCache, len: usize) -> std::result::Result<Self, CacheError> {
+        let rings = cache
+            .layers
+            .iter()
+            .map(|c| match c {
+                Some(c) if is_ring(c) => c.deep_clone().map(Some),
+                _ => Ok(None),
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(Self::from_rings(rings, len))
+    }
+
+    fn from_rings(rings: Vec<Option<LayerCache>>, len: usize) -> Self {
         let floor = floor(rings.iter().flatten(), len);
         let bytes = layer_bytes(rings.iter().flatten());
         Self {
@@ -304,9 +332,11 @@ impl Entry {
         Ok(ModelCache { layers })
     }
 
-    /// Takes `ck` unless a checkpoint of that length is held already.
+    /// Takes `ck` when it reaches back further than the entry's own cache and no checkpoint of
+    /// that length is held already.
     fn add_checkpoint(&mut self, ck: Checkpoint) {
-        if ck.len < self.reach.len && self.checkpoints.iter().all(|c| c.len != ck.len) {
+        let useful = ck.len < self.reach.len && ck.floor < self.reach.floor;
+        if useful && self.checkpoints.iter().all(|c| c.len != ck.len) {
             self.bytes += ck.bytes;
             self.checkpoints.push(ck);
         }
@@ -344,6 +374,8 @@ impl Entry {
 pub struct PrefixStore {
     budget: usize,
     entries: Vec<Entry>,
+    /// Checkpoints that no entry extends yet.
+    pending: Vec<Pending>,
     bytes: usize,
     tick: u64,
 }
@@ -354,6 +386,7 @@ impl PrefixStore {
         Self {
             budget: budget_bytes,
             entries: Vec::new(),
+            pending: Vec::new(),
             bytes: 0,
             tick: 0,
         }
@@ -416,23 +449,7 @@ impl PrefixStore {
     /// [`CacheError::Batched`] for a batched cache; [`CacheError::Mismatch`] when the cache
     /// holds another number of tokens than `tokens.len()` or was not built with `layout`.
     pub fn insert(&mut self, tokens: Vec<u32>, layout: LayoutKey, cache: ModelCache) -> Result<()> {
-        if cache.is_batched() {
-            return Err(CacheError::Batched {
-                what: "keeping a prefix state",
-                batch: cache.batch_size(),
-            }
-            .into());
-        }
-        let held = cache.offsets();
-        if held != [tokens.len()] {
-            return Err(CacheError::Mismatch {
-                field: "cached token count".into(),
-                saved: format!("{held:?}"),
-                requested: tokens.len().to_string(),
-            }
-            .into());
-        }
-        layout.check(&cache)?;
+        validate(&tokens, &layout, &cache)?;
         if tokens.is_empty() {
             return Ok(());
         }
@@ -481,9 +498,19 @@ impl PrefixStore {
             for ck in old.checkpoints {
                 entry.add_checkpoint(ck);
             }
-            if old.reach.floor < reach.floor {
-                entry.add_checkpoint(Checkpoint::of(old.cache, old.reach.len));
+            entry.add_checkpoint(Checkpoint::of(old.cache, old.reach.len));
+        }
+        // Pending checkpoints along the new entry's tokens join it.
+        let mut i = 0;
+        while i < self.pending.len() {
+            let p = &self.pending[i];
+            if p.layout != layout || !is_prefix(&p.tokens, &entry.tokens) {
+                i += 1;
+                continue;
             }
+            let p = self.pending.swap_remove(i);
+            self.bytes -= p.checkpoint.bytes;
+            entry.add_checkpoint(p.checkpoint);
         }
         self.bytes += entry.bytes;
         self.entries.push(entry);
@@ -491,12 +518,71 @@ impl PrefixStore {
         Ok(())
     }
 
-    /// Bytes of K/V held by every entry (checkpoints included).
+    /// Keeps deep copies of the ring layers of `cache`, which holds the K/V of `tokens`, as a
+    /// checkpoint for a later state along the same tokens: typically a prompt's state right
+    /// after its prefill, before the request's final state is inserted. Only the sliding
+    /// layers' rings (at most W tokens each) are copied, so this is cheaper than inserting a
+    /// deep copy of the whole state. Until an entry whose tokens extend `tokens` is inserted,
+    /// the checkpoint serves nothing; it counts in [`PrefixStore::bytes`] and is evicted like
+    /// an entry. Nothing is kept for a cache without rings (growing caches cut anywhere) or
+    /// when an entry already reaches back to `tokens`.
+    ///
+    /// # Errors
+    /// As [`PrefixStore::insert`]; candle errors while copying.
+    pub fn checkpoint(
+        &mut self,
+        tokens: &[u32],
+        layout: &LayoutKey,
+        cache: &ModelCache,
+    ) -> Result<()> {
+        validate(tokens, layout, cache)?;
+        let n = tokens.len();
+        if n == 0 || !cache.layers.iter().flatten().any(is_ring) {
+            return Ok(());
+        }
+        self.tick += 1;
+        let along = self
+            .entries
+            .iter()
+            .position(|e| e.layout == *layout && is_prefix(tokens, &e.tokens));
+        if let Some(i) = along {
+            let e = &mut self.entries[i];
+            e.used = self.tick;
+            let rings = cache.layers.iter().flatten().filter(|c| is_ring(c));
+            if floor(rings, n) < e.reach.floor {
+                let before = e.bytes;
+                e.add_checkpoint(Checkpoint::copy_of(cache, n)?);
+                self.bytes += e.bytes - before;
+                self.evict();
+            }
+            return Ok(());
+        }
+        if let Some(p) = self
+            .pending
+            .iter_mut()
+            .find(|p| p.layout == *layout && p.tokens == tokens)
+        {
+            p.used = self.tick;
+            return Ok(());
+        }
+        let checkpoint = Checkpoint::copy_of(cache, n)?;
+        self.bytes += checkpoint.bytes;
+        self.pending.push(Pending {
+            tokens: tokens.to_vec(),
+            layout: *layout,
+            checkpoint,
+            used: self.tick,
+        });
+        self.evict();
+        Ok(())
+    }
+
+    /// Bytes of K/V held by every entry and checkpoint.
     pub fn bytes(&self) -> usize {
         self.bytes
     }
 
-    /// Entries held (checkpoints are part of their entry).
+    /// Entries held (checkpoints are not counted).
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -506,26 +592,57 @@ impl PrefixStore {
         self.entries.is_empty()
     }
 
-    /// Drops every entry.
+    /// Drops every entry and pending checkpoint.
     pub fn clear(&mut self) {
         self.entries.clear();
+        self.pending.clear();
         self.bytes = 0;
     }
 
-    /// Evicts least recently used entries until the total fits the budget.
+    /// Evicts least recently used entries and pending checkpoints until the total fits the
+    /// budget.
     fn evict(&mut self) {
         while self.bytes > self.budget {
-            let oldest = self
-                .entries
-                .iter()
-                .enumerate()
-                .min_by_key(|(_, e)| e.used)
-                .map(|(i, _)| i);
-            let Some(i) = oldest else { break };
-            let e = self.entries.swap_remove(i);
-            self.bytes -= e.bytes;
+            let entry = self.entries.iter().enumerate().min_by_key(|(_, e)| e.used);
+            let pending = self.pending.iter().enumerate().min_by_key(|(_, p)| p.used);
+            match (entry, pending) {
+                (Some((_, e)), Some((j, p))) if p.used < e.used => {
+                    let p = self.pending.swap_remove(j);
+                    self.bytes -= p.checkpoint.bytes;
+                }
+                (Some((i, _)), _) => {
+                    let e = self.entries.swap_remove(i);
+                    self.bytes -= e.bytes;
+                }
+                (None, Some((j, _))) => {
+                    let p = self.pending.swap_remove(j);
+                    self.bytes -= p.checkpoint.bytes;
+                }
+                (None, None) => break,
+            }
         }
     }
+}
+
+/// Checks that `cache` is a single-sequence state of `layout` holding `tokens.len()` tokens.
+fn validate(tokens: &[u32], layout: &LayoutKey, cache: &ModelCache) -> Result<()> {
+    if cache.is_batched() {
+        return Err(CacheError::Batched {
+            what: "keeping a prefix state",
+            batch: cache.batch_size(),
+        }
+        .into());
+    }
+    let held = cache.offsets();
+    if held != [tokens.len()] {
+        return Err(CacheError::Mismatch {
+            field: "cached token count".into(),
+            saved: format!("{held:?}"),
+            requested: tokens.len().to_string(),
+        }
+        .into());
+    }
+    Ok(layout.check(cache)?)
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
