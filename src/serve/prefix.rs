@@ -443,7 +443,8 @@ impl PrefixStore {
     /// A state along an entry's tokens is merged with it: one that the entry can be cut back to
     /// only refreshes the entry, one that extends the entry and can be cut back to it replaces
     /// it, and otherwise the shorter state's ring layers stay as a checkpoint of the longer
-    /// one (its growing layers are dropped: the longer state's cut back serve).
+    /// one (its growing layers are dropped: the longer state's growing layers, cut back, serve
+    /// in their place).
     ///
     /// # Errors
     /// [`CacheError::Batched`] for a batched cache; [`CacheError::Mismatch`] when the cache
