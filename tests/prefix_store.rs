@@ -1,8 +1,9 @@
 //! The prefix store on the tiny Gemma 4 fixtures (sliding window 8): a decode continued from a
 //! looked-up prefix gives exactly the tokens of a full prefill (dense, rotating, 8- and 4-bit
-//! layouts, prompts longer than the window, a conversation's next turn and a shared prefix);
-//! layouts never share states; eviction keeps the bytes under the budget, least recently used
-//! first; a match never covers the whole prompt.
+//! layouts, prompts longer than the window, a conversation's next turn and a shared prefix, and
+//! from ring checkpoints where a wrapped ring cannot be cut back); layouts never share states;
+//! eviction keeps the bytes under the budget, least recently used first; a match never covers
+//! the whole prompt.
 
 mod common;
 
