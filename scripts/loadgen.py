@@ -25,6 +25,7 @@ import argparse
 import http.client
 import http.server
 import json
+import math
 import queue
 import random
 import socketserver
@@ -39,7 +40,7 @@ def percentile(values, p):
     if not values:
         return None
     s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(p / 100.0 * len(s) + 0.5)) - 1))
+    k = max(0, min(len(s) - 1, math.ceil(p / 100.0 * len(s)) - 1))
     return s[k]
 
 
