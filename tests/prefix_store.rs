@@ -492,3 +492,72 @@ fn a_waiting_checkpoint_counts_in_the_budget_and_joins_its_entry() {
         .unwrap();
     assert_eq!(store.bytes(), 0);
 }
+
+/// A small deterministic generator (no extra dependency).
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 33) as usize) % n
+    }
+}
+
+#[test]
+fn random_inserts_checkpoints_and_lookups_serve_correct_states_within_budget() {
+    let model = load("e2b-hf");
+    let base = &golden("e2b-hf")[1].prompt; // 19 tokens
+    for (label, cfg) in modes() {
+        let layout = LayoutKey::for_model(&model, &cfg);
+        let budget = 4 * prefilled(&model, &cfg, base).memory_bytes();
+        let mut store = PrefixStore::new(budget);
+        let mut rng = Lcg(7);
+        let mut kept: Vec<Vec<u32>> = Vec::new();
+        let mut hits = 0;
+        for op in 0..80 {
+            // Prompts share prefixes of `base` and diverge over a small alphabet.
+            let mut tokens = base[..3 + rng.below(17)].to_vec();
+            tokens.extend((0..rng.below(6)).map(|_| 40 + rng.below(3) as u32));
+            match rng.below(3) {
+                0 => {
+                    let state = prefilled(&model, &cfg, &tokens);
+                    store.insert(tokens.clone(), layout, state).unwrap();
+                    kept.push(tokens);
+                }
+                1 => {
+                    let state = prefilled(&model, &cfg, &tokens);
+                    store.checkpoint(&tokens, &layout, &state).unwrap();
+                }
+                _ => {
+                    let Some((mut cache, held)) = store.lookup(&tokens, &layout).unwrap() else {
+                        continue;
+                    };
+                    hits += 1;
+                    let label = format!("{label} op {op}");
+                    assert!(held < tokens.len(), "{label}");
+                    assert_eq!(cache.offsets(), vec![held], "{label}");
+                    let shared = kept
+                        .iter()
+                        .map(|k| k.iter().zip(&tokens).take_while(|(a, b)| a == b).count())
+                        .max()
+                        .unwrap_or(0);
+                    assert!(
+                        held <= shared,
+                        "{label}: {held} tokens reused, {shared} shared"
+                    );
+                    let got = step(&model, &mut cache, &tokens[held..]);
+                    let want = step(&model, &mut model.new_cache(&cfg).unwrap(), &tokens);
+                    let diff = logprob_diff(&got, &want);
+                    assert!(diff < 2e-3, "{label}: reused state off by {diff}");
+                }
+            }
+            assert!(store.bytes() <= budget, "{label} op {op}");
+        }
+        assert!(hits > 0, "{label}: no lookup hit");
+        store.clear();
+        assert_eq!((store.len(), store.bytes()), (0, 0));
+    }
+}
