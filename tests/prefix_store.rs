@@ -506,6 +506,19 @@ impl Lcg {
     }
 }
 
+/// How far the log-probs after a reused state may be from a fresh prefill's. Dense caches: a
+/// few f32 ulps of summation order (the goldens' tolerance). Quantized caches re-round every new
+/// key: another summation order (a cut ring's keys are gathered in position order, a fresh
+/// ring's are not) can move a new token's K/V across a rounding boundary, one code step, which
+/// moves a tiny random model's log-probs by a few hundredths. A wrong state moves them by whole
+/// units.
+fn tolerance(cfg: &CacheConfig) -> f64 {
+    match cfg.mode {
+        CacheMode::Quantized(_) => 0.1,
+        _ => 2e-3,
+    }
+}
+
 #[test]
 fn random_inserts_checkpoints_and_lookups_serve_correct_states_within_budget() {
     let model = load("e2b-hf");
@@ -551,7 +564,10 @@ fn random_inserts_checkpoints_and_lookups_serve_correct_states_within_budget() {
                     let got = step(&model, &mut cache, &tokens[held..]);
                     let want = step(&model, &mut model.new_cache(&cfg).unwrap(), &tokens);
                     let diff = logprob_diff(&got, &want);
-                    assert!(diff < 2e-3, "{label}: reused state off by {diff}");
+                    assert!(
+                        diff < tolerance(&cfg),
+                        "{label}: reused state off by {diff}"
+                    );
                 }
             }
             assert!(store.bytes() <= budget, "{label} op {op}");
