@@ -50,12 +50,13 @@
 //!
 //! # Memory
 //!
-//! Entries are charged their [`ModelCache::memory_bytes`] (allocated storage). After an insert,
-//! least recently used entries (a lookup hit or an insert counts as a use) are evicted until the
-//! total fits the budget, with their checkpoints (checkpoints still waiting for their entry are
-//! evicted the same way); an entry larger than the whole budget is not kept. An insert that extends an entry which it can be cut back to replaces that entry, and
-//! one that such an entry already covers only refreshes it, so a conversation holds one entry
-//! (plus ring checkpoints), not one per turn.
+//! Entries are charged their [`ModelCache::memory_bytes`] (allocated storage), checkpoints
+//! their rings'. After an insert, least recently used entries (a lookup hit or an insert counts
+//! as a use) are evicted with their checkpoints until the total fits the budget; checkpoints
+//! still waiting for their entry are evicted the same way, and an entry larger than the whole
+//! budget is not kept. An insert that extends an entry which it can be cut back to replaces
+//! that entry, and one that such an entry already covers only refreshes it, so a conversation
+//! holds one entry (plus ring checkpoints), not one per turn.
 
 use candle_core::DType;
 
