@@ -92,6 +92,9 @@ pub struct PackedAffine {
     pub group_size: usize,
     /// Whether the tensors are complete on their device ([`PackedAffine::settled`]).
     settled: bool,
+    /// The same matrix as candle `Q4_1` blocks, where that mapping is exact
+    /// ([`PackedAffine::with_candle_q4_1`]); products and row gathers then use candle's kernels.
+    pub(crate) q4_1: Option<super::metal::q4_1::Q41Weight>,
 }
 
 fn packed_err(what: &'static str, reason: String) -> KernelError {
@@ -184,6 +187,7 @@ impl PackedAffine {
             bits: spec.bits,
             group_size: spec.group_size,
             settled: false,
+            q4_1: None,
         }
     }
 
@@ -251,6 +255,7 @@ impl PackedAffine {
             codes: self.codes.narrow(0, start, len)?,
             scales: self.scales.narrow(0, start, len)?,
             biases: self.biases.narrow(0, start, len)?,
+            q4_1: None,
             ..self.clone()
         })
     }
@@ -294,6 +299,7 @@ impl PackedAffine {
             scales: join(|p| &p.scales)?,
             biases: join(|p| &p.biases)?,
             settled: parts.iter().all(|p| p.settled),
+            q4_1: None,
             ..(*first).clone()
         }))
     }
@@ -303,10 +309,12 @@ impl PackedAffine {
     /// # Errors
     /// Candle errors.
     pub fn to_device(&self, device: &Device) -> Result<Self, KernelError> {
+        let same = self.codes.device().same_device(device);
         Ok(Self {
             codes: self.codes.to_device(device)?,
             scales: self.scales.to_device(device)?,
             biases: self.biases.to_device(device)?,
+            q4_1: if same { self.q4_1.clone() } else { None },
             ..self.clone()
         })
     }

@@ -95,6 +95,17 @@ std::map<std::string, Entry> kernels() {
     EMU_QW_T(f32, float)
     EMU_QW_T(f16, half)
     EMU_QW_T(bf16, bfloat)
+#define EMU_QUANT(TN, T, BITS)                                                                  \
+    k["quant_" #TN "_" #BITS] = [](const Call& c) {                                             \
+        quant_##TN##_##BITS(*at<QmatParams>(c, 0), at<T>(c, 1), at<uint>(c, 2), at<T>(c, 3),     \
+                            at<T>(c, 4), c.gid);                                                \
+    };
+    EMU_QUANT(f32, float, 4)
+    EMU_QUANT(f32, float, 8)
+    EMU_QUANT(f16, half, 4)
+    EMU_QUANT(f16, half, 8)
+    EMU_QUANT(bf16, bfloat, 4)
+    EMU_QUANT(bf16, bfloat, 8)
     return k;
 }
 

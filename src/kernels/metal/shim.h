@@ -20,6 +20,8 @@
 #define threadgroup
 #define thread
 #define QK_THREADGROUP static
+// The emulation compiles every kernel, the bf16 ones included (Metal 3.1).
+#define __METAL_VERSION__ 310
 namespace metal {
 typedef unsigned int uint;
 typedef unsigned long ulong;
@@ -77,8 +79,11 @@ inline float simd_sum(float x) {
     return s;
 }
 
+using std::clamp;
 using std::exp;
+using std::fabs;
 using std::fma;
 using std::max;
 using std::min;
+using std::rint;
 }  // namespace metal
