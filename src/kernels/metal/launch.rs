@@ -49,9 +49,15 @@ fn pipeline(dev: &MetalDevice, name: &str) -> Result<ComputePipeline, KernelErro
     let kernels = match loaded.entry(dev.id()) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
         std::collections::hash_map::Entry::Vacant(e) => {
+            // IEEE division and `exp` (no fast math): the quantize kernel's codes then equal
+            // the CPU's, and every kernel computes what the emulation computes up to fma
+            // contraction. `fastMathEnabled` exists on every macOS (`mathMode` only from 15).
+            let options = objc2_metal::MTLCompileOptions::new();
+            #[allow(deprecated)]
+            options.setFastMathEnabled(false);
             let library = dev
                 .device()
-                .new_library_with_source(super::SOURCE, None)
+                .new_library_with_source(super::SOURCE, Some(&options))
                 .map_err(|err| failed("the Metal compiler rejected the library", err))?;
             e.insert(DeviceKernels {
                 library,
