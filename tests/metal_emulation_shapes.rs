@@ -96,6 +96,16 @@ const PACKINGS: [(QuantBits, usize); 4] = [
 ];
 const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
 
+/// Largest error an output in `dtype` may show against the f32 reference (as in
+/// `metal_emulation.rs`): the rounding of values of magnitude up to ~2, plus f32 noise.
+fn tolerance(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => 2e-5,
+        DType::F16 => 2e-3,
+        _ => 1.6e-2,
+    }
+}
+
 fn random(dims: &[usize], std: f32, dtype: DType) -> Tensor {
     Tensor::randn(0f32, std, dims, &Device::Cpu)
         .and_then(|t| t.to_dtype(dtype))
@@ -137,9 +147,9 @@ fn emulate_quantize(emu: &Path, x: &Tensor, bits: QuantBits, group: usize) -> [T
     let out = job.run_many(
         emu,
         &[
-            ("c", DType::U32, &cd),
-            ("s", x.dtype(), &sd),
-            ("b", x.dtype(), &sd),
+            ("c", DType::U32, cd.as_slice()),
+            ("s", x.dtype(), sd.as_slice()),
+            ("b", x.dtype(), sd.as_slice()),
         ],
     );
     [out[0].clone(), out[1].clone(), out[2].clone()]
@@ -243,9 +253,11 @@ fn embedding_and_ple_row_gather_matches_the_cpu_at_every_models_table_width() {
             let want = qembedding(&idx, &table, dtype).expect("CPU gather");
             let got = emulate_gather(emu, &table, &ids, dtype);
             let err = max_abs_diff(&got, &want);
-            assert_eq!(
-                err, 0.0,
-                "{} table width {width}: gather differs",
+            // The kernel's fma against the reference's multiply-then-add: within rounding.
+            let tol = 0.1 * tolerance(dtype);
+            assert!(
+                err <= tol,
+                "{} table width {width}: gather off by {err}",
                 model.name
             );
             worst.push(err);
@@ -342,7 +354,7 @@ fn prefill_attention_over_packed_kv_matches_the_cpu_at_every_models_geometry() {
             };
             let got = attend(&q, &dense, &offset, Some(64), 1.0).expect("dense attention");
             let err = max_abs_diff(&got, &want);
-            let tol = if dtype == DType::F32 { 2e-5 } else { 1.6e-2 };
+            let tol = tolerance(dtype);
             assert!(
                 err <= tol,
                 "{} {kv_heads}x{head_dim} {dtype:?}: {err} > {tol}",
@@ -425,11 +437,7 @@ fn decode_attention_matches_the_cpu_at_every_models_head_geometry() {
                 .expect("CPU reference");
             let got = emulate_decode(emu, &q, &k, &v, &positions, &plan);
             let err = max_abs_diff(&got, &want);
-            let tol = match dtype {
-                DType::F32 => 2e-5,
-                DType::F16 => 2e-3,
-                _ => 1.6e-2,
-            };
+            let tol = tolerance(dtype);
             assert!(
                 err <= tol,
                 "{} {kv_heads}x{head_dim} {dtype:?}: {err} > {tol}",
@@ -487,12 +495,7 @@ fn weight_products_match_the_cpu_at_every_models_layer_widths() {
                 let err = max_abs_diff(&got, &want);
                 // Sums of `width` products of ~0.05: tolerance grows with sqrt(width).
                 let scale = (width as f32 / 256.0).sqrt();
-                let tol = scale
-                    * match dtype {
-                        DType::F32 => 4e-5,
-                        DType::F16 => 4e-3,
-                        _ => 3.2e-2,
-                    };
+                let tol = 2.0 * scale * tolerance(dtype);
                 assert!(
                     err <= tol,
                     "{} width {width} {dtype:?} {rows} rows: {err} > {tol}",
@@ -507,10 +510,10 @@ fn weight_products_match_the_cpu_at_every_models_layer_widths() {
             };
             assert_eq!(w.spec(), spec);
             let got = emulate_dequantize_view(emu, &w, dtype);
-            assert_eq!(
-                max_abs_diff(&got, &want),
-                0.0,
-                "{} width {width}: dequant",
+            let err = max_abs_diff(&got, &want);
+            assert!(
+                err <= 0.1 * tolerance(dtype),
+                "{} width {width}: dequant off by {err}",
                 model.name
             );
         }
