@@ -1,8 +1,12 @@
 //! MLX 4-bit weights as candle `Q4_1` blocks (`kernels::metal::q4_1`): every 4-bit matrix of
 //! the quantized fixtures maps exactly, candle's dequantization of the blocks equals the
-//! crate's MLX dequantization bit for bit, and the fixture goldens hold when the model's
-//! products and embedding gathers run through candle's quantized matmul on the CPU (the kernels
-//! that run them on Metal).
+//! crate's MLX dequantization bit for bit, and the fixture goldens hold, at golden.rs's
+//! tolerance, when the model's products (up to 8 rows) and embedding gathers run through the
+//! blocks on the CPU: candle's dequantization of them, and candle's `Q4_1` gather.
+//!
+//! candle's CPU quantized product itself is not used: it rounds each block of activations to
+//! 8 bits (`Q8_1`), which moves the first-step log-probs of `e2b-q4` by 1.78 (candle's Metal
+//! matrix-vector kernel, the one the crate uses on a Mac, takes f32 activations).
 //!
 //! The golden test installs a launch policy for this process (`candle_q4_1_on_cpu`), which is
 //! why it lives in its own test binary.
@@ -86,12 +90,11 @@ fn fixture_4bit_weights_map_to_q4_1_bit_for_bit() {
 }
 
 #[test]
-fn fixture_goldens_hold_through_candles_q4_1_matmul_on_the_cpu() {
+fn fixture_goldens_hold_through_the_q4_1_blocks_on_the_cpu() {
     let mut policy = LaunchPolicy::default();
     policy.candle_q4_1_on_cpu = true;
-    // Looser than golden.rs's 2e-3: candle's CPU product rounds each activation block to 8
-    // bits (Q8_1) before the dot product.
-    const LOGPROB_TOL: f64 = 2e-2;
+    // golden.rs's bound.
+    const LOGPROB_TOL: f64 = 2e-3;
     for name in ["e2b-q4", "moe-q4"] {
         let before = conversions();
         let model = Model::builder()

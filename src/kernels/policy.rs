@@ -33,10 +33,10 @@ pub struct LaunchPolicy {
     /// Use the crate's own Metal kernels for packed K/V and weights (on by default; off, packed
     /// products and K/V fall back to the dequantize-on-host path).
     pub metal_kernels: bool,
-    /// Run the products and row gathers of exactly-mapped 4-bit matrices through candle's
-    /// `Q4_1` kernels on the CPU too (always on Metal). Off by default: candle's CPU product
-    /// rounds the activations to 8 bits, the crate's reference does not. Tests turn it on to
-    /// check the mapping end to end.
+    /// Give exactly-mapped 4-bit matrices their candle `Q4_1` blocks on the CPU too (always on
+    /// Metal): products of up to 8 rows then multiply by candle's dequantization of the blocks,
+    /// and row gathers use candle's `Q4_1` gather. Off by default (the crate's reference is
+    /// faster there); tests turn it on to run the fixtures through the blocks end to end.
     #[doc(hidden)]
     pub candle_q4_1_on_cpu: bool,
 }

@@ -4,9 +4,12 @@
 //!
 //! [`qmatmul`] and [`qembedding`] dispatch on the device: the CPU runs the plain-Rust reference
 //! below (never a dense copy of `W`); CUDA runs a matrix-vector kernel for up to
-//! [`MATVEC_MAX_ROWS`] rows and dequantize-then-GEMM beyond; on Metal the Metal kernels run
-//! when [`super::policy::LaunchPolicy::metal_kernels`] is on, else the weight is dequantized
-//! per product.
+//! [`MATVEC_MAX_ROWS`] rows and dequantize-then-GEMM beyond. On Metal, a 4-bit matrix that
+//! maps exactly onto candle's `Q4_1` blocks ([`PackedAffine::with_candle_q4_1`]) takes
+//! candle's matrix-vector kernel for up to [`MATVEC_MAX_ROWS`] rows and its row gather; other
+//! products and gathers take the crate's Metal kernels when
+//! [`super::policy::LaunchPolicy::metal_kernels`] is on (`kernels::metal::route`), else the
+//! host.
 //!
 //! Per output element the reference computes, with `x` in f32:
 //! ```text
@@ -41,10 +44,10 @@ pub fn qmatmul(x: &Tensor, w: &PackedAffine) -> Result<Tensor, KernelError> {
     let rows = x.elem_count() / in_dim.max(1);
     let x2 = x.reshape((rows, in_dim))?;
     let y = match (&w.q4_1, x.device()) {
-        (Some(q), _) => q.matmul(&x2)?,
-        (None, Device::Cpu) => cpu_qmatmul(&x2, w)?,
+        (Some(q), _) if rows <= MATVEC_MAX_ROWS => q.matmul(&x2)?,
+        (_, Device::Cpu) => cpu_qmatmul(&x2, w)?,
         #[cfg(feature = "cuda")]
-        (None, Device::Cuda(_)) => {
+        (_, Device::Cuda(_)) => {
             if rows <= MATVEC_MAX_ROWS && rows > 0 {
                 super::cuda::matvec::qmatvec(
                     &x2,
@@ -61,7 +64,7 @@ pub fn qmatmul(x: &Tensor, w: &PackedAffine) -> Result<Tensor, KernelError> {
             }
         }
         #[cfg(feature = "metal")]
-        (None, Device::Metal(_)) => super::metal::qmatmul(&x2, w)?,
+        (_, Device::Metal(_)) => super::metal::qmatmul(&x2, w)?,
         #[allow(unreachable_patterns)]
         _ => {
             let dense = w.dequantize(x.dtype())?;

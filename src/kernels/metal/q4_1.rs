@@ -132,14 +132,27 @@ impl Q41Weight {
         Ok(self.qtensor.dequantize(&Device::Cpu)?)
     }
 
-    /// `x` `[rows, in]` · `Wᵀ` → `[rows, out]` in `x`'s dtype. candle's kernels take f32
-    /// activations: `x` is converted on its device and the product converted back.
+    /// `x` `[rows, in]` · `Wᵀ` → `[rows, out]` in `x`'s dtype, for a few rows (the caller
+    /// sends more than [`crate::kernels::qmatmul::MATVEC_MAX_ROWS`] elsewhere). On Metal,
+    /// candle's matrix-vector kernel once per row: it takes the activations in f32 as they are
+    /// (candle's tiled GEMM would stage activations and weights in half precision). On the CPU
+    /// the blocks are dequantized by candle and multiplied in f32: candle's CPU quantized
+    /// product rounds each block of activations to 8 bits (`Q8_1`), which moves the fixtures'
+    /// first-step log-probs by up to 1.8.
     ///
     /// # Errors
     /// Candle errors (devices differ, shapes).
     pub fn matmul(&self, x: &Tensor) -> Result<Tensor, KernelError> {
+        let (rows, k) = x.dims2()?;
         let xf = x.to_dtype(DType::F32)?.contiguous()?;
-        Ok(self.matmul.forward(&xf)?.to_dtype(x.dtype())?)
+        let y = match x.device() {
+            Device::Cpu => xf.matmul(&self.qtensor.dequantize(&Device::Cpu)?.t()?)?,
+            _ => self
+                .matmul
+                .forward(&xf.reshape((rows, 1, k))?)?
+                .reshape((rows, self.qtensor.shape().dims2()?.0))?,
+        };
+        Ok(y.to_dtype(x.dtype())?)
     }
 
     /// Rows `ids` (`[n]`, u32, on the weight's device, each below `out`) → `[n, in]` in
@@ -157,16 +170,20 @@ impl PackedAffine {
     /// The matrix with its `Q4_1` form attached where candle's kernels should run its products
     /// and row gathers: a loaded (settled) 4-bit matrix that maps exactly ([`q4_1_blocks`]),
     /// on a Metal device, or on the CPU when
-    /// [`crate::kernels::policy::LaunchPolicy::candle_q4_1_on_cpu`] is on. Anything else, and
+    /// [`crate::kernels::policy::LaunchPolicy::candle_q4_1_on_cpu`] is on and the input width
+    /// is an even number of blocks (candle's CPU dot product takes them in pairs; every real
+    /// Gemma 4 width is a multiple of 64). Anything else, and
     /// a matrix whose conversion fails, comes back unchanged and keeps the crate's kernels.
     /// The conversion reads the matrix to the host once, at load. The MLX packing stays
     /// resident beside the blocks (MoE expert stacks, which the crate's kernels read by expert,
     /// are not converted).
     pub fn with_candle_q4_1(mut self) -> Self {
         let device = self.codes.device().clone();
+        // candle's CPU dot product takes blocks in pairs (it asserts an even block count).
+        let even_blocks = (self.in_dim() / BLOCK) % 2 == 0;
         let wanted = match &device {
             Device::Metal(_) => true,
-            Device::Cpu => crate::kernels::policy::current().candle_q4_1_on_cpu,
+            Device::Cpu => crate::kernels::policy::current().candle_q4_1_on_cpu && even_blocks,
             _ => false,
         };
         if !wanted || !self.is_settled() || self.bits != QuantBits::Four || self.q4_1.is_some() {
@@ -251,5 +268,34 @@ mod tests {
         assert!(q4_1_blocks(&quantize(&w, QuantBits::Eight, 64).unwrap())
             .unwrap()
             .is_none());
+    }
+}
+
+#[cfg(test)]
+mod product_tests {
+    use super::*;
+    use crate::kernels::quantize;
+
+    #[test]
+    fn candle_products_and_gathers_track_the_reference_on_the_cpu() {
+        let w = Tensor::randn(0f32, 0.05, (40, 256), &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::BF16))
+            .unwrap();
+        let p = quantize(&w, QuantBits::Four, 64).unwrap();
+        let p = PackedAffine::new(p.codes, p.scales, p.biases, 40, 256).unwrap();
+        let q = Q41Weight::from_packed(&p, &Device::Cpu).unwrap().unwrap();
+        for rows in [1, 5] {
+            let x = Tensor::randn(0f32, 1.0, (rows, 256), &Device::Cpu).unwrap();
+            let want = crate::kernels::qmatmul::qmatmul(&x, &p).unwrap();
+            let got = q.matmul(&x).unwrap();
+            let err = crate::kernels::testutil::max_abs_diff(&got, &want);
+            let scale = crate::kernels::testutil::max_abs_diff(&want, &want.zeros_like().unwrap());
+            eprintln!("{rows} rows: max abs error {err} of outputs up to {scale}");
+            assert!(err <= 0.02 * scale, "{rows} rows: {err} vs {scale}");
+        }
+        let ids = Tensor::new(&[3u32, 0, 39], &Device::Cpu).unwrap();
+        let want = crate::kernels::qmatmul::qembedding(&ids, &p, DType::F32).unwrap();
+        let got = q.embedding(&ids, DType::F32).unwrap();
+        assert_eq!(crate::kernels::testutil::max_abs_diff(&got, &want), 0.0);
     }
 }

@@ -7,6 +7,7 @@
 use candle_core::DType;
 
 use super::plan::{type_name, MATVEC_ROW_VARIANTS, MAX_FUSED_Q_LEN};
+use crate::kernels::qmatmul::MATVEC_MAX_ROWS;
 use crate::kernels::QuantBits;
 
 /// How one operation runs on a Metal device.
@@ -53,15 +54,21 @@ pub struct WeightFormat {
 }
 
 /// `x` `[rows, in]` · `Wᵀ` for a packed `W` (see `super::qmatmul`).
+///
+/// An exactly-mapped 4-bit matrix takes candle's `Q4_1` matrix-vector kernel for up to
+/// [`MATVEC_MAX_ROWS`] rows (f32 activations); more rows take the dequantize kernel and
+/// candle's dense matmul like any packed matrix, because candle's tiled `Q4_1` GEMM stages
+/// activations and weights in half precision (on the CPU, rounding both to f16 before the
+/// products moves the fixtures' first-step log-probs by 0.08).
 pub fn product(rows: usize, x_dtype: DType, w: WeightFormat, kernels_on: bool) -> Route {
-    if w.q4_1 {
+    if w.q4_1 && rows <= MATVEC_MAX_ROWS {
         return Route::CandleQ4_1;
     }
     if !kernels_on || type_name(w.scale_dtype).is_none() || type_name(x_dtype).is_none() {
         return Route::Host;
     }
     let fits_matvec = rows > 0
-        && rows <= MATVEC_ROW_VARIANTS[MATVEC_ROW_VARIANTS.len() - 1]
+        && MATVEC_ROW_VARIANTS.iter().any(|&r| r >= rows)
         && w.in_dim % (128 / w.bits.bits()) == 0;
     if fits_matvec {
         Route::Kernel(Family::Qmatvec)
