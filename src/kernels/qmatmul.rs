@@ -80,7 +80,8 @@ pub fn qmatmul(x: &Tensor, w: &PackedAffine) -> Result<Tensor, KernelError> {
 
 /// Embedding lookup with a packed table `[vocab, hidden]`: `ids` (any integer dtype, any shape
 /// `[..]`) → `[.., hidden]` in `dtype`, dequantizing only the rows looked up. The ids are read
-/// to the host to check them against the table; [`qembedding_checked_ids`] skips that.
+/// to the host to check them against the table (the model checks its ids before the forward and
+/// gathers without this read).
 ///
 /// # Errors
 /// [`KernelError::Shape`] when an id is not below `w.out_dim()`; candle errors.
