@@ -40,14 +40,10 @@ fn quantized(bits: QuantBits) -> CacheConfig {
 #[test]
 fn fixture_goldens_hold_on_the_metal_device_in_f32() {
     let Some(dev) = metal() else { return };
-    // Dense fixtures match golden.rs's CPU bound; packed ones go through candle's Q4_1 GEMM
-    // for prefill, which stages tiles in half precision.
+    // golden.rs's bound: every product on the device computes in f32 (candle's Q4_1
+    // matrix-vector kernel, the crate's kernels, candle's f32 matmul after `dequant`).
     for name in FIXTURES {
-        let tol = if name.contains("q4") || name.contains("q8") {
-            2e-2
-        } else {
-            2e-3
-        };
+        let tol = 2e-3;
         let model = Model::builder()
             .path(fixture(name))
             .device(dev.clone())
@@ -132,7 +128,7 @@ fn quantize_gather_and_q4_1_products_match_the_cpu_on_the_device() {
     let q = Q41Weight::from_packed(&w, &dev)
         .expect("converts")
         .expect("bf16 scales of this size map exactly");
-    for rows in [1, 9] {
+    for rows in [1, 8] {
         let x = Tensor::randn(0f32, 1.0, (rows, 512), &Device::Cpu).expect("x");
         let want = qmatmul(&x, &w).expect("CPU reference");
         let got = q

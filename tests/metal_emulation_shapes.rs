@@ -6,9 +6,10 @@
 //! - `dequant_*` with a row index: the embedding and PLE row gather;
 //! - prefill attention over packed K/V (more queries than the fused kernel takes): K/V
 //!   dequantized by the kernel, then dense attention, against the CPU's packed reference;
-//! - decode attention (`qsdpa_*`) at every model's head geometry;
-//! - `qmatvec_*` and `dequant_*` at every layer's input width (output rows cut to a few
-//!   threadgroups: each output row is its own simdgroup, so more rows repeat the same work).
+//! - decode attention (`qsdpa_*`) at every model's head geometry, plus head dims 64 and 128;
+//! - `qmatvec_*` (every row variant) and `dequant_*` at every layer's input width (output rows
+//!   cut to a few threadgroups: each output row is its own simdgroup, so more rows repeat the
+//!   same work).
 
 use std::path::Path;
 
@@ -442,6 +443,17 @@ fn emulate_decode(
     job.run(emu, "out", q.dtype(), &launch.out_dims)
 }
 
+/// A model's sliding and global (KV heads, head dim), and for the first model also head dims
+/// 64 and 128, which no Gemma 4 layer uses but the library instantiates: every `qsdpa_*`
+/// head dim runs here or in `metal_emulation.rs`.
+fn decode_geometries(m: usize, model: &Model) -> Vec<(usize, usize)> {
+    let mut g = vec![model.sliding, model.global];
+    if m == 0 {
+        g.extend([(2, 64), (1, 128)]);
+    }
+    g
+}
+
 #[test]
 fn decode_attention_matches_the_cpu_at_every_models_head_geometry() {
     let Some(emu) = emulator() else { return };
@@ -449,7 +461,7 @@ fn decode_attention_matches_the_cpu_at_every_models_head_geometry() {
     let positions = KeyPositions::range(0..keys);
     let mut worst = Vec::new();
     for (m, model) in MODELS.iter().enumerate() {
-        for (kv_heads, head_dim) in [model.sliding, model.global] {
+        for (kv_heads, head_dim) in decode_geometries(m, model) {
             let dtype = DTYPES[m % 3];
             let k = packed_kv(kv_heads, keys, head_dim, PACKINGS[m], dtype);
             let v = packed_kv(kv_heads, keys, head_dim, PACKINGS[m], dtype);
@@ -514,7 +526,8 @@ fn weight_products_match_the_cpu_at_every_models_layer_widths() {
             let (bits, group) = [(QuantBits::Four, 64), (QuantBits::Eight, 64)][(m + i) % 2];
             let dtype = DTYPES[(m + i) % 3];
             let w = packed_table(24, width, bits, group, dtype);
-            for rows in [1, 8] {
+            // Every row variant of the kernel (1, 2, 4 and 8; 3 takes the 4-row one).
+            for rows in [1, 2, 3, 8] {
                 let x = random(&[rows, width], 1.0, dtype);
                 let want = qmatmul(&x, &w).expect("CPU reference");
                 let got = emulate_matvec(emu, &x, &w);
