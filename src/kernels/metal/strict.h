@@ -13,12 +13,17 @@
 #define threadgroup __attribute__((address_space(3)))
 #define thread
 #define QK_THREADGROUP static threadgroup
+// Metal 3.1 (macOS 14, with `bfloat`) unless the check asks for an older version.
+#ifndef __METAL_VERSION__
 #define __METAL_VERSION__ 310
+#endif
 namespace metal {
 typedef unsigned int uint;
 typedef unsigned long ulong;
 typedef _Float16 half;
-typedef __bf16 bfloat;
+#if __METAL_VERSION__ >= 310
+typedef __bf16 bfloat;  // Metal 3.1+ only, as on Apple's compiler
+#endif
 struct uint3 {
     uint x, y, z;
 };
