@@ -7,6 +7,8 @@
 //! - prefill attention over packed K/V (more queries than the fused kernel takes): K/V
 //!   dequantized by the kernel, then dense attention, against the CPU's packed reference;
 //! - decode attention (`qsdpa_*`) at every model's head geometry, plus head dims 64 and 128;
+//! - `dequant_q41_*`: `Q4_1` blocks (a 4-bit matrix held only as candle blocks on a Mac) to
+//!   dense, against candle's CPU dequantization, at every layer's input width;
 //! - `qmatvec_*` (every row variant) and `dequant_*` at every layer's input width (output rows
 //!   cut to a few threadgroups: each output row is its own simdgroup, so more rows repeat the
 //!   same work).
@@ -15,9 +17,10 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use candle_gemma::kernels::metal::plan::{
-    plan_attention, plan_dequant_rows, plan_matvec, plan_quantize, ATTENTION_THREADS,
-    COMBINE_THREADS, DEQUANT_THREADS, MATVEC_WARPS, QUANT_THREADS,
+    plan_attention, plan_dequant_q41, plan_dequant_rows, plan_matvec, plan_quantize,
+    ATTENTION_THREADS, COMBINE_THREADS, DEQUANT_THREADS, MATVEC_WARPS, QUANT_THREADS,
 };
+use candle_gemma::kernels::metal::q4_1::{q4_1_blocks, Q41Weight};
 use candle_gemma::kernels::qmatmul::qembedding;
 use candle_gemma::kernels::qmatmul::qmatmul;
 use candle_gemma::kernels::{attend, quantize, AffineSpec, QueryPlan};
@@ -558,4 +561,57 @@ fn weight_products_match_the_cpu_at_every_models_layer_widths() {
         }
     }
     eprintln!("qmatvec_* at model widths: max abs errors {worst:?}");
+}
+
+/// A 4-bit matrix's `Q4_1` blocks dequantized by `dequant_q41_*`.
+fn emulate_dequant_q41(emu: &Path, w: &PackedAffine, dtype: DType) -> Tensor {
+    let blocks = q4_1_blocks(w).expect("reads").expect("maps exactly");
+    let (rows, in_dim) = (w.out_dim(), w.in_dim());
+    let launch = plan_dequant_q41(rows, in_dim, dtype).expect("applies");
+    let mut job = Job::new(&launch.kernel);
+    job.load("params", &pod_bytes(&launch.params));
+    job.load("blocks", &blocks);
+    job.alloc("out", rows * in_dim * dtype.size_in_bytes());
+    job.dispatch(
+        &launch.kernel,
+        [launch.threads.div_ceil(DEQUANT_THREADS), 1, 1],
+        DEQUANT_THREADS,
+        &[(0, "params", 0), (1, "blocks", 0), (2, "out", 0)],
+    );
+    job.run(emu, "out", dtype, &[rows, in_dim])
+}
+
+#[test]
+fn q4_1_blocks_dequantize_like_candle_at_every_models_layer_widths() {
+    let Some(emu) = emulator() else { return };
+    let mut worst = Vec::new();
+    for (m, model) in MODELS.iter().enumerate() {
+        let widths = [
+            Some(model.hidden),
+            Some(model.intermediate),
+            model.expert,
+            model.ple,
+        ];
+        for (i, width) in widths.into_iter().flatten().enumerate() {
+            let dtype = DTYPES[(m + i) % 3];
+            let group = [32, 64, 128][(m + i) % 3];
+            let w = packed_table(24, width, QuantBits::Four, group, DType::BF16);
+            let want = Q41Weight::from_packed(&w, &Device::Cpu)
+                .expect("converts")
+                .expect("maps exactly")
+                .dequantize_host()
+                .and_then(|t| Ok(t.to_dtype(dtype)?))
+                .expect("candle's dequantization");
+            let got = emulate_dequant_q41(emu, &w, dtype);
+            let err = max_abs_diff(&got, &want);
+            // The kernel's fma against candle's multiply-then-add: within rounding.
+            assert!(
+                err <= 0.1 * tolerance(dtype),
+                "{} width {width} {dtype:?}: {err}",
+                model.name
+            );
+            worst.push(err);
+        }
+    }
+    eprintln!("dequant_q41_* at model widths: max abs errors {worst:?}");
 }

@@ -243,6 +243,7 @@ impl PackedAffine {
     /// # Errors
     /// [`KernelError::Shape`] when the rows are not inside the matrix.
     pub fn narrow_rows(&self, start: usize, len: usize) -> Result<Self, KernelError> {
+        self.require_mlx("rows of a packed weight")?;
         let out_dim = self.out_dim();
         if start + len > out_dim {
             return Err(KernelError::Shape {
@@ -275,7 +276,8 @@ impl PackedAffine {
         };
         let alike = blocks > 0
             && parts.iter().all(|p| {
-                p.bits == first.bits
+                p.mlx_resident()
+                    && p.bits == first.bits
                     && p.group_size == first.group_size
                     && p.in_dim() == first.in_dim()
                     && p.scales.dtype() == first.scales.dtype()
@@ -310,6 +312,9 @@ impl PackedAffine {
     /// Candle errors.
     pub fn to_device(&self, device: &Device) -> Result<Self, KernelError> {
         let same = self.codes.device().same_device(device);
+        if !same {
+            self.require_mlx("packed weight moved to another device")?;
+        }
         Ok(Self {
             codes: self.codes.to_device(device)?,
             scales: self.scales.to_device(device)?,
@@ -319,8 +324,12 @@ impl PackedAffine {
         })
     }
 
-    /// Bytes the packed tensor occupies (codes + scales + biases).
+    /// Bytes the packed tensor occupies (codes + scales + biases, or its `Q4_1` blocks where
+    /// they replaced them).
     pub fn packed_bytes(&self) -> usize {
+        if let Some(q) = self.q4_1.as_ref().filter(|_| !self.mlx_resident()) {
+            return q.bytes();
+        }
         self.codes.elem_count() * 4
             + (self.scales.elem_count() + self.biases.elem_count())
                 * self.scales.dtype().size_in_bytes()

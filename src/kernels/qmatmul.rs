@@ -159,6 +159,7 @@ struct HostWeight {
 
 impl HostWeight {
     fn read(w: &PackedAffine) -> Result<Self, KernelError> {
+        w.require_mlx("packed weight read on the host")?;
         Ok(Self {
             codes: w.codes.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?,
             scales: host_f32(&w.scales)?,

@@ -191,6 +191,7 @@ pub(crate) fn dequantize_rows(
 /// [`KernelError::Shape`] when codes, scales and biases disagree, or a row is out of range;
 /// candle errors.
 pub(crate) fn dequantize_host(p: &PackedAffine, rows: &[usize]) -> Result<Vec<f32>, KernelError> {
+    p.require_mlx("packed tensor read on the host")?;
     let b = p.bits.bits();
     let cdims = p.codes.dims().to_vec();
     let words = cdims.last().copied().unwrap_or(0);
@@ -272,7 +273,11 @@ impl PackedAffine {
             )?),
             #[cfg(feature = "metal")]
             Device::Metal(_) if super::metal::kernels_on() => {
-                match super::metal::dequantize_on_device(self, dtype)? {
+                let on_device = match &self.q4_1 {
+                    Some(q) if !self.mlx_resident() => q.dequantize_on_device(dtype)?,
+                    _ => super::metal::dequantize_on_device(self, dtype)?,
+                };
+                match on_device {
                     Some(t) => Ok(t.reshape((self.out_dim(), self.in_dim()))?),
                     None => self.dequantize_via_host(dtype),
                 }

@@ -106,6 +106,13 @@ std::map<std::string, Entry> kernels() {
     EMU_QUANT(f16, half, 8)
     EMU_QUANT(bf16, bfloat, 4)
     EMU_QUANT(bf16, bfloat, 8)
+#define EMU_DEQ_Q41(TN, T)                                                                      \
+    k["dequant_q41_" #TN] = [](const Call& c) {                                                 \
+        dequant_q41_##TN(*at<QmatParams>(c, 0), at<uchar>(c, 1), at<T>(c, 2), c.gid);           \
+    };
+    EMU_DEQ_Q41(f32, float)
+    EMU_DEQ_Q41(f16, half)
+    EMU_DEQ_Q41(bf16, bfloat)
     return k;
 }
 

@@ -14,8 +14,9 @@ use candle_metal_kernels::MetalKernelError;
 use objc2_metal::MTLSize;
 
 use super::plan::{
-    plan_attention, plan_dequant_rows, plan_matvec, plan_quantize, ATTENTION_THREADS,
-    COMBINE_THREADS, DEQUANT_THREADS, MATVEC_WARPS, QUANT_THREADS, TARGET_GROUPS,
+    plan_attention, plan_dequant_q41, plan_dequant_rows, plan_matvec, plan_quantize,
+    ATTENTION_THREADS, COMBINE_THREADS, DEQUANT_THREADS, MATVEC_WARPS, QUANT_THREADS,
+    TARGET_GROUPS,
 };
 use crate::kernels::QueryPlan;
 use crate::kernels::{KernelError, KeyPositions, PackedAffine, QuantBits};
@@ -348,4 +349,33 @@ pub fn quantize(
         biases,
         crate::kernels::AffineSpec { bits, group_size },
     )))
+}
+
+/// A matrix `[rows, in_dim]` held as candle `Q4_1` blocks in `blocks` dequantized to `dtype`
+/// on the device, or `None` for a dtype without a kernel.
+pub fn dequantize_q41(
+    dev: &MetalDevice,
+    blocks: &Buffer,
+    rows: usize,
+    in_dim: usize,
+    dtype: DType,
+) -> Result<Option<Tensor>, KernelError> {
+    let Some(launch) = plan_dequant_q41(rows, in_dim, dtype) else {
+        return Ok(None);
+    };
+    let (out, out_buf) = new_tensor(dev, rows * in_dim, dtype, &[rows, in_dim])?;
+    if launch.threads == 0 {
+        return Ok(Some(out));
+    }
+    let p = pipeline(dev, &launch.kernel)?;
+    check_threads(&p, &launch.kernel, DEQUANT_THREADS)?;
+    let guard = dev.command_encoder()?;
+    let enc: &ComputeCommandEncoder = guard.as_ref();
+    enc.set_compute_pipeline_state(&p);
+    enc.set_bytes(0, &launch.params);
+    enc.set_input_buffer(1, Some(blocks), 0);
+    enc.set_output_buffer(2, Some(&*out_buf), 0);
+    let groups = launch.threads.div_ceil(DEQUANT_THREADS);
+    enc.dispatch_thread_groups(size(groups, 1, 1), size(DEQUANT_THREADS, 1, 1));
+    Ok(Some(out))
 }

@@ -72,6 +72,9 @@ pub(crate) fn dequantize_on_device(
     if !kernels_on() {
         return Ok(None);
     }
+    if let Some(q) = p.q4_1.as_ref().filter(|_| !p.mlx_resident()) {
+        return q.dequantize_on_device(dtype);
+    }
     let dims = p.dims();
     let rows = p.out_dim();
     let flat = |t: &Tensor| -> Result<Tensor, KernelError> {
@@ -102,7 +105,8 @@ pub(crate) fn qmatmul(x: &Tensor, w: &PackedAffine) -> Result<Tensor, KernelErro
             return Ok(y);
         }
     }
-    // `PackedAffine::dequantize` runs the dequantize kernel when the kernels are on.
+    // `PackedAffine::dequantize` runs the dequantize kernel when the kernels are on
+    // (`dequant_q41` for a matrix held only as `Q4_1` blocks).
     let dense = w.dequantize(x.dtype())?;
     Ok(x.matmul(&dense.t()?)?)
 }

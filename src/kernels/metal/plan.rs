@@ -290,3 +290,28 @@ pub fn plan_quantize(
         threads: rows.checked_mul(dim / group_size.max(1))?,
     })
 }
+
+/// A `Q4_1` dequantization launch: `kernel` over `threads` threads in all (one per 32-element
+/// block), in threadgroups of [`DEQUANT_THREADS`]. Buffers: 0 `params` (`rows`, `in_dim`), 1
+/// the blocks (`rows * in_dim / 32` of 20 bytes), 2 the dense `[rows, in_dim]` output.
+pub struct DequantQ41Launch {
+    pub params: QmatParams,
+    pub kernel: String,
+    pub threads: usize,
+}
+
+/// Plans dequantizing `rows` rows of `in_dim` (a multiple of 32) held as `Q4_1` blocks to
+/// `dtype`, or `None` for a non-float dtype or sizes past `u32`.
+pub fn plan_dequant_q41(rows: usize, in_dim: usize, dtype: DType) -> Option<DequantQ41Launch> {
+    let tn = type_name(dtype)?;
+    Some(DequantQ41Launch {
+        params: QmatParams {
+            rows: u32::try_from(rows).ok()?,
+            out_dim: u32::try_from(rows).ok()?,
+            in_dim: u32::try_from(in_dim).ok()?,
+            group_size: 32,
+        },
+        kernel: format!("dequant_q41_{tn}"),
+        threads: rows.checked_mul(in_dim / 32)?,
+    })
+}

@@ -92,6 +92,12 @@ pub fn q4_1_blocks(p: &PackedAffine) -> Result<Option<Vec<u8>>, KernelError> {
 pub struct Q41Weight {
     qtensor: Arc<QTensor>,
     matmul: QMatMul,
+    /// The blocks' Metal buffer (shared with `qtensor`), for the crate's `dequant_q41` kernel.
+    #[cfg(feature = "metal")]
+    blocks: Option<candle_metal_kernels::metal::Buffer>,
+    /// Whether the blocks are the matrix's only copy: the MLX packing of the `PackedAffine`
+    /// holding it was replaced by placeholders ([`PackedAffine::with_candle_q4_1`]).
+    replaces_mlx: bool,
 }
 
 impl std::fmt::Debug for Q41Weight {
@@ -119,9 +125,41 @@ impl Q41Weight {
         buf.resize(at, 0);
         buf.extend_from_slice(&bytes);
         let storage = QStorage::from_data(Cow::Borrowed(&buf[at..]), device, GgmlDType::Q4_1)?;
+        #[cfg(feature = "metal")]
+        let blocks = match &storage {
+            QStorage::Metal(m) => Some(m.buffer().clone()),
+            _ => None,
+        };
         let qtensor = Arc::new(QTensor::new(storage, (p.out_dim(), p.in_dim()))?);
         let matmul = QMatMul::from_arc(qtensor.clone())?;
-        Ok(Some(Self { qtensor, matmul }))
+        Ok(Some(Self {
+            qtensor,
+            matmul,
+            #[cfg(feature = "metal")]
+            blocks,
+            replaces_mlx: false,
+        }))
+    }
+
+    /// Bytes of the blocks.
+    pub fn bytes(&self) -> usize {
+        self.qtensor.storage_size_in_bytes()
+    }
+
+    /// The dense `[out, in]` matrix in `dtype` on the Metal device, by the crate's
+    /// `dequant_q41` kernel (the prefill products of a matrix held only as blocks); `None` off
+    /// Metal or for a dtype without a kernel.
+    ///
+    /// # Errors
+    /// Candle and launch errors.
+    pub fn dequantize_on_device(&self, dtype: DType) -> Result<Option<Tensor>, KernelError> {
+        #[cfg(feature = "metal")]
+        if let (Some(blocks), Device::Metal(dev)) = (&self.blocks, self.qtensor.device()) {
+            let (rows, in_dim) = self.qtensor.shape().dims2()?;
+            return super::launch::dequantize_q41(&dev, blocks, rows, in_dim, dtype);
+        }
+        let _ = dtype;
+        Ok(None)
     }
 
     /// The dense `[out, in]` matrix in f32 on the host (candle's dequantization).
@@ -174,9 +212,8 @@ impl PackedAffine {
     /// is an even number of blocks (candle's CPU dot product takes them in pairs; every real
     /// Gemma 4 width is a multiple of 64). Anything else, and
     /// a matrix whose conversion fails, comes back unchanged and keeps the crate's kernels.
-    /// The conversion reads the matrix to the host once, at load. The MLX packing stays
-    /// resident beside the blocks (MoE expert stacks, which the crate's kernels read by expert,
-    /// are not converted).
+    /// The conversion reads the matrix to the host once, at load. MoE expert stacks, which the
+    /// crate's kernels read by expert, are not converted.
     pub fn with_candle_q4_1(mut self) -> Self {
         let device = self.codes.device().clone();
         // candle's CPU dot product takes blocks in pairs (it asserts an even block count).
@@ -189,11 +226,48 @@ impl PackedAffine {
         if !wanted || !self.is_settled() || self.bits != QuantBits::Four || self.q4_1.is_some() {
             return self;
         }
-        if let Ok(Some(q)) = Q41Weight::from_packed(&self, &device) {
-            self.q4_1 = Some(q);
-            CONVERSIONS.fetch_add(1, Ordering::Relaxed);
+        let Ok(Some(mut q)) = Q41Weight::from_packed(&self, &device) else {
+            return self;
+        };
+        CONVERSIONS.fetch_add(1, Ordering::Relaxed);
+        // On Metal with the crate's kernels on, every read of the matrix goes through the
+        // blocks (candle's kernels, and `dequant_q41` for prefill): the MLX packing is
+        // replaced by placeholders of its shape (one element each, broadcast), so the matrix
+        // is resident once. Elsewhere the MLX packing stays for the paths that read it.
+        if device.is_metal() && crate::kernels::policy::current().metal_kernels {
+            let placeholder = |t: &Tensor| {
+                Tensor::zeros(1, t.dtype(), t.device()).and_then(|z| z.broadcast_as(t.dims()))
+            };
+            if let (Ok(codes), Ok(scales), Ok(biases)) = (
+                placeholder(&self.codes),
+                placeholder(&self.scales),
+                placeholder(&self.biases),
+            ) {
+                (self.codes, self.scales, self.biases) = (codes, scales, biases);
+                q.replaces_mlx = true;
+            }
         }
+        self.q4_1 = Some(q);
         self
+    }
+
+    /// Whether the MLX packing (`codes`, `scales`, `biases`) holds the matrix; `false` when
+    /// its `Q4_1` blocks replaced it ([`PackedAffine::with_candle_q4_1`] on Metal).
+    pub fn mlx_resident(&self) -> bool {
+        !self.q4_1.as_ref().is_some_and(|q| q.replaces_mlx)
+    }
+
+    /// [`KernelError::Packed`] unless the MLX packing holds the matrix: the guard of every
+    /// path that reads `codes`, `scales` and `biases`.
+    pub(crate) fn require_mlx(&self, what: &'static str) -> Result<(), KernelError> {
+        if self.mlx_resident() {
+            Ok(())
+        } else {
+            Err(KernelError::Packed {
+                what,
+                reason: "the matrix is held only as Q4_1 blocks; read it through them".into(),
+            })
+        }
     }
 
     /// Whether products and row gathers of this matrix run on candle's `Q4_1` kernels.
@@ -297,5 +371,56 @@ mod product_tests {
         let want = crate::kernels::qmatmul::qembedding(&ids, &p, DType::F32).unwrap();
         let got = q.embedding(&ids, DType::F32).unwrap();
         assert_eq!(crate::kernels::testutil::max_abs_diff(&got, &want), 0.0);
+    }
+
+    #[test]
+    fn a_matrix_held_only_as_blocks_is_read_through_them_or_refused() {
+        let w = Tensor::randn(0f32, 0.05, (16, 128), &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::F16))
+            .unwrap();
+        let p = quantize(&w, QuantBits::Four, 64).unwrap();
+        let p = PackedAffine::new(p.codes, p.scales, p.biases, 16, 128).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (2, 128), &Device::Cpu).unwrap();
+        let want = crate::kernels::qmatmul::qmatmul(&x, &p).unwrap();
+        // What `with_candle_q4_1` does on Metal: blocks attached, MLX packing replaced.
+        let mut q = Q41Weight::from_packed(&p, &Device::Cpu).unwrap().unwrap();
+        q.replaces_mlx = true;
+        let blocks = q.bytes();
+        let placeholder = |t: &Tensor| {
+            Tensor::zeros(1, t.dtype(), t.device())
+                .unwrap()
+                .broadcast_as(t.dims())
+                .unwrap()
+        };
+        let mut held = p.clone();
+        (held.codes, held.scales, held.biases) = (
+            placeholder(&p.codes),
+            placeholder(&p.scales),
+            placeholder(&p.biases),
+        );
+        held.q4_1 = Some(q);
+        assert!(!held.mlx_resident());
+        assert_eq!((held.out_dim(), held.in_dim()), (16, 128));
+        assert_eq!(held.packed_bytes(), blocks);
+        // Read through the blocks: products of a few rows, gathers.
+        let got = crate::kernels::qmatmul::qmatmul(&x, &held).unwrap();
+        assert!(crate::kernels::testutil::max_abs_diff(&got, &want) < 1e-5);
+        let ids = Tensor::new(&[1u32, 15], &Device::Cpu).unwrap();
+        let rows = crate::kernels::qmatmul::qembedding(&ids, &held, DType::F32).unwrap();
+        let want_rows = crate::kernels::qmatmul::qembedding(&ids, &p, DType::F32).unwrap();
+        assert_eq!(
+            crate::kernels::testutil::max_abs_diff(&rows, &want_rows),
+            0.0
+        );
+        // Every path that would read the placeholders refuses with a typed error.
+        let many = Tensor::randn(0f32, 1.0, (9, 128), &Device::Cpu).unwrap();
+        let refused = |r: Result<Tensor, KernelError>| matches!(r, Err(KernelError::Packed { .. }));
+        assert!(refused(crate::kernels::qmatmul::qmatmul(&many, &held)));
+        assert!(refused(held.dequantize(DType::F32)));
+        assert!(matches!(
+            held.narrow_rows(0, 8),
+            Err(KernelError::Packed { .. })
+        ));
+        assert!(PackedAffine::stack_rows(&[&held, &p], 1).unwrap().is_none());
     }
 }

@@ -429,3 +429,41 @@ QUANT_INST(f16, half, 8)
 QUANT_INST(bf16, bfloat, 4)
 QUANT_INST(bf16, bfloat, 8)
 #endif
+
+// candle `Q4_1` blocks (20 bytes: `d` and `m` as half, then 16 bytes, element j in the low
+// nibble of byte j and element j + 16 in the high one) to dense `[rows, in_dim]`: one thread
+// per block, blocks row-major, so block t holds dense elements t * 32 .. t * 32 + 32. The
+// prefill products of matrices held only as `Q4_1` blocks dequantize through it. `d` and `m`
+// are read as two ushort halves of the block's first word (the block is 4-byte aligned only
+// every other block).
+template <typename T>
+inline void dequant_q41_body(constant QmatParams& p, device const uchar* blocks, device T* out,
+                             uint t) {
+    const ulong n_blocks = ulong(p.rows) * (p.in_dim / 32);
+    if (ulong(t) >= n_blocks) return;
+    device const uchar* b = blocks + ulong(t) * 20;
+    const ushort d_bits = ushort(b[0]) | ushort(ushort(b[1]) << 8);
+    const ushort m_bits = ushort(b[2]) | ushort(ushort(b[3]) << 8);
+    const float d = float(as_type<half>(d_bits));
+    const float m = float(as_type<half>(m_bits));
+    device T* o = out + ulong(t) * 32;
+    for (int j = 0; j < 16; ++j) {
+        const uint q = uint(b[4 + j]);
+        o[j] = T(fma(float(q & 15u), d, m));
+        o[j + 16] = T(fma(float(q >> 4), d, m));
+    }
+}
+
+#define DEQ_Q41_INST(TN, T)                                                                    \
+    [[kernel]] void dequant_q41_##TN(constant QmatParams& p [[buffer(0)]],                     \
+                                     device const uchar* blocks [[buffer(1)]],                 \
+                                     device T* out [[buffer(2)]],                              \
+                                     uint t [[thread_position_in_grid]]) {                     \
+        dequant_q41_body<T>(p, blocks, out, t);                                                \
+    }
+
+DEQ_Q41_INST(f32, float)
+DEQ_Q41_INST(f16, half)
+#if QK_HAS_BFLOAT
+DEQ_Q41_INST(bf16, bfloat)
+#endif

@@ -24,6 +24,8 @@
 #define __METAL_VERSION__ 310
 namespace metal {
 typedef unsigned int uint;
+typedef unsigned char uchar;
+typedef unsigned short ushort;
 typedef unsigned long ulong;
 
 struct half {
@@ -77,6 +79,15 @@ inline float simd_sum(float x) {
     for (int i = 0; i < 32; ++i) s += t.simd_values[i];
     t.simd_barrier->arrive_and_wait();  // every lane has read before the slots are reused
     return s;
+}
+
+// Reinterprets the bits of a value (Metal's `as_type`).
+template <typename To, typename From>
+inline To as_type(From f) {
+    static_assert(sizeof(To) == sizeof(From), "as_type between types of one size");
+    To t;
+    std::memcpy(&t, &f, sizeof(To));
+    return t;
 }
 
 using std::clamp;

@@ -19,6 +19,8 @@
 #endif
 namespace metal {
 typedef unsigned int uint;
+typedef unsigned char uchar;
+typedef unsigned short ushort;
 typedef unsigned long ulong;
 typedef _Float16 half;
 #if __METAL_VERSION__ >= 310
@@ -38,6 +40,8 @@ template <typename T>
 T max(T a, T b) { return a > b ? a : b; }
 template <typename T>
 T min(T a, T b) { return a < b ? a : b; }
+template <typename To, typename From>
+To as_type(From f) { return __builtin_bit_cast(To, f); }
 template <typename T>
 T clamp(T x, T lo, T hi) { return min(max(x, lo), hi); }
 }  // namespace metal
