@@ -9,7 +9,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! python3 -c "import clang.cindex" 2>/dev/null; then
-    python3 -m pip install --quiet --disable-pip-version-check libclang==18.1.1
+    python3 -m pip install --quiet --disable-pip-version-check libclang==18.1.1 ||
+        python3 -m pip install --quiet --disable-pip-version-check libclang==18.1.1
 fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
