@@ -139,4 +139,25 @@ fn quantize_gather_and_q4_1_products_match_the_cpu_on_the_device() {
         eprintln!("Q4_1 product on Metal, {rows} rows: max abs error {err:.2e}");
         assert!(err <= 1e-2, "{rows} rows: {err}");
     }
+    // A loaded matrix as the model holds it on a Mac: the blocks replace the MLX packing, and
+    // products of any row count (candle's kernel up to 8, `dequant_q41` beyond) and gathers
+    // read them.
+    let held = w.to_device(&dev).expect("up").settled().with_candle_q4_1();
+    assert!(held.uses_candle_q4_1() && !held.mlx_resident());
+    for rows in [1, 3, 40] {
+        let x = Tensor::randn(0f32, 1.0, (rows, 512), &Device::Cpu).expect("x");
+        let want = qmatmul(&x, &w).expect("CPU reference");
+        let got = qmatmul(&x.to_device(&dev).expect("up"), &held)
+            .and_then(|t| Ok(t.to_device(&Device::Cpu)?))
+            .expect("Metal product");
+        let err = max_abs_diff(&got, &want);
+        eprintln!("held as Q4_1 on Metal, {rows} rows: max abs error {err:.2e}");
+        assert!(err <= 1e-2, "{rows} rows: {err}");
+    }
+    let ids = Tensor::new(&[5u32, 0, 95], &Device::Cpu).expect("ids");
+    let want = qembedding(&ids, &w, DType::F32).expect("CPU gather");
+    let got = qembedding(&ids.to_device(&dev).expect("up"), &held, DType::F32)
+        .and_then(|t| Ok(t.to_device(&Device::Cpu)?))
+        .expect("Metal gather");
+    assert!(max_abs_diff(&got, &want) <= 1e-6, "Q4_1 gather");
 }
