@@ -37,7 +37,7 @@ impl Linear {
     pub fn from_loaded(m: LoadedMatrix) -> Self {
         match m {
             LoadedMatrix::Dense(w) => Self::new(w),
-            LoadedMatrix::Packed(p) => Linear(Weight::Packed(p)),
+            LoadedMatrix::Packed(p) => Linear(Weight::Packed(p.with_candle_q4_1())),
         }
     }
 
@@ -94,7 +94,7 @@ impl Embedding {
     pub fn from_loaded(m: LoadedMatrix) -> Self {
         match m {
             LoadedMatrix::Dense(w) => Embedding::Dense(w),
-            LoadedMatrix::Packed(p) => Embedding::Packed(p),
+            LoadedMatrix::Packed(p) => Embedding::Packed(p.with_candle_q4_1()),
         }
     }
 

@@ -2,7 +2,7 @@
 //! scaled main embedding, combined once per forward and sliced into one `[B, S, P]` input per
 //! decoder layer.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use super::norm::RmsNorm;
 use super::{Embedding, Linear};
@@ -27,11 +27,23 @@ pub struct PerLayerEmbeddings {
 /// Multiplies by a scale rounded to the activation dtype first, as the references do (an f32
 /// run uses the f32 scale, a bf16 run the bf16-rounded one).
 ///
-/// One `affine` op: candle rounds its factor to the tensor's dtype and multiplies in it, the
-/// same product as a multiply by a one-element tensor of that dtype, without uploading one.
-/// The factor goes through f32 first, as the references' scalar does.
+/// The factor goes through f32 (the references' scalar), is rounded to the dtype here, and one
+/// `affine` multiplies by it. Rounding here keeps the product the same on every backend:
+/// candle's CPU `affine` rounds its factor to the tensor's dtype itself, its Metal `affine`
+/// multiplies by the f32 factor as given. With the factor already in the dtype, both compute
+/// the exact product of two dtype values (it fits an f32) rounded once to the dtype.
 pub(crate) fn scale_in_dtype(x: &Tensor, scale: f64) -> Result<Tensor> {
-    Ok(x.affine(f64::from(scale as f32), 0.0)?)
+    Ok(x.affine(factor_in_dtype(scale, x.dtype()), 0.0)?)
+}
+
+/// `scale` through f32, rounded to `dtype` (to nearest, ties to even).
+fn factor_in_dtype(scale: f64, dtype: DType) -> f64 {
+    let factor = scale as f32;
+    match dtype {
+        DType::BF16 => half::bf16::from_f32(factor).to_f64(),
+        DType::F16 => half::f16::from_f32(factor).to_f64(),
+        _ => f64::from(factor),
+    }
 }
 
 impl PerLayerEmbeddings {
@@ -114,7 +126,7 @@ impl PerLayerEmbeddings {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device};
+    use candle_core::Device;
 
     #[test]
     fn scaling_equals_a_product_with_the_scale_rounded_to_the_dtype() -> Result<()> {
@@ -129,6 +141,18 @@ mod tests {
                     got.to_vec2::<f32>()?,
                     want.to_vec2::<f32>()?,
                     "{dtype:?} {scale}"
+                );
+                // An `affine` that multiplies in f32 by the factor as given (candle's Metal
+                // kernel) gives the same values.
+                let f32_affine = x
+                    .to_dtype(DType::F32)?
+                    .affine(factor_in_dtype(scale, dtype), 0.0)?
+                    .to_dtype(dtype)?
+                    .to_dtype(DType::F32)?;
+                assert_eq!(
+                    f32_affine.to_vec2::<f32>()?,
+                    want.to_vec2::<f32>()?,
+                    "{dtype:?} {scale}: f32 multiply"
                 );
             }
         }

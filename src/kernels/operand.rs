@@ -92,6 +92,9 @@ pub struct PackedAffine {
     pub group_size: usize,
     /// Whether the tensors are complete on their device ([`PackedAffine::settled`]).
     settled: bool,
+    /// The same matrix as candle `Q4_1` blocks, where that mapping is exact
+    /// ([`PackedAffine::with_candle_q4_1`]); products and row gathers then use candle's kernels.
+    pub(crate) q4_1: Option<super::metal::q4_1::Q41Weight>,
 }
 
 fn packed_err(what: &'static str, reason: String) -> KernelError {
@@ -184,6 +187,7 @@ impl PackedAffine {
             bits: spec.bits,
             group_size: spec.group_size,
             settled: false,
+            q4_1: None,
         }
     }
 
@@ -239,6 +243,7 @@ impl PackedAffine {
     /// # Errors
     /// [`KernelError::Shape`] when the rows are not inside the matrix.
     pub fn narrow_rows(&self, start: usize, len: usize) -> Result<Self, KernelError> {
+        self.require_mlx("rows of a packed weight")?;
         let out_dim = self.out_dim();
         if start + len > out_dim {
             return Err(KernelError::Shape {
@@ -251,6 +256,7 @@ impl PackedAffine {
             codes: self.codes.narrow(0, start, len)?,
             scales: self.scales.narrow(0, start, len)?,
             biases: self.biases.narrow(0, start, len)?,
+            q4_1: None,
             ..self.clone()
         })
     }
@@ -270,7 +276,8 @@ impl PackedAffine {
         };
         let alike = blocks > 0
             && parts.iter().all(|p| {
-                p.bits == first.bits
+                p.mlx_resident()
+                    && p.bits == first.bits
                     && p.group_size == first.group_size
                     && p.in_dim() == first.in_dim()
                     && p.scales.dtype() == first.scales.dtype()
@@ -294,6 +301,7 @@ impl PackedAffine {
             scales: join(|p| &p.scales)?,
             biases: join(|p| &p.biases)?,
             settled: parts.iter().all(|p| p.settled),
+            q4_1: None,
             ..(*first).clone()
         }))
     }
@@ -303,16 +311,25 @@ impl PackedAffine {
     /// # Errors
     /// Candle errors.
     pub fn to_device(&self, device: &Device) -> Result<Self, KernelError> {
+        let same = self.codes.device().same_device(device);
+        if !same {
+            self.require_mlx("packed weight moved to another device")?;
+        }
         Ok(Self {
             codes: self.codes.to_device(device)?,
             scales: self.scales.to_device(device)?,
             biases: self.biases.to_device(device)?,
+            q4_1: if same { self.q4_1.clone() } else { None },
             ..self.clone()
         })
     }
 
-    /// Bytes the packed tensor occupies (codes + scales + biases).
+    /// Bytes the packed tensor occupies (codes + scales + biases, or its `Q4_1` blocks where
+    /// they replaced them).
     pub fn packed_bytes(&self) -> usize {
+        if let Some(q) = self.q4_1.as_ref().filter(|_| !self.mlx_resident()) {
+            return q.bytes();
+        }
         self.codes.elem_count() * 4
             + (self.scales.elem_count() + self.biases.elem_count())
                 * self.scales.dtype().size_in_bytes()

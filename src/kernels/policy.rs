@@ -12,7 +12,7 @@
 //! | `CANDLE_GEMMA_CUDA_GRAPH=0` | [`LaunchPolicy::cuda_graph`] | no CUDA graph replay for decode |
 //! | `CANDLE_GEMMA_PDL=0` | [`LaunchPolicy::dependent_launch`] | plain launches (no programmatic dependent launch) |
 //! | `CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=N` | [`LaunchPolicy::moe_grouped_max_tokens`] | token count up to which MoE runs the grouped matvec |
-//! | `CANDLE_GEMMA_METAL_KERNELS=1` | [`LaunchPolicy::metal_kernels`] | the crate's own Metal kernels |
+//! | `CANDLE_GEMMA_METAL_KERNELS=0` | [`LaunchPolicy::metal_kernels`] | no crate Metal kernels (the host fallback) |
 
 use std::sync::OnceLock;
 
@@ -30,9 +30,15 @@ pub struct LaunchPolicy {
     /// Up to this many tokens an MoE layer runs the grouped matrix-vector kernel; above it, the
     /// sorted tensor-core path (0 sends every forward through the sorted path).
     pub moe_grouped_max_tokens: usize,
-    /// Use the crate's own Metal kernels for packed K/V and weights (opt-in until they have
-    /// run on a Mac).
+    /// Use the crate's own Metal kernels for packed K/V and weights (on by default; off, packed
+    /// products and K/V fall back to the dequantize-on-host path).
     pub metal_kernels: bool,
+    /// Give exactly-mapped 4-bit matrices their candle `Q4_1` blocks on the CPU too (always on
+    /// Metal): products of up to 8 rows then multiply by candle's dequantization of the blocks,
+    /// and row gathers use candle's `Q4_1` gather. Off by default (the crate's reference is
+    /// faster there); tests turn it on to run the fixtures through the blocks end to end.
+    #[doc(hidden)]
+    pub candle_q4_1_on_cpu: bool,
 }
 
 impl Default for LaunchPolicy {
@@ -42,7 +48,8 @@ impl Default for LaunchPolicy {
             cuda_graph: true,
             dependent_launch: true,
             moe_grouped_max_tokens: 64,
-            metal_kernels: false,
+            metal_kernels: true,
+            candle_q4_1_on_cpu: false,
         }
     }
 }
@@ -67,7 +74,7 @@ impl LaunchPolicy {
             }
         }
         if let Ok(v) = std::env::var("CANDLE_GEMMA_METAL_KERNELS") {
-            p.metal_kernels = v == "1";
+            p.metal_kernels = v != "0";
         }
         p
     }

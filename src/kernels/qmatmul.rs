@@ -4,9 +4,12 @@
 //!
 //! [`qmatmul`] and [`qembedding`] dispatch on the device: the CPU runs the plain-Rust reference
 //! below (never a dense copy of `W`); CUDA runs a matrix-vector kernel for up to
-//! [`MATVEC_MAX_ROWS`] rows and dequantize-then-GEMM beyond; on Metal the Metal kernels run
-//! when [`super::policy::LaunchPolicy::metal_kernels`] is on, else the weight is dequantized
-//! per product.
+//! [`MATVEC_MAX_ROWS`] rows and dequantize-then-GEMM beyond. On Metal, a 4-bit matrix that
+//! maps exactly onto candle's `Q4_1` blocks ([`PackedAffine::with_candle_q4_1`]) takes
+//! candle's matrix-vector kernel for up to [`MATVEC_MAX_ROWS`] rows and its row gather; other
+//! products and gathers take the crate's Metal kernels when
+//! [`super::policy::LaunchPolicy::metal_kernels`] is on (`kernels::metal::route`), else the
+//! host.
 //!
 //! Per output element the reference computes, with `x` in f32:
 //! ```text
@@ -40,10 +43,11 @@ pub fn qmatmul(x: &Tensor, w: &PackedAffine) -> Result<Tensor, KernelError> {
     }
     let rows = x.elem_count() / in_dim.max(1);
     let x2 = x.reshape((rows, in_dim))?;
-    let y = match x.device() {
-        Device::Cpu => cpu_qmatmul(&x2, w)?,
+    let y = match (&w.q4_1, x.device()) {
+        (Some(q), _) if rows <= MATVEC_MAX_ROWS => q.matmul(&x2)?,
+        (_, Device::Cpu) => cpu_qmatmul(&x2, w)?,
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
+        (_, Device::Cuda(_)) => {
             if rows <= MATVEC_MAX_ROWS && rows > 0 {
                 super::cuda::matvec::qmatvec(
                     &x2,
@@ -60,7 +64,7 @@ pub fn qmatmul(x: &Tensor, w: &PackedAffine) -> Result<Tensor, KernelError> {
             }
         }
         #[cfg(feature = "metal")]
-        Device::Metal(_) => super::metal::qmatmul(&x2, w)?,
+        (_, Device::Metal(_)) => super::metal::qmatmul(&x2, w)?,
         #[allow(unreachable_patterns)]
         _ => {
             let dense = w.dequantize(x.dtype())?;
@@ -75,7 +79,9 @@ pub fn qmatmul(x: &Tensor, w: &PackedAffine) -> Result<Tensor, KernelError> {
 }
 
 /// Embedding lookup with a packed table `[vocab, hidden]`: `ids` (any integer dtype, any shape
-/// `[..]`) → `[.., hidden]` in `dtype`, dequantizing only the rows looked up.
+/// `[..]`) → `[.., hidden]` in `dtype`, dequantizing only the rows looked up. The ids are read
+/// to the host to check them against the table (the model checks its ids before the forward and
+/// gathers without this read).
 ///
 /// # Errors
 /// [`KernelError::Shape`] when an id is not below `w.out_dim()`; candle errors.
@@ -89,50 +95,31 @@ pub fn qembedding(ids: &Tensor, w: &PackedAffine, dtype: DType) -> Result<Tensor
             found: vec![bad_id as usize],
         });
     }
-    let mut out_dims = ids.dims().to_vec();
-    out_dims.push(w.in_dim());
-    let dense = match w.codes.device() {
-        #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
-            let idx = Tensor::from_vec(flat, ids.elem_count(), w.codes.device())?;
-            super::cuda::quantize::dequant_rows(
-                &w.codes,
-                &w.scales,
-                &w.biases,
-                w.bits.bits(),
-                w.group_size,
-                Some(&idx),
-                dtype,
-            )?
-        }
-        dev => {
-            let n = flat.len();
-            let rows: Vec<usize> = flat.iter().map(|&i| i as usize).collect();
-            let rows = dequantize_host(w, &rows)?;
-            Tensor::from_vec(rows, (n, w.in_dim()), &Device::Cpu)?
-                .to_dtype(dtype)?
-                .to_device(dev)?
-        }
-    };
-    Ok(dense.reshape(out_dims)?)
+    let ids = ids.to_dtype(DType::U32)?.to_device(w.codes.device())?;
+    qembedding_checked_ids(&ids, w, dtype)
 }
 
-/// [`qembedding`] for ids the caller has already checked against the table: on CUDA the rows
+/// [`qembedding`] for ids the caller has already checked against the table. On a GPU the rows
 /// are gathered straight from the device ids, with no copy to the host (a decode step stays
-/// free of host synchronisation, and can be captured into a CUDA graph); an id past the table
-/// would give a row of zeros there. Elsewhere, as [`qembedding`].
+/// free of host synchronisation, and can be captured into a CUDA graph): candle's `Q4_1`
+/// gather for a table that maps exactly ([`PackedAffine::with_candle_q4_1`]), else the
+/// dequantize kernel's row selection. An id past the table gives an unspecified row there.
+/// On the CPU, and on Metal with the crate's kernels off, the rows are dequantized on the host.
 ///
 /// # Errors
-/// As [`qembedding`] off CUDA; candle errors.
+/// Candle errors; off the GPU, [`KernelError::Shape`] for an id past the table.
 pub(crate) fn qembedding_checked_ids(
     ids: &Tensor,
     w: &PackedAffine,
     dtype: DType,
 ) -> Result<Tensor, KernelError> {
+    let mut out_dims = ids.dims().to_vec();
+    out_dims.push(w.in_dim());
+    if let Some(q) = &w.q4_1 {
+        return Ok(q.embedding(ids, dtype)?.reshape(out_dims)?);
+    }
     #[cfg(feature = "cuda")]
     if w.codes.device().is_cuda() {
-        let mut out_dims = ids.dims().to_vec();
-        out_dims.push(w.in_dim());
         let dense = super::cuda::quantize::dequant_rows(
             &w.codes,
             &w.scales,
@@ -144,7 +131,21 @@ pub(crate) fn qembedding_checked_ids(
         )?;
         return Ok(dense.reshape(out_dims)?);
     }
-    qembedding(ids, w, dtype)
+    #[cfg(feature = "metal")]
+    if w.codes.device().is_metal() {
+        if let Some(rows) = super::metal::qembedding(ids, w, dtype)? {
+            return Ok(rows.reshape(out_dims)?);
+        }
+    }
+    let flat: Vec<u32> = ids.to_dtype(DType::U32)?.flatten_all()?.to_vec1()?;
+    let rows: Vec<usize> = flat.iter().map(|&i| i as usize).collect();
+    let dense = dequantize_host(w, &rows)?;
+    Ok(
+        Tensor::from_vec(dense, (rows.len(), w.in_dim()), &Device::Cpu)?
+            .to_dtype(dtype)?
+            .to_device(w.codes.device())?
+            .reshape(out_dims)?,
+    )
 }
 
 /// Host copies of a packed weight: codes `[out, words]`, scales and biases `[out, groups]` f32.
@@ -158,6 +159,7 @@ struct HostWeight {
 
 impl HostWeight {
     fn read(w: &PackedAffine) -> Result<Self, KernelError> {
+        w.require_mlx("packed weight read on the host")?;
         Ok(Self {
             codes: w.codes.to_device(&Device::Cpu)?.flatten_all()?.to_vec1()?,
             scales: host_f32(&w.scales)?,

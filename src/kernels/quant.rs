@@ -6,8 +6,8 @@
 //! The arithmetic mirrors MLX 0.32's CPU `quantize` exactly (f32 throughout, the group's
 //! larger-magnitude end snapped onto a code, round half to even), so codes written here equal
 //! `mx.quantize`'s for the same input and the packed tensors can be exchanged with mlx-lm.
-//! Off CUDA, quantization runs on the host: the input is copied to the CPU and the packed
-//! result copied back to its device.
+//! On CUDA and Metal (with the crate's kernels on) quantization runs on the device; elsewhere
+//! on the host: the input is copied to the CPU and the packed result copied back.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -108,6 +108,12 @@ pub fn quantize(
     if x.device().is_cuda() {
         return Ok(super::cuda::quantize::quantize(x, bits, group_size)?);
     }
+    #[cfg(feature = "metal")]
+    if x.device().is_metal() {
+        if let Some(p) = super::metal::quantize(x, bits, group_size)? {
+            return Ok(p);
+        }
+    }
     let host = host_f32(x)?;
     let (codes, scales, biases) = quantize_rows(&host, dim, bits, group_size);
     let lead = &dims[..dims.len() - 1];
@@ -185,6 +191,7 @@ pub(crate) fn dequantize_rows(
 /// [`KernelError::Shape`] when codes, scales and biases disagree, or a row is out of range;
 /// candle errors.
 pub(crate) fn dequantize_host(p: &PackedAffine, rows: &[usize]) -> Result<Vec<f32>, KernelError> {
+    p.require_mlx("packed tensor read on the host")?;
     let b = p.bits.bits();
     let cdims = p.codes.dims().to_vec();
     let words = cdims.last().copied().unwrap_or(0);
@@ -232,6 +239,12 @@ pub(crate) fn dequantize_host(p: &PackedAffine, rows: &[usize]) -> Result<Vec<f3
 /// # Errors
 /// [`KernelError::Shape`] when codes, scales and biases disagree; candle errors.
 pub fn dequantize(p: &PackedAffine) -> Result<Tensor, KernelError> {
+    #[cfg(feature = "metal")]
+    if p.codes.device().is_metal() {
+        if let Some(t) = super::metal::dequantize_on_device(p, p.scales.dtype())? {
+            return Ok(t);
+        }
+    }
     let rows: Vec<usize> = (0..p.out_dim()).collect();
     let out = dequantize_host(p, &rows)?;
     let t = Tensor::from_vec(out, p.dims(), &Device::Cpu)?
@@ -242,7 +255,7 @@ pub fn dequantize(p: &PackedAffine) -> Result<Tensor, KernelError> {
 
 impl PackedAffine {
     /// The dense matrix `[out_dim, in_dim]` in `dtype`, on the codes' device (the dequantize
-    /// kernel on CUDA, the host reference elsewhere).
+    /// kernel on CUDA, and on Metal with the crate's kernels on; the host reference elsewhere).
     ///
     /// # Errors
     /// [`KernelError::Shape`] when codes, scales and biases disagree; candle errors.
@@ -258,16 +271,30 @@ impl PackedAffine {
                 None,
                 dtype,
             )?),
-            _ => {
-                let rows: Vec<usize> = (0..self.out_dim()).collect();
-                let dense = dequantize_host(self, &rows)?;
-                Ok(
-                    Tensor::from_vec(dense, (self.out_dim(), self.in_dim()), &Device::Cpu)?
-                        .to_dtype(dtype)?
-                        .to_device(self.codes.device())?,
-                )
+            #[cfg(feature = "metal")]
+            Device::Metal(_) if super::metal::kernels_on() => {
+                let on_device = match &self.q4_1 {
+                    Some(q) if !self.mlx_resident() => q.dequantize_on_device(dtype)?,
+                    _ => super::metal::dequantize_on_device(self, dtype)?,
+                };
+                match on_device {
+                    Some(t) => Ok(t.reshape((self.out_dim(), self.in_dim()))?),
+                    None => self.dequantize_via_host(dtype),
+                }
             }
+            _ => self.dequantize_via_host(dtype),
         }
+    }
+
+    /// [`PackedAffine::dequantize`] through the host reference.
+    fn dequantize_via_host(&self, dtype: DType) -> Result<Tensor, KernelError> {
+        let rows: Vec<usize> = (0..self.out_dim()).collect();
+        let dense = dequantize_host(self, &rows)?;
+        Ok(
+            Tensor::from_vec(dense, (self.out_dim(), self.in_dim()), &Device::Cpu)?
+                .to_dtype(dtype)?
+                .to_device(self.codes.device())?,
+        )
     }
 }
 

@@ -95,6 +95,24 @@ std::map<std::string, Entry> kernels() {
     EMU_QW_T(f32, float)
     EMU_QW_T(f16, half)
     EMU_QW_T(bf16, bfloat)
+#define EMU_QUANT(TN, T, BITS)                                                                  \
+    k["quant_" #TN "_" #BITS] = [](const Call& c) {                                             \
+        quant_##TN##_##BITS(*at<QmatParams>(c, 0), at<T>(c, 1), at<uint>(c, 2), at<T>(c, 3),     \
+                            at<T>(c, 4), c.gid);                                                \
+    };
+    EMU_QUANT(f32, float, 4)
+    EMU_QUANT(f32, float, 8)
+    EMU_QUANT(f16, half, 4)
+    EMU_QUANT(f16, half, 8)
+    EMU_QUANT(bf16, bfloat, 4)
+    EMU_QUANT(bf16, bfloat, 8)
+#define EMU_DEQ_Q41(TN, T)                                                                      \
+    k["dequant_q41_" #TN] = [](const Call& c) {                                                 \
+        dequant_q41_##TN(*at<QmatParams>(c, 0), at<uchar>(c, 1), at<T>(c, 2), c.gid);           \
+    };
+    EMU_DEQ_Q41(f32, float)
+    EMU_DEQ_Q41(f16, half)
+    EMU_DEQ_Q41(bf16, bfloat)
     return k;
 }
 

@@ -156,9 +156,18 @@ impl Job {
     }
 
     /// Runs the job and returns buffer `name` as a tensor of `dims` in `dtype`.
-    pub fn run(mut self, emulator: &Path, name: &str, dtype: DType, dims: &[usize]) -> Tensor {
-        let out = self.dir.join("out.bin");
-        self.lines.push(format!("save {name} {}", out.display()));
+    pub fn run(self, emulator: &Path, name: &str, dtype: DType, dims: &[usize]) -> Tensor {
+        self.run_many(emulator, &[(name, dtype, dims)])
+            .pop()
+            .expect("one output")
+    }
+
+    /// Runs the job and returns each `(buffer, dtype, dims)` of `outputs` as a tensor.
+    pub fn run_many(mut self, emulator: &Path, outputs: &[(&str, DType, &[usize])]) -> Vec<Tensor> {
+        for (i, (name, _, _)) in outputs.iter().enumerate() {
+            let out = self.dir.join(format!("out{i}.bin"));
+            self.lines.push(format!("save {name} {}", out.display()));
+        }
         let job = self.dir.join("job.txt");
         std::fs::write(&job, self.lines.join("\n")).expect("write job");
         let status = Command::new(emulator)
@@ -170,32 +179,51 @@ impl Job {
             "emulator failed: {}",
             String::from_utf8_lossy(&status.stderr)
         );
-        let bytes = std::fs::read(&out).expect("read output");
+        let tensors = outputs
+            .iter()
+            .enumerate()
+            .map(|(i, (_, dtype, dims))| {
+                let bytes = std::fs::read(self.dir.join(format!("out{i}.bin"))).expect("output");
+                decode(&bytes, *dtype, dims)
+            })
+            .collect();
         let _ = std::fs::remove_dir_all(&self.dir);
-        let n: usize = dims.iter().product();
-        let t = match dtype {
-            DType::F32 => {
-                let v: Vec<f32> = bytes
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect();
-                Tensor::from_vec(v[..n].to_vec(), dims, &Device::Cpu)
-            }
-            DType::F16 => {
-                let v: Vec<half::f16> = bytes
-                    .chunks_exact(2)
-                    .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
-                    .collect();
-                Tensor::from_vec(v[..n].to_vec(), dims, &Device::Cpu)
-            }
-            _ => {
-                let v: Vec<half::bf16> = bytes
-                    .chunks_exact(2)
-                    .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
-                    .collect();
-                Tensor::from_vec(v[..n].to_vec(), dims, &Device::Cpu)
-            }
-        };
-        t.expect("output tensor")
+        tensors
     }
+}
+
+/// The first `dims`-many elements of `bytes` as a CPU tensor of `dtype`.
+fn decode(bytes: &[u8], dtype: DType, dims: &[usize]) -> Tensor {
+    let n: usize = dims.iter().product();
+    let t = match dtype {
+        DType::F32 => {
+            let v: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            Tensor::from_vec(v[..n].to_vec(), dims, &Device::Cpu)
+        }
+        DType::U32 => {
+            let v: Vec<u32> = bytes
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            Tensor::from_vec(v[..n].to_vec(), dims, &Device::Cpu)
+        }
+        DType::F16 => {
+            let v: Vec<half::f16> = bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]))
+                .collect();
+            Tensor::from_vec(v[..n].to_vec(), dims, &Device::Cpu)
+        }
+        _ => {
+            let v: Vec<half::bf16> = bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+                .collect();
+            Tensor::from_vec(v[..n].to_vec(), dims, &Device::Cpu)
+        }
+    };
+    t.expect("output tensor")
 }

@@ -8,21 +8,18 @@ use std::sync::{Mutex, OnceLock};
 
 use candle_core::metal_backend::DeviceId;
 use candle_core::op::BackpropOp;
-use candle_core::{DType, MetalDevice, MetalError, MetalStorage, Storage, Tensor};
+use candle_core::{DType, MetalDevice, MetalStorage, Storage, Tensor};
 use candle_metal_kernels::metal::{Buffer, ComputeCommandEncoder, ComputePipeline, Library};
 use candle_metal_kernels::MetalKernelError;
 use objc2_metal::MTLSize;
 
 use super::plan::{
-    plan_attention, plan_dequant, plan_matvec, ATTENTION_THREADS, COMBINE_THREADS, DEQUANT_THREADS,
-    MATVEC_WARPS, TARGET_GROUPS,
+    plan_attention, plan_dequant_q41, plan_dequant_rows, plan_matvec, plan_quantize,
+    ATTENTION_THREADS, COMBINE_THREADS, DEQUANT_THREADS, MATVEC_WARPS, QUANT_THREADS,
+    TARGET_GROUPS,
 };
 use crate::kernels::QueryPlan;
-use crate::kernels::{KernelError, KeyPositions, PackedAffine};
-
-fn kernel_error(e: MetalKernelError) -> candle_core::Error {
-    MetalError::from(e).into()
-}
+use crate::kernels::{KernelError, KeyPositions, PackedAffine, QuantBits};
 
 /// The compiled library of one device and the pipelines made from it so far.
 struct DeviceKernels {
@@ -30,9 +27,22 @@ struct DeviceKernels {
     pipelines: HashMap<String, ComputePipeline>,
 }
 
+/// How a failed library or pipeline tells the user to fall back.
+const FALLBACK: &str = "to run without the crate's Metal kernels, set \
+    `LaunchPolicy::metal_kernels = false` (ModelBuilder::launch_policy) or \
+    CANDLE_GEMMA_METAL_KERNELS=0";
+
 /// The pipeline of kernel `name` on `dev`, compiling the library on first use.
-fn pipeline(dev: &MetalDevice, name: &str) -> candle_core::Result<ComputePipeline> {
+///
+/// # Errors
+/// [`KernelError::Config`] naming the kernel and carrying the Metal compiler's message when the
+/// library does not compile or the kernel has no pipeline, with how to fall back.
+fn pipeline(dev: &MetalDevice, name: &str) -> Result<ComputePipeline, KernelError> {
     static LOADED: OnceLock<Mutex<HashMap<DeviceId, DeviceKernels>>> = OnceLock::new();
+    let failed = |what: &str, e: MetalKernelError| KernelError::Config {
+        field: "Metal kernel library (qkernels.metal)",
+        reason: format!("{what} for kernel `{name}`: {e}; {FALLBACK}"),
+    };
     let mut loaded = LOADED
         .get_or_init(Mutex::default)
         .lock()
@@ -40,10 +50,16 @@ fn pipeline(dev: &MetalDevice, name: &str) -> candle_core::Result<ComputePipelin
     let kernels = match loaded.entry(dev.id()) {
         std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
         std::collections::hash_map::Entry::Vacant(e) => {
+            // IEEE division and `exp` (no fast math): the quantize kernel's codes then equal
+            // the CPU's, and every kernel computes what the emulation computes up to fma
+            // contraction. `fastMathEnabled` exists on every macOS (`mathMode` only from 15).
+            let options = objc2_metal::MTLCompileOptions::new();
+            #[allow(deprecated)]
+            options.setFastMathEnabled(false);
             let library = dev
                 .device()
-                .new_library_with_source(super::SOURCE, None)
-                .map_err(kernel_error)?;
+                .new_library_with_source(super::SOURCE, Some(&options))
+                .map_err(|err| failed("the Metal compiler rejected the library", err))?;
             e.insert(DeviceKernels {
                 library,
                 pipelines: HashMap::new(),
@@ -56,13 +72,33 @@ fn pipeline(dev: &MetalDevice, name: &str) -> candle_core::Result<ComputePipelin
     let function = kernels
         .library
         .get_function(name, None)
-        .map_err(kernel_error)?;
+        .map_err(|err| failed("no such function in the library", err))?;
     let p = dev
         .device()
         .new_compute_pipeline_state_with_function(&function)
-        .map_err(kernel_error)?;
+        .map_err(|err| failed("the pipeline could not be made", err))?;
     kernels.pipelines.insert(name.to_string(), p.clone());
     Ok(p)
+}
+
+/// Checks that `threads` per threadgroup fit `p` on this device. The kernels assume SIMD
+/// groups of 32 threads (every Apple GPU) and threadgroups of at most 256; a pipeline whose
+/// register use lowers its limit below the launch gets a typed error, not a failed dispatch.
+///
+/// # Errors
+/// [`KernelError::Config`] naming the kernel, the size and the limit.
+fn check_threads(p: &ComputePipeline, name: &str, threads: usize) -> Result<(), KernelError> {
+    let limit = p.max_total_threads_per_threadgroup();
+    if threads > limit {
+        return Err(KernelError::Config {
+            field: "threadgroup size",
+            reason: format!(
+                "kernel `{name}` launches {threads} threads per threadgroup; this device's \
+                 pipeline allows {limit}; {FALLBACK}"
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn metal_dev(t: &Tensor) -> candle_core::Result<MetalDevice> {
@@ -147,10 +183,15 @@ pub fn attend_packed_with(
     let ml = dev.new_buffer(launch.partial_ml_len.max(1), DType::F32, "qsdpa_ml")?;
     let acc = dev.new_buffer(launch.partial_acc_len.max(1), DType::F32, "qsdpa_acc")?;
     let main = pipeline(&dev, &launch.kernel)?;
+    check_threads(&main, &launch.kernel, ATTENTION_THREADS)?;
     let combine = launch
         .combine
         .as_deref()
-        .map(|name| pipeline(&dev, name))
+        .map(|name| {
+            let p = pipeline(&dev, name)?;
+            check_threads(&p, name, COMBINE_THREADS)?;
+            Ok::<_, KernelError>(p)
+        })
         .transpose()?;
 
     let guard = dev.command_encoder()?;
@@ -200,6 +241,7 @@ pub fn qmatvec(x: &Tensor, w: &PackedAffine) -> Result<Option<Tensor>, KernelErr
     );
     let (y, y_buf) = new_tensor(&dev, rows * w.out_dim(), x.dtype(), &[rows, w.out_dim()])?;
     let p = pipeline(&dev, &launch.kernel)?;
+    check_threads(&p, &launch.kernel, MATVEC_WARPS * 32)?;
     let guard = dev.command_encoder()?;
     let enc: &ComputeCommandEncoder = guard.as_ref();
     enc.set_compute_pipeline_state(&p);
@@ -215,7 +257,21 @@ pub fn qmatvec(x: &Tensor, w: &PackedAffine) -> Result<Option<Tensor>, KernelErr
 
 /// All of `w` dequantized to `dtype` `[out, in]`, or `None` for a dtype without a kernel.
 pub fn dequantize_weight(w: &PackedAffine, dtype: DType) -> Result<Option<Tensor>, KernelError> {
-    let Some(launch) = plan_dequant(w, dtype) else {
+    dequantize_rows(w, None, dtype)
+}
+
+/// Rows `idx` (`[n]` `u32` on `w`'s device, each below `w.out_dim()`) of `w` dequantized to
+/// `dtype` `[n, in]`, or every row with `None` (`[out, in]`); `None` for a dtype without a
+/// kernel. The gather reads the index on the device: nothing comes back to the host.
+pub fn dequantize_rows(
+    w: &PackedAffine,
+    idx: Option<&Tensor>,
+    dtype: DType,
+) -> Result<Option<Tensor>, KernelError> {
+    let idx = idx
+        .map(|i| i.to_dtype(DType::U32)?.flatten_all()?.contiguous())
+        .transpose()?;
+    let Some(launch) = plan_dequant_rows(w, idx.as_ref().map(Tensor::elem_count), dtype) else {
         return Ok(None);
     };
     let dev = metal_dev(&w.codes)?;
@@ -224,13 +280,13 @@ pub fn dequantize_weight(w: &PackedAffine, dtype: DType) -> Result<Option<Tensor
         w.scales.contiguous()?,
         w.biases.contiguous()?,
     );
-    let (out, out_buf) = new_tensor(
-        &dev,
-        w.out_dim() * w.in_dim(),
-        dtype,
-        &[w.out_dim(), w.in_dim()],
-    )?;
+    let rows = launch.params.rows as usize;
+    let (out, out_buf) = new_tensor(&dev, rows * w.in_dim(), dtype, &[rows, w.in_dim()])?;
+    if launch.threads == 0 {
+        return Ok(Some(out));
+    }
     let p = pipeline(&dev, &launch.kernel)?;
+    check_threads(&p, &launch.kernel, DEQUANT_THREADS)?;
     let guard = dev.command_encoder()?;
     let enc: &ComputeCommandEncoder = guard.as_ref();
     enc.set_compute_pipeline_state(&p);
@@ -238,10 +294,87 @@ pub fn dequantize_weight(w: &PackedAffine, dtype: DType) -> Result<Option<Tensor
     bind(enc, 1, &codes, false)?;
     bind(enc, 2, &scales, false)?;
     bind(enc, 3, &biases, false)?;
-    // No row index: argument 4 is never read.
-    bind(enc, 4, &codes, false)?;
-    enc.set_bytes(5, &0u32);
+    // Without an index, argument 4 is never read.
+    bind(enc, 4, idx.as_ref().unwrap_or(&codes), false)?;
+    enc.set_bytes(5, &launch.use_idx);
     enc.set_output_buffer(6, Some(&*out_buf), 0);
+    let groups = launch.threads.div_ceil(DEQUANT_THREADS);
+    enc.dispatch_thread_groups(size(groups, 1, 1), size(DEQUANT_THREADS, 1, 1));
+    Ok(Some(out))
+}
+
+/// `x` `[.., dim]` quantized on the device (shapes as [`crate::kernels::quantize`], whose
+/// caller checked the group size), or `None` for a dtype without a kernel.
+pub fn quantize(
+    x: &Tensor,
+    bits: QuantBits,
+    group_size: usize,
+) -> Result<Option<PackedAffine>, KernelError> {
+    let dims = x.dims().to_vec();
+    let dim = dims.last().copied().unwrap_or(0);
+    let rows = x.elem_count() / dim.max(1);
+    let Some(launch) = plan_quantize(rows, dim, bits, group_size, x.dtype()) else {
+        return Ok(None);
+    };
+    let dev = metal_dev(x)?;
+    let x = x.contiguous()?;
+    let with_last = |last: usize| {
+        let mut d = dims.clone();
+        if let Some(l) = d.last_mut() {
+            *l = last;
+        }
+        d
+    };
+    let (words, groups) = (dim * bits.bits() / 32, dim / group_size);
+    let (codes, codes_buf) = new_tensor(&dev, rows * words, DType::U32, &with_last(words))?;
+    let (scales, scales_buf) = new_tensor(&dev, rows * groups, x.dtype(), &with_last(groups))?;
+    let (biases, biases_buf) = new_tensor(&dev, rows * groups, x.dtype(), &with_last(groups))?;
+    if launch.threads > 0 {
+        let p = pipeline(&dev, &launch.kernel)?;
+        check_threads(&p, &launch.kernel, QUANT_THREADS)?;
+        let guard = dev.command_encoder()?;
+        let enc: &ComputeCommandEncoder = guard.as_ref();
+        enc.set_compute_pipeline_state(&p);
+        enc.set_bytes(0, &launch.params);
+        bind(enc, 1, &x, false)?;
+        enc.set_output_buffer(2, Some(&*codes_buf), 0);
+        enc.set_output_buffer(3, Some(&*scales_buf), 0);
+        enc.set_output_buffer(4, Some(&*biases_buf), 0);
+        let tgs = launch.threads.div_ceil(QUANT_THREADS);
+        enc.dispatch_thread_groups(size(tgs, 1, 1), size(QUANT_THREADS, 1, 1));
+    }
+    Ok(Some(PackedAffine::from_parts(
+        codes,
+        scales,
+        biases,
+        crate::kernels::AffineSpec { bits, group_size },
+    )))
+}
+
+/// A matrix `[rows, in_dim]` held as candle `Q4_1` blocks in `blocks` dequantized to `dtype`
+/// on the device, or `None` for a dtype without a kernel.
+pub fn dequantize_q41(
+    dev: &MetalDevice,
+    blocks: &Buffer,
+    rows: usize,
+    in_dim: usize,
+    dtype: DType,
+) -> Result<Option<Tensor>, KernelError> {
+    let Some(launch) = plan_dequant_q41(rows, in_dim, dtype) else {
+        return Ok(None);
+    };
+    let (out, out_buf) = new_tensor(dev, rows * in_dim, dtype, &[rows, in_dim])?;
+    if launch.threads == 0 {
+        return Ok(Some(out));
+    }
+    let p = pipeline(dev, &launch.kernel)?;
+    check_threads(&p, &launch.kernel, DEQUANT_THREADS)?;
+    let guard = dev.command_encoder()?;
+    let enc: &ComputeCommandEncoder = guard.as_ref();
+    enc.set_compute_pipeline_state(&p);
+    enc.set_bytes(0, &launch.params);
+    enc.set_input_buffer(1, Some(blocks), 0);
+    enc.set_output_buffer(2, Some(&*out_buf), 0);
     let groups = launch.threads.div_ceil(DEQUANT_THREADS);
     enc.dispatch_thread_groups(size(groups, 1, 1), size(DEQUANT_THREADS, 1, 1));
     Ok(Some(out))

@@ -14,7 +14,7 @@ use crate::kernels::plan::{
     QSDPA_WARPS,
 };
 use crate::kernels::QueryPlan;
-use crate::kernels::{KernelError, KeyPositions, PackedAffine};
+use crate::kernels::{KernelError, KeyPositions, PackedAffine, QuantBits};
 
 /// Query rows a threadgroup of `qsdpa_*` takes (`QS_NQ` in `qkernels.metal`).
 pub(crate) const ATTENTION_ROWS: usize = 4;
@@ -216,28 +216,102 @@ pub fn plan_matvec(rows: usize, x_dtype: DType, w: &PackedAffine) -> Option<Matv
     })
 }
 
-/// A dequantization launch: `kernel` over `threads` threads in all (one per code word), in
-/// threadgroups of [`DEQUANT_THREADS`]. Buffers: 0 `params`, 1 codes, 2 scales, 3 biases, 4 a
-/// row index (unused: any buffer), 5 `use_idx` (0), 6 the dense `[out, in]` output in `dtype`.
+/// A dequantization launch: `kernel` over `threads` threads in all (one per code word of the
+/// output), in threadgroups of [`DEQUANT_THREADS`]. Buffers: 0 `params`, 1 codes, 2 scales,
+/// 3 biases (all contiguous), 4 the row index (`u32`, `params.rows` entries; any buffer when
+/// `use_idx` is 0), 5 `use_idx`, 6 the dense `[params.rows, in]` output in `dtype`.
 pub struct DequantLaunch {
     pub params: QmatParams,
     pub kernel: String,
     pub threads: usize,
+    pub use_idx: u32,
 }
 
 /// Plans dequantizing all of `w` to `dtype`, or `None` for a non-float dtype.
 pub fn plan_dequant(w: &PackedAffine, dtype: DType) -> Option<DequantLaunch> {
+    plan_dequant_rows(w, None, dtype)
+}
+
+/// Plans dequantizing rows of `w` to `dtype`: the rows a `u32` index of `rows` entries names
+/// (the embedding gather), or every row with `None`. `None` for a non-float dtype.
+pub fn plan_dequant_rows(
+    w: &PackedAffine,
+    rows: Option<usize>,
+    dtype: DType,
+) -> Option<DequantLaunch> {
     let tn = type_name(dtype)?;
     let sn = type_name(w.scales.dtype())?;
     let bits = w.bits.bits();
+    let out_rows = rows.unwrap_or(w.out_dim());
     Some(DequantLaunch {
         params: QmatParams {
-            rows: u32::try_from(w.out_dim()).ok()?,
+            rows: u32::try_from(out_rows).ok()?,
             out_dim: u32::try_from(w.out_dim()).ok()?,
             in_dim: u32::try_from(w.in_dim()).ok()?,
             group_size: u32::try_from(w.group_size).ok()?,
         },
         kernel: format!("dequant_{tn}_{sn}_{bits}"),
-        threads: w.out_dim() * w.in_dim() * bits / 32,
+        threads: out_rows * w.in_dim() * bits / 32,
+        use_idx: u32::from(rows.is_some()),
+    })
+}
+
+/// Threads a threadgroup of `quant_*` (one thread per group of elements).
+pub const QUANT_THREADS: usize = 256;
+
+/// A quantization launch: `kernel` over `threads` threads in all (one per quantization group),
+/// in threadgroups of [`QUANT_THREADS`]. Buffers: 0 `params` (`rows`, `in_dim` = the row
+/// length, `group_size`), 1 `x` `[rows, in_dim]` contiguous, 2 codes `[rows, in_dim * bits /
+/// 32]` `u32`, 3 scales and 4 biases `[rows, in_dim / group_size]` in `x`'s dtype.
+pub struct QuantLaunch {
+    pub params: QmatParams,
+    pub kernel: String,
+    pub threads: usize,
+}
+
+/// Plans quantizing `rows` rows of `dim` elements of `dtype` to `bits` in groups of
+/// `group_size` (checked by the caller), or `None` for a non-float dtype or sizes past `u32`.
+pub fn plan_quantize(
+    rows: usize,
+    dim: usize,
+    bits: QuantBits,
+    group_size: usize,
+    dtype: DType,
+) -> Option<QuantLaunch> {
+    let tn = type_name(dtype)?;
+    Some(QuantLaunch {
+        params: QmatParams {
+            rows: u32::try_from(rows).ok()?,
+            out_dim: u32::try_from(rows).ok()?,
+            in_dim: u32::try_from(dim).ok()?,
+            group_size: u32::try_from(group_size).ok()?,
+        },
+        kernel: format!("quant_{tn}_{}", bits.bits()),
+        threads: rows.checked_mul(dim / group_size.max(1))?,
+    })
+}
+
+/// A `Q4_1` dequantization launch: `kernel` over `threads` threads in all (one per 32-element
+/// block), in threadgroups of [`DEQUANT_THREADS`]. Buffers: 0 `params` (`rows`, `in_dim`), 1
+/// the blocks (`rows * in_dim / 32` of 20 bytes), 2 the dense `[rows, in_dim]` output.
+pub struct DequantQ41Launch {
+    pub params: QmatParams,
+    pub kernel: String,
+    pub threads: usize,
+}
+
+/// Plans dequantizing `rows` rows of `in_dim` (a multiple of 32) held as `Q4_1` blocks to
+/// `dtype`, or `None` for a non-float dtype or sizes past `u32`.
+pub fn plan_dequant_q41(rows: usize, in_dim: usize, dtype: DType) -> Option<DequantQ41Launch> {
+    let tn = type_name(dtype)?;
+    Some(DequantQ41Launch {
+        params: QmatParams {
+            rows: u32::try_from(rows).ok()?,
+            out_dim: u32::try_from(rows).ok()?,
+            in_dim: u32::try_from(in_dim).ok()?,
+            group_size: 32,
+        },
+        kernel: format!("dequant_q41_{tn}"),
+        threads: rows.checked_mul(in_dim / 32)?,
     })
 }

@@ -8,6 +8,18 @@
 #include <metal_stdlib>
 using namespace metal;
 
+// SIMD width: every kernel assumes simdgroups of 32 threads (all Apple GPUs; `simd_sum` and the
+// lane/warp split of a threadgroup rely on it). Threadgroups are at most 256 threads; the
+// launcher checks each against the pipeline's maxTotalThreadsPerThreadgroup.
+//
+// `bfloat` exists from Metal 3.1 (macOS 14): the bf16 kernels are compiled only there, so the
+// library still compiles on macOS 13 and its f16/f32 kernels run.
+#if __METAL_VERSION__ >= 310
+#define QK_HAS_BFLOAT 1
+#else
+#define QK_HAS_BFLOAT 0
+#endif
+
 // Threadgroup arrays declared in a kernel. The CPU emulation makes them function statics: it runs
 // one threadgroup at a time, so a static is that group's shared memory.
 #ifndef QK_THREADGROUP
@@ -254,7 +266,9 @@ inline void qsdpa_combine_body(constant QsdpaParams& p, device const float* part
 
 QSDPA_INST_T(f32, float)
 QSDPA_INST_T(f16, half)
+#if QK_HAS_BFLOAT
 QSDPA_INST_T(bf16, bfloat)
+#endif
 
 // y[r, o] = sum_e x[r, e] W[o, e]: one simdgroup per output row, 4 words of codes per step.
 template <typename T, typename S, int BITS, int MAXR>
@@ -339,11 +353,117 @@ inline void dequant_body(constant QmatParams& p, device const uint* codes, devic
     QW_INST_B(TN, T, SN, S, 4)  \
     QW_INST_B(TN, T, SN, S, 8)
 
+#if QK_HAS_BFLOAT
 #define QW_INST_T(TN, T)              \
     QW_INST_S(TN, T, f32, float)      \
     QW_INST_S(TN, T, f16, half)       \
     QW_INST_S(TN, T, bf16, bfloat)
+#else
+#define QW_INST_T(TN, T)              \
+    QW_INST_S(TN, T, f32, float)      \
+    QW_INST_S(TN, T, f16, half)
+#endif
 
 QW_INST_T(f32, float)
 QW_INST_T(f16, half)
+#if QK_HAS_BFLOAT
 QW_INST_T(bf16, bfloat)
+#endif
+
+// MLX affine quantization of rows of `x` `[rows, in_dim]` (contiguous): one thread per group of
+// `group_size` elements writes the group's code words and its scale and bias (rows x groups,
+// row-major). The arithmetic is MLX's CPU `quantize` (src/kernels/quant.rs `group_params`):
+// f32 throughout, the larger-magnitude end snapped onto a code, round half to even (`rint`);
+// with IEEE division (the library is compiled without fast math) the codes equal the CPU's.
+template <typename T, int BITS>
+inline void quant_body(constant QmatParams& p, device const T* x, device uint* codes,
+                       device T* scales, device T* biases, uint t) {
+    constexpr uint PER = 32 / BITS;
+    const uint groups = p.in_dim / p.group_size;
+    if (ulong(t) >= ulong(p.rows) * groups) return;
+    const ulong r = t / groups, g = t % groups;
+    device const T* xg = x + r * p.in_dim + g * p.group_size;
+    const float n_bins = float((1u << BITS) - 1);
+    float w_min = INFINITY, w_max = -INFINITY;
+    for (uint i = 0; i < p.group_size; ++i) {
+        const float v = float(xg[i]);
+        w_max = max(w_max, v);
+        w_min = min(w_min, v);
+    }
+    const bool at_min = fabs(w_min) > fabs(w_max);
+    float scale = max((w_max - w_min) / n_bins, 1e-7f);
+    if (!at_min) scale = -scale;
+    const float edge = at_min ? w_min : w_max;
+    const float q0 = rint(edge / scale);
+    float bias = 0.f;
+    if (q0 != 0.f) {
+        scale = edge / q0;
+        bias = edge;
+    }
+    device uint* cw = codes + (r * p.in_dim + g * p.group_size) / PER;
+    for (uint w = 0; w < p.group_size / PER; ++w) {
+        uint word = 0;
+        for (uint k = 0; k < PER; ++k) {
+            const float c = clamp(rint((float(xg[w * PER + k]) - bias) / scale), 0.f, n_bins);
+            word |= uint(c) << (k * BITS);
+        }
+        cw[w] = word;
+    }
+    scales[t] = T(scale);
+    biases[t] = T(bias);
+}
+
+#define QUANT_INST(TN, T, BITS)                                                                \
+    [[kernel]] void quant_##TN##_##BITS(                                                       \
+        constant QmatParams& p [[buffer(0)]], device const T* x [[buffer(1)]],                 \
+        device uint* c [[buffer(2)]], device T* s [[buffer(3)]], device T* b [[buffer(4)]],    \
+        uint t [[thread_position_in_grid]]) {                                                  \
+        quant_body<T, BITS>(p, x, c, s, b, t);                                                 \
+    }
+
+QUANT_INST(f32, float, 4)
+QUANT_INST(f32, float, 8)
+QUANT_INST(f16, half, 4)
+QUANT_INST(f16, half, 8)
+#if QK_HAS_BFLOAT
+QUANT_INST(bf16, bfloat, 4)
+QUANT_INST(bf16, bfloat, 8)
+#endif
+
+// candle `Q4_1` blocks (20 bytes: `d` and `m` as half, then 16 bytes, element j in the low
+// nibble of byte j and element j + 16 in the high one) to dense `[rows, in_dim]`: one thread
+// per block, blocks row-major, so block t holds dense elements t * 32 .. t * 32 + 32. The
+// prefill products of matrices held only as `Q4_1` blocks dequantize through it. `d` and `m`
+// are read as two ushort halves of the block's first word (the block is 4-byte aligned only
+// every other block).
+template <typename T>
+inline void dequant_q41_body(constant QmatParams& p, device const uchar* blocks, device T* out,
+                             uint t) {
+    const ulong n_blocks = ulong(p.rows) * (p.in_dim / 32);
+    if (ulong(t) >= n_blocks) return;
+    device const uchar* b = blocks + ulong(t) * 20;
+    const ushort d_bits = ushort(b[0]) | ushort(ushort(b[1]) << 8);
+    const ushort m_bits = ushort(b[2]) | ushort(ushort(b[3]) << 8);
+    const float d = float(as_type<half>(d_bits));
+    const float m = float(as_type<half>(m_bits));
+    device T* o = out + ulong(t) * 32;
+    for (int j = 0; j < 16; ++j) {
+        const uint q = uint(b[4 + j]);
+        o[j] = T(fma(float(q & 15u), d, m));
+        o[j + 16] = T(fma(float(q >> 4), d, m));
+    }
+}
+
+#define DEQ_Q41_INST(TN, T)                                                                    \
+    [[kernel]] void dequant_q41_##TN(constant QmatParams& p [[buffer(0)]],                     \
+                                     device const uchar* blocks [[buffer(1)]],                 \
+                                     device T* out [[buffer(2)]],                              \
+                                     uint t [[thread_position_in_grid]]) {                     \
+        dequant_q41_body<T>(p, blocks, out, t);                                                \
+    }
+
+DEQ_Q41_INST(f32, float)
+DEQ_Q41_INST(f16, half)
+#if QK_HAS_BFLOAT
+DEQ_Q41_INST(bf16, bfloat)
+#endif

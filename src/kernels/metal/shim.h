@@ -20,8 +20,12 @@
 #define threadgroup
 #define thread
 #define QK_THREADGROUP static
+// The emulation compiles every kernel, the bf16 ones included (Metal 3.1).
+#define __METAL_VERSION__ 310
 namespace metal {
 typedef unsigned int uint;
+typedef unsigned char uchar;
+typedef unsigned short ushort;
 typedef unsigned long ulong;
 
 struct half {
@@ -77,8 +81,20 @@ inline float simd_sum(float x) {
     return s;
 }
 
+// Reinterprets the bits of a value (Metal's `as_type`).
+template <typename To, typename From>
+inline To as_type(From f) {
+    static_assert(sizeof(To) == sizeof(From), "as_type between types of one size");
+    To t;
+    std::memcpy(&t, &f, sizeof(To));
+    return t;
+}
+
+using std::clamp;
 using std::exp;
+using std::fabs;
 using std::fma;
 using std::max;
 using std::min;
+using std::rint;
 }  // namespace metal
