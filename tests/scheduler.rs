@@ -541,10 +541,22 @@ fn chunked_reference(
 
 #[test]
 fn turn_two_with_a_rewritten_answer_reuses_turn_one_prompt_from_its_ring_checkpoint() {
-    let model = load("e2b-hf");
-    assert!(model.config().sliding_window < 19, "the rings wrap");
-    let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
+    for name in ["e2b-hf", "e4b-text"] {
+        rewritten_answer_reuses_the_prompt(name);
+    }
+}
+
+/// Turn 1 runs cold; turn 2 is turn 1's prompt, an answer other than the one generated, and
+/// new text. Its prompt's state comes from the ring checkpoint the scheduler took after turn
+/// 1's prefill (the answer's decode wrapped the rings past it).
+fn rewritten_answer_reuses_the_prompt(name: &str) {
+    let model = load(name);
+    let prompts: Vec<Vec<u32>> = golden(name).into_iter().map(|c| c.prompt).collect();
     let turn1 = &prompts[1]; // 19 tokens, then 6 answer tokens: every ring has wrapped
+    assert!(
+        model.config().sliding_window < turn1.len(),
+        "the rings wrap"
+    );
     let budget = 1 << 26;
     let layouts = [
         (
@@ -567,8 +579,11 @@ fn turn_two_with_a_rewritten_answer_reuses_turn_one_prompt_from_its_ring_checkpo
         )
         .expect("scheduler");
         let (answer, cached, _) = run_one(&mut s, turn1.clone(), greedy(layout, 6));
-        assert_eq!(cached, 0, "{label}: turn 1 starts cold");
-        assert!(s.stats().prefix_bytes <= budget, "{label}: within budget");
+        assert_eq!(cached, 0, "{name} {label}: turn 1 starts cold");
+        assert!(
+            s.stats().prefix_bytes <= budget,
+            "{name} {label}: within budget"
+        );
 
         // The template renders turn 1's answer otherwise (its thinking dropped).
         let other = if answer[0] == 300 { 301 } else { 300 };
@@ -576,11 +591,14 @@ fn turn_two_with_a_rewritten_answer_reuses_turn_one_prompt_from_its_ring_checkpo
         let (tokens, cached, usage) = run_one(&mut s, turn2.clone(), greedy(layout, 8));
         assert!(
             cached + 1 >= turn1.len() && cached <= turn1.len(),
-            "{label}: turn 2 reuses turn 1's prompt ({cached} of {} tokens)",
+            "{name} {label}: turn 2 reuses turn 1's prompt ({cached} of {} tokens)",
             turn1.len()
         );
         assert_eq!(usage.cached_tokens, cached);
-        assert!(s.stats().prefix_bytes <= budget, "{label}: within budget");
+        assert!(
+            s.stats().prefix_bytes <= budget,
+            "{name} {label}: within budget"
+        );
 
         let want = if let CacheMode::Quantized(_) = layout.mode {
             // A quantized cache quantizes what earlier chunks stored: the reference prefills in
@@ -589,12 +607,12 @@ fn turn_two_with_a_rewritten_answer_reuses_turn_one_prompt_from_its_ring_checkpo
         } else {
             let mut cold = Scheduler::new(&model, config()).expect("scheduler");
             let (want, none, _) = run_one(&mut cold, turn2.clone(), greedy(layout, 8));
-            assert_eq!(none, 0, "{label}: reuse off");
+            assert_eq!(none, 0, "{name} {label}: reuse off");
             want
         };
         assert_eq!(
             tokens, want,
-            "{label}: reuse gives the tokens of a cold prefill"
+            "{name} {label}: reuse gives the tokens of a cold prefill"
         );
     }
 }
