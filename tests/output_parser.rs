@@ -133,6 +133,28 @@ fn special_tokens_never_reach_text() {
 }
 
 #[test]
+fn text_around_a_dropped_token_never_spells_one() {
+    // The text on both sides of a dropped token (or role header) would read as a special
+    // token: that string is dropped as the token would be, and a partial one is held back.
+    check_all_splits("<turn<channel|>|>", &[]);
+    check_all_splits("A<tu<eos>rn|>B", &[text("AB")]);
+    check_all_splits("x<tu<e<pad>os>rn|>y", &[text("xy")]);
+    check_all_splits("A<turn|<|turn>model\n>B", &[text("AB")]);
+    check_all_splits(
+        "<|channel>thought\nx<e<pad>os>y<channel|>z",
+        &[think("xy"), text("z")],
+    );
+    // Text joins across a thought into what a client's content reads as one string.
+    check_all_splits(
+        "<tu<|channel>thought\nhm<channel|>rn|>ok",
+        &[think("hm"), text("ok")],
+    );
+    // Partial tokens that cannot complete are shown as written.
+    check_all_splits("a <t b <tu<e", &[text("a <t b <tu<e")]);
+    check_all_splits("<<tool_call|", &[text("<<tool_call|")]);
+}
+
+#[test]
 fn malformed_tool_call_is_kept_as_text() {
     // The content survives without the tags; its `<|"|>` quotes become plain `"`.
     check_all_splits(
