@@ -108,6 +108,7 @@ fn output_parser_seeds_split_anywhere() {
         let (chunked, whole) = parse_chunked(mode & 1 == 1, text);
         assert_eq!(chunked, whole, "{}", path.display());
         assert!(!chunked.is_empty(), "{}", path.display());
+        assert_no_special_token_string(&chunked, &whole_text(text));
     }
 }
 
