@@ -274,8 +274,9 @@ impl<'m> BatchSession<'m> {
 
     /// As [`BatchSession::step`], calling `on_prefilled(prompt, options, cache)` for every
     /// joining sequence whose prompt this step completes, with its single-sequence cache
-    /// holding exactly the prompt's K/V, before the sequence enters the batch (a prefix store
-    /// takes its ring checkpoint there: see [`crate::serve::prefix::PrefixStore::checkpoint`]).
+    /// holding exactly the prompt's K/V, before the sequence enters the batch: the one point
+    /// where that state exists alone (a prefix store keeps a checkpoint of it there; the
+    /// sequence's decode then moves its sliding-window rings past the prompt).
     ///
     /// # Errors
     /// As [`BatchSession::step`].
