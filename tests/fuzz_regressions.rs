@@ -108,13 +108,16 @@ fn output_parser_seeds_split_anywhere() {
         let (chunked, whole) = parse_chunked(mode & 1 == 1, text);
         assert_eq!(chunked, whole, "{}", path.display());
         assert!(!chunked.is_empty(), "{}", path.display());
+        assert_no_special_token_string(&chunked, &whole_text(text));
     }
 }
 
 /// Inputs the `output_parser` target stopped on when it also required that no special-token
 /// string appear inside `Text` or `Thinking`: the text around a dropped special token or role
-/// header can spell one (`B<e` `<tool|>` `os>` shows as `B<eos>`, `A<turn|` `<|turn>m` `>` as
-/// `A<turn|>`). The parser shows that text as written; both still split anywhere alike.
+/// header can spell one (`B<e` `<tool|>` `os>` reads `B<eos>`, `A<turn|` `<|turn>m` `>` reads
+/// `A<turn|>`). The parser drops such a string as the token it spells: neither the events nor
+/// all the text (or thinking) joined hold one, split at the fuzzer's points, at any two points,
+/// or whole.
 #[test]
 fn output_parser_text_around_dropped_tokens() {
     let inputs: [&[u8]; 2] = [
@@ -126,16 +129,82 @@ fn output_parser_text_around_dropped_tokens() {
           \xc2\x0a<|tu\xffrn>m2\x00\x00\x00odel\x0aB<e<tool|>os>",
     ];
     let expected = [
-        vec![OutputEvent::Text("A<turn|>".into())],
-        vec![OutputEvent::Text(
-            "u*n|\u{FFFD}\nm2\0\0\0odel\nB<eos>".into(),
-        )],
+        vec![OutputEvent::Text("A".into())],
+        vec![OutputEvent::Text("u*n|\u{FFFD}\nm2\0\0\0odel\nB".into())],
     ];
     for (bytes, expected) in inputs.iter().zip(expected) {
         let (&mode, text) = bytes.split_first().expect("non-empty");
-        let (chunked, whole) = parse_chunked(mode & 1 == 1, text);
+        let in_thinking = mode & 1 == 1;
+        let (chunked, whole) = parse_chunked(in_thinking, text);
         assert_eq!(chunked, whole);
         assert_eq!(chunked, expected);
+        let joined = whole_text(text);
+        let b: Vec<usize> = (0..=joined.len())
+            .filter(|&i| joined.is_char_boundary(i))
+            .collect();
+        for (n, &i) in b.iter().enumerate() {
+            for &j in &b[n..] {
+                let split = [&joined[..i], &joined[i..j], &joined[j..]]
+                    .map(str::as_bytes)
+                    .join(&0xFF);
+                let (events, _) = parse_chunked(in_thinking, &split);
+                assert_no_special_token_string(&events, &joined);
+                assert_eq!(events, expected, "split at {i}, {j}");
+            }
+        }
+    }
+}
+
+/// The text of a fuzz input (its chunk markers removed), as the parser reads it.
+fn whole_text(text: &[u8]) -> String {
+    text.split(|&b| b == 0xFF)
+        .map(|c| String::from_utf8_lossy(c).into_owned())
+        .collect()
+}
+
+/// Every special-token string the output parser knows.
+const SPECIAL_TOKEN_STRINGS: &[&str] = &[
+    "<|channel>",
+    "<channel|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|\"|>",
+    "<|turn>",
+    "<turn|>",
+    "<eos>",
+    "<bos>",
+    "<pad>",
+    "<unk>",
+    "<mask>",
+    "<|think|>",
+    "<|tool>",
+    "<tool|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    "<|image>",
+    "<image|>",
+    "<|audio>",
+    "<audio|>",
+    "<|image|>",
+    "<|audio|>",
+    "<|video|>",
+];
+
+/// No special-token string inside `Text` or `Thinking`, nor in all the text (or thinking)
+/// joined.
+fn assert_no_special_token_string(events: &[OutputEvent], input: &str) {
+    let mut joined = [String::new(), String::new()];
+    for e in events {
+        match e {
+            OutputEvent::Text(t) => joined[0].push_str(t),
+            OutputEvent::Thinking(t) => joined[1].push_str(t),
+            OutputEvent::ToolCall { .. } => {}
+        }
+    }
+    for s in SPECIAL_TOKEN_STRINGS {
+        for j in &joined {
+            assert!(!j.contains(s), "{s} in {j:?} from {input:?}");
+        }
     }
 }
 

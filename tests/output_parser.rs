@@ -1,5 +1,6 @@
 //! The streaming output parser: the same events however the text is split, malformed and
-//! unterminated blocks kept, special tokens never leaking into text.
+//! unterminated blocks kept, special tokens never leaking into text or thinking (nor into all
+//! of a stream's text joined, where the text around a dropped token could spell one).
 
 use candle_gemma::chat::{to_gemma, OutputEvent, OutputParser};
 use proptest::prelude::*;
@@ -22,6 +23,14 @@ const SPECIALS: &[&str] = &[
     "<|tool_response>",
     "<tool_response|>",
     "<|image|>",
+    "<unk>",
+    "<mask>",
+    "<|image>",
+    "<image|>",
+    "<|audio>",
+    "<audio|>",
+    "<|audio|>",
+    "<|video|>",
 ];
 
 /// Merges adjacent Text/Thinking events, so that results compare independently of chunking.
@@ -51,12 +60,20 @@ fn boundaries(s: &str) -> Vec<usize> {
     (0..=s.len()).filter(|&i| s.is_char_boundary(i)).collect()
 }
 
+/// No special-token string inside any `Text` or `Thinking` event, nor in all the text (or all
+/// the thinking) joined, as a client joins its deltas.
 fn assert_no_leak(events: &[OutputEvent]) {
+    let (mut text, mut thinking) = (String::new(), String::new());
     for e in events {
-        if let OutputEvent::Text(t) | OutputEvent::Thinking(t) = e {
-            for s in SPECIALS {
-                assert!(!t.contains(s), "{s} leaked into {e:?}");
-            }
+        match e {
+            OutputEvent::Text(t) => text.push_str(t),
+            OutputEvent::Thinking(t) => thinking.push_str(t),
+            OutputEvent::ToolCall { .. } => {}
+        }
+    }
+    for (kind, joined) in [("text", &text), ("thinking", &thinking)] {
+        for s in SPECIALS {
+            assert!(!joined.contains(s), "{s} leaked into the {kind} {joined:?}");
         }
     }
 }
@@ -113,6 +130,28 @@ fn special_tokens_never_reach_text() {
     let input = "<|turn>model\nHi<eos> there<turn|>\n<pad>!<|image|>";
     let expected = vec![text("Hi there\n!")];
     check_all_splits(input, &expected);
+}
+
+#[test]
+fn text_around_a_dropped_token_never_spells_one() {
+    // The text on both sides of a dropped token (or role header) would read as a special
+    // token: that string is dropped as the token would be, and a partial one is held back.
+    check_all_splits("<turn<channel|>|>", &[]);
+    check_all_splits("A<tu<eos>rn|>B", &[text("AB")]);
+    check_all_splits("x<tu<e<pad>os>rn|>y", &[text("xy")]);
+    check_all_splits("A<turn|<|turn>model\n>B", &[text("AB")]);
+    check_all_splits(
+        "<|channel>thought\nx<e<pad>os>y<channel|>z",
+        &[think("xy"), text("z")],
+    );
+    // Text joins across a thought into what a client's content reads as one string.
+    check_all_splits(
+        "<tu<|channel>thought\nhm<channel|>rn|>ok",
+        &[think("hm"), text("ok")],
+    );
+    // Partial tokens that cannot complete are shown as written.
+    check_all_splits("a <t b <tu<e", &[text("a <t b <tu<e")]);
+    check_all_splits("<<tool_call|", &[text("<<tool_call|")]);
 }
 
 #[test]
@@ -186,6 +225,65 @@ fn fragment() -> impl Strategy<Value = String> {
         Just("call:f{a:1}".to_string()),
         Just("thought\n".to_string()),
     ]
+}
+
+/// A piece of the templates' vocabulary: a special token, part of one (the text left around a
+/// dropped token), a role or channel header, or a little text.
+fn template_piece() -> impl Strategy<Value = String> {
+    let special = proptest::sample::select(SPECIALS.to_vec());
+    prop_oneof![
+        3 => special.clone().prop_map(str::to_string),
+        3 => (special, any::<prop::sample::Index>(), any::<bool>()).prop_map(|(s, at, head)| {
+            let i = at.index(s.len());
+            if head { s[..i].to_string() } else { s[i..].to_string() }
+        }),
+        1 => proptest::sample::select(vec!["model\n", "user\n", "thought\n", "call:f{a:1}"])
+            .prop_map(str::to_string),
+        1 => "[a-z <>|\n]{0,4}",
+    ]
+}
+
+/// Feeds `chunks` to a fresh parser and returns every event, unmerged.
+fn events_of(in_thinking: bool, chunks: &[&str]) -> Vec<OutputEvent> {
+    let mut p = if in_thinking {
+        OutputParser::in_thinking()
+    } else {
+        OutputParser::new()
+    };
+    let mut events = Vec::new();
+    for c in chunks {
+        events.extend(p.push(c));
+    }
+    events.extend(p.finish());
+    events
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(400))]
+
+    #[test]
+    fn no_special_token_string_survives_any_chunking_of_template_tokens(
+        parts in proptest::collection::vec(template_piece(), 0..16),
+        cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..8),
+        in_thinking in any::<bool>(),
+    ) {
+        let input: String = parts.concat();
+        let b = boundaries(&input);
+        let mut points: Vec<usize> = cuts.iter().map(|c| b[c.index(b.len())]).collect();
+        points.sort_unstable();
+        let mut chunks = Vec::new();
+        let mut last = 0;
+        for p in points {
+            chunks.push(&input[last..p]);
+            last = p;
+        }
+        chunks.push(&input[last..]);
+        let chunked = events_of(in_thinking, &chunks);
+        assert_no_leak(&chunked);
+        let whole = events_of(in_thinking, &[&input]);
+        assert_no_leak(&whole);
+        prop_assert_eq!(normalize(chunked), normalize(whole));
+    }
 }
 
 proptest! {

@@ -520,3 +520,99 @@ fn engine_refuses_beyond_the_queue_bound_and_fails_pending_requests_on_shutdown(
     );
     assert_eq!(engine.stats().queued, 0);
 }
+
+/// `n` greedy tokens after prefilling `reused` and then `rest`, each in chunks of `chunk` (the
+/// chunking of a request served `reused` from the prefix store, whose state was prefilled in
+/// the scheduler's chunks from the start).
+fn chunked_reference(
+    model: &Model,
+    cache: CacheConfig,
+    reused: &[u32],
+    rest: &[u32],
+    chunk: usize,
+    n: usize,
+) -> Vec<u32> {
+    let mut state = model.new_cache(&cache).expect("cache");
+    for piece in reused.chunks(chunk) {
+        step(model, &mut state, piece);
+    }
+    run(model, &mut state, rest, n, Some(chunk)).0
+}
+
+#[test]
+fn turn_two_with_a_rewritten_answer_reuses_turn_one_prompt_from_its_ring_checkpoint() {
+    for name in ["e2b-hf", "e4b-text"] {
+        rewritten_answer_reuses_the_prompt(name);
+    }
+}
+
+/// Turn 1 runs cold; turn 2 is turn 1's prompt, an answer other than the one generated, and
+/// new text. Its prompt's state comes from the ring checkpoint the scheduler took after turn
+/// 1's prefill (the answer's decode wrapped the rings past it).
+fn rewritten_answer_reuses_the_prompt(name: &str) {
+    let model = load(name);
+    let prompts: Vec<Vec<u32>> = golden(name).into_iter().map(|c| c.prompt).collect();
+    let turn1 = &prompts[1]; // 19 tokens, then 6 answer tokens: every ring has wrapped
+    assert!(
+        model.config().sliding_window < turn1.len(),
+        "the rings wrap"
+    );
+    let budget = 1 << 26;
+    let layouts = [
+        (
+            "dense",
+            CacheConfig {
+                mode: CacheMode::Simple,
+            },
+        ),
+        ("rotating", CacheConfig::default()),
+        ("8-bit", quantized(QuantBits::Eight)),
+        ("4-bit", quantized(QuantBits::Four)),
+    ];
+    for (label, layout) in layouts {
+        let mut s = Scheduler::new(
+            &model,
+            SchedulerConfig {
+                prefix_cache_bytes: budget,
+                ..config()
+            },
+        )
+        .expect("scheduler");
+        let (answer, cached, _) = run_one(&mut s, turn1.clone(), greedy(layout, 6));
+        assert_eq!(cached, 0, "{name} {label}: turn 1 starts cold");
+        assert!(
+            s.stats().prefix_bytes <= budget,
+            "{name} {label}: within budget"
+        );
+
+        // The template renders turn 1's answer otherwise (its thinking dropped).
+        let other = if answer[0] == 300 { 301 } else { 300 };
+        let turn2: Vec<u32> = [&turn1[..], &[other, 302, 303], &prompts[0]].concat();
+        let (tokens, cached, usage) = run_one(&mut s, turn2.clone(), greedy(layout, 8));
+        assert!(
+            cached + 1 >= turn1.len() && cached <= turn1.len(),
+            "{name} {label}: turn 2 reuses turn 1's prompt ({cached} of {} tokens)",
+            turn1.len()
+        );
+        assert_eq!(usage.cached_tokens, cached);
+        assert!(
+            s.stats().prefix_bytes <= budget,
+            "{name} {label}: within budget"
+        );
+
+        let want = if let CacheMode::Quantized(_) = layout.mode {
+            // A quantized cache quantizes what earlier chunks stored: the reference prefills in
+            // the chunks the reused request saw.
+            chunked_reference(&model, layout, &turn2[..cached], &turn2[cached..], 4, 8)
+        } else {
+            let mut cold = Scheduler::new(&model, config()).expect("scheduler");
+            let (want, none, _) = run_one(&mut cold, turn2.clone(), greedy(layout, 8));
+            assert_eq!(none, 0, "{name} {label}: reuse off");
+            want
+        };
+        assert_eq!(
+            tokens, want,
+            "{name} {label}: reuse gives the tokens of a cold prefill"
+        );
+    }
+}

@@ -1,5 +1,6 @@
 //! The streaming output parser: any text, split into chunks anywhere, gives the same events as
-//! the whole text at once (and never panics).
+//! the whole text at once, never shows a special-token string in its text or thinking (nor in
+//! all of either joined), and never panics.
 //!
 //! Input: one byte (bit 0: the output starts inside a thought), then the text, in which each
 //! `0xFF` byte (never part of UTF-8) marks a chunk boundary.
@@ -8,6 +9,34 @@
 
 use candle_gemma::chat::{OutputEvent, OutputParser};
 use libfuzzer_sys::fuzz_target;
+
+/// Every special-token string the parser knows.
+const SPECIAL_TOKEN_STRINGS: &[&str] = &[
+    "<|channel>",
+    "<channel|>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<|\"|>",
+    "<|turn>",
+    "<turn|>",
+    "<eos>",
+    "<bos>",
+    "<pad>",
+    "<unk>",
+    "<mask>",
+    "<|think|>",
+    "<|tool>",
+    "<tool|>",
+    "<|tool_response>",
+    "<tool_response|>",
+    "<|image>",
+    "<image|>",
+    "<|audio>",
+    "<audio|>",
+    "<|image|>",
+    "<|audio|>",
+    "<|video|>",
+];
 
 fn parser(in_thinking: bool) -> OutputParser {
     if in_thinking {
@@ -52,4 +81,17 @@ fuzz_target!(|data: &[u8]| {
     let chunked = parse(in_thinking, chunks.iter().map(String::as_str));
     let whole = parse(in_thinking, [chunks.concat().as_str()]);
     assert_eq!(chunked, whole, "chunks {chunks:?}");
+    let mut joined = [String::new(), String::new()];
+    for e in &chunked {
+        match e {
+            OutputEvent::Text(t) => joined[0].push_str(t),
+            OutputEvent::Thinking(t) => joined[1].push_str(t),
+            OutputEvent::ToolCall { .. } => {}
+        }
+    }
+    for s in SPECIAL_TOKEN_STRINGS {
+        for j in &joined {
+            assert!(!j.contains(s), "{s} in {j:?} from chunks {chunks:?}");
+        }
+    }
 });

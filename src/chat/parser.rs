@@ -19,10 +19,19 @@
 //! ]);
 //! ```
 //!
-//! Guarantees: a tag may be split across chunks at any byte; no special token (`<turn|>`,
-//! `<eos>`, `<|turn>`, …) ever appears inside `Text` or `Thinking`; and nothing the model
-//! wrote is lost — an unterminated thought stays `Thinking`, a tool call that does not parse
-//! comes back as `Text` (its content, without the tags and with `<|"|>` shown as `"`).
+//! Guarantees:
+//! - a tag may be split across chunks at any byte, and the events are the same however the
+//!   text is split (up to how adjacent events of one kind are merged);
+//! - no special-token string (`<turn|>`, `<eos>`, `<|turn>`, …) ever appears inside `Text` or
+//!   `Thinking`, nor in all the `Text` (or all the `Thinking`) of a stream joined, as a client
+//!   joins its deltas. Special tokens and role headers are dropped from the output, so the
+//!   text on both sides of one can join into such a string (`<tu`, a dropped `<eos>`, `rn|>`):
+//!   that string is dropped too, as the token it spells would be. Text that may still join
+//!   later text into one (a trailing `<tu`) is held back until it cannot, or until
+//!   [`OutputParser::finish`]; in ordinary output that is a few bytes;
+//! - nothing else the model wrote is lost: an unterminated thought stays `Thinking`, a tool
+//!   call that does not parse comes back as `Text` (its content, without the tags and with
+//!   `<|"|>` shown as `"`).
 
 use serde_json::Value;
 
@@ -106,6 +115,60 @@ enum State {
     TurnHeader(String),
 }
 
+/// What a client sees of one output stream (every `Text`, or every `Thinking`, joined): a
+/// special-token string that text on both sides of a dropped token forms is removed, and the
+/// tail that later text could still turn into one is held back.
+///
+/// The joined stream is reduced as a stack: each character is pushed, and a special-token
+/// string on top is popped at once. Every special-token string starts with its only `<` and
+/// ends with its only `>`, so a character can still be popped only while it lies in the
+/// longest tail made of `<`-led pieces that are each a proper prefix of one (`<tu<e` may
+/// become `<tu` and then `<turn|>`); everything before that tail is final. The result depends
+/// only on the joined text, never on how it was split.
+#[derive(Debug, Clone, Default)]
+struct Visible {
+    /// The tail that may still be removed.
+    held: String,
+}
+
+impl Visible {
+    /// Appends `t`; returns the text that is now final.
+    fn push(&mut self, t: &str) -> String {
+        let mut s = std::mem::take(&mut self.held);
+        for c in t.chars() {
+            s.push(c);
+            if c == '>' {
+                if let Some((tag, _)) = MARKERS.iter().find(|(tag, _)| s.ends_with(tag)) {
+                    s.truncate(s.len() - tag.len());
+                }
+            }
+        }
+        self.held = s.split_off(removable_from(&s));
+        s
+    }
+
+    /// Ends the stream: the held tail is final.
+    fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+/// Where the tail of `s` that later text could still remove begins (see [`Visible`]).
+fn removable_from(s: &str) -> usize {
+    let mut start = s.len();
+    while let Some(at) = s[..start].rfind('<') {
+        let piece = &s[at..start];
+        let partial = MARKERS
+            .iter()
+            .any(|(tag, _)| tag.len() > piece.len() && tag.starts_with(piece));
+        if !partial {
+            break;
+        }
+        start = at;
+    }
+    start
+}
+
 /// Streaming parser of Gemma 4 output; see the [`chat`](crate::chat) module docs.
 #[derive(Debug, Clone)]
 pub struct OutputParser {
@@ -114,6 +177,11 @@ pub struct OutputParser {
     state: State,
     initial: State,
     events: Vec<OutputEvent>,
+    /// The visible text and thinking streams.
+    text: Visible,
+    thinking: Visible,
+    /// Whether thinking was written after the last text.
+    thinking_last: bool,
 }
 
 impl Default for OutputParser {
@@ -141,6 +209,9 @@ impl OutputParser {
             state: state.clone(),
             initial: state,
             events: Vec::new(),
+            text: Visible::default(),
+            thinking: Visible::default(),
+            thinking_last: false,
         }
     }
 
@@ -155,7 +226,8 @@ impl OutputParser {
     }
 
     /// Ends the stream: flushes held-back text and any open block, then resets the parser
-    /// to its initial state.
+    /// to its initial state. Held-back text and thinking come last, the stream written last
+    /// first (it continues the last event).
     pub fn finish(&mut self) -> Vec<OutputEvent> {
         for piece in self.lex("", true) {
             self.handle(piece);
@@ -165,6 +237,14 @@ impl OutputParser {
             State::ToolCall(raw) => self.close_tool_call(raw),
             State::TurnHeader(h) if !is_header(&h) => self.emit_text(&h),
             _ => {}
+        }
+        let (text, thinking) = (self.text.finish(), self.thinking.finish());
+        if std::mem::take(&mut self.thinking_last) {
+            self.push_thinking(thinking);
+            self.push_text(text);
+        } else {
+            self.push_text(text);
+            self.push_thinking(thinking);
         }
         std::mem::take(&mut self.events)
     }
@@ -302,23 +382,45 @@ impl OutputParser {
         }
     }
 
+    /// Sends `t` to the visible text stream.
     fn emit_text(&mut self, t: &str) {
         if t.is_empty() {
             return;
         }
-        match self.events.last_mut() {
-            Some(OutputEvent::Text(prev)) => prev.push_str(t),
-            _ => self.events.push(OutputEvent::Text(t.to_string())),
-        }
+        self.thinking_last = false;
+        let out = self.text.push(t);
+        self.push_text(out);
     }
 
+    /// Sends `t` to the visible thinking stream.
     fn emit_thinking(&mut self, t: &str) {
         if t.is_empty() {
             return;
         }
+        self.thinking_last = true;
+        let out = self.thinking.push(t);
+        self.push_thinking(out);
+    }
+
+    /// Adds final text to the events.
+    fn push_text(&mut self, t: String) {
+        if t.is_empty() {
+            return;
+        }
         match self.events.last_mut() {
-            Some(OutputEvent::Thinking(prev)) => prev.push_str(t),
-            _ => self.events.push(OutputEvent::Thinking(t.to_string())),
+            Some(OutputEvent::Text(prev)) => prev.push_str(&t),
+            _ => self.events.push(OutputEvent::Text(t)),
+        }
+    }
+
+    /// Adds final thinking to the events.
+    fn push_thinking(&mut self, t: String) {
+        if t.is_empty() {
+            return;
+        }
+        match self.events.last_mut() {
+            Some(OutputEvent::Thinking(prev)) => prev.push_str(&t),
+            _ => self.events.push(OutputEvent::Thinking(t)),
         }
     }
 }
@@ -408,6 +510,21 @@ mod tests {
             parse_all(&["<|turn>not a role!"]),
             vec![text("not a role!")]
         );
+    }
+
+    #[test]
+    fn text_joined_across_a_dropped_token_never_spells_one() {
+        // `<tu` + dropped `<eos>` + `rn|>` would read `<turn|>`: dropped as that token.
+        assert_eq!(parse_all(&["a<tu<eos>rn|>b"]), vec![text("ab")]);
+        // Nested: the inner join completes first, then the outer one.
+        assert_eq!(parse_all(&["x<tu<e<pad>os>rn|>y"]), vec![text("xy")]);
+        // Across a role header, in two pushes: `<tu` is held back until it cannot join.
+        let mut p = OutputParser::new();
+        assert_eq!(p.push("a<tu"), vec![text("a")]);
+        assert_eq!(p.push("<|turn>model\nrn|>b"), vec![text("b")]);
+        assert_eq!(p.push("<tu"), vec![]);
+        assert_eq!(p.push("x"), vec![text("<tux")]);
+        assert_eq!(p.finish(), vec![]);
     }
 
     #[test]

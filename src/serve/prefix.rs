@@ -526,7 +526,8 @@ impl PrefixStore {
     /// layers' rings (at most W tokens each) are copied, so this is cheaper than inserting a
     /// deep copy of the whole state. Until an entry whose tokens extend `tokens` is inserted,
     /// the checkpoint serves nothing; it counts in [`PrefixStore::bytes`] and is evicted like
-    /// an entry. Nothing is kept for a cache without rings (growing caches cut anywhere) or
+    /// an entry. Nothing is kept for a cache without rings (growing caches cut anywhere), for
+    /// rings larger than the whole budget (keeping them would only evict everything else), or
     /// when an entry already reaches back to `tokens`.
     ///
     /// # Errors
@@ -539,7 +540,8 @@ impl PrefixStore {
     ) -> Result<()> {
         validate(tokens, layout, cache)?;
         let n = tokens.len();
-        if n == 0 || !cache.layers.iter().flatten().any(is_ring) {
+        let rings = layer_bytes(cache.layers.iter().flatten().filter(|c| is_ring(c)));
+        if n == 0 || rings == 0 || rings > self.budget {
             return Ok(());
         }
         self.tick += 1;

@@ -27,7 +27,12 @@
 //! - **Prefix reuse:** on admission the prefix store is asked for the longest held prefix of
 //!   the prompt in the request's cache layout (kind, bits, group size, dtype); only the rest is
 //!   prefilled. A request that finishes normally leaves its cache (prompt and answer) in the
-//!   store. A store budget of 0 turns reuse off.
+//!   store. When a prompt's prefill completes, before the request decodes, the store also
+//!   takes a ring checkpoint of it ([`PrefixStore::checkpoint`]: deep copies of the sliding
+//!   layers' rings only, charged to the store's budget and evicted like its entries), so that
+//!   a next turn whose chat template re-renders the answer differently (Gemma 4 drops the
+//!   thinking of earlier turns) still reuses this prompt, although the answer's decode has
+//!   wrapped the rings past it. A store budget of 0 turns reuse off.
 //! - **Queue full:** [`Scheduler::submit`] refuses a request when
 //!   [`SchedulerConfig::max_queue`] requests wait ([`SubmitError::QueueFull`]).
 //! - **Context:** a prompt longer than the context is refused
@@ -262,7 +267,16 @@ impl<'m> Scheduler<'m> {
         if self.session.is_empty() {
             return events;
         }
-        let steps = match self.session.step() {
+        let model = self.model;
+        let stepped = match self.prefix.as_mut() {
+            Some(store) => self.session.step_with(&mut |prompt, options, cache| {
+                let layout = LayoutKey::for_model(model, &options.cache);
+                // A checkpoint the store cannot take only loses a future reuse.
+                let _ = store.checkpoint(prompt, &layout, cache);
+            }),
+            None => self.session.step(),
+        };
+        let steps = match stepped {
             Ok(s) => s,
             Err(e) => {
                 let reason = e.to_string();

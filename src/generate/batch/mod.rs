@@ -269,12 +269,27 @@ impl<'m> BatchSession<'m> {
     /// Cache or model errors of the batched decode (a failing prefill chunk only drops its
     /// joiners: see [`BatchSession::take_failed`]).
     pub fn step(&mut self) -> Result<Vec<(SeqId, StepOutput)>> {
+        self.step_with(&mut |_: &[u32], _: &GenOptions, _: &ModelCache| {})
+    }
+
+    /// As [`BatchSession::step`], calling `on_prefilled(prompt, options, cache)` for every
+    /// joining sequence whose prompt this step completes, with its single-sequence cache
+    /// holding exactly the prompt's K/V, before the sequence enters the batch: the one point
+    /// where that state exists alone (a prefix store keeps a checkpoint of it there; the
+    /// sequence's decode then moves its sliding-window rings past the prompt).
+    ///
+    /// # Errors
+    /// As [`BatchSession::step`].
+    pub fn step_with(
+        &mut self,
+        on_prefilled: &mut dyn FnMut(&[u32], &GenOptions, &ModelCache),
+    ) -> Result<Vec<(SeqId, StepOutput)>> {
         let mut out = std::mem::take(&mut self.pending);
         if !self.live.is_empty() {
             self.decode(&mut out)?;
         }
         if !self.joining.is_empty() {
-            self.prefill_chunk_step(&mut out)?;
+            self.prefill_chunk_step(&mut out, on_prefilled)?;
         }
         Ok(out)
     }
@@ -340,7 +355,11 @@ impl<'m> BatchSession<'m> {
 
     /// One prefill chunk for the joining sequences that share it; those whose prompt is then
     /// complete sample their first token and join the batch.
-    fn prefill_chunk_step(&mut self, out: &mut Vec<(SeqId, StepOutput)>) -> Result<()> {
+    fn prefill_chunk_step(
+        &mut self,
+        out: &mut Vec<(SeqId, StepOutput)>,
+        on_prefilled: &mut dyn FnMut(&[u32], &GenOptions, &ModelCache),
+    ) -> Result<()> {
         let started = Instant::now();
         let (group, len) = prefill::pick_group(&self.joining, self.prefill_chunk);
         let logits = match prefill::prefill_group(self.model, &mut self.joining, &group, len) {
@@ -373,6 +392,7 @@ impl<'m> BatchSession<'m> {
                 .cache
                 .take()
                 .ok_or_else(|| Error::Input("a joining sequence lost its cache".to_string()))?;
+            on_prefilled(&j.seq.history[..j.seq.prompt_len], &j.seq.options, &cache);
             self.join(j.seq, cache, token)?;
             // `join` queued the first step; it belongs to this step's output.
             out.append(&mut self.pending);
