@@ -65,6 +65,7 @@ fn main() -> Result<()> {
         },
         ..Default::default()
     };
+    options.validate()?;
     let mut chat = ChatSession::new(&model, options)?.with_thinking(args.think);
     if let Some(s) = &args.system {
         chat = chat.with_system(s.clone());

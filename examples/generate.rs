@@ -135,7 +135,7 @@ fn options(args: &Args) -> Result<GenOptions> {
             start: args.quantized_kv_start,
         }),
     };
-    Ok(GenOptions {
+    let options = GenOptions {
         max_tokens: args.max_tokens,
         sampling: SamplingOptions {
             temperature: args.temperature,
@@ -150,7 +150,10 @@ fn options(args: &Args) -> Result<GenOptions> {
         cache: CacheConfig { mode },
         prefill_chunk: args.prefill_chunk,
         ..Default::default()
-    })
+    };
+    // `--top-p 2`, `--temperature NaN`, ... are refused with the option's name.
+    options.validate()?;
+    Ok(options)
 }
 
 fn prompts(args: &Args, model: &Model) -> Result<Vec<Vec<u32>>> {

@@ -82,6 +82,15 @@ pub enum Error {
     /// The input to a forward pass or a generation is invalid.
     #[error("invalid input: {0}")]
     Input(String),
+    /// A generation option has a value that cannot be honoured (a NaN temperature, `top_p`
+    /// outside (0, 1], a zero `max_tokens`, ...).
+    #[error("invalid option `{field}`: {reason}")]
+    InvalidOption {
+        /// The option's field name (`temperature`, `top_p`, `max_tokens`, `cache.group_size`).
+        field: &'static str,
+        /// What is wrong with its value.
+        reason: String,
+    },
     /// A token id is outside the vocabulary.
     #[error("token id {id} at position {position} is outside the vocabulary of {vocab_size}")]
     TokenOutOfVocab {

@@ -69,6 +69,7 @@ pub mod hub;
 pub mod kernels;
 pub mod kv;
 mod model;
+pub mod serve;
 pub(crate) mod weights;
 
 pub use error::{Error, HubError, Result};

@@ -106,7 +106,7 @@ impl<'m> Generator<'m> {
     /// Generates to the end and returns the whole output.
     ///
     /// # Errors
-    /// Invalid prompt ids, a prompt longer than the context, cache errors.
+    /// Invalid options, invalid prompt ids, a prompt longer than the context, cache errors.
     pub fn generate(&mut self, prompt: &[u32]) -> Result<Output> {
         let mut stream = self.stream(prompt)?;
         let mut tokens = Vec::new();
@@ -132,8 +132,10 @@ impl<'m> Generator<'m> {
     /// tokens, each handed out as soon as it is made.
     ///
     /// # Errors
-    /// An empty prompt, invalid ids, a prompt longer than the context, cache errors.
+    /// Invalid options ([`GenOptions::validate`]), an empty prompt, invalid ids, a prompt
+    /// longer than the context, cache errors.
     pub fn stream(&mut self, prompt: &[u32]) -> Result<Stream<'_, 'm>> {
+        self.options.validate()?;
         if prompt.is_empty() {
             return Err(Error::Input("the prompt is empty".to_string()));
         }

@@ -10,6 +10,6 @@ pub mod stop;
 mod types;
 pub use types::*;
 
-pub use batch::{BatchSession, SeqId};
+pub use batch::{BatchSession, Finished, SeqId};
 pub use generator::{Generator, Stream};
 pub use sampling::{Sampler, SamplingOptions};

@@ -2,7 +2,8 @@
 
 use super::SamplingOptions;
 
-use crate::kv::CacheConfig;
+use crate::error::{Error, Result};
+use crate::kv::{CacheConfig, CacheMode};
 
 /// Options of one generation. `Default` is greedy, 256 tokens, the default cache layout.
 #[derive(Debug, Clone)]
@@ -37,6 +38,69 @@ impl Default for GenOptions {
             prefill_chunk: None,
             skip_special_tokens: true,
         }
+    }
+}
+
+impl GenOptions {
+    /// Checks every value: a temperature that is NaN, infinite or negative, `top_p` outside
+    /// (0, 1], `min_p` outside [0, 1], a repetition penalty that is not a positive finite
+    /// number, `max_tokens == 0`, `prefill_chunk == Some(0)` and a quantized cache whose group
+    /// size is not 32, 64 or 128 are rejected. (The [`Sampler`](super::Sampler) itself stays
+    /// lenient and treats such values as "filter off"; this is the check for values that come
+    /// from users.) Whether the group size divides the model's head dimension is checked when
+    /// the cache is built.
+    ///
+    /// ```
+    /// use candle_gemma::{Error, GenOptions};
+    /// let mut o = GenOptions::default();
+    /// o.sampling.top_p = Some(2.0);
+    /// assert!(matches!(o.validate(), Err(Error::InvalidOption { field: "top_p", .. })));
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidOption`] naming the first bad field.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |field: &'static str, reason: String| Err(Error::InvalidOption { field, reason });
+        let s = &self.sampling;
+        if !(s.temperature.is_finite() && s.temperature >= 0.0) {
+            return bad(
+                "temperature",
+                format!("must be a finite number >= 0, got {}", s.temperature),
+            );
+        }
+        if let Some(p) = s.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return bad("top_p", format!("must be in (0, 1], got {p}"));
+            }
+        }
+        if let Some(p) = s.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                return bad("min_p", format!("must be in [0, 1], got {p}"));
+            }
+        }
+        if let Some(r) = s.repetition_penalty {
+            if !(r.is_finite() && r > 0.0) {
+                return bad(
+                    "repetition_penalty",
+                    format!("must be a finite number > 0, got {r}"),
+                );
+            }
+        }
+        if self.max_tokens == 0 {
+            return bad("max_tokens", "must be at least 1".to_string());
+        }
+        if self.prefill_chunk == Some(0) {
+            return bad("prefill_chunk", "must be at least 1 token".to_string());
+        }
+        if let CacheMode::Quantized(q) = self.cache.mode {
+            if ![32, 64, 128].contains(&q.group_size) {
+                return bad(
+                    "cache.group_size",
+                    format!("must be 32, 64 or 128, got {}", q.group_size),
+                );
+            }
+        }
+        Ok(())
     }
 }
 

@@ -204,194 +204,102 @@ impl EngineHandle {
     }
 }
 
-/// A sequential stand-in engine: one request at a time through a `Generator`.
+/// The library's engine, its events converted to the server's.
 mod backend {
-    use std::collections::{HashSet, VecDeque};
-    use std::sync::{Arc, Condvar, Mutex};
+    use std::sync::Arc;
 
-    use candle_gemma::generate::{FinishReason, GenOptions};
-    use candle_gemma::Model;
+    use candle_gemma::generate::GenOptions;
+    use candle_gemma::serve::{self, SchedulerConfig, SubmitError};
+    use candle_gemma::{Error, Model};
 
     use super::super::error::ApiError;
     use super::{EngineSettings, Event, Stats, Usage};
 
-    pub type RequestId = u64;
-    type Sink = Box<dyn FnMut(Event) -> bool + Send>;
+    pub use candle_gemma::serve::RequestId;
 
-    struct Job {
-        id: RequestId,
-        prompt: Vec<u32>,
-        options: GenOptions,
-        sink: Sink,
-    }
-
-    #[derive(Default)]
-    struct Shared {
-        queue: VecDeque<Job>,
-        cancelled: HashSet<RequestId>,
-        next_id: RequestId,
-        running: usize,
-        stopped: bool,
-    }
-
-    #[derive(Clone)]
-    pub struct Engine {
-        shared: Arc<(Mutex<Shared>, Condvar)>,
-        max_queue: usize,
-    }
-
-    impl std::fmt::Debug for Engine {
-        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-            f.debug_struct("Engine").finish_non_exhaustive()
-        }
-    }
+    #[derive(Debug, Clone)]
+    pub struct Engine(serve::Engine);
 
     impl Engine {
-        pub fn start(model: Arc<Model>, settings: EngineSettings) -> anyhow::Result<Self> {
-            let engine = Self {
-                shared: Arc::new((Mutex::new(Shared::default()), Condvar::new())),
-                max_queue: settings.max_queue,
+        pub fn start(model: Arc<Model>, s: EngineSettings) -> anyhow::Result<Self> {
+            let config = SchedulerConfig {
+                max_batch: s.max_batch,
+                kv_budget_bytes: s.kv_budget_bytes,
+                prefill_chunk: s.prefill_chunk,
+                max_queue: s.max_queue,
+                prefix_cache_bytes: s.prefix_cache_bytes,
             };
-            let worker = engine.clone();
-            std::thread::spawn(move || worker.run(&model));
-            Ok(engine)
+            Ok(Self(serve::Engine::start(model, config)?))
         }
 
         pub fn submit(
             &self,
             prompt: Vec<u32>,
             options: GenOptions,
-            sink: Sink,
+            mut sink: Box<dyn FnMut(Event) -> bool + Send>,
         ) -> Result<RequestId, ApiError> {
-            let (lock, cv) = &*self.shared;
-            let mut s = lock.lock().map_err(|_| ApiError::unavailable())?;
-            if s.stopped {
-                return Err(ApiError::unavailable());
-            }
-            if s.queue.len() >= self.max_queue {
-                return Err(ApiError::queue_full(1));
-            }
-            s.next_id += 1;
-            let id = s.next_id;
-            s.queue.push_back(Job {
-                id,
-                prompt,
-                options,
-                sink,
-            });
-            cv.notify_one();
-            Ok(id)
+            let sink = Box::new(move |event: serve::Event| sink(convert(event)));
+            self.0.submit(prompt, options, sink).map_err(refused)
         }
 
         pub fn cancel(&self, id: RequestId) {
-            if let Ok(mut s) = self.shared.0.lock() {
-                s.cancelled.insert(id);
-            }
+            self.0.cancel(id);
         }
 
         pub fn stats(&self) -> Stats {
-            let s = match self.shared.0.lock() {
-                Ok(s) => s,
-                Err(_) => return Stats::default(),
-            };
+            let s = self.0.stats();
             Stats {
-                queued: s.queue.len(),
+                queued: s.queued,
                 running: s.running,
-                ..Stats::default()
+                kv_bytes: s.kv_bytes,
+                prefix_bytes: s.prefix_bytes,
+                prefix_entries: s.prefix_entries,
             }
         }
 
         pub fn shutdown(&self) {
-            if let Ok(mut s) = self.shared.0.lock() {
-                s.stopped = true;
-                s.queue.clear();
-            }
-            self.shared.1.notify_all();
+            self.0.shutdown();
         }
+    }
 
-        fn next_job(&self) -> Option<Job> {
-            let (lock, cv) = &*self.shared;
-            let mut s = lock.lock().ok()?;
-            loop {
-                if s.stopped {
-                    return None;
-                }
-                if let Some(job) = s.queue.pop_front() {
-                    s.running = 1;
-                    return Some(job);
-                }
-                s = cv.wait(s).ok()?;
-            }
-        }
-
-        fn is_cancelled(&self, id: RequestId) -> bool {
-            self.shared
-                .0
-                .lock()
-                .map(|s| s.cancelled.contains(&id) || s.stopped)
-                .unwrap_or(true)
-        }
-
-        fn run(&self, model: &Model) {
-            while let Some(mut job) = self.next_job() {
-                self.run_job(model, &mut job);
-                if let Ok(mut s) = self.shared.0.lock() {
-                    s.running = 0;
-                    s.cancelled.remove(&job.id);
-                }
-            }
-        }
-
-        fn run_job(&self, model: &Model, job: &mut Job) {
-            let prompt_tokens = job.prompt.len();
-            if !(job.sink)(Event::Started {
+    fn convert(event: serve::Event) -> Event {
+        match event {
+            serve::Event::Started {
                 prompt_tokens,
-                cached_tokens: 0,
-            }) {
-                return;
-            }
-            let mut generator = model.generator(job.options.clone());
-            let mut stream = match generator.stream(&job.prompt) {
-                Ok(s) => s,
-                Err(e) => {
-                    (job.sink)(Event::Failed(e.to_string()));
-                    return;
-                }
-            };
-            let mut completion_tokens = 0;
-            for step in stream.by_ref() {
-                let step = match step {
-                    Ok(s) => s,
-                    Err(e) => {
-                        (job.sink)(Event::Failed(e.to_string()));
-                        return;
-                    }
-                };
-                completion_tokens += 1;
-                let finish = step.finish;
-                if !(job.sink)(Event::Token(step)) || self.is_cancelled(job.id) {
-                    return;
-                }
-                if let Some(finish) = finish {
-                    (job.sink)(Event::Done {
-                        finish,
-                        usage: Usage {
-                            prompt_tokens,
-                            completion_tokens,
-                            cached_tokens: 0,
-                        },
-                    });
-                    return;
-                }
-            }
-            (job.sink)(Event::Done {
-                finish: FinishReason::Length,
+                cached_tokens,
+            } => Event::Started {
+                prompt_tokens,
+                cached_tokens,
+            },
+            serve::Event::Token(step) => Event::Token(step),
+            serve::Event::Done { finish, usage } => Event::Done {
+                finish,
                 usage: Usage {
-                    prompt_tokens,
-                    completion_tokens,
-                    cached_tokens: 0,
+                    prompt_tokens: usage.prompt_tokens,
+                    completion_tokens: usage.completion_tokens,
+                    cached_tokens: usage.cached_tokens,
                 },
-            });
+            },
+            serve::Event::Failed(e) => Event::Failed(e.to_string()),
+        }
+    }
+
+    /// The HTTP answer to a refused submission.
+    fn refused(e: SubmitError) -> ApiError {
+        match e {
+            SubmitError::QueueFull { retry_after_secs } => ApiError::queue_full(retry_after_secs),
+            SubmitError::PromptTooLong { tokens, limit } => ApiError::context_length(tokens, limit),
+            SubmitError::ShutDown => ApiError::unavailable(),
+            SubmitError::Invalid(Error::InvalidOption { field, reason }) => {
+                let param = field.rsplit('.').next().unwrap_or(field);
+                let param = match param {
+                    "group_size" => "kv_group_size",
+                    "bits" => "kv_bits",
+                    p => p,
+                };
+                ApiError::invalid(param, format!("{field}: {reason}"))
+            }
+            SubmitError::Invalid(e) => ApiError::invalid("prompt", e.to_string()),
         }
     }
 }

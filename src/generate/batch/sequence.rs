@@ -1,0 +1,124 @@
+//! One sequence of a batch: its options, sampler, detokenizer, stop strings and history, and
+//! how a chosen token becomes a [`StepOutput`].
+
+use crate::error::Result;
+use crate::generate::detok::StreamDecoder;
+use crate::generate::sampling::Sampler;
+use crate::generate::stop::StopStrings;
+use crate::generate::types::{FinishReason, GenOptions, StepOutput};
+use crate::model::Model;
+
+use super::SeqId;
+
+/// The per-sequence state of a [`super::BatchSession`].
+#[derive(Debug)]
+pub(super) struct Sequence<'m> {
+    pub id: SeqId,
+    /// The options this sequence was added with (its own sampling, stops, cache layout).
+    pub options: GenOptions,
+    sampler: Sampler,
+    decoder: Option<StreamDecoder<'m>>,
+    stops: StopStrings,
+    /// Prompt, then every generated token.
+    pub history: Vec<u32>,
+    /// Tokens of the prompt.
+    pub prompt_len: usize,
+    /// The token sampled last, fed at the next step.
+    pub last: u32,
+    generated: usize,
+    max_tokens: usize,
+    eos: Vec<u32>,
+}
+
+impl<'m> Sequence<'m> {
+    /// A sequence about to generate after `prompt`, sampling with `options.sampling` as given
+    /// (seed included) and stopping after `max_tokens`.
+    pub fn new(model: &'m Model, id: SeqId, prompt: &[u32], options: GenOptions) -> Self {
+        let mut eos = if options.ignore_eos {
+            Vec::new()
+        } else {
+            model.config().eos_token_ids.clone()
+        };
+        eos.extend(&options.extra_eos);
+        // The last token generated is never fed: a prompt of `p` tokens leaves room for
+        // `max_position_embeddings + 1 - p` of them before the context is full.
+        let room = (model.config().max_position_embeddings + 1)
+            .saturating_sub(prompt.len())
+            .max(1);
+        Self {
+            id,
+            sampler: Sampler::new(options.sampling.clone()),
+            decoder: model
+                .tokenizer()
+                .map(|t| StreamDecoder::new(t, options.skip_special_tokens)),
+            stops: StopStrings::new(options.stop_strings.iter().cloned()),
+            history: prompt.to_vec(),
+            prompt_len: prompt.len(),
+            last: 0,
+            generated: 0,
+            max_tokens: options.max_tokens.min(room),
+            eos,
+            options,
+        }
+    }
+
+    /// Whether the next token is a plain argmax of the logits, which may then be taken where
+    /// the logits live.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.sampler.is_plain_greedy()
+    }
+
+    /// Chooses the next token from `logits` (`[vocab]`).
+    pub fn choose(&mut self, logits: &[f32]) -> u32 {
+        self.sampler.sample(logits, &self.history)
+    }
+
+    /// Records `token` as the next one and turns it into a step (text, finish).
+    pub fn emit(&mut self, token: u32) -> Result<StepOutput> {
+        self.history.push(token);
+        self.last = token;
+        self.generated += 1;
+        let mut finish = self
+            .eos
+            .contains(&token)
+            .then_some(FinishReason::Eos(token));
+        let mut text = String::new();
+        if let Some(d) = self.decoder.as_mut() {
+            let piece = d.push(token)?.unwrap_or_default();
+            let o = self.stops.push(&piece);
+            text = o.text;
+            if let (None, Some(i)) = (finish, o.matched) {
+                finish = Some(FinishReason::Stop(i));
+            }
+        }
+        if finish.is_none() && self.generated >= self.max_tokens {
+            finish = Some(FinishReason::Length);
+        }
+        if matches!(
+            finish,
+            Some(FinishReason::Eos(_)) | Some(FinishReason::Length)
+        ) {
+            if let Some(d) = self.decoder.as_mut() {
+                let tail = d.finish()?.unwrap_or_default();
+                text.push_str(&self.stops.push(&tail).text);
+            }
+            text.push_str(&self.stops.finish());
+        }
+        Ok(StepOutput {
+            token,
+            text,
+            finish,
+        })
+    }
+
+    /// The tokens whose K/V the sequence's cache holds: the prompt and every generated token
+    /// but the last (which was sampled, never fed).
+    pub fn cached_tokens(&self) -> &[u32] {
+        let held = if self.generated > 0 {
+            self.history.len() - 1
+        } else {
+            self.history.len()
+        };
+        &self.history[..held]
+    }
+}

@@ -1,0 +1,394 @@
+//! The serving scheduler and engine on the tiny fixtures: chunked prefill interleaved with
+//! decode, the KV budget, cancellation, the queue bound, and concurrent requests with mixed KV
+//! layouts through the engine, each equal to the same request decoded alone.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use candle_gemma::kv::{CacheMode, QuantBits, QuantSpec};
+use candle_gemma::serve::{
+    kv_bytes_for, Engine, Event, RequestId, Scheduler, SchedulerConfig, SubmitError, Usage,
+};
+use candle_gemma::{CacheConfig, FinishReason, GenOptions, Model};
+use common::*;
+
+fn quantized(bits: QuantBits) -> CacheConfig {
+    CacheConfig {
+        mode: CacheMode::Quantized(QuantSpec {
+            bits,
+            group_size: 32,
+            start: 0,
+        }),
+    }
+}
+
+fn greedy(cache: CacheConfig, n: usize) -> GenOptions {
+    GenOptions {
+        max_tokens: n,
+        ignore_eos: true,
+        cache,
+        ..Default::default()
+    }
+}
+
+/// The request decoded alone, its prompt prefilled in the scheduler's chunks (a quantized
+/// cache quantizes what earlier chunks stored, so the chunking is part of the request).
+fn alone(model: &Model, prompt: &[u32], options: &GenOptions, chunk: usize) -> Vec<u32> {
+    let options = GenOptions {
+        prefill_chunk: Some(chunk),
+        ..options.clone()
+    };
+    model
+        .generator(options)
+        .generate(prompt)
+        .expect("single decode")
+        .tokens
+}
+
+/// A request's events, gathered.
+#[derive(Debug, Default, Clone)]
+struct Seen {
+    started: Option<(usize, usize)>,
+    tokens: Vec<u32>,
+    done: Option<(FinishReason, Usage)>,
+    failed: Option<String>,
+}
+
+fn record(seen: &mut HashMap<RequestId, Seen>, id: RequestId, event: Event) {
+    let s = seen.entry(id).or_default();
+    match event {
+        Event::Started {
+            prompt_tokens,
+            cached_tokens,
+        } => s.started = Some((prompt_tokens, cached_tokens)),
+        Event::Token(step) => s.tokens.push(step.token),
+        Event::Done { finish, usage } => s.done = Some((finish, usage)),
+        Event::Failed(e) => s.failed = Some(e.to_string()),
+    }
+}
+
+fn config() -> SchedulerConfig {
+    SchedulerConfig {
+        max_batch: 8,
+        kv_budget_bytes: 1 << 30,
+        prefill_chunk: 4,
+        max_queue: 64,
+        prefix_cache_bytes: 0,
+    }
+}
+
+#[test]
+fn a_joining_prompt_costs_running_streams_one_chunk_per_step() {
+    let model = load("e2b-hf");
+    let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
+    let long: Vec<u32> = prompts.iter().flatten().copied().collect(); // 59 tokens
+    let mut s = Scheduler::new(&model, config()).expect("scheduler");
+    let opts = [
+        greedy(CacheConfig::default(), 40),
+        greedy(quantized(QuantBits::Four), 40),
+        greedy(quantized(QuantBits::Eight), 6),
+    ];
+    let a = s.submit(prompts[0].clone(), opts[0].clone()).expect("a");
+    let b = s.submit(prompts[1].clone(), opts[1].clone()).expect("b");
+    let mut seen = HashMap::new();
+    while seen.len() < 2 || seen.values().any(|x: &Seen| x.tokens.is_empty()) {
+        for (id, e) in s.step() {
+            record(&mut seen, id, e);
+        }
+    }
+    let c = s.submit(long.clone(), opts[2].clone()).expect("long");
+    let mut steps = 0;
+    loop {
+        let before: Vec<usize> = [a, b].iter().map(|id| seen[id].tokens.len()).collect();
+        for (id, e) in s.step() {
+            record(&mut seen, id, e);
+        }
+        steps += 1;
+        for (k, id) in [a, b].iter().enumerate() {
+            assert_eq!(
+                seen[id].tokens.len(),
+                before[k] + 1,
+                "step {steps}: a running stream got exactly one token while the long prompt joins"
+            );
+        }
+        if seen.get(&c).is_some_and(|x| !x.tokens.is_empty()) {
+            break;
+        }
+        assert!(steps < 40, "the long prompt never joined");
+    }
+    assert_eq!(
+        steps,
+        long.len().div_ceil(4),
+        "one chunk of 4 tokens per step"
+    );
+    while !s.is_idle() {
+        for (id, e) in s.step() {
+            record(&mut seen, id, e);
+        }
+    }
+    for (id, (p, o)) in [a, b, c].iter().zip([
+        (&prompts[0], &opts[0]),
+        (&prompts[1], &opts[1]),
+        (&long, &opts[2]),
+    ]) {
+        assert_eq!(
+            seen[id].tokens,
+            alone(&model, p, o, 4),
+            "{id:?} equals decode alone"
+        );
+        let (finish, usage) = seen[id].done.expect("done");
+        assert_eq!(finish, FinishReason::Length);
+        assert_eq!(usage.prompt_tokens, p.len());
+        assert_eq!(usage.completion_tokens, o.max_tokens);
+    }
+}
+
+#[test]
+fn requests_beyond_the_kv_budget_wait_until_memory_frees() {
+    let model = load("e2b-hf");
+    let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
+    let layout = quantized(QuantBits::Eight);
+    let budgets = [20usize, 4, 4, 20];
+    let reserve = |i: usize| kv_bytes_for(&model, &layout, prompts[1].len() + budgets[i]);
+    let budget = reserve(0) + reserve(1);
+    let mut s = Scheduler::new(
+        &model,
+        SchedulerConfig {
+            kv_budget_bytes: budget,
+            ..config()
+        },
+    )
+    .expect("scheduler");
+    let ids: Vec<RequestId> = budgets
+        .iter()
+        .map(|&n| {
+            s.submit(prompts[1].clone(), greedy(layout, n))
+                .expect("submit")
+        })
+        .collect();
+    let mut seen = HashMap::new();
+    let mut step = 0;
+    let mut admitted_at = HashMap::new();
+    let mut done_at = HashMap::new();
+    while !s.is_idle() {
+        for (id, e) in s.step() {
+            match &e {
+                Event::Started { .. } => {
+                    admitted_at.insert(id, step);
+                }
+                Event::Done { .. } => {
+                    done_at.insert(id, step);
+                }
+                _ => {}
+            }
+            record(&mut seen, id, e);
+        }
+        let stats = s.stats();
+        assert!(stats.reserved_bytes <= budget, "step {step}: over budget");
+        if step == 0 {
+            assert_eq!((stats.running, stats.queued), (2, 2), "two fit, two wait");
+        }
+        step += 1;
+        assert!(step < 200);
+    }
+    assert_eq!(
+        admitted_at[&ids[2]],
+        done_at[&ids[1]] + 1,
+        "the third is admitted at the step after the second frees its memory"
+    );
+    assert!(
+        admitted_at[&ids[3]] > done_at[&ids[0]].min(done_at[&ids[2]]),
+        "the fourth waits for memory"
+    );
+    for (id, &n) in ids.iter().zip(&budgets) {
+        let want = alone(&model, &prompts[1], &greedy(layout, n), 4);
+        assert_eq!(seen[id].tokens, want, "{id:?} equals decode alone");
+    }
+    assert_eq!(s.stats().reserved_bytes, 0);
+}
+
+#[test]
+fn cancel_frees_kv_and_the_queue_is_bounded() {
+    let model = load("e2b-hf");
+    let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
+    let mut s = Scheduler::new(
+        &model,
+        SchedulerConfig {
+            max_batch: 2,
+            max_queue: 2,
+            ..config()
+        },
+    )
+    .expect("scheduler");
+    let idle = s.stats();
+    assert_eq!((idle.kv_bytes, idle.reserved_bytes), (0, 0));
+    let layouts = [
+        CacheConfig::default(),
+        quantized(QuantBits::Four),
+        quantized(QuantBits::Eight),
+    ];
+    let a = s
+        .submit(prompts[2].clone(), greedy(layouts[0], 50))
+        .expect("a");
+    let b = s
+        .submit(prompts[1].clone(), greedy(layouts[1], 50))
+        .expect("b");
+    assert!(matches!(
+        s.submit(prompts[0].clone(), greedy(layouts[2], 50)),
+        Err(SubmitError::QueueFull { .. })
+    ));
+    for _ in 0..12 {
+        s.step();
+    }
+    let c = s
+        .submit(prompts[0].clone(), greedy(layouts[2], 50))
+        .expect("c");
+    let d = s
+        .submit(prompts[0].clone(), greedy(layouts[2], 50))
+        .expect("d");
+    assert!(matches!(
+        s.submit(prompts[0].clone(), GenOptions::default()),
+        Err(SubmitError::QueueFull { .. })
+    ));
+    let busy = s.stats();
+    assert_eq!((busy.running, busy.queued), (2, 2));
+    assert!(busy.kv_bytes > 0 && busy.reserved_bytes > 0);
+    assert!(s.cancel(d), "queued request cancelled");
+    assert!(s.cancel(a) && s.cancel(b), "running requests cancelled");
+    assert!(!s.cancel(a), "already gone");
+    let after = s.stats();
+    assert_eq!(
+        (
+            after.kv_bytes,
+            after.reserved_bytes,
+            after.running,
+            after.queued
+        ),
+        (0, 0, 0, 1),
+        "KV back to the idle figure"
+    );
+    // The queue head is admitted at the next step.
+    let events = s.step();
+    assert!(events
+        .iter()
+        .any(|(id, e)| *id == c && matches!(e, Event::Started { .. })));
+    assert!(s.cancel(c));
+    assert_eq!(s.stats().kv_bytes, 0);
+    // Invalid requests are refused before queueing.
+    let mut bad = GenOptions::default();
+    bad.sampling.top_p = Some(2.0);
+    assert!(matches!(
+        s.submit(prompts[0].clone(), bad),
+        Err(SubmitError::Invalid(candle_gemma::Error::InvalidOption {
+            field: "top_p",
+            ..
+        }))
+    ));
+    assert!(matches!(
+        s.submit(vec![3; 5000], GenOptions::default()),
+        Err(SubmitError::PromptTooLong {
+            tokens: 5000,
+            limit: 4096
+        })
+    ));
+    assert!(matches!(
+        s.submit(vec![3, 9999], GenOptions::default()),
+        Err(SubmitError::Invalid(candle_gemma::Error::TokenOutOfVocab {
+            id: 9999,
+            ..
+        }))
+    ));
+}
+
+#[test]
+fn engine_serves_16_concurrent_mixed_layout_requests_as_if_alone() {
+    let model = Arc::new(load("e2b-hf"));
+    let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
+    let layouts = [
+        CacheConfig::default(),
+        quantized(QuantBits::Eight),
+        quantized(QuantBits::Four),
+    ];
+    let jobs: Vec<(Vec<u32>, GenOptions)> = (0..16)
+        .map(|i| {
+            let p = &prompts[i % 3];
+            let cut = p.len() - (i / 3) % p.len().min(5);
+            (p[..cut].to_vec(), greedy(layouts[i % 3], 4 + i % 5))
+        })
+        .collect();
+    let want: Vec<Vec<u32>> = jobs.iter().map(|(p, o)| alone(&model, p, o, 8)).collect();
+    let engine = Engine::start(
+        model.clone(),
+        SchedulerConfig {
+            max_batch: 6,
+            prefill_chunk: 8,
+            prefix_cache_bytes: 1 << 26,
+            ..config()
+        },
+    )
+    .expect("engine");
+    let handles: Vec<_> = jobs
+        .into_iter()
+        .map(|(p, o)| {
+            let engine = engine.clone();
+            std::thread::spawn(move || {
+                let (tx, rx) = mpsc::channel();
+                engine
+                    .submit(p, o, Box::new(move |e| tx.send(e).is_ok()))
+                    .expect("submit");
+                let mut tokens = Vec::new();
+                for e in rx.iter() {
+                    match e {
+                        Event::Token(s) => tokens.push(s.token),
+                        Event::Done { .. } => return tokens,
+                        Event::Failed(e) => panic!("failed: {e}"),
+                        Event::Started { .. } => {}
+                    }
+                }
+                panic!("the sink was dropped before Done");
+            })
+        })
+        .collect();
+    for (i, (h, w)) in handles.into_iter().zip(&want).enumerate() {
+        assert_eq!(
+            &h.join().expect("client"),
+            w,
+            "request {i} equals decode alone"
+        );
+    }
+
+    // A client that goes away mid-stream is cancelled and its cache freed.
+    let (tx, rx) = mpsc::channel();
+    let mut left = 3;
+    engine
+        .submit(
+            prompts[2].clone(),
+            greedy(layouts[2], 500),
+            Box::new(move |e| {
+                if matches!(e, Event::Token(_)) {
+                    left -= 1;
+                }
+                left > 0 && tx.send(e).is_ok()
+            }),
+        )
+        .expect("submit");
+    let tokens = rx.iter().filter(|e| matches!(e, Event::Token(_))).count();
+    assert_eq!(tokens, 2, "the sink refused the third token");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while engine.stats().running > 0 || engine.stats().kv_bytes > 0 {
+        assert!(Instant::now() < deadline, "the request was never cancelled");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    engine.shutdown();
+    assert!(matches!(
+        engine.submit(
+            prompts[0].clone(),
+            GenOptions::default(),
+            Box::new(|_| true)
+        ),
+        Err(SubmitError::ShutDown)
+    ));
+}
