@@ -9,7 +9,7 @@
 //! | `POST /v1/completions` | OpenAI completions; `prompt` as a string or as token ids |
 //! | `POST /v1/messages` | Anthropic Messages: text, thinking, tool use, streaming events |
 //! | `GET /v1/models` | the one served model |
-//! | `GET /health` | 200 while the server runs |
+//! | `GET /health` | 200 while the server runs, with the engine's load |
 //!
 //! Request fields beyond OpenAI's follow vLLM (`top_k`, `min_p`, `repetition_penalty`,
 //! `ignore_eos`, `return_token_ids`, `chat_template_kwargs.enable_thinking`), plus `kv_bits`
@@ -158,8 +158,18 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-async fn health() -> Response {
-    Json(json!({"status": "ok"})).into_response()
+/// 200 with the engine's load: queued and running requests, live KV bytes, prefix store.
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let s = state.engine.stats();
+    Json(json!({
+        "status": "ok",
+        "queued": s.queued,
+        "running": s.running,
+        "kv_bytes": s.kv_bytes,
+        "prefix_bytes": s.prefix_bytes,
+        "prefix_entries": s.prefix_entries,
+    }))
+    .into_response()
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Response {
