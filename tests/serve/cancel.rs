@@ -32,7 +32,10 @@ async fn a_dropped_stream_frees_its_cache() {
     }
     let busy = engine.stats();
     assert_eq!(busy.running, 1, "{busy:?}");
-    assert!(busy.kv_bytes > idle.kv_bytes, "{busy:?} against idle {idle:?}");
+    assert!(
+        busy.kv_bytes > idle.kv_bytes,
+        "{busy:?} against idle {idle:?}"
+    );
     drop(bytes);
 
     let deadline = Instant::now() + Duration::from_secs(10);

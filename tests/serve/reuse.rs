@@ -49,7 +49,10 @@ async fn turn_two_reuses_turn_one_and_layouts_stay_apart() {
     let plain = off.ok("/v1/chat/completions", &turn(second)).await;
     assert_eq!(cached(&plain), 0, "reuse off");
     assert_eq!(ids_of(&two), ids_of(&plain), "reuse changes no token");
-    assert_eq!(two["usage"]["prompt_tokens"], plain["usage"]["prompt_tokens"]);
+    assert_eq!(
+        two["usage"]["prompt_tokens"],
+        plain["usage"]["prompt_tokens"]
+    );
 
     // An 8-bit turn 1, then turn 2 extending its exact tokens: a dense request gets nothing
     // from the 8-bit entry, an 8-bit one reuses it and gives the tokens of reuse off.
@@ -74,6 +77,10 @@ async fn turn_two_reuses_turn_one_and_layouts_stay_apart() {
     let q8 = on.ok("/v1/completions", &complete(&p2, json!(8))).await;
     assert!(cached(&q8) >= p1.len() as u64, "{}", q8["usage"]);
     let q8_plain = off.ok("/v1/completions", &complete(&p2, json!(8))).await;
-    assert_eq!(ids_of(&q8), ids_of(&q8_plain), "8-bit reuse changes no token");
+    assert_eq!(
+        ids_of(&q8),
+        ids_of(&q8_plain),
+        "8-bit reuse changes no token"
+    );
     assert!(on.running.state.engine.stats().prefix_entries > 0);
 }
