@@ -183,3 +183,58 @@ async fn models_health_and_the_api_key() {
     let health = h.client.get(h.url("/health")).send().await.expect("sent");
     assert_eq!(health.status(), StatusCode::OK, "/health needs no key");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_and_results_round_trip_on_both_apis() {
+    let h = Harness::start(|_| {}).await;
+    let schema = json!({"type": "object", "properties": {"city": {"type": "string"}}});
+    let openai = json!({
+        "max_tokens": 4, "temperature": 0, "tool_choice": "auto",
+        "chat_template_kwargs": {"enable_thinking": true},
+        "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": schema}}],
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "reasoning_content": "I should look it up.",
+                "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+    });
+    let v = h.ok("/v1/chat/completions", &openai).await;
+    let without_tools = {
+        let mut b = openai.clone();
+        b["tool_choice"] = json!("none");
+        h.ok("/v1/chat/completions", &b).await
+    };
+    assert!(
+        v["usage"]["prompt_tokens"].as_u64() > without_tools["usage"]["prompt_tokens"].as_u64(),
+        "the declaration is rendered with tool_choice auto only"
+    );
+    let anthropic = json!({
+        "max_tokens": 4, "temperature": 0, "thinking": {"type": "enabled", "budget_tokens": 64},
+        "tools": [{"name": "get_weather", "description": "Weather", "input_schema": schema}],
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "I should look it up.", "signature": ""},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]}]},
+        ],
+    });
+    let a = h.ok("/v1/messages", &anthropic).await;
+    assert_eq!(
+        a["usage"]["input_tokens"], v["usage"]["prompt_tokens"],
+        "both APIs render the same prompt"
+    );
+    let (status, bad) = h
+        .post(
+            "/v1/chat/completions",
+            &json!({"messages": [
+            {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                "function": {"name": "f", "arguments": "{not json"}}]}]}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(bad["error"]["code"], "invalid_messages");
+}
