@@ -42,6 +42,15 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    let options = GenOptions {
+        max_tokens: args.max_tokens,
+        sampling: SamplingOptions {
+            temperature: args.temperature,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    options.validate()?;
     let path = PathBuf::from(&args.model);
     let builder = Model::builder()
         .device(candle_gemma::best_device(args.cpu)?)
@@ -57,15 +66,6 @@ fn main() -> Result<()> {
     let flag = interrupted.clone();
     ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst))?;
 
-    let options = GenOptions {
-        max_tokens: args.max_tokens,
-        sampling: SamplingOptions {
-            temperature: args.temperature,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    options.validate()?;
     let mut chat = ChatSession::new(&model, options)?.with_thinking(args.think);
     if let Some(s) = &args.system {
         chat = chat.with_system(s.clone());

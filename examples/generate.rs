@@ -188,8 +188,8 @@ fn prompts(args: &Args, model: &Model) -> Result<Vec<Vec<u32>>> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let model = load(&args)?;
     let opts = options(&args)?;
+    let model = load(&args)?;
     let prompts = prompts(&args, &model)?;
     if prompts.len() == 1 {
         run_single(&args, &model, opts, &prompts[0])

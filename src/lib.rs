@@ -46,7 +46,14 @@
 //! buffers on sliding layers and growing caches on full ones by default, or simple everywhere,
 //! or 4/8-bit quantized everywhere (sliding layers included). KV-shared layers own no cache and
 //! read their producer's K/V, dense or packed. [`generate::BatchSession`] decodes several
-//! sequences together with exactly the tokens of single decode.
+//! sequences together, each with its own options and cache layout, with exactly the tokens of
+//! single decode.
+//!
+//! # Serving
+//!
+//! [`serve::Engine`] serves many requests at once from a worker thread: a
+//! [`serve::Scheduler`] admits them under a batch size and a KV-memory budget, prefills joining
+//! prompts in chunks between decode steps, and reuses the K/V of earlier requests' prefixes.
 //!
 //! # Features
 //!

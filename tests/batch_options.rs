@@ -178,7 +178,8 @@ fn per_sequence_sampling_stops_and_eos_equal_single_decode() {
         ),
         (prompts[1].clone(), greedy(lay[2].1, 3)),
     ];
-    if !stop.trim().is_empty() {
+    let with_stop = !stop.trim().is_empty();
+    if with_stop {
         jobs.push((
             prompts[0].clone(),
             GenOptions {
@@ -196,6 +197,12 @@ fn per_sequence_sampling_stops_and_eos_equal_single_decode() {
     assert!(
         matches!(want[4].2, FinishReason::Eos(t) if t == g_tokens[2]),
         "the extra EOS ends the reference"
+    );
+    assert!(with_stop, "greedy text {g_text:?} has a stop string to cut");
+    assert_eq!(
+        want[6].2,
+        FinishReason::Stop(0),
+        "the stop string ends the reference"
     );
     let mut session = BatchSession::new(&model, GenOptions::default());
     session.set_prefill_chunk(8);
@@ -341,4 +348,49 @@ fn invalid_options_name_the_field() {
         ..Default::default()
     };
     ok.validate().expect("edge values are valid");
+}
+
+#[test]
+fn joiners_with_equal_chunks_share_a_step_and_longer_ones_follow_chunk_by_chunk() {
+    let model = load("e2b-hf");
+    let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
+    let lay = layouts();
+    let jobs = [
+        (prompts[0].clone(), lay[3].1), // 7 tokens, 4-bit
+        (prompts[0].clone(), lay[0].1), // 7 tokens, simple
+        (prompts[1].clone(), lay[2].1), // 19 tokens, 8-bit: chunks of 16 and 3
+    ];
+    let mut session = BatchSession::new(&model, GenOptions::default());
+    session.set_prefill_chunk(16);
+    for (p, cfg) in &jobs {
+        session
+            .enqueue(p.clone(), greedy(*cfg, 5), None)
+            .expect("enqueue");
+    }
+    let mut first_step = [None; 3];
+    let mut got = vec![Vec::new(); 3];
+    let mut step = 0;
+    while !session.is_empty() {
+        step += 1;
+        for (SeqId(id), s) in session.step().expect("step") {
+            first_step[id].get_or_insert(step);
+            got[id].push(s.token);
+        }
+    }
+    assert_eq!(
+        first_step,
+        [Some(1), Some(1), Some(3)],
+        "both 7-token prompts prefill in step 1; the 19-token one in steps 2 and 3"
+    );
+    for (k, (p, cfg)) in jobs.iter().enumerate() {
+        let o = GenOptions {
+            prefill_chunk: Some(16),
+            ..greedy(*cfg, 5)
+        };
+        assert_eq!(
+            got[k],
+            single(&model, p, &o).0,
+            "job {k} equals single decode"
+        );
+    }
 }

@@ -392,3 +392,131 @@ fn engine_serves_16_concurrent_mixed_layout_requests_as_if_alone() {
         Err(SubmitError::ShutDown)
     ));
 }
+
+/// Runs `prompt` through `s` to the end; the tokens, the cached prompt tokens at start and the
+/// usage.
+fn run_one(
+    s: &mut Scheduler<'_>,
+    prompt: Vec<u32>,
+    options: GenOptions,
+) -> (Vec<u32>, usize, Usage) {
+    let id = s.submit(prompt, options).expect("submit");
+    let mut seen = HashMap::new();
+    while !s.is_idle() {
+        for (i, e) in s.step() {
+            record(&mut seen, i, e);
+        }
+    }
+    let r = &seen[&id];
+    assert!(r.failed.is_none(), "failed: {:?}", r.failed);
+    let (_, usage) = r.done.expect("done");
+    (r.tokens.clone(), r.started.expect("started").1, usage)
+}
+
+#[test]
+fn turn_two_of_a_chat_reuses_turn_one_in_its_own_layout_only() {
+    let model = load("e2b-hf");
+    let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
+    let with_store = || {
+        Scheduler::new(
+            &model,
+            SchedulerConfig {
+                prefix_cache_bytes: 1 << 26,
+                ..config()
+            },
+        )
+        .expect("scheduler")
+    };
+    let layouts = [
+        (
+            "simple",
+            CacheConfig {
+                mode: CacheMode::Simple,
+            },
+        ),
+        ("rotating", CacheConfig::default()),
+        ("8-bit", quantized(QuantBits::Eight)),
+        ("4-bit", quantized(QuantBits::Four)),
+    ];
+    for (label, layout) in layouts {
+        let mut s = with_store();
+        let (answer, cached, _) = run_one(&mut s, prompts[1].clone(), greedy(layout, 6));
+        assert_eq!(cached, 0, "{label}: turn 1 starts cold");
+        assert_eq!(s.stats().prefix_entries, 1, "{label}: turn 1 is kept");
+        let turn2: Vec<u32> = [&prompts[1][..], &answer, &prompts[0]].concat();
+        let (tokens, cached, usage) = run_one(&mut s, turn2.clone(), greedy(layout, 8));
+        assert_eq!(
+            cached,
+            prompts[1].len() + answer.len() - 1,
+            "{label}: turn 2 reuses turn 1's prompt and answer"
+        );
+        assert_eq!(usage.cached_tokens, cached);
+        assert_eq!(usage.prompt_tokens, turn2.len());
+        let mut cold = Scheduler::new(&model, config()).expect("scheduler");
+        let (want, none, _) = run_one(&mut cold, turn2, greedy(layout, 8));
+        assert_eq!(none, 0);
+        assert_eq!(
+            tokens, want,
+            "{label}: reuse gives the tokens of a cold prefill"
+        );
+    }
+
+    // The same conversation in another layout is not served from this one's entry.
+    let mut s = with_store();
+    let (answer, _, _) = run_one(
+        &mut s,
+        prompts[1].clone(),
+        greedy(quantized(QuantBits::Eight), 6),
+    );
+    let turn2: Vec<u32> = [&prompts[1][..], &answer, &prompts[0]].concat();
+    for (label, layout) in [
+        ("4-bit", quantized(QuantBits::Four)),
+        ("rotating", CacheConfig::default()),
+    ] {
+        let (_, cached, _) = run_one(&mut s, turn2.clone(), greedy(layout, 4));
+        assert_eq!(cached, 0, "{label} request never gets the 8-bit entry");
+    }
+    let (_, cached, _) = run_one(&mut s, turn2, greedy(quantized(QuantBits::Eight), 4));
+    assert!(cached > 0, "the 8-bit request does");
+}
+
+#[test]
+fn engine_refuses_beyond_the_queue_bound_and_fails_pending_requests_on_shutdown() {
+    let model = Arc::new(load("e2b-hf"));
+    let prompt = golden("e2b-hf").remove(0).prompt;
+    let engine = Engine::start(
+        model,
+        SchedulerConfig {
+            max_batch: 1,
+            max_queue: 1,
+            ..config()
+        },
+    )
+    .expect("engine");
+    let (tx, rx) = mpsc::channel();
+    let mut outcomes = Vec::new();
+    for _ in 0..3 {
+        let tx = tx.clone();
+        outcomes.push(engine.submit(
+            prompt.clone(),
+            greedy(CacheConfig::default(), 2000),
+            Box::new(move |e| tx.send(e).is_ok()),
+        ));
+    }
+    drop(tx);
+    // One runs, at most one waits: the third is refused whatever the worker did meanwhile.
+    assert!(outcomes[0].is_ok());
+    assert!(matches!(
+        outcomes[2],
+        Err(SubmitError::QueueFull { retry_after_secs }) if retry_after_secs > 0
+    ));
+    assert!(engine.stats().queued <= 1);
+    engine.shutdown();
+    let failed = rx.iter().filter(|e| matches!(e, Event::Failed(_))).count();
+    let accepted = outcomes.iter().filter(|o| o.is_ok()).count();
+    assert_eq!(
+        failed, accepted,
+        "every accepted request hears of the shutdown"
+    );
+    assert_eq!(engine.stats().queued, 0);
+}

@@ -27,6 +27,7 @@
 //! ```
 
 use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
@@ -275,8 +276,22 @@ fn run(model: &Model, config: SchedulerConfig, rx: &Receiver<Command>, shared: &
         if !open {
             break;
         }
+        let events = match catch_unwind(AssertUnwindSafe(|| scheduler.step())) {
+            Ok(events) => events,
+            Err(_) => {
+                // A bug, not an input: every request known so far fails, and a fresh
+                // scheduler serves the next ones rather than leaving clients hanging.
+                fail_every(&mut entries, shared, "internal error in a batch step");
+                match Scheduler::new(model, scheduler.config().clone()) {
+                    Ok(fresh) => scheduler = fresh,
+                    Err(_) => break,
+                }
+                publish(&scheduler, shared);
+                continue;
+            }
+        };
         let mut refused = Vec::new();
-        for (id, event) in scheduler.step() {
+        for (id, event) in events {
             let Some(entry) = entries.get_mut(&id) else {
                 continue;
             };
@@ -298,16 +313,19 @@ fn run(model: &Model, config: SchedulerConfig, rx: &Receiver<Command>, shared: &
         }
         publish(&scheduler, shared);
     }
+    fail_every(&mut entries, shared, "the engine shut down");
+    shared.shut.store(true, Ordering::Release);
+    publish(&scheduler, shared);
+}
+
+/// Fails and forgets every request the worker knows.
+fn fail_every(entries: &mut HashMap<RequestId, Entry>, shared: &Shared, reason: &str) {
     for (_, mut entry) in entries.drain() {
-        (entry.sink)(Event::Failed(Error::Input(
-            "the engine shut down".to_string(),
-        )));
+        (entry.sink)(Event::Failed(Error::Input(reason.to_string())));
         if !entry.admitted {
             shared.waiting.fetch_sub(1, Ordering::AcqRel);
         }
     }
-    shared.shut.store(true, Ordering::Release);
-    publish(&scheduler, shared);
 }
 
 /// Drops a request's entry, counting it out of `waiting` if it never left the queue.

@@ -15,7 +15,10 @@
 //!   whole budget runs alone once the batch is empty (it would otherwise wait forever). The
 //!   reservation is returned when the request finishes, fails or is cancelled, and the queue
 //!   head is admitted at the next step. The budget covers the running caches; the prefix store
-//!   has its own budget ([`SchedulerConfig::prefix_cache_bytes`]).
+//!   has its own budget ([`SchedulerConfig::prefix_cache_bytes`]). Growing caches allocate
+//!   ahead (256-token steps, doubling), so the bytes allocated ([`EngineStats::kv_bytes`]) can
+//!   exceed the reservations, by up to about 2x on full-attention layers: set the budget with
+//!   that headroom.
 //! - **Chunked prefill:** an admitted prompt is prefilled inside the decode steps, at most
 //!   [`SchedulerConfig::prefill_chunk`] tokens per step (several joining prompts whose next
 //!   chunks have equal lengths share one forward), so a long prompt delays the running streams
