@@ -17,6 +17,7 @@ above a concurrency cap), runs every level and the probe against it, and checks 
 
     python3 scripts/loadgen.py --url http://127.0.0.1:8080 --prompt-len 128 --max-tokens 128
     python3 scripts/loadgen.py --kv-bits 4 --concurrency 32 --join-streams 8
+    python3 scripts/loadgen.py --shared-prefix 1024 --prompt-len 1100 --concurrency 8
     python3 scripts/loadgen.py --self-test
 """
 
@@ -24,6 +25,7 @@ import argparse
 import http.client
 import http.server
 import json
+import math
 import queue
 import random
 import socketserver
@@ -38,7 +40,7 @@ def percentile(values, p):
     if not values:
         return None
     s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(p / 100.0 * len(s) + 0.5)) - 1))
+    k = max(0, min(len(s) - 1, math.ceil(p / 100.0 * len(s)) - 1))
     return s[k]
 
 
@@ -138,14 +140,20 @@ def stream_request(url, body, api_key, timeout):
 
 
 def request_body(args, rng, prompt_len, max_tokens):
+    shared = min(args.shared_prefix, prompt_len)
+    common = random.Random(args.seed)
+    prompt = [common.randrange(args.min_token_id, args.vocab) for _ in range(shared)]
+    prompt += [rng.randrange(args.min_token_id, args.vocab) for _ in range(prompt_len - shared)]
     body = {
-        "prompt": [rng.randrange(args.min_token_id, args.vocab) for _ in range(prompt_len)],
+        "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": True,
         "ignore_eos": True,
         "temperature": 0.0,
         "stream_options": {"include_usage": True},
     }
+    if args.token_ids:
+        body["return_token_ids"] = True
     if args.model:
         body["model"] = args.model
     if args.kv_bits is not None:
@@ -363,8 +371,11 @@ class FakeHandler(http.server.BaseHTTPRequestHandler):
         for i in range(n):
             if i:
                 time.sleep(self.token_s)
-            ev = {"id": "cmpl-fake", "object": "text_completion", "choices": [
-                {"index": 0, "text": f" t{i}", "finish_reason": "length" if i == n - 1 else None}]}
+            choice = {"index": 0, "text": f" t{i}",
+                      "finish_reason": "length" if i == n - 1 else None}
+            if req.get("return_token_ids"):
+                choice["token_ids"] = [1000 + i]
+            ev = {"id": "cmpl-fake", "object": "text_completion", "choices": [choice]}
             self.chunk(b"data: " + json.dumps(ev).encode() + b"\n\n")
         usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
         self.chunk(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
@@ -415,6 +426,9 @@ def self_test(args):
     print(json.dumps(probe), flush=True)
     if probe["join_status"] != 200 or probe["streams_ok"] != 4 or not probe["gaps_during"]:
         failures.append(f"probe: {probe}")
+    one = stream_request(args.url, request_body(args, random.Random(1), 8, 5), None, 10)
+    if not one.ok or len(one.chunks) != 5 or sum(n for _, n in one.chunks) != 5:
+        failures.append(f"5 streamed tokens counted as {one.chunks} ({one.error})")
     bad = stream_request(args.url, {"prompt": [1, 2], "kv_bits": 3, "stream": True}, None, 10)
     if bad.status != 400:
         failures.append(f"kv_bits 3 gave {bad.status}")
@@ -437,9 +451,14 @@ def main():
                    help="requests per level (default: 4 x concurrency, at least 8)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="the first N prompt tokens are the same in every request (prefix reuse)")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None)
     p.add_argument("--vocab", type=int, default=32000, help="token ids drawn below this")
     p.add_argument("--min-token-id", type=int, default=10, help="token ids drawn from this up")
+    p.add_argument("--no-token-ids", dest="token_ids", action="store_false",
+                   help="do not ask for `return_token_ids` (tokens are then counted per text "
+                   "chunk, and in total from `usage`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--join-streams", type=int, default=0,
@@ -457,7 +476,8 @@ def main():
     for c in [int(x) for x in args.concurrency.split(",") if x.strip()]:
         n = args.requests or max(4 * c, 8)
         s = run_level(args, c, n)
-        s.update(prompt_len=args.prompt_len, max_tokens=args.max_tokens, kv_bits=args.kv_bits)
+        s.update(prompt_len=args.prompt_len, max_tokens=args.max_tokens, kv_bits=args.kv_bits,
+                 shared_prefix=args.shared_prefix)
         levels.append(s)
         print(json.dumps(s), flush=True)
     probe = None

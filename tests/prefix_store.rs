@@ -1,8 +1,9 @@
 //! The prefix store on the tiny Gemma 4 fixtures (sliding window 8): a decode continued from a
 //! looked-up prefix gives exactly the tokens of a full prefill (dense, rotating, 8- and 4-bit
-//! layouts, prompts longer than the window, a conversation's next turn and a shared prefix);
-//! layouts never share states; eviction keeps the bytes under the budget, least recently used
-//! first; a match never covers the whole prompt.
+//! layouts, prompts longer than the window, a conversation's next turn and a shared prefix, and
+//! from ring checkpoints where a wrapped ring cannot be cut back); layouts never share states;
+//! eviction keeps the bytes under the budget, least recently used first; a match never covers
+//! the whole prompt.
 
 mod common;
 
@@ -281,32 +282,138 @@ fn eviction_keeps_bytes_under_the_budget_least_recently_used_first() {
 }
 
 #[test]
-fn an_extended_state_replaces_the_one_it_covers() {
+fn an_extended_state_replaces_the_one_it_covers_or_keeps_its_rings() {
     let model = load("e2b-hf");
     let prompt = &golden("e2b-hf")[1].prompt; // 19 tokens
     let longer: Vec<u32> = prompt.iter().copied().chain([40, 41, 42]).collect();
     for cfg in [simple(), CacheConfig::default()] {
         let layout = LayoutKey::for_model(&model, &cfg);
         let mut store = PrefixStore::new(1 << 30);
-        store
-            .insert(prompt.clone(), layout, prefilled(&model, &cfg, prompt))
-            .unwrap();
-        store
-            .insert(longer.clone(), layout, prefilled(&model, &cfg, &longer))
-            .unwrap();
-        // A growing cache cuts back anywhere: one entry serves both. A wrapped ring cannot be
-        // cut back 3 tokens: both stay.
-        let want = if cfg.mode == CacheMode::Simple { 1 } else { 2 };
-        assert_eq!(store.len(), want, "{:?}", cfg.mode);
-        let total: usize = store.bytes();
+        let short_state = prefilled(&model, &cfg, prompt);
+        let short_bytes = short_state.memory_bytes();
+        store.insert(prompt.clone(), layout, short_state).unwrap();
+        let long_state = prefilled(&model, &cfg, &longer);
+        let long_bytes = long_state.memory_bytes();
+        store.insert(longer.clone(), layout, long_state).unwrap();
+        // One entry either way: a growing cache cuts back anywhere, so the shorter state goes;
+        // a wrapped ring cannot be cut back 3 tokens, so the shorter state's rings stay as a
+        // checkpoint (less than the whole state: its full-attention layers are dropped).
+        assert_eq!(store.len(), 1, "{:?}", cfg.mode);
+        let total = store.bytes();
+        if cfg.mode == CacheMode::Simple {
+            assert_eq!(total, long_bytes);
+        } else {
+            assert!(total > long_bytes && total < long_bytes + short_bytes);
+        }
         // Re-inserting a covered prefix adds nothing.
         store
             .insert(prompt.clone(), layout, prefilled(&model, &cfg, prompt))
             .unwrap();
-        assert_eq!((store.len(), store.bytes()), (want, total));
-        let q: Vec<u32> = prompt.iter().copied().chain([99]).collect();
-        let (_, held) = store.lookup(&q, &layout).unwrap().unwrap();
-        assert_eq!(held, prompt.len());
+        assert_eq!((store.len(), store.bytes()), (1, total));
+        let q: Vec<u32> = prompt.iter().copied().chain([99, 98]).collect();
+        let got = continued(
+            &model,
+            &mut store,
+            &layout,
+            &q,
+            prompt.len(),
+            8,
+            "checkpoint",
+        );
+        assert_eq!(got, fresh(&model, &cfg, &q, 8), "{:?}", cfg.mode);
+    }
+}
+
+/// How a chat turn hands its prompt's state to the store.
+#[derive(Debug, Clone, Copy)]
+enum Keep {
+    /// A deep copy inserted after the prefill, then the final state.
+    InsertPromptFirst,
+    /// The final state, then the prompt's copy.
+    InsertFinalFirst,
+    /// `PrefixStore::checkpoint` after the prefill, then the final state.
+    Checkpoint,
+}
+
+/// Prefills `prompt`, keeps that state as `keep` says, decodes 6 tokens and inserts the final
+/// state; returns the 6 answer tokens.
+fn chat_turn(
+    model: &Model,
+    cfg: &CacheConfig,
+    store: &mut PrefixStore,
+    prompt: &[u32],
+    keep: Keep,
+) -> Vec<u32> {
+    let layout = LayoutKey::for_model(model, cfg);
+    let mut cache = model.new_cache(cfg).expect("cache");
+    let mut answer = vec![argmax(&step(model, &mut cache, prompt))];
+    let prompt_state = cache.deep_clone().expect("copy");
+    if let Keep::Checkpoint = keep {
+        store
+            .checkpoint(prompt, &layout, &cache)
+            .expect("checkpoint");
+    }
+    for _ in 0..5 {
+        let last = answer[answer.len() - 1];
+        answer.push(argmax(&step(model, &mut cache, &[last])));
+    }
+    let held: Vec<u32> = prompt.iter().chain(&answer[..5]).copied().collect();
+    let mut states = vec![(prompt.to_vec(), prompt_state), (held, cache)];
+    match keep {
+        Keep::InsertPromptFirst => {}
+        Keep::InsertFinalFirst => states.reverse(),
+        Keep::Checkpoint => {
+            states.remove(0);
+        }
+    }
+    for (tokens, state) in states {
+        store.insert(tokens, layout, state).expect("insert");
+    }
+    answer
+}
+
+#[test]
+fn a_prompt_checkpoint_serves_a_next_turn_that_rewrites_the_answer() {
+    for name in ["e2b-hf", "e4b-text"] {
+        let model = load(name);
+        let prompt = &golden(name)[1].prompt; // 19 tokens: every ring has wrapped
+        for (label, cfg) in modes() {
+            for keep in [
+                Keep::InsertPromptFirst,
+                Keep::InsertFinalFirst,
+                Keep::Checkpoint,
+            ] {
+                let label = format!("{name} {label} {keep:?}");
+                let layout = LayoutKey::for_model(&model, &cfg);
+                let mut store = PrefixStore::new(1 << 30);
+                let answer = chat_turn(&model, &cfg, &mut store, prompt, keep);
+                assert_eq!(store.len(), 1, "{label}");
+
+                // The next turn's template renders the answer otherwise (thinking dropped):
+                // the prompt's checkpoint serves its 19 tokens.
+                let other = if answer[0] == 300 { 301 } else { 300 };
+                let turn2: Vec<u32> = prompt.iter().copied().chain([other, 302, 303]).collect();
+                let got = continued(&model, &mut store, &layout, &turn2, prompt.len(), 8, &label);
+                assert_eq!(
+                    got,
+                    fresh(&model, &cfg, &turn2, 8),
+                    "{label}: rewritten answer"
+                );
+
+                // Rendered as generated: the whole finished state serves.
+                let turn2: Vec<u32> = prompt.iter().chain(&answer).copied().chain([7]).collect();
+                let got = continued(
+                    &model,
+                    &mut store,
+                    &layout,
+                    &turn2,
+                    prompt.len() + 5,
+                    8,
+                    &label,
+                );
+                assert_eq!(got, fresh(&model, &cfg, &turn2, 8), "{label}: same answer");
+            }
+        }
     }
 }
 
@@ -335,4 +442,138 @@ fn a_match_never_covers_the_whole_prompt() {
     let extended: Vec<u32> = tokens.iter().copied().chain([1]).collect();
     let (_, held) = store.lookup(&extended, &layout).unwrap().unwrap();
     assert_eq!(held, tokens.len());
+}
+
+#[test]
+fn a_waiting_checkpoint_counts_in_the_budget_and_joins_its_entry() {
+    let model = load("e2b-hf");
+    let prompt = &golden("e2b-hf")[1].prompt; // 19 tokens
+    let cfg = CacheConfig::default();
+    let layout = LayoutKey::for_model(&model, &cfg);
+    let state = prefilled(&model, &cfg, prompt);
+
+    // Only the rings are copied, and they wait without serving.
+    let mut store = PrefixStore::new(1 << 30);
+    store.checkpoint(prompt, &layout, &state).unwrap();
+    let rings = store.bytes();
+    assert!(rings > 0 && rings < state.memory_bytes());
+    assert!(store.is_empty());
+    let q: Vec<u32> = prompt.iter().copied().chain([5]).collect();
+    assert!(store.lookup(&q, &layout).unwrap().is_none());
+    // Another layout's state of the same tokens does not adopt it.
+    let dense = simple();
+    let dense_key = LayoutKey::for_model(&model, &dense);
+    let longer: Vec<u32> = q.iter().copied().chain([6, 7]).collect();
+    store
+        .insert(
+            longer.clone(),
+            dense_key,
+            prefilled(&model, &dense, &longer),
+        )
+        .unwrap();
+    let q2: Vec<u32> = prompt.iter().copied().chain([9, 9]).collect();
+    let (_, held) = store.lookup(&q2, &dense_key).unwrap().unwrap();
+    assert_eq!(held, prompt.len());
+    assert!(store.lookup(&q2, &layout).unwrap().is_none());
+    // Its own layout's state along the tokens does.
+    store
+        .insert(longer.clone(), layout, prefilled(&model, &cfg, &longer))
+        .unwrap();
+    let got = continued(&model, &mut store, &layout, &q2, prompt.len(), 8, "adopted");
+    assert_eq!(got, fresh(&model, &cfg, &q2, 8));
+
+    // A budget below the rings keeps nothing; a dense cache has no rings to keep.
+    let mut small = PrefixStore::new(rings - 1);
+    small.checkpoint(prompt, &layout, &state).unwrap();
+    assert_eq!(small.bytes(), 0);
+    let mut store = PrefixStore::new(1 << 30);
+    store
+        .checkpoint(prompt, &dense_key, &prefilled(&model, &dense, prompt))
+        .unwrap();
+    assert_eq!(store.bytes(), 0);
+}
+
+/// A small deterministic generator (no extra dependency).
+struct Lcg(u64);
+
+impl Lcg {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 33) as usize) % n
+    }
+}
+
+/// How far the log-probs after a reused state may be from a fresh prefill's. Dense caches: a
+/// few f32 ulps of summation order (the goldens' tolerance). Quantized caches re-round every new
+/// key: another summation order (a cut ring's keys are gathered in position order, a fresh
+/// ring's are not) can move a new token's K/V across a rounding boundary, one code step, which
+/// moves a tiny random model's log-probs by a few hundredths. A wrong state moves them by whole
+/// units.
+fn tolerance(cfg: &CacheConfig) -> f64 {
+    match cfg.mode {
+        CacheMode::Quantized(_) => 0.1,
+        _ => 2e-3,
+    }
+}
+
+#[test]
+fn random_inserts_checkpoints_and_lookups_serve_correct_states_within_budget() {
+    let model = load("e2b-hf");
+    let base = &golden("e2b-hf")[1].prompt; // 19 tokens
+    for (label, cfg) in modes() {
+        let layout = LayoutKey::for_model(&model, &cfg);
+        let budget = 4 * prefilled(&model, &cfg, base).memory_bytes();
+        let mut store = PrefixStore::new(budget);
+        let mut rng = Lcg(7);
+        let mut kept: Vec<Vec<u32>> = Vec::new();
+        let mut hits = 0;
+        for op in 0..80 {
+            // Prompts share prefixes of `base` and diverge over a small alphabet.
+            let mut tokens = base[..3 + rng.below(17)].to_vec();
+            tokens.extend((0..rng.below(6)).map(|_| 40 + rng.below(3) as u32));
+            match rng.below(3) {
+                0 => {
+                    let state = prefilled(&model, &cfg, &tokens);
+                    store.insert(tokens.clone(), layout, state).unwrap();
+                    kept.push(tokens);
+                }
+                1 => {
+                    let state = prefilled(&model, &cfg, &tokens);
+                    store.checkpoint(&tokens, &layout, &state).unwrap();
+                }
+                _ => {
+                    let Some((mut cache, held)) = store.lookup(&tokens, &layout).unwrap() else {
+                        continue;
+                    };
+                    hits += 1;
+                    let label = format!("{label} op {op}");
+                    assert!(held < tokens.len(), "{label}");
+                    assert_eq!(cache.offsets(), vec![held], "{label}");
+                    let shared = kept
+                        .iter()
+                        .map(|k| k.iter().zip(&tokens).take_while(|(a, b)| a == b).count())
+                        .max()
+                        .unwrap_or(0);
+                    assert!(
+                        held <= shared,
+                        "{label}: {held} tokens reused, {shared} shared"
+                    );
+                    let got = step(&model, &mut cache, &tokens[held..]);
+                    let want = step(&model, &mut model.new_cache(&cfg).unwrap(), &tokens);
+                    let diff = logprob_diff(&got, &want);
+                    assert!(
+                        diff < tolerance(&cfg),
+                        "{label}: reused state off by {diff}"
+                    );
+                }
+            }
+            assert!(store.bytes() <= budget, "{label} op {op}");
+        }
+        assert!(hits > 0, "{label}: no lookup hit");
+        store.clear();
+        assert_eq!((store.len(), store.bytes()), (0, 0));
+    }
 }
