@@ -74,7 +74,7 @@ struct Args {
     #[arg(long, default_value_t = 32)]
     max_batch: usize,
     /// KV memory budget of the running sequences, MiB.
-    #[arg(long, default_value_t = 4096)]
+    #[arg(long, default_value_t = 8192)]
     kv_budget_mb: usize,
     /// Most requests waiting for admission; more get 429 with Retry-After.
     #[arg(long, default_value_t = 256)]
@@ -83,7 +83,7 @@ struct Args {
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
     /// Byte budget of the prefix store, MiB (0 turns prefix reuse off).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 2048)]
     prefix_cache_mb: usize,
     /// KV bits of requests that do not set `kv_bits` (4 or 8; absent: dense KV).
     #[arg(long)]
