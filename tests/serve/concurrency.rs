@@ -20,7 +20,11 @@ fn request(i: usize) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sixteen_concurrent_requests_equal_each_alone() {
-    let h = Harness::start(|c| c.engine.prefix_cache_bytes = 0).await;
+    let h = Harness::start(|c| {
+        c.engine.prefix_cache_bytes = 0;
+        c.engine.max_batch = 16;
+    })
+    .await;
     let requests: Vec<Value> = (0..16).map(request).collect();
     let mut alone = Vec::new();
     for r in &requests {
