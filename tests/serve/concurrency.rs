@@ -1,6 +1,10 @@
 //! Concurrent greedy requests mixing KV layouts (dense, 8-bit, 4-bit) and prompt lengths each
 //! give exactly the tokens of the same request sent alone.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
 use futures_util::future::join_all;
 use serde_json::{json, Value};
 
@@ -30,7 +34,26 @@ async fn sixteen_concurrent_requests_equal_each_alone() {
     for r in &requests {
         alone.push(ids_of(&h.ok("/v1/completions", r).await));
     }
+    let engine = h.running.state.engine.clone();
+    let most = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let monitor = {
+        let (most, stop) = (most.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                most.fetch_max(engine.stats().running, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+    };
     let together = join_all(requests.iter().map(|r| h.ok("/v1/completions", r))).await;
+    stop.store(true, Ordering::Relaxed);
+    monitor.await.expect("monitor");
+    let most = most.load(Ordering::Relaxed);
+    assert!(
+        most > 1,
+        "the requests shared the batch (at most {most} ran at once)"
+    );
     for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
         assert_eq!(
             &ids_of(t),
