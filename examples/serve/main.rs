@@ -1,0 +1,205 @@
+//! An OpenAI- and Anthropic-compatible HTTP server for a Gemma 4 checkpoint, over the
+//! library's continuous-batching engine.
+//!
+//! ```text
+//! cargo run --release --example serve -- --model fixtures/e2b-hf --port 8080
+//! cargo run --release --features cuda --example serve -- \
+//!     --random-weights fixtures/real-configs/e4b-config.json --dtype bf16 --device cuda
+//! curl -s localhost:8080/v1/chat/completions -H 'content-type: application/json' \
+//!     -d '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
+//! ```
+//! Routes, request fields, errors and the JSON policy are described in [`server`].
+
+mod server;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use candle_core::DType;
+use candle_gemma::config::Config;
+use candle_gemma::kv::QuantBits;
+use candle_gemma::Model;
+use clap::{Parser, ValueEnum};
+
+use server::engine::EngineSettings;
+use server::options::{head_dims, Defaults};
+use server::ServerConfig;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Dtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DeviceKind {
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DenseKv {
+    /// A ring of W slots on sliding layers.
+    Rotating,
+    /// Every layer keeps every token.
+    Simple,
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "Serve a Gemma 4 checkpoint over OpenAI- and Anthropic-compatible HTTP")]
+struct Args {
+    /// Checkpoint folder, or a hub id (org/name) with the `hub` feature.
+    #[arg(long, conflicts_with = "random_weights")]
+    model: Option<String>,
+    /// A config.json: serve a model of its real shapes with random weights (benchmarks; no
+    /// tokenizer, so token-id prompts on /v1/completions only).
+    #[arg(long)]
+    random_weights: Option<PathBuf>,
+    /// The name clients give as `model` (default: the --model argument).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind (0: any free port, printed at start).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every /v1 route.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Most sequences decoded together.
+    #[arg(long, default_value_t = 32)]
+    max_batch: usize,
+    /// KV memory budget of the running sequences, MiB.
+    #[arg(long, default_value_t = 8192)]
+    kv_budget_mb: usize,
+    /// Most requests waiting for admission; more get 429 with Retry-After.
+    #[arg(long, default_value_t = 256)]
+    max_queue: usize,
+    /// Prompt tokens prefilled per engine step (joining prompts share it).
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Byte budget of the prefix store, MiB (0 turns prefix reuse off).
+    #[arg(long, default_value_t = 2048)]
+    prefix_cache_mb: usize,
+    /// KV bits of requests that do not set `kv_bits` (4 or 8; absent: dense KV).
+    #[arg(long)]
+    kv_bits: Option<usize>,
+    /// Group size of quantized KV for requests that do not set `kv_group_size` (default: 64,
+    /// or 32 where 64 does not divide the model's head dimensions).
+    #[arg(long)]
+    kv_group_size: Option<usize>,
+    /// The dense KV layout.
+    #[arg(long, value_enum, default_value_t = DenseKv::Rotating)]
+    dense_kv: DenseKv,
+    /// `max_tokens` of requests that do not set it (clipped to the context).
+    #[arg(long, default_value_t = 1024)]
+    default_max_tokens: usize,
+    /// Activation dtype (default: bf16 on a GPU, f32 on the CPU).
+    #[arg(long, value_enum)]
+    dtype: Option<Dtype>,
+    /// Device (default: the GPU the build has, else the CPU).
+    #[arg(long, value_enum)]
+    device: Option<DeviceKind>,
+}
+
+fn load(args: &Args) -> Result<(Model, String)> {
+    let device = candle_gemma::best_device(args.device == Some(DeviceKind::Cpu))?;
+    let dtype = match args.dtype {
+        Some(Dtype::F32) => DType::F32,
+        Some(Dtype::Bf16) => DType::BF16,
+        Some(Dtype::F16) => DType::F16,
+        None if device.is_cpu() => DType::F32,
+        None => DType::BF16,
+    };
+    match (args.device, device.is_cpu()) {
+        (Some(DeviceKind::Cuda), false) if device.is_cuda() => {}
+        (Some(DeviceKind::Metal), false) if device.is_metal() => {}
+        (Some(DeviceKind::Cuda | DeviceKind::Metal), _) => {
+            bail!("--device {:?}: this build has no such device", args.device)
+        }
+        _ => {}
+    }
+    if let Some(path) = &args.random_weights {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let config = Config::from_json(&serde_json::from_str(&text)?, None)?;
+        let name = path
+            .file_stem()
+            .map_or_else(|| "random".into(), |s| s.to_string_lossy().into_owned());
+        return Ok((
+            Model::random(config, &device, dtype, 1)?,
+            format!("random-{name}"),
+        ));
+    }
+    let Some(model) = &args.model else {
+        bail!("give --model DIR|ID or --random-weights CONFIG.json");
+    };
+    let path = PathBuf::from(model);
+    let builder = Model::builder().device(device).dtype(dtype);
+    let builder = if path.exists() {
+        builder.path(path)
+    } else {
+        builder.repo(model)
+    };
+    Ok((builder.build()?, model.clone()))
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let (model, name) = load(&args)?;
+    let kv_bits = args.kv_bits.map(QuantBits::from_bits).transpose()?;
+    let dims = head_dims(&model);
+    let kv_group_size = args
+        .kv_group_size
+        .unwrap_or(if dims.iter().all(|d| d % 64 == 0) {
+            64
+        } else {
+            32
+        });
+    let mut model_names = vec![args.served_model_name.clone().unwrap_or(name.clone())];
+    model_names.push(name);
+    let config = ServerConfig {
+        model_names,
+        api_key: args.api_key.clone(),
+        defaults: Defaults {
+            kv_bits,
+            kv_group_size,
+            rotating: args.dense_kv == DenseKv::Rotating,
+            max_tokens: args.default_max_tokens,
+            head_dims: dims,
+        },
+        engine: EngineSettings {
+            max_batch: args.max_batch,
+            kv_budget_bytes: args.kv_budget_mb << 20,
+            max_queue: args.max_queue,
+            prefill_chunk: args.prefill_chunk,
+            prefix_cache_bytes: args.prefix_cache_mb << 20,
+        },
+    };
+    let (tx, mut stop) = tokio::sync::mpsc::unbounded_channel();
+    ctrlc::set_handler(move || {
+        let _ = tx.send(());
+    })?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
+            .await
+            .with_context(|| format!("binding {}:{}", args.host, args.port))?;
+        let running = server::start(Arc::new(model), config, listener)?;
+        eprintln!(
+            "serving `{}` on {} (Ctrl-C stops)",
+            running.state.model_id(),
+            running.url()
+        );
+        stop.recv().await;
+        eprintln!("stopping");
+        drop(running);
+        Ok::<(), anyhow::Error>(())
+    })
+}

@@ -1,0 +1,212 @@
+//! `POST /v1/chat/completions`: the conversation through the chat template into the engine,
+//! the answer split into `content`, `reasoning_content` and `tool_calls`, whole or as
+//! `chat.completion.chunk` deltas ending with `data: [DONE]`.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+use super::engine::Event;
+use super::error::ApiError;
+use super::openai::{self, ChatRequest};
+use super::split::{Gathered, OutputSplit, Piece};
+use super::sse::{self, Frame, Translate};
+use super::{body, new_id, unix_now, AppState};
+
+/// The route handler.
+pub async fn handle(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    match run(state, &body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
+    let req: ChatRequest = body::parse(body)?;
+    state.check_model(req.model.as_deref())?;
+    let messages = req
+        .messages
+        .as_ref()
+        .ok_or_else(|| ApiError::missing("messages"))?;
+    let messages = openai::to_messages(messages)?;
+    let tools = openai::tools_for(req.tools.as_ref(), req.tool_choice.as_ref())?;
+    let thinking = req
+        .chat_template_kwargs
+        .as_ref()
+        .and_then(|k| k.enable_thinking)
+        .unwrap_or(false);
+    // Field errors first: they do not depend on the prompt.
+    req.knobs
+        .to_options(&state.config.defaults, 0, state.context())?;
+    let prompt = state
+        .renderer
+        .tokens(state.model(), &messages, tools, thinking)?;
+    let mut options =
+        req.knobs
+            .to_options(&state.config.defaults, prompt.len(), state.context())?;
+    // The split needs the tags; other special tokens are dropped by id.
+    options.skip_special_tokens = false;
+    let submission = state.engine.submit(prompt, options)?;
+    let stream = ChatStream::new(
+        state.model_id(),
+        req.stream_options.is_some_and(|o| o.include_usage),
+        req.knobs.return_token_ids,
+        OutputSplit::new(state.hidden.clone()),
+    );
+    if req.stream {
+        return Ok(sse::respond(submission, stream));
+    }
+    let done = submission.collect().await?;
+    let mut split = stream.split;
+    let mut all = Gathered::default();
+    for step in &done.steps {
+        all.extend(split.push(step.token, &step.text));
+    }
+    all.extend(split.finish());
+    let calls: Vec<Value> = all
+        .tool_calls
+        .iter()
+        .map(|(name, args)| openai::tool_call(&new_id("call_"), name, args))
+        .collect();
+    let mut message = json!({
+        "role": "assistant",
+        "content": if all.content.is_empty() && !calls.is_empty() { Value::Null } else { Value::from(all.content) },
+        "reasoning_content": if all.reasoning.is_empty() { Value::Null } else { Value::from(all.reasoning) },
+    });
+    if !calls.is_empty() {
+        message["tool_calls"] = Value::from(calls.clone());
+    }
+    let mut choice = json!({
+        "index": 0,
+        "message": message,
+        "logprobs": null,
+        "finish_reason": openai::finish_reason(done.finish, !calls.is_empty()),
+    });
+    if stream.return_ids {
+        choice["token_ids"] = json!(done.steps.iter().map(|s| s.token).collect::<Vec<_>>());
+    }
+    let mut response = openai::envelope(
+        "chat.completion",
+        &stream.id,
+        stream.created,
+        &stream.model,
+        json!([choice]),
+    );
+    response["usage"] = openai::usage(&done.usage);
+    Ok(Json(response).into_response())
+}
+
+/// Translates one chat answer into `chat.completion.chunk` events.
+#[derive(Debug)]
+pub struct ChatStream {
+    /// The completion id shared by every chunk.
+    pub id: String,
+    /// Unix time of the request.
+    pub created: u64,
+    /// The reported model id.
+    pub model: String,
+    /// Send a last chunk with the usage.
+    pub include_usage: bool,
+    /// Put the generated ids (`token_ids`) in the chunks.
+    pub return_ids: bool,
+    /// The split of the answer.
+    pub split: OutputSplit,
+    /// Ids generated since the last chunk.
+    pub pending_ids: Vec<u32>,
+}
+
+impl ChatStream {
+    /// A translator for one answer of `model`.
+    pub fn new(model: &str, include_usage: bool, return_ids: bool, split: OutputSplit) -> Self {
+        Self {
+            id: new_id("chatcmpl-"),
+            created: unix_now(),
+            model: model.to_string(),
+            include_usage,
+            return_ids,
+            split,
+            pending_ids: Vec::new(),
+        }
+    }
+
+    fn chunk(&mut self, delta: Value, finish: Option<&str>) -> Frame {
+        let mut choice =
+            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish});
+        if self.return_ids {
+            choice["token_ids"] = json!(std::mem::take(&mut self.pending_ids));
+        }
+        Frame::Data(openai::envelope(
+            "chat.completion.chunk",
+            &self.id,
+            self.created,
+            &self.model,
+            json!([choice]),
+        ))
+    }
+
+    fn pieces(&mut self, pieces: Vec<Piece>) -> Vec<Frame> {
+        pieces
+            .into_iter()
+            .map(|p| {
+                let delta = match p {
+                    Piece::Content(t) => json!({"content": t}),
+                    Piece::Reasoning(t) => json!({"reasoning_content": t}),
+                    Piece::ToolCall { name, arguments } => {
+                        let mut call = openai::tool_call(&new_id("call_"), &name, &arguments);
+                        call["index"] = json!(self.split.tool_calls - 1);
+                        json!({"tool_calls": [call]})
+                    }
+                };
+                self.chunk(delta, None)
+            })
+            .collect()
+    }
+
+    fn error(&self, e: &ApiError) -> Vec<Frame> {
+        vec![Frame::Data(e.body()), Frame::Done]
+    }
+}
+
+impl Translate for ChatStream {
+    fn event(&mut self, event: Event) -> (Vec<Frame>, bool) {
+        match event {
+            Event::Started { .. } => (
+                vec![self.chunk(json!({"role": "assistant", "content": ""}), None)],
+                false,
+            ),
+            Event::Token(step) => {
+                self.pending_ids.push(step.token);
+                let pieces = self.split.push(step.token, &step.text);
+                (self.pieces(pieces), false)
+            }
+            Event::Done { finish, usage } => {
+                let pieces = self.split.finish();
+                let mut out = self.pieces(pieces);
+                let reason = openai::finish_reason(finish, self.split.tool_calls > 0);
+                out.push(self.chunk(json!({}), Some(reason)));
+                if self.include_usage {
+                    let mut last = openai::envelope(
+                        "chat.completion.chunk",
+                        &self.id,
+                        self.created,
+                        &self.model,
+                        json!([]),
+                    );
+                    last["usage"] = openai::usage(&usage);
+                    out.push(Frame::Data(last));
+                }
+                out.push(Frame::Done);
+                (out, true)
+            }
+            Event::Failed(message) => (self.error(&ApiError::internal(message)), true),
+        }
+    }
+
+    fn closed(&mut self) -> Vec<Frame> {
+        self.error(&ApiError::unavailable())
+    }
+}

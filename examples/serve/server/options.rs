@@ -1,0 +1,292 @@
+//! Request knobs shared by every generation route (sampling, limits, stop strings, EOS handling,
+//! KV layout) and their translation into the library's [`GenOptions`], with validation.
+//!
+//! Each bad value is a 400 whose `param` names the field and whose `code` is
+//! `invalid_<field>` (`invalid_temperature`, `invalid_top_p`, `invalid_kv_bits`, ...).
+//! `kv_bits` is 4 or 8 (a quantized cache of that width) or `null` (a dense cache); absent, the
+//! server's `--kv-bits` default applies. `kv_group_size` is 32, 64 or 128 and must divide the
+//! model's head dimensions.
+
+use candle_gemma::generate::{GenOptions, SamplingOptions};
+use candle_gemma::kv::{CacheMode, QuantBits, QuantSpec};
+use candle_gemma::CacheConfig;
+use serde::{Deserialize, Deserializer};
+use serde_json::Value;
+
+use super::error::ApiError;
+
+/// The server's defaults for what a request leaves out.
+#[derive(Debug, Clone)]
+pub struct Defaults {
+    /// KV bits when a request does not say (`None`: a dense cache).
+    pub kv_bits: Option<QuantBits>,
+    /// Group size of quantized KV when a request does not say.
+    pub kv_group_size: usize,
+    /// The dense layout: rotating sliding-window layers (`false`: every layer keeps all).
+    pub rotating: bool,
+    /// `max_tokens` when a request does not say (clipped to the context).
+    pub max_tokens: usize,
+    /// Head dimensions of the model's KV layers (group sizes must divide them).
+    pub head_dims: Vec<usize>,
+}
+
+/// Head dimensions of the model's KV-owning layers.
+pub fn head_dims(model: &candle_gemma::Model) -> Vec<usize> {
+    let mut dims: Vec<usize> = model
+        .text_model()
+        .cache_specs()
+        .into_iter()
+        .flatten()
+        .map(|s| s.head_dim)
+        .collect();
+    dims.sort_unstable();
+    dims.dedup();
+    dims
+}
+
+/// Sampling and limit fields, under the names OpenAI and vLLM use.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Knobs {
+    /// Most tokens to generate (OpenAI's older name).
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    /// Most tokens to generate (OpenAI's newer name; wins over `max_tokens`).
+    #[serde(default)]
+    pub max_completion_tokens: Option<i64>,
+    /// Softmax temperature; 0 is greedy. Default 1.
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    /// Nucleus filter, in (0, 1].
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    /// Keep the `k` most likely tokens (vLLM: -1 or 0 turns it off).
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    /// Min-p filter, in [0, 1].
+    #[serde(default)]
+    pub min_p: Option<f64>,
+    /// HF-style repetition penalty, > 0.
+    #[serde(default)]
+    pub repetition_penalty: Option<f64>,
+    /// Sampling seed.
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// Stop strings: one string or a list.
+    #[serde(default)]
+    pub stop: Option<StopField>,
+    /// Keep generating past EOS (benchmarks).
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Return the generated token ids.
+    #[serde(default)]
+    pub return_token_ids: bool,
+    /// KV cache bits: 4, 8 or `null` (dense); absent: the server default.
+    #[serde(default, deserialize_with = "present")]
+    pub kv_bits: Option<Value>,
+    /// Group size of a quantized KV cache.
+    #[serde(default)]
+    pub kv_group_size: Option<i64>,
+    /// Number of choices (1 only).
+    #[serde(default)]
+    pub n: Option<i64>,
+}
+
+/// `stop` as OpenAI takes it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// Keeps an explicit `null` apart from an absent field (`Some(Value::Null)` against `None`).
+fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
+}
+
+impl Knobs {
+    /// Checks every field and builds the options for a prompt of `prompt_len` tokens in a
+    /// context of `context` tokens.
+    ///
+    /// # Errors
+    /// A 400 naming the first bad field.
+    pub fn to_options(
+        &self,
+        defaults: &Defaults,
+        prompt_len: usize,
+        context: usize,
+    ) -> Result<GenOptions, ApiError> {
+        if let Some(n) = self.n {
+            if n != 1 {
+                return Err(ApiError::invalid(
+                    "n",
+                    format!("n must be 1 (one choice per request), got {n}"),
+                ));
+            }
+        }
+        let room = context.saturating_sub(prompt_len).max(1);
+        let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
+            None => defaults.max_tokens.min(room),
+            Some(m) if m < 1 => {
+                let param = if self.max_completion_tokens.is_some() {
+                    "max_completion_tokens"
+                } else {
+                    "max_tokens"
+                };
+                return Err(ApiError::invalid(
+                    param,
+                    format!("{param} must be at least 1, got {m}"),
+                ));
+            }
+            Some(m) => usize::try_from(m).unwrap_or(usize::MAX).min(room),
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !temperature.is_finite() || temperature < 0.0 {
+            return Err(ApiError::invalid(
+                "temperature",
+                format!("temperature must be a number >= 0, got {temperature}"),
+            ));
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(ApiError::invalid(
+                    "top_p",
+                    format!("top_p must be in (0, 1], got {p}"),
+                ));
+            }
+        }
+        if let Some(p) = self.min_p {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(ApiError::invalid(
+                    "min_p",
+                    format!("min_p must be in [0, 1], got {p}"),
+                ));
+            }
+        }
+        if let Some(r) = self.repetition_penalty {
+            if !(r.is_finite() && r > 0.0) {
+                return Err(ApiError::invalid(
+                    "repetition_penalty",
+                    format!("repetition_penalty must be a number > 0, got {r}"),
+                ));
+            }
+        }
+        let top_k = match self.top_k {
+            None | Some(-1) | Some(0) => None,
+            Some(k) if k > 0 => Some(k as usize),
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    "top_k",
+                    format!("top_k must be -1, 0 (off) or positive, got {k}"),
+                ))
+            }
+        };
+        let stop_strings = match &self.stop {
+            None => Vec::new(),
+            Some(StopField::One(s)) => vec![s.clone()],
+            Some(StopField::Many(v)) => v.clone(),
+        };
+        if stop_strings.iter().any(String::is_empty) {
+            return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+        }
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64)
+        });
+        Ok(GenOptions {
+            max_tokens,
+            sampling: SamplingOptions {
+                temperature: temperature as f32,
+                top_k,
+                top_p: self.top_p.map(|p| p as f32),
+                min_p: self.min_p.map(|p| p as f32),
+                repetition_penalty: self.repetition_penalty.map(|r| r as f32),
+                seed,
+            },
+            stop_strings,
+            ignore_eos: self.ignore_eos,
+            cache: self.cache(defaults)?,
+            ..GenOptions::default()
+        })
+    }
+
+    /// The KV layout the request asks for.
+    fn cache(&self, defaults: &Defaults) -> Result<CacheConfig, ApiError> {
+        let bits = match &self.kv_bits {
+            None => defaults.kv_bits,
+            Some(Value::Null) => None,
+            Some(v) => match v.as_u64() {
+                Some(4) => Some(QuantBits::Four),
+                Some(8) => Some(QuantBits::Eight),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "kv_bits",
+                        format!("kv_bits must be 4, 8 or null, got {v}"),
+                    ))
+                }
+            },
+        };
+        let group_size = match self.kv_group_size {
+            None => defaults.kv_group_size,
+            Some(g) if [32, 64, 128].contains(&g) => g as usize,
+            Some(g) => {
+                return Err(ApiError::invalid(
+                    "kv_group_size",
+                    format!("kv_group_size must be 32, 64 or 128, got {g}"),
+                ))
+            }
+        };
+        let mode = match bits {
+            None if defaults.rotating => CacheMode::Rotating,
+            None => CacheMode::Simple,
+            Some(bits) => {
+                if let Some(d) = defaults.head_dims.iter().find(|&&d| d % group_size != 0) {
+                    return Err(ApiError::invalid(
+                        "kv_group_size",
+                        format!(
+                            "kv_group_size {group_size} does not divide the head dimension {d}"
+                        ),
+                    ));
+                }
+                CacheMode::Quantized(QuantSpec {
+                    bits,
+                    group_size,
+                    start: 0,
+                })
+            }
+        };
+        Ok(CacheConfig { mode })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn defaults() -> Defaults {
+        Defaults {
+            kv_bits: None,
+            kv_group_size: 32,
+            rotating: true,
+            max_tokens: 16,
+            head_dims: vec![32, 64],
+        }
+    }
+
+    fn knobs(v: Value) -> Knobs {
+        serde_json::from_value(v).expect("knobs parse")
+    }
+
+    #[test]
+    fn kv_bits_absent_null_and_values() {
+        let d = defaults();
+        let dense = knobs(serde_json::json!({"kv_bits": null}));
+        assert_eq!(dense.kv_bits, Some(Value::Null));
+        assert!(knobs(serde_json::json!({})).kv_bits.is_none());
+        let bad = knobs(serde_json::json!({"kv_bits": 5})).to_options(&d, 4, 64);
+        assert_eq!(bad.unwrap_err().code.as_deref(), Some("invalid_kv_bits"));
+    }
+}

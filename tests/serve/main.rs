@@ -1,0 +1,21 @@
+//! The serve example's HTTP server, started on `127.0.0.1:0` over a CPU fixture and driven
+//! with a real HTTP client (reqwest): both OpenAI endpoints and Anthropic Messages, streaming
+//! and not; greedy ids against the library's single-sequence decode; concurrency across KV
+//! layouts; prefix reuse; cancellation; every bad input; the API key; a load of 200 requests;
+//! and a teacher-forced streaming tool call. Every server stops when its test ends.
+
+#[path = "../common/mod.rs"]
+mod common;
+#[allow(dead_code)]
+#[path = "../../examples/serve/server/mod.rs"]
+mod server;
+
+mod harness;
+
+mod basic;
+mod cancel;
+mod concurrency;
+mod errors;
+mod load;
+mod reuse;
+mod tool_stream;
