@@ -432,8 +432,7 @@ pub fn plan_moe_product(
             group_size,
             scale_dtype,
         } => {
-            if group_size == 0 || in_dim % group_size != 0 || group_size % (32 / bits.bits()) != 0
-            {
+            if group_size == 0 || in_dim % group_size != 0 || group_size % (32 / bits.bits()) != 0 {
                 return None;
             }
             let sn = type_name(scale_dtype)?;

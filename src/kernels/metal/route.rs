@@ -122,7 +122,9 @@ pub fn moe(
     kernels_on: bool,
 ) -> Route {
     let fits = |w: Option<WeightFormat>| {
-        w.map_or(true, |w| type_name(w.scale_dtype).is_some() && w.in_dim % 32 == 0)
+        w.map_or(true, |w| {
+            type_name(w.scale_dtype).is_some() && w.in_dim % 32 == 0
+        })
     };
     if kernels_on && type_name(dtype).is_some() && fits(gate_up) && fits(down) {
         Route::Kernel(Family::Moe)
