@@ -162,7 +162,7 @@ pub(super) fn attend_packed(
     attend_packed_with(q, k, v, positions, plan, TARGET_GROUPS)
 }
 
-/// [`attend_packed`] aiming for `target_groups` threadgroups (tests split short views so).
+/// `attend_packed` aiming for `target_groups` threadgroups (tests split short views so).
 pub fn attend_packed_with(
     q: &Tensor,
     k: &PackedAffine,
