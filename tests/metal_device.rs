@@ -1,13 +1,15 @@
 //! On a Mac (`cargo test --release --features metal --test metal_device`): every fixture's
 //! goldens on the Metal device in f32, with each cache kind, and the device kernels that have
-//! no emulation twin in `metal_emulation.rs` (quantize, row gather, candle's `Q4_1` products)
-//! against the CPU. Without the `metal` feature, or without a Metal device, the tests say so
+//! no emulation twin in `metal_emulation.rs` (quantize, row gather, candle's `Q4_1` products,
+//! the MoE routing and routed products) against the CPU. Without the `metal` feature, or without a Metal device, the tests say so
 //! and pass; `scripts/mac-check.sh` runs them and reports which ran.
 #![cfg(feature = "metal")]
 
 mod common;
 
 use candle_core::{DType, Device, Tensor};
+use candle_gemma::kernels::cpu::moe_route_row;
+use candle_gemma::kernels::metal::launch::{moe_product, moe_route, MoeExperts};
 use candle_gemma::kernels::metal::q4_1::Q41Weight;
 use candle_gemma::kernels::qmatmul::{qembedding, qmatmul};
 use candle_gemma::kernels::quantize;
@@ -160,4 +162,93 @@ fn quantize_gather_and_q4_1_products_match_the_cpu_on_the_device() {
         .and_then(|t| Ok(t.to_device(&Device::Cpu)?))
         .expect("Metal gather");
     assert!(max_abs_diff(&got, &want) <= 1e-6, "Q4_1 gather");
+}
+
+#[test]
+fn moe_routing_and_routed_products_match_the_cpu_on_the_device() {
+    let Some(dev) = metal() else { return };
+    let (experts, top_k, rows, width, tokens) = (128, 8, 16, 2816, 12);
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).expect("down");
+    // Experts 0..6 lifted above the rest: six experts take every token (two 8-pair passes).
+    let lift = Tensor::new(
+        (0..experts)
+            .map(|e| if e < 6 { 10f32 } else { 0.0 })
+            .collect::<Vec<_>>(),
+        &Device::Cpu,
+    )
+    .expect("lift");
+    let logits = Tensor::randn(0f32, 1.5, (tokens, experts), &Device::Cpu)
+        .and_then(|t| t.broadcast_add(&lift))
+        .expect("logits");
+    let scale: Vec<f32> = (0..experts).map(|e| 0.5 + e as f32 / 64.0).collect();
+    let scale_t = Tensor::new(scale.as_slice(), &dev).expect("scale");
+    let routing = moe_route(&logits.to_device(&dev).expect("up"), &scale_t, top_k)
+        .expect("Metal routing")
+        .expect("the routing kernels apply");
+    let want: Vec<(usize, f32)> = logits
+        .to_vec2::<f32>()
+        .expect("logits")
+        .iter()
+        .flat_map(|row| moe_route_row(row, top_k, &scale))
+        .collect();
+    let idx: Vec<u32> = cpu(&routing.idx)
+        .flatten_all()
+        .and_then(|t| t.to_vec1())
+        .expect("idx");
+    let w: Vec<f32> = cpu(&routing.weights)
+        .flatten_all()
+        .and_then(|t| t.to_vec1())
+        .expect("weights");
+    for (p, &(e, wt)) in want.iter().enumerate() {
+        assert_eq!(idx[p] as usize, e, "pair {p}: pick");
+        assert!(
+            (w[p] - wt).abs() <= 1e-6 * wt.abs().max(1.0),
+            "pair {p}: weight"
+        );
+    }
+    for dtype in [DType::F32, DType::BF16] {
+        let stack = quantize(
+            &Tensor::randn(0f32, 0.05, (experts * rows, width), &Device::Cpu)
+                .and_then(|t| t.to_dtype(dtype))
+                .expect("stack"),
+            QuantBits::Four,
+            64,
+        )
+        .expect("packed");
+        let stack = PackedAffine::new(
+            stack.codes,
+            stack.scales,
+            stack.biases,
+            experts * rows,
+            width,
+        )
+        .expect("p");
+        let x = Tensor::randn(0f32, 1.0, (tokens, width), &Device::Cpu)
+            .and_then(|t| t.to_dtype(dtype))
+            .expect("x");
+        let held = stack.to_device(&dev).expect("up");
+        let got = moe_product(
+            &routing,
+            &x.to_device(&dev).expect("up"),
+            true,
+            MoeExperts::Packed {
+                weight: &held,
+                experts,
+            },
+        )
+        .expect("Metal product")
+        .expect("the product kernel applies");
+        let want: Vec<Tensor> = want
+            .iter()
+            .enumerate()
+            .map(|(p, &(e, _))| {
+                let xr = x.narrow(0, p / top_k, 1).expect("row");
+                qmatmul(&xr, &stack.narrow_rows(e * rows, rows).expect("rows")).expect("CPU")
+            })
+            .collect();
+        let want = Tensor::cat(&want, 0).expect("cat");
+        let err = max_abs_diff(&cpu(&got), &want);
+        eprintln!("MoE routed product on Metal, {dtype:?}: max abs error {err:.2e}");
+        assert!(err <= 5e-2, "{dtype:?}: {err}");
+    }
 }

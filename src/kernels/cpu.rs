@@ -231,3 +231,20 @@ fn one_head(x: &Inputs<'_>, h: usize, g: usize, out: &mut [f32]) {
         }
     }
 }
+
+/// One token's MoE routing from its router logits: the `top_k` largest in `f32::total_cmp`
+/// order (ties to the lower expert), each weighted by the softmax over the picks times
+/// `per_expert_scale[expert]`, in pick order. The reference the Metal routing kernel is tested
+/// against, and what the host routing computes.
+pub fn moe_route_row(row: &[f32], top_k: usize, per_expert_scale: &[f32]) -> Vec<(usize, f32)> {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    idx.truncate(top_k);
+    let max = idx.first().map_or(0.0, |&i| row[i]);
+    let exps: Vec<f32> = idx.iter().map(|&i| (row[i] - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    idx.iter()
+        .zip(exps)
+        .map(|(&e, w)| (e, w / sum * per_expert_scale[e]))
+        .collect()
+}

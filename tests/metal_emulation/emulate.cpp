@@ -113,6 +113,36 @@ std::map<std::string, Entry> kernels() {
     EMU_DEQ_Q41(f32, float)
     EMU_DEQ_Q41(f16, half)
     EMU_DEQ_Q41(bf16, bfloat)
+    k["moe_route_f32"] = [](const Call& c) {
+        moe_route_f32(*at<MoeParams>(c, 0), at<float>(c, 1), at<float>(c, 2), at<uint>(c, 3),
+                      at<float>(c, 4), c.gid);
+    };
+    k["moe_group"] = [](const Call& c) {
+        moe_group(*at<MoeParams>(c, 0), at<uint>(c, 1), at<uint>(c, 2), at<uint>(c, 3),
+                  at<uint>(c, 4), at<uint>(c, 5), c.gid);
+    };
+#define EMU_MOE_QMV(TN, T, SN, S, BITS)                                                         \
+    k["moe_qmatvec_" #TN "_" #SN "_" #BITS] = [](const Call& c) {                               \
+        moe_qmatvec_##TN##_##SN##_##BITS(*at<MoeParams>(c, 0), at<T>(c, 1), at<uint>(c, 2),      \
+                                         at<S>(c, 3), at<S>(c, 4), at<uint>(c, 5),              \
+                                         at<uint>(c, 6), at<uint>(c, 7), at<T>(c, 8),           \
+                                         uint2{c.tg.x, c.tg.y}, c.lane, c.warp);                \
+    };
+#define EMU_MOE_S(TN, T, SN, S) \
+    EMU_MOE_QMV(TN, T, SN, S, 4) \
+    EMU_MOE_QMV(TN, T, SN, S, 8)
+#define EMU_MOE_T(TN, T)                                                                        \
+    EMU_MOE_S(TN, T, f32, float)                                                                \
+    EMU_MOE_S(TN, T, f16, half)                                                                 \
+    EMU_MOE_S(TN, T, bf16, bfloat)                                                              \
+    k["moe_matvec_" #TN] = [](const Call& c) {                                                  \
+        moe_matvec_##TN(*at<MoeParams>(c, 0), at<T>(c, 1), at<T>(c, 2), at<uint>(c, 3),         \
+                        at<uint>(c, 4), at<uint>(c, 5), at<T>(c, 6), uint2{c.tg.x, c.tg.y},     \
+                        c.lane, c.warp);                                                        \
+    };
+    EMU_MOE_T(f32, float)
+    EMU_MOE_T(f16, half)
+    EMU_MOE_T(bf16, bfloat)
     return k;
 }
 

@@ -156,6 +156,7 @@ impl Job {
     }
 
     /// Runs the job and returns buffer `name` as a tensor of `dims` in `dtype`.
+    #[allow(dead_code)] // not every test file that includes the emulator calls it
     pub fn run(self, emulator: &Path, name: &str, dtype: DType, dims: &[usize]) -> Tensor {
         self.run_many(emulator, &[(name, dtype, dims)])
             .pop()

@@ -14,8 +14,9 @@ use candle_metal_kernels::MetalKernelError;
 use objc2_metal::MTLSize;
 
 use super::plan::{
-    plan_attention, plan_dequant_q41, plan_dequant_rows, plan_matvec, plan_quantize,
-    ATTENTION_THREADS, COMBINE_THREADS, DEQUANT_THREADS, MATVEC_WARPS, QUANT_THREADS,
+    plan_attention, plan_dequant_q41, plan_dequant_rows, plan_matvec, plan_moe_product,
+    plan_moe_route, plan_quantize, ExpertFormat, MoeParams, ATTENTION_THREADS, COMBINE_THREADS,
+    DEQUANT_THREADS, MATVEC_WARPS, MOE_GROUP_THREADS, MOE_ROUTE_THREADS, QUANT_THREADS,
     TARGET_GROUPS,
 };
 use crate::kernels::QueryPlan;
@@ -161,7 +162,7 @@ pub(super) fn attend_packed(
     attend_packed_with(q, k, v, positions, plan, TARGET_GROUPS)
 }
 
-/// [`attend_packed`] aiming for `target_groups` threadgroups (tests split short views so).
+/// `attend_packed` aiming for `target_groups` threadgroups (tests split short views so).
 pub fn attend_packed_with(
     q: &Tensor,
     k: &PackedAffine,
@@ -378,4 +379,167 @@ pub fn dequantize_q41(
     let groups = launch.threads.div_ceil(DEQUANT_THREADS);
     enc.dispatch_thread_groups(size(groups, 1, 1), size(DEQUANT_THREADS, 1, 1));
     Ok(Some(out))
+}
+
+/// One MoE layer's routing on the device: the picks and weights of every token and the pairs
+/// grouped by expert (see [`super::plan::MoeRouteLaunch`]). Nothing of it is read back.
+pub struct MoeRouting {
+    /// The routing parameters (pairs, picks, experts).
+    pub params: MoeParams,
+    /// `[tokens, top_k]` u32: the picked experts.
+    pub idx: Tensor,
+    /// `[tokens, top_k]` f32: their weights.
+    pub weights: Tensor,
+    offsets: Tensor,
+    order: Tensor,
+    used: Tensor,
+}
+
+/// An expert stack for [`moe_product`].
+#[derive(Debug, Clone, Copy)]
+pub enum MoeExperts<'a> {
+    /// `[experts, out, in]` in the activations' dtype.
+    Dense(&'a Tensor),
+    /// `[experts * out, in]` packed, expert `e` owning rows `e * out ..`.
+    Packed {
+        /// The stacked rows.
+        weight: &'a PackedAffine,
+        /// The number of experts.
+        experts: usize,
+    },
+}
+
+/// Routes `logits` `[tokens, experts]` (f32) with `scale` `[experts]` (f32) on the device and
+/// groups the pairs by expert; `None` where the kernels do not apply (see
+/// [`plan_moe_route`]).
+pub fn moe_route(
+    logits: &Tensor,
+    scale: &Tensor,
+    top_k: usize,
+) -> Result<Option<MoeRouting>, KernelError> {
+    let (tokens, experts) = logits.dims2()?;
+    let Some(launch) = plan_moe_route(tokens, experts, top_k) else {
+        return Ok(None);
+    };
+    let dev = metal_dev(logits)?;
+    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    let scale = scale.to_dtype(DType::F32)?.contiguous()?;
+    let pairs = tokens * top_k;
+    let (idx, idx_buf) = new_tensor(&dev, pairs, DType::U32, &[tokens, top_k])?;
+    let (weights, w_buf) = new_tensor(&dev, pairs, DType::F32, &[tokens, top_k])?;
+    let (offsets, offsets_buf) = new_tensor(&dev, experts + 1, DType::U32, &[experts + 1])?;
+    let (order, order_buf) = new_tensor(&dev, pairs, DType::U32, &[pairs])?;
+    let (used, used_buf) = new_tensor(&dev, experts + 1, DType::U32, &[experts + 1])?;
+    let cursor = dev.new_buffer(experts.max(1), DType::U32, "moe_cursor")?;
+    let route = pipeline(&dev, launch.route_kernel)?;
+    check_threads(&route, launch.route_kernel, MOE_ROUTE_THREADS)?;
+    let group = pipeline(&dev, launch.group_kernel)?;
+    check_threads(&group, launch.group_kernel, MOE_GROUP_THREADS)?;
+    let guard = dev.command_encoder()?;
+    let enc: &ComputeCommandEncoder = guard.as_ref();
+    if tokens > 0 {
+        enc.set_compute_pipeline_state(&route);
+        enc.set_bytes(0, &launch.params);
+        bind(enc, 1, &logits, false)?;
+        bind(enc, 2, &scale, false)?;
+        enc.set_output_buffer(3, Some(&*idx_buf), 0);
+        enc.set_output_buffer(4, Some(&*w_buf), 0);
+        enc.dispatch_thread_groups(
+            size(launch.route_groups, 1, 1),
+            size(MOE_ROUTE_THREADS, 1, 1),
+        );
+    }
+    // Also with no tokens: `used` then says no expert was picked.
+    enc.set_compute_pipeline_state(&group);
+    enc.set_bytes(0, &launch.params);
+    enc.set_input_buffer(1, Some(&*idx_buf), 0);
+    enc.set_output_buffer(2, Some(&*offsets_buf), 0);
+    enc.set_output_buffer(3, Some(&*order_buf), 0);
+    enc.set_output_buffer(4, Some(&*used_buf), 0);
+    enc.set_output_buffer(5, Some(&*cursor), 0);
+    enc.dispatch_thread_groups(size(1, 1, 1), size(MOE_GROUP_THREADS, 1, 1));
+    Ok(Some(MoeRouting {
+        params: launch.params,
+        idx,
+        weights,
+        offsets,
+        order,
+        used,
+    }))
+}
+
+/// Every routed pair's product with its expert, `[pairs, out]` in `x`'s dtype, pairs in token
+/// order: `x` `[tokens, in]` per token (`x_per_token`, the gate/up product) or `[pairs, in]`
+/// per pair (the down product). `None` where no kernel takes the operands (see
+/// [`plan_moe_product`]).
+pub fn moe_product(
+    routing: &MoeRouting,
+    x: &Tensor,
+    x_per_token: bool,
+    experts: MoeExperts<'_>,
+) -> Result<Option<Tensor>, KernelError> {
+    let in_dim = x.dim(1)?;
+    let (format, out) = match experts {
+        MoeExperts::Dense(w) => {
+            let (_, out, w_in) = w.dims3()?;
+            if w.dtype() != x.dtype() || w_in != in_dim {
+                return Ok(None);
+            }
+            (ExpertFormat::Dense, out)
+        }
+        MoeExperts::Packed { weight, experts } => {
+            // A stack held only as `Q4_1` blocks has placeholder codes.
+            if !weight.mlx_resident()
+                || weight.in_dim() != in_dim
+                || experts == 0
+                || weight.out_dim() % experts != 0
+            {
+                return Ok(None);
+            }
+            let format = ExpertFormat::Packed {
+                bits: weight.bits,
+                group_size: weight.group_size,
+                scale_dtype: weight.scales.dtype(),
+            };
+            (format, weight.out_dim() / experts)
+        }
+    };
+    let Some(launch) =
+        plan_moe_product(&routing.params, out, in_dim, x.dtype(), x_per_token, format)
+    else {
+        return Ok(None);
+    };
+    let dev = metal_dev(x)?;
+    let x = x.contiguous()?;
+    let pairs = routing.params.pairs as usize;
+    let (y, y_buf) = new_tensor(&dev, pairs * out, x.dtype(), &[pairs, out])?;
+    if pairs == 0 {
+        return Ok(Some(y));
+    }
+    let p = pipeline(&dev, &launch.kernel)?;
+    check_threads(&p, &launch.kernel, MATVEC_WARPS * 32)?;
+    let operands = match experts {
+        MoeExperts::Dense(w) => vec![w.contiguous()?],
+        MoeExperts::Packed { weight, .. } => vec![
+            weight.codes.contiguous()?,
+            weight.scales.contiguous()?,
+            weight.biases.contiguous()?,
+        ],
+    };
+    let guard = dev.command_encoder()?;
+    let enc: &ComputeCommandEncoder = guard.as_ref();
+    enc.set_compute_pipeline_state(&p);
+    enc.set_bytes(0, &launch.params);
+    bind(enc, 1, &x, false)?;
+    for (i, t) in operands.iter().enumerate() {
+        bind(enc, 2 + i, t, false)?;
+    }
+    let next = 2 + operands.len();
+    bind(enc, next, &routing.offsets, false)?;
+    bind(enc, next + 1, &routing.order, false)?;
+    bind(enc, next + 2, &routing.used, false)?;
+    enc.set_output_buffer(next + 3, Some(&*y_buf), 0);
+    let [gx, gy] = launch.groups;
+    enc.dispatch_thread_groups(size(gx, gy, 1), size(MATVEC_WARPS * 32, 1, 1));
+    Ok(Some(y))
 }

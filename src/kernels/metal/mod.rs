@@ -6,7 +6,8 @@
 //! feature) compiles the source once per device and dispatches the plans. `q4_1` maps exact
 //! MLX 4-bit matrices onto candle's `Q4_1` blocks, whose Metal kernels have run on Macs for
 //! years; the crate's own kernels take the rest (8-bit and inexact 4-bit products, row
-//! gathers, K/V quantization, attention over packed K/V). They are on by default
+//! gathers, K/V quantization, attention over packed K/V, and the MoE routing, grouping and
+//! routed expert products that `ops::moe` chains). They are on by default
 //! ([`super::policy::LaunchPolicy::metal_kernels`]); off, these entry points dequantize on
 //! the host (correct, but a copy through the host per call). The kernels and plans are checked
 //! on every `cargo test` by running them on CPU threads through `shim.h`

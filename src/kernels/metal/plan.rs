@@ -315,3 +315,142 @@ pub fn plan_dequant_q41(rows: usize, in_dim: usize, dtype: DType) -> Option<Dequ
         threads: rows.checked_mul(in_dim / 32)?,
     })
 }
+
+/// Parameters of the MoE kernels (`MoeParams` in `qkernels.metal`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MoeParams {
+    /// (token, pick) pairs: `tokens * top_k`.
+    pub pairs: u32,
+    /// Picks per token.
+    pub top_k: u32,
+    /// Experts in the stack.
+    pub experts: u32,
+    /// Output rows of one expert.
+    pub out_dim: u32,
+    /// Input width of one expert.
+    pub in_dim: u32,
+    /// Elements per scale/bias group (packed experts).
+    pub group_size: u32,
+    /// 1: a pair's activation row is its token's (`pair / top_k`); 0: its own.
+    pub x_per_token: u32,
+    /// Padding to 32 bytes.
+    pub pad: u32,
+}
+
+/// Threads a threadgroup of `moe_route_f32` (one per token).
+pub const MOE_ROUTE_THREADS: usize = 64;
+/// Threads of the single `moe_group` threadgroup (thread 0 works).
+pub const MOE_GROUP_THREADS: usize = 32;
+/// Most picks a token may make (bounds the routing kernel's `top_k * experts` selection).
+pub const MOE_MAX_TOP_K: usize = 32;
+
+/// The routing and grouping launches of one MoE layer: `moe_route_f32` over `route_groups`
+/// threadgroups of [`MOE_ROUTE_THREADS`] (buffers: 0 `params`, 1 the logits `[tokens,
+/// experts]` f32 contiguous, 2 the per-expert scale `[experts]` f32, 3 the picks `[tokens,
+/// top_k]` u32, 4 their weights `[tokens, top_k]` f32), then `moe_group` over one threadgroup
+/// of [`MOE_GROUP_THREADS`] (buffers: 0 `params`, 1 the picks, 2 `offsets` `[experts + 1]`, 3
+/// `order` `[pairs]`, 4 `used` `[experts + 1]`, 5 `cursor` `[experts]` scratch, all u32).
+#[derive(Debug, Clone)]
+pub struct MoeRouteLaunch {
+    pub params: MoeParams,
+    pub route_kernel: &'static str,
+    pub route_groups: usize,
+    pub group_kernel: &'static str,
+}
+
+/// Plans routing `tokens` tokens over `experts` experts with `top_k` picks each, or `None`
+/// where the kernels do not apply (no picks, more picks than experts or than
+/// [`MOE_MAX_TOP_K`], sizes past `u32`).
+pub fn plan_moe_route(tokens: usize, experts: usize, top_k: usize) -> Option<MoeRouteLaunch> {
+    if top_k == 0 || top_k > experts || top_k > MOE_MAX_TOP_K {
+        return None;
+    }
+    Some(MoeRouteLaunch {
+        params: MoeParams {
+            pairs: u32::try_from(tokens.checked_mul(top_k)?).ok()?,
+            top_k: u32::try_from(top_k).ok()?,
+            experts: u32::try_from(experts).ok()?,
+            ..MoeParams::default()
+        },
+        route_kernel: "moe_route_f32",
+        route_groups: tokens.div_ceil(MOE_ROUTE_THREADS),
+        group_kernel: "moe_group",
+    })
+}
+
+/// An expert stack as the routed-product kernels read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertFormat {
+    /// `[experts * out, in]` in the activations' dtype.
+    Dense,
+    /// MLX affine codes `[experts * out, in * bits / 32]` with scales and biases
+    /// `[experts * out, in / group_size]` of `scale_dtype`.
+    Packed {
+        /// Bit width of the codes.
+        bits: QuantBits,
+        /// Elements per group.
+        group_size: usize,
+        /// The dtype of the scales and biases.
+        scale_dtype: DType,
+    },
+}
+
+/// A routed expert product: `kernel` over `groups` threadgroups of `MATVEC_WARPS * 32`
+/// threads (x: blocks of [`MATVEC_WARPS`] output rows; y: the picked experts, at most
+/// `min(experts, pairs)`). Packed (`moe_qmatvec_*`) buffers: 0 `params`, 1 `x` contiguous,
+/// 2 codes, 3 scales, 4 biases, 5 `offsets`, 6 `order`, 7 `used`, 8 `y` `[pairs, out]` in
+/// `x`'s dtype. Dense (`moe_matvec_*`): 0 `params`, 1 `x`, 2 the weights, 3 `offsets`, 4
+/// `order`, 5 `used`, 6 `y`.
+#[derive(Debug, Clone)]
+pub struct MoeProductLaunch {
+    pub params: MoeParams,
+    pub kernel: String,
+    pub groups: [usize; 2],
+}
+
+/// Plans the product of every routed pair with its expert (`out` rows of `in_dim` each, in a
+/// stack of `experts`): activations per token (`x_per_token`, `[pairs / top_k, in_dim]`) or per
+/// pair. `None` for a dtype without a kernel, an input width that is not a whole number of
+/// 32-element steps, or a group that does not divide it.
+pub fn plan_moe_product(
+    route: &MoeParams,
+    out: usize,
+    in_dim: usize,
+    x_dtype: DType,
+    x_per_token: bool,
+    format: ExpertFormat,
+) -> Option<MoeProductLaunch> {
+    let tn = type_name(x_dtype)?;
+    if in_dim == 0 || in_dim % 32 != 0 {
+        return None;
+    }
+    let (kernel, group_size) = match format {
+        ExpertFormat::Dense => (format!("moe_matvec_{tn}"), 0),
+        ExpertFormat::Packed {
+            bits,
+            group_size,
+            scale_dtype,
+        } => {
+            if group_size == 0 || in_dim % group_size != 0 || group_size % (32 / bits.bits()) != 0 {
+                return None;
+            }
+            let sn = type_name(scale_dtype)?;
+            (format!("moe_qmatvec_{tn}_{sn}_{}", bits.bits()), group_size)
+        }
+    };
+    Some(MoeProductLaunch {
+        params: MoeParams {
+            out_dim: u32::try_from(out).ok()?,
+            in_dim: u32::try_from(in_dim).ok()?,
+            group_size: u32::try_from(group_size).ok()?,
+            x_per_token: u32::from(x_per_token),
+            ..*route
+        },
+        kernel,
+        groups: [
+            out.div_ceil(MATVEC_WARPS),
+            (route.experts as usize).min(route.pairs as usize),
+        ],
+    })
+}

@@ -467,3 +467,218 @@ DEQ_Q41_INST(f16, half)
 #if QK_HAS_BFLOAT
 DEQ_Q41_INST(bf16, bfloat)
 #endif
+
+// Mixture-of-experts routing and routed expert products, all on the device (no read of the
+// routing back to the host). Three launches per product pair:
+// * `moe_route_f32`: one thread per token picks the top_k router logits (f32) in Rust's
+//   `total_cmp` order, descending, ties to the lower expert (the CPU reference's sort), and
+//   writes the picks `[tokens, top_k]` (u32) and their weights (softmax over the picks times
+//   the expert's scale; f32, the CPU's operation order);
+// * `moe_group`: one thread sorts the pairs (token, pick) by expert, stably: `offsets[e] ..
+//   offsets[e + 1]` are expert e's slots in `order` (pair ids, ascending), and `used` holds
+//   the count of picked experts, then the picked experts in ascending order;
+// * `moe_qmatvec_*` / `moe_matvec_*`: threadgroup (x, u) computes output rows x * QMV_WARPS ..
+//   (one per simdgroup) of the u-th picked expert for every pair routed to it, 8 pairs at a
+//   time, so each of the expert's rows is read once per 8 pairs; y is `[pairs, out_dim]` in
+//   pair order. A pair's activation row is its token's (`x_per_token`: the gate/up product) or
+//   its own (the down product).
+struct MoeParams {
+    uint pairs, top_k, experts, out_dim;
+    uint in_dim, group_size, x_per_token, pad;
+};
+
+constant constexpr int MOE_PAIRS = 8;
+
+// Rust's `f32::total_cmp` as an integer order (NaN above +inf, -0 below +0).
+inline int total_key(float v) {
+    int k = as_type<int>(v);
+    return k ^ int(uint(k >> 31) >> 1);
+}
+
+inline void moe_route_body(constant MoeParams& p, device const float* logits,
+                           device const float* scale, device uint* idx, device float* weight,
+                           uint t) {
+    const uint tokens = p.pairs / p.top_k;
+    if (t >= tokens) return;
+    device const float* row = logits + ulong(t) * p.experts;
+    device uint* picks = idx + ulong(t) * p.top_k;
+    device float* w = weight + ulong(t) * p.top_k;
+    // Pick j is the largest logit strictly after pick j - 1 in the order (key desc, index asc).
+    int prev_key = 0;
+    uint prev = 0;
+    for (uint j = 0; j < p.top_k; ++j) {
+        uint best = p.experts;
+        int best_key = 0;
+        for (uint e = 0; e < p.experts; ++e) {
+            const int k = total_key(row[e]);
+            const bool after = j == 0 || k < prev_key || (k == prev_key && e > prev);
+            if (after && (best == p.experts || k > best_key)) {
+                best = e;
+                best_key = k;
+            }
+        }
+        picks[j] = best;
+        prev = best;
+        prev_key = best_key;
+    }
+    const float top = row[picks[0]];
+    float sum = 0.f;
+    for (uint j = 0; j < p.top_k; ++j) {
+        w[j] = exp(row[picks[j]] - top);
+        sum += w[j];
+    }
+    for (uint j = 0; j < p.top_k; ++j) w[j] = w[j] / sum * scale[picks[j]];
+}
+
+[[kernel]] void moe_route_f32(constant MoeParams& p [[buffer(0)]],
+                              device const float* logits [[buffer(1)]],
+                              device const float* scale [[buffer(2)]],
+                              device uint* idx [[buffer(3)]], device float* weight [[buffer(4)]],
+                              uint t [[thread_position_in_grid]]) {
+    moe_route_body(p, logits, scale, idx, weight, t);
+}
+
+// One thread (thread 0 of a single threadgroup) sorts the pairs by expert. `cursor` is
+// `experts` u32 of scratch; picks outside the experts are dropped (the route kernel makes none).
+inline void moe_group_body(constant MoeParams& p, device const uint* idx, device uint* offsets,
+                           device uint* order, device uint* used, device uint* cursor, uint t) {
+    if (t != 0) return;
+    for (uint e = 0; e <= p.experts; ++e) offsets[e] = 0;
+    for (uint i = 0; i < p.pairs; ++i)
+        if (idx[i] < p.experts) offsets[idx[i] + 1] += 1;
+    uint n = 0;
+    for (uint e = 0; e < p.experts; ++e) {
+        if (offsets[e + 1] > 0) used[1 + n++] = e;
+        offsets[e + 1] += offsets[e];
+        cursor[e] = offsets[e];
+    }
+    used[0] = n;
+    for (uint i = 0; i < p.pairs; ++i)
+        if (idx[i] < p.experts) order[cursor[idx[i]]++] = i;
+}
+
+[[kernel]] void moe_group(constant MoeParams& p [[buffer(0)]], device const uint* idx [[buffer(1)]],
+                          device uint* offsets [[buffer(2)]], device uint* order [[buffer(3)]],
+                          device uint* used [[buffer(4)]], device uint* cursor [[buffer(5)]],
+                          uint t [[thread_position_in_grid]]) {
+    moe_group_body(p, idx, offsets, order, used, cursor, t);
+}
+
+// The activation row of slot `s` (see MoeParams::x_per_token).
+inline ulong moe_x_row(constant MoeParams& p, device const uint* order, uint s) {
+    const uint pair = order[s];
+    return p.x_per_token != 0 ? ulong(pair / p.top_k) : ulong(pair);
+}
+
+// Packed experts: codes `[experts * out_dim, in_dim * BITS / 32]`, scales and biases
+// `[experts * out_dim, in_dim / group_size]`; one code word per lane and step.
+template <typename T, typename S, int BITS>
+inline void moe_qmatvec_body(constant MoeParams& p, device const T* x, device const uint* codes,
+                             device const S* scales, device const S* biases,
+                             device const uint* offsets, device const uint* order,
+                             device const uint* used, device T* y, uint2 tg, uint lane,
+                             uint warp) {
+    constexpr int PER = 32 / BITS;
+    if (tg.y >= used[0]) return;
+    const uint e = used[1 + tg.y];
+    const uint o = tg.x * QMV_WARPS + warp;
+    if (o >= p.out_dim) return;
+    const ulong row = ulong(e) * p.out_dim + o;
+    const uint words = p.in_dim * BITS / 32;
+    const uint groups = p.in_dim / p.group_size;
+    device const uint* wr = codes + row * words;
+    for (uint s0 = offsets[e]; s0 < offsets[e + 1]; s0 += MOE_PAIRS) {
+        const uint n = min(uint(MOE_PAIRS), offsets[e + 1] - s0);
+        float acc[MOE_PAIRS];
+        for (int r = 0; r < MOE_PAIRS; ++r) acc[r] = 0.f;
+        for (uint wi = lane; wi < words; wi += 32) {
+            const uint w = wr[wi];
+            const uint e0 = wi * PER;
+            const float sc = float(scales[row * groups + e0 / p.group_size]);
+            const float bi = float(biases[row * groups + e0 / p.group_size]);
+            for (uint r = 0; r < n; ++r) {
+                device const T* xr = x + moe_x_row(p, order, s0 + r) * p.in_dim + e0;
+                float dot = 0.f, xs = 0.f;
+                for (int k = 0; k < PER; ++k) {
+                    const float xv = float(xr[k]);
+                    dot = fma(float((w >> (k * BITS)) & ((1u << BITS) - 1)), xv, dot);
+                    xs += xv;
+                }
+                acc[r] = fma(sc, dot, fma(bi, xs, acc[r]));
+            }
+        }
+        for (uint r = 0; r < n; ++r) acc[r] = simd_sum(acc[r]);
+        if (lane == 0)
+            for (uint r = 0; r < n; ++r) y[ulong(order[s0 + r]) * p.out_dim + o] = T(acc[r]);
+    }
+}
+
+// Dense experts `[experts * out_dim, in_dim]` in the activations' dtype.
+template <typename T>
+inline void moe_matvec_body(constant MoeParams& p, device const T* x, device const T* weights,
+                            device const uint* offsets, device const uint* order,
+                            device const uint* used, device T* y, uint2 tg, uint lane,
+                            uint warp) {
+    if (tg.y >= used[0]) return;
+    const uint e = used[1 + tg.y];
+    const uint o = tg.x * QMV_WARPS + warp;
+    if (o >= p.out_dim) return;
+    device const T* wr = weights + (ulong(e) * p.out_dim + o) * p.in_dim;
+    for (uint s0 = offsets[e]; s0 < offsets[e + 1]; s0 += MOE_PAIRS) {
+        const uint n = min(uint(MOE_PAIRS), offsets[e + 1] - s0);
+        float acc[MOE_PAIRS];
+        for (int r = 0; r < MOE_PAIRS; ++r) acc[r] = 0.f;
+        for (uint i = lane; i < p.in_dim; i += 32) {
+            const float wv = float(wr[i]);
+            for (uint r = 0; r < n; ++r)
+                acc[r] = fma(wv, float(x[moe_x_row(p, order, s0 + r) * p.in_dim + i]), acc[r]);
+        }
+        for (uint r = 0; r < n; ++r) acc[r] = simd_sum(acc[r]);
+        if (lane == 0)
+            for (uint r = 0; r < n; ++r) y[ulong(order[s0 + r]) * p.out_dim + o] = T(acc[r]);
+    }
+}
+
+#define MOE_QMV_INST(TN, T, SN, S, BITS)                                                       \
+    [[kernel]] void moe_qmatvec_##TN##_##SN##_##BITS(                                           \
+        constant MoeParams& p [[buffer(0)]], device const T* x [[buffer(1)]],                  \
+        device const uint* c [[buffer(2)]], device const S* s [[buffer(3)]],                   \
+        device const S* b [[buffer(4)]], device const uint* offsets [[buffer(5)]],             \
+        device const uint* order [[buffer(6)]], device const uint* used [[buffer(7)]],         \
+        device T* y [[buffer(8)]], uint2 tg [[threadgroup_position_in_grid]],                  \
+        uint lane [[thread_index_in_simdgroup]], uint warp [[simdgroup_index_in_threadgroup]]) { \
+        moe_qmatvec_body<T, S, BITS>(p, x, c, s, b, offsets, order, used, y, tg, lane, warp);  \
+    }
+
+#define MOE_MV_INST(TN, T)                                                                     \
+    [[kernel]] void moe_matvec_##TN(                                                           \
+        constant MoeParams& p [[buffer(0)]], device const T* x [[buffer(1)]],                  \
+        device const T* w [[buffer(2)]], device const uint* offsets [[buffer(3)]],             \
+        device const uint* order [[buffer(4)]], device const uint* used [[buffer(5)]],         \
+        device T* y [[buffer(6)]], uint2 tg [[threadgroup_position_in_grid]],                  \
+        uint lane [[thread_index_in_simdgroup]], uint warp [[simdgroup_index_in_threadgroup]]) { \
+        moe_matvec_body<T>(p, x, w, offsets, order, used, y, tg, lane, warp);                  \
+    }
+
+#define MOE_INST_S(TN, T, SN, S)        \
+    MOE_QMV_INST(TN, T, SN, S, 4)       \
+    MOE_QMV_INST(TN, T, SN, S, 8)
+
+#if QK_HAS_BFLOAT
+#define MOE_INST_T(TN, T)               \
+    MOE_INST_S(TN, T, f32, float)       \
+    MOE_INST_S(TN, T, f16, half)        \
+    MOE_INST_S(TN, T, bf16, bfloat)     \
+    MOE_MV_INST(TN, T)
+#else
+#define MOE_INST_T(TN, T)               \
+    MOE_INST_S(TN, T, f32, float)       \
+    MOE_INST_S(TN, T, f16, half)        \
+    MOE_MV_INST(TN, T)
+#endif
+
+MOE_INST_T(f32, float)
+MOE_INST_T(f16, half)
+#if QK_HAS_BFLOAT
+MOE_INST_T(bf16, bfloat)
+#endif

@@ -37,6 +37,9 @@ pub enum Family {
     Quant,
     /// `qsdpa_*` and `qsdpa_combine_*`: fused attention over packed K/V.
     Qsdpa,
+    /// `moe_route_f32`, `moe_group`, `moe_qmatvec_*` and `moe_matvec_*`: the router's top-k,
+    /// the pairs grouped by expert, and the routed expert products, all on the device.
+    Moe,
 }
 
 /// A packed weight as the routes see it.
@@ -108,6 +111,28 @@ pub fn kv_quantize(dtype: DType, kernels_on: bool) -> Route {
     }
 }
 
+/// A MoE layer's routing and expert products (see `ops::moe`), for expert stacks in `gate_up`
+/// and `down` (`None`: dense, in the activations' dtype): the `moe_*` kernels when the kernels
+/// are on and take the dtypes and widths (input widths in whole 32-element steps), else the
+/// host groups tokens by expert.
+pub fn moe(
+    dtype: DType,
+    gate_up: Option<WeightFormat>,
+    down: Option<WeightFormat>,
+    kernels_on: bool,
+) -> Route {
+    let fits = |w: Option<WeightFormat>| {
+        w.map_or(true, |w| {
+            type_name(w.scale_dtype).is_some() && w.in_dim % 32 == 0
+        })
+    };
+    if kernels_on && type_name(dtype).is_some() && fits(gate_up) && fits(down) {
+        Route::Kernel(Family::Moe)
+    } else {
+        Route::Host
+    }
+}
+
 /// The KV cache kinds as the routes see them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CacheKind {
@@ -140,10 +165,9 @@ pub struct StepOp {
 }
 
 /// The operations of one layer-by-layer forward of `q_len` tokens (a decode step at 1, a
-/// prefill chunk beyond) on a Metal device, in order, with the route each takes. MoE expert
-/// products are views of the expert stack (`narrow_rows`, no copy) through [`product`]; the
-/// routing itself is listed as the `"MoE routing"` operation: it reads the router's logits
-/// back to the host to group tokens by expert, the one read besides the sampler's.
+/// prefill chunk beyond) on a Metal device, in order, with the route each takes. MoE routing
+/// and expert products take [`moe`]; where that is the host (the kernels off), the expert
+/// products are views of the expert stack (`narrow_rows`) through [`product`].
 pub fn decode_and_prefill_steps(
     model: &StepModel,
     cache: CacheKind,
@@ -183,10 +207,16 @@ pub fn decode_and_prefill_steps(
     push("MLP gate/up product", weight(model.weights, q_len));
     push("MLP down product", weight(model.weights, q_len));
     if model.moe {
-        push("MoE routing", Route::Host);
-        // Each expert takes the tokens routed to it: one row in a decode step.
+        // Expert stacks keep the MLX packing (no `Q4_1` form).
         let expert = model.weights.map(|w| WeightFormat { q4_1: false, ..w });
-        push("MoE expert products", weight(expert, q_len));
+        let routed = moe(model.dtype, expert, expert, kernels_on);
+        push("MoE routing", routed);
+        if routed == Route::Host {
+            // Each expert takes the tokens routed to it: one row in a decode step.
+            push("MoE expert products", weight(expert, q_len));
+        } else {
+            push("MoE expert products", routed);
+        }
     }
     push("tied head", weight(model.weights, 1));
     ops

@@ -55,6 +55,9 @@ struct bfloat {
     }
 };
 
+struct uint2 {
+    uint x, y;
+};
 struct uint3 {
     uint x, y, z;
 };

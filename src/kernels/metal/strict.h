@@ -26,6 +26,9 @@ typedef _Float16 half;
 #if __METAL_VERSION__ >= 310
 typedef __bf16 bfloat;  // Metal 3.1+ only, as on Apple's compiler
 #endif
+struct uint2 {
+    uint x, y;
+};
 struct uint3 {
     uint x, y, z;
 };

@@ -3,14 +3,17 @@
 //!
 //! With the fused CUDA kernels the routing stays on the device and the experts run grouped by
 //! expert (each picked expert's rows read once per call), or, for many tokens, sorted by expert
-//! into batched tensor-core matmuls. Elsewhere the routing is read back to the host and each
-//! expert runs one matmul over the tokens routed to it, which is the reference.
+//! into batched tensor-core matmuls. On Metal with the crate's kernels, routing, grouping by
+//! expert and the routed products run as the `moe_*` kernels, nothing read back. Elsewhere the
+//! routing is read back to the host and each expert runs one matmul over the tokens routed to
+//! it, which is the reference.
 
 use candle_core::{DType, Tensor};
 
 use super::geglu::gelu_mul;
 use super::Result;
 use super::{matvec, Norm, Weight};
+use crate::kernels::cpu::moe_route_row;
 use crate::kernels::qmatmul::qmatmul;
 use crate::kernels::PackedAffine;
 
@@ -95,7 +98,7 @@ pub(crate) struct Router<'a> {
     /// `[E]` host copy.
     pub per_expert_scale: &'a [f32],
     /// `[E]` f32 on the model's device (for routing without a host round trip).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "cuda", feature = "metal")), allow(dead_code))]
     pub per_expert_scale_dev: &'a Tensor,
     /// Picks per token.
     pub top_k: usize,
@@ -127,7 +130,21 @@ pub(crate) fn moe(
     if super::fused(x.device()) {
         return on_device(router_input, x, router, experts);
     }
+    #[cfg(feature = "metal")]
+    if let Some(y) = on_metal(router_input, x, router, experts)? {
+        return Ok(y);
+    }
     let routes = route_on_host(router_input, router)?;
+    grouped_on_host(x, &routes, experts)
+}
+
+/// The routed expert sum of `x` `[tokens, H]` for `routes` (per token, `(expert, weight)`
+/// pairs): tokens grouped by expert on the host, one matmul per expert over its tokens.
+fn grouped_on_host(
+    x: &Tensor,
+    routes: &[Vec<(usize, f32)>],
+    experts: &Experts<'_>,
+) -> Result<Tensor> {
     let n_experts = experts.gate_up.count()?;
     // Group tokens by expert so each expert runs one matmul over its tokens.
     let mut by_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); n_experts];
@@ -155,24 +172,91 @@ pub(crate) fn moe(
     Ok(out)
 }
 
+/// Routing and experts on a Metal device without a host round trip: the router's top-k, the
+/// pairs grouped by expert and both expert products run as the `moe_*` kernels
+/// (`kernels::metal::route::moe`), the GeGLU and the weighted sum over each token's picks as
+/// candle's ops. `None` off Metal, with the crate's kernels off, or for operands no kernel
+/// takes (the host routing then runs).
+#[cfg(feature = "metal")]
+fn on_metal(
+    router_input: &Tensor,
+    x: &Tensor,
+    r: &Router<'_>,
+    experts: &Experts<'_>,
+) -> Result<Option<Tensor>> {
+    use crate::kernels::metal::launch::{moe_product, moe_route, MoeExperts};
+    use crate::kernels::metal::route::{self, Family, Route};
+    use crate::kernels::metal::{format_of, kernels_on};
+    if !x.device().is_metal() {
+        return Ok(None);
+    }
+    fn operand(w: &ExpertWeights) -> MoeExperts<'_> {
+        match w {
+            ExpertWeights::Dense(t) => MoeExperts::Dense(t),
+            ExpertWeights::Packed { weight, experts } => MoeExperts::Packed {
+                weight,
+                experts: *experts,
+            },
+        }
+    }
+    let format = |w: &ExpertWeights| match w {
+        ExpertWeights::Dense(_) => None,
+        ExpertWeights::Packed { weight, .. } => Some(format_of(weight)),
+    };
+    let routed = route::moe(
+        x.dtype(),
+        format(experts.gate_up),
+        format(experts.down),
+        kernels_on(),
+    );
+    if routed != Route::Kernel(Family::Moe) {
+        return Ok(None);
+    }
+    let logits = matvec::normed_matmul(router_input, r.norm, r.proj)?;
+    let Some(routing) = moe_route(&logits, r.per_expert_scale_dev, r.top_k)? else {
+        return Ok(None);
+    };
+    routed_layer(x, &routing.weights, r.top_k, experts, |x, per_token, w| {
+        moe_product(&routing, x, per_token, operand(w))
+    })
+}
+
+/// The layer around routed expert products in pair order (`[tokens * top_k, out]`, pair
+/// `t * top_k + j` = token `t`'s pick `j`): the gate/up product of each pair's token, the
+/// GeGLU, the down product of each pair's hidden row, and each token's products weighted by
+/// `weights` `[tokens, top_k]` (f32) and summed. `product(x, per_token, stack)` gives `None`
+/// where it does not apply, and so does this.
+#[cfg_attr(not(feature = "metal"), allow(dead_code))]
+fn routed_layer(
+    x: &Tensor,
+    weights: &Tensor,
+    top_k: usize,
+    experts: &Experts<'_>,
+    product: impl Fn(&Tensor, bool, &ExpertWeights) -> Result<Option<Tensor>>,
+) -> Result<Option<Tensor>> {
+    let Some(gu) = product(x, true, experts.gate_up)? else {
+        return Ok(None);
+    };
+    let width = experts.width;
+    let hidden = gelu_mul(&gu.narrow(1, 0, width)?, &gu.narrow(1, width, width)?)?;
+    let Some(y) = product(&hidden, false, experts.down)? else {
+        return Ok(None);
+    };
+    // Each token's picks, weighted and summed: `[tokens, top_k, H]` → `[tokens, H]`.
+    let (tokens, h) = x.dims2()?;
+    let w = weights.to_dtype(y.dtype())?.reshape((tokens, top_k, 1))?;
+    Ok(Some(
+        y.reshape((tokens, top_k, h))?.broadcast_mul(&w)?.sum(1)?,
+    ))
+}
+
 /// Routes `x` `[tokens, H]` on the host: for each token, `(expert, weight)` pairs.
 fn route_on_host(x: &Tensor, r: &Router<'_>) -> Result<Vec<Vec<(usize, f32)>>> {
     let logits = matvec::normed_matmul(x, r.norm, r.proj)?;
     let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
     Ok(logits
-        .into_iter()
-        .map(|row| {
-            let mut idx: Vec<usize> = (0..row.len()).collect();
-            idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
-            idx.truncate(r.top_k);
-            let max = idx.first().map_or(0.0, |&i| row[i]);
-            let exps: Vec<f32> = idx.iter().map(|&i| (row[i] - max).exp()).collect();
-            let sum: f32 = exps.iter().sum();
-            idx.iter()
-                .zip(exps)
-                .map(|(&e, w)| (e, w / sum * r.per_expert_scale[e]))
-                .collect()
-        })
+        .iter()
+        .map(|row| moe_route_row(row, r.top_k, r.per_expert_scale))
         .collect())
 }
 
@@ -297,4 +381,73 @@ fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Resu
     };
     let y = stacked.index_select(&u32s(slot_of)?, 0)?;
     Ok(moe_mix(&y, mix)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+
+    /// The composition the Metal path runs around its routed products (pair order, weighted
+    /// sum per token) equals the host path's grouping by expert, with the products taken from
+    /// the host path's per-expert product pair by pair.
+    #[test]
+    fn the_device_composition_equals_the_host_grouping() -> Result<()> {
+        let (n_experts, top_k, hidden, width, tokens) = (8, 3, 64, 16, 5);
+        let dev = Device::Cpu;
+        let gate_up = ExpertWeights::Dense(Tensor::randn(
+            0f32,
+            0.2,
+            (n_experts, 2 * width, hidden),
+            &dev,
+        )?);
+        let down =
+            ExpertWeights::Dense(Tensor::randn(0f32, 0.2, (n_experts, hidden, width), &dev)?);
+        let experts = Experts {
+            gate_up: &gate_up,
+            down: &down,
+            width,
+        };
+        let x = Tensor::randn(0f32, 1.0, (tokens, hidden), &dev)?;
+        let logits = Tensor::randn(0f32, 1.0, (tokens, n_experts), &dev)?.to_vec2::<f32>()?;
+        let scale: Vec<f32> = (0..n_experts).map(|e| 0.5 + e as f32 / 8.0).collect();
+        let routes: Vec<Vec<(usize, f32)>> = logits
+            .iter()
+            .map(|row| moe_route_row(row, top_k, &scale))
+            .collect();
+        let want = grouped_on_host(&x, &routes, &experts)?;
+
+        let pairs: Vec<(usize, f32)> = routes.concat();
+        let w: Vec<f32> = pairs.iter().map(|&(_, w)| w).collect();
+        let weights = Tensor::from_vec(w, (tokens, top_k), &dev)?;
+        let product = |x: &Tensor, per_token: bool, stack: &ExpertWeights| {
+            let rows = pairs
+                .iter()
+                .enumerate()
+                .map(|(p, &(e, _))| {
+                    let row = if per_token { p / top_k } else { p };
+                    stack.product(e, &x.narrow(0, row, 1)?)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(Some(Tensor::cat(&rows, 0)?))
+        };
+        let got = routed_layer(&x, &weights, top_k, &experts, product)?.ok_or(
+            crate::kernels::KernelError::Config {
+                field: "test",
+                reason: "no product".into(),
+            },
+        )?;
+        let diff = (got - &want)?
+            .abs()?
+            .flatten_all()?
+            .max(0)?
+            .to_scalar::<f32>()?;
+        let size = want.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(
+            diff <= 1e-5 * size.max(1.0),
+            "diff {diff} (output max {size})"
+        );
+        Ok(())
+    }
 }
