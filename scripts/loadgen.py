@@ -170,10 +170,13 @@ def error_key(r):
 def summarize(concurrency, results, wall):
     ok = [r for r in results if r.ok]
     errors = {}
+    samples = []
     for r in results:
         if not r.ok:
             k = error_key(r)
             errors[k] = errors.get(k, 0) + 1
+            if r.error and r.error not in samples and len(samples) < 3:
+                samples.append(r.error)
     tokens = sum(r.tokens() for r in ok)
     ttfts = [r.ttft() for r in ok if r.ttft() is not None]
     itls = [g for r in ok for (_, _, g, n) in r.gaps() for _ in range(n)]
@@ -183,6 +186,7 @@ def summarize(concurrency, results, wall):
         "requests": len(results),
         "ok": len(ok),
         "errors": errors,
+        "error_samples": samples,
         "completion_tokens": tokens,
         "wall_s": round(wall, 3),
         "tok_s": round(tokens / wall, 1) if wall > 0 else None,

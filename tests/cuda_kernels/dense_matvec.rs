@@ -284,6 +284,8 @@ fn dense_matvec_family_matches_cpu() -> Result<()> {
                 check_dense_matvec(out_dim, in_dim, rows, dtype, &gpu.dev, &mut checks)?;
             }
         }
+        // E4B's down projection at the shared-memory edge: two gated rows of 10,240 inputs.
+        check_dense_matvec(2560, 10240, 2, dtype, &gpu.dev, &mut checks)?;
     }
     checks.finish();
     Ok(())

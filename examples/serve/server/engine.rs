@@ -280,7 +280,11 @@ mod backend {
                     cached_tokens: usage.cached_tokens,
                 },
             },
-            serve::Event::Failed(e) => Event::Failed(e.to_string()),
+            serve::Event::Failed(e) => {
+                // The client gets the message in its stream; the operator sees it here.
+                eprintln!("serve: request failed: {e}");
+                Event::Failed(e.to_string())
+            }
         }
     }
 

@@ -75,8 +75,10 @@ pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
 }
 
 /// Most bytes of gated input rows [`dense_matvec_gated`] keeps in shared memory (rows times
-/// `in` elements): within the 48 KB a block gets without opting in, beside the epilogue's 8 KB.
-pub const GATED_MV_MAX_SMEM: usize = 40 << 10;
+/// `in` elements): within the 48 KB a block gets without opting in, beside the epilogue's 8 KB
+/// and the norm tail's few reduction words (a full 40 KB of rows, E4B's 2 x 10,240, fails the
+/// launch of the norm-fused kernels).
+pub const GATED_MV_MAX_SMEM: usize = (40 << 10) - 256;
 
 /// `(gelu_tanh(a) * b) · Wᵀ`, the gate computed inside the product (no launch of its own);
 /// `a` and `b` have one shape `[.., in]` and may have strided rows (the two halves of a stacked
