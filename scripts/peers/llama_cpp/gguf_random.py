@@ -13,7 +13,10 @@ random numbers. Tensors are streamed to disk, so a 17 GB file needs little memor
     python3 gguf_random.py --config 31b-config.json --type q4_0 --out /tmp/31b-q4_0.gguf
 
 gguf-py comes from llama.cpp's `gguf-py/` (`--gguf-py`, default: beside this script in
-`llama.cpp/gguf-py`) or an installed `gguf` package.
+`llama.cpp/gguf-py`) or an installed `gguf` package. `--override` shrinks a config for tests;
+llama.cpp's KV sharing reuses the last KV-owning sliding and full layers, so a shrunk config
+with shared layers must end its KV-owning layers with a sliding then a full layer, as the
+released configs do.
 """
 
 import argparse

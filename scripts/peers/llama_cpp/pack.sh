@@ -49,7 +49,7 @@ tar -C "$WORK/stage" -cf - llama.cpp | xz -9 -T2 > "$DEST/llama.cpp.tar.xz"
 
 # 3. The scripts a run calls, the configs and our bench.
 cp "$HERE"/gguf_random.py "$HERE"/run.sh "$HERE"/table.py "$DEST/"
-cp "$ROOT"/../../shared/cuda/device-env.sh "$DEST/" 2>/dev/null \
+cp "$ROOT"/../shared/cuda/device-env.sh "$DEST/" 2>/dev/null \
   || cp /work/shared/cuda/device-env.sh "$DEST/"
 BIN=${MODEL_SPEED:-$(ls -t "${CARGO_TARGET_DIR:-$ROOT/target}"/release/deps/model_speed-* \
   | grep -v '\.d$' | head -1)}
