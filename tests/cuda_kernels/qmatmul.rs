@@ -1,7 +1,7 @@
 //! The packed (MLX affine) matmul on the GPU against the CPU reference, over bits, group
 //! sizes, scale and activation dtypes, row counts (1..=33) and shapes that select each matvec
-//! and GEMM kernel (tile tails, split rows, one-wave builds); misaligned activations; settled weights
-//! (bit-identical); and the packed embedding lookup.
+//! and GEMM kernel (tile tails, split rows, one-wave builds); misaligned activations; settled
+//! weights (bit-identical); and the packed embedding lookup.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};

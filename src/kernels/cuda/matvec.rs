@@ -25,8 +25,9 @@ use crate::kernels::plan::QmatParams;
 use crate::kernels::PackedAffine;
 
 /// Quantized `x · Wᵀ` for up to 8 activation rows (decode), or up to 32 for the weights
-/// [`qmatvec_max_rows`] names (4-bit, scales in the activations' dtype): `x` `[rows, in]` contiguous,
-/// `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns `[rows, out]`.
+/// [`qmatvec_max_rows`] names (4-bit, scales in the activations' dtype): `x` `[rows, in]`
+/// contiguous, `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns
+/// `[rows, out]`.
 /// `settled`: the weight is
 /// [`PackedAffine::settled`](crate::kernels::PackedAffine::settled) (see
 /// `row_matvec_variant`).
