@@ -4,7 +4,8 @@
 //!
 //! [`qmatmul`] and [`qembedding`] dispatch on the device: the CPU runs the plain-Rust reference
 //! below (never a dense copy of `W`); CUDA runs a matrix-vector kernel for up to
-//! [`MATVEC_MAX_ROWS`] rows and dequantize-then-GEMM beyond. On Metal, a 4-bit matrix that
+//! [`MATVEC_MAX_ROWS`] rows (32 for 4-bit weights with scales in the activations' dtype) and
+//! dequantize-then-GEMM beyond. On Metal, a 4-bit matrix that
 //! maps exactly onto candle's `Q4_1` blocks ([`PackedAffine::with_candle_q4_1`]) takes
 //! candle's matrix-vector kernel for up to [`MATVEC_MAX_ROWS`] rows and its row gather; other
 //! products and gathers take the crate's Metal kernels when
@@ -21,8 +22,9 @@ use candle_core::{DType, Device, Tensor};
 use super::quant::{dequantize_host, host_f32};
 use super::{KernelError, PackedAffine};
 
-/// Activation rows up to which the GPU uses the matrix-vector kernel; more rows dequantize the
-/// weight and call the dense GEMM.
+/// Activation rows up to which the GPU uses the matrix-vector kernels for every weight format;
+/// more rows dequantize the weight and call the dense GEMM, except that 4-bit weights whose
+/// scales have the activations' dtype keep a matrix-vector kernel up to 32 rows.
 pub const MATVEC_MAX_ROWS: usize = 8;
 
 /// `x · Wᵀ` with a packed `W`: `x` `[.., in_dim]` → `[.., out_dim]` in `x`'s dtype, on `x`'s
@@ -48,7 +50,7 @@ pub fn qmatmul(x: &Tensor, w: &PackedAffine) -> Result<Tensor, KernelError> {
         (_, Device::Cpu) => cpu_qmatmul(&x2, w)?,
         #[cfg(feature = "cuda")]
         (_, Device::Cuda(_)) => {
-            if rows <= MATVEC_MAX_ROWS && rows > 0 {
+            if rows > 0 && rows <= super::cuda::matvec::qmatvec_max_rows(x.dtype(), w) {
                 super::cuda::matvec::qmatvec(
                     &x2,
                     &w.codes,

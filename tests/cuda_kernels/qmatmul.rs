@@ -1,7 +1,7 @@
 //! The packed (MLX affine) matmul on the GPU against the CPU reference, over bits, group
-//! sizes, scale and activation dtypes, row counts and shapes that select each matvec and GEMM
-//! kernel (tile tails, split rows, one-wave builds); misaligned activations; settled weights
-//! (bit-identical); and the packed embedding lookup.
+//! sizes, scale and activation dtypes, row counts (1..=33) and shapes that select each matvec
+//! and GEMM kernel (tile tails, split rows, one-wave builds); misaligned activations; settled
+//! weights (bit-identical); and the packed embedding lookup.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -101,6 +101,13 @@ fn packed_matmul_sweep_matches_cpu() -> Result<()> {
                 for (group, rows) in [(32, 1), (64, 3), (128, 8), (64, 20)] {
                     case(384, 512, group, rows)?;
                 }
+                // 9..=32 rows (`qmv_tc4x` for 4-bit weights with scales in the activations'
+                // dtype, dequantize-then-GEMM otherwise), 33 (GEMM), an input whose last
+                // 128-code chunk is partial, an output tile tail.
+                for (group, rows) in [(32, 9), (128, 16), (64, 32), (64, 33)] {
+                    case(384, 512, group, rows)?;
+                }
+                case(200, 1088, 64, 17)?;
                 // Output rows not a multiple of the tensor-core tile (16), odd row counts.
                 for (group, rows) in [(32, 2), (64, 5), (128, 7)] {
                     case(200, 1024, group, rows)?;
@@ -135,6 +142,8 @@ fn packed_matmul_at_model_shapes_matches_cpu() -> Result<()> {
     let (dev, mut checks) = (&gpu.dev, Checks::new("qmatmul model shapes"));
     let bf16 = DType::BF16;
     check_qmatmul(8192 / 8, 5376, 4, 64, bf16, bf16, 1, dev, &mut checks)?;
+    // A batch of 32 through a 31B projection (`qmv_tc4x`).
+    check_qmatmul(8192 / 8, 5376, 4, 64, bf16, bf16, 32, dev, &mut checks)?;
     check_qmatmul(5376 / 8, 21504, 8, 64, bf16, bf16, 1, dev, &mut checks)?;
     for dtype in [DType::BF16, DType::F16] {
         for group in [64, 128] {

@@ -1,4 +1,5 @@
-//! Packed-weight matrix-vector products on CUDA (decode, at most 8 activation rows): the
+//! Packed-weight matrix-vector products on CUDA (decode: at most 8 activation rows, 32 with
+//! 4-bit weights whose scales have the activations' dtype): the
 //! kernel [`super::matvec_plan`] chooses, and the product with the residual add + norm folded
 //! into its last block (`qmv_row4_norm`). Kernels in `matvec.cu`.
 
@@ -11,8 +12,10 @@ use super::device::{
 };
 use super::kernel_cache::{load_kernel, MATVEC};
 use super::layer_ops::AddNormExtra;
+pub(crate) use super::matvec_plan::qmatvec_max_rows;
 use super::matvec_plan::{
-    choose, row_matvec_variant, takes_row_matvec, MatvecKernel, QMATVEC_ROW_WARPS,
+    choose, dequantizes_before_mma, row_matvec_variant, takes_row_matvec, MatvecKernel,
+    QMATVEC_ROWS, QMATVEC_ROW_WARPS, QMATVEC_TC4X_ROWS,
 };
 use super::norm_tail::{
     launch_with_norm_tail, with_norm_counter, AddNormOut, NormFuse, NormOutputs,
@@ -21,14 +24,16 @@ use super::scratch::with_scratch;
 use crate::kernels::plan::QmatParams;
 use crate::kernels::PackedAffine;
 
-/// Quantized `x · Wᵀ` for `rows <= 8` activation rows (decode): `x` `[rows, in]` contiguous,
-/// `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns `[rows, out]`.
+/// Quantized `x · Wᵀ` for up to 8 activation rows (decode), or up to 32 for the weights
+/// [`qmatvec_max_rows`] names (4-bit, scales in the activations' dtype): `x` `[rows, in]`
+/// contiguous, `codes` `[out, in*bits/32]`, `scales`/`biases` `[out, in/group]`. Returns
+/// `[rows, out]`.
 /// `settled`: the weight is
 /// [`PackedAffine::settled`](crate::kernels::PackedAffine::settled) (see
 /// `row_matvec_variant`).
 ///
 /// # Errors
-/// More than 8 rows, CUDA errors.
+/// More rows than [`qmatvec_max_rows`], CUDA errors.
 pub(crate) fn qmatvec(
     x: &Tensor,
     codes: &Tensor,
@@ -43,8 +48,20 @@ pub(crate) fn qmatvec(
     let dev = cuda_dev(x)?;
     let tn = kname(x.dtype()).map_err(candle_core::Error::wrap)?;
     let sn = kname(scales.dtype()).map_err(candle_core::Error::wrap)?;
-    if rows == 0 || rows > 8 {
-        candle_core::bail!("qmatvec takes 1..=8 rows, got {rows}");
+    let most = if dequantizes_before_mma(
+        x.dtype(),
+        scales.dtype(),
+        biases.dtype(),
+        bits,
+        group_size,
+        in_dim,
+    ) {
+        QMATVEC_TC4X_ROWS
+    } else {
+        QMATVEC_ROWS
+    };
+    if rows == 0 || rows > most {
+        candle_core::bail!("qmatvec takes 1..={most} rows here, got {rows}");
     }
     let params = QmatParams {
         rows: rows as u32,

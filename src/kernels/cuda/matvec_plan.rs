@@ -1,6 +1,7 @@
 //! The kernel choice of a packed-weight matrix-vector product ([`super::matvec`]): SIMT
-//! (`qmatvec_*`), tensor-core (`qmv_mma_*`), dequantize-then-mma (`qmv_tc4_*`) or the
-//! row-contiguous 4-bit kernel (`qmv_row4_*`) and its variant, with the block shape each takes.
+//! (`qmatvec_*`), tensor-core (`qmv_mma_*`), dequantize-then-mma (`qmv_tc4_*`, and
+//! `qmv_tc4x_*` for 9..=32 rows) or the row-contiguous 4-bit kernel (`qmv_row4_*`) and its
+//! variant, with the block shape each takes.
 
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::DType;
@@ -22,6 +23,10 @@ pub(crate) const QMATVEC_ROW_WARPS: usize = 4;
 /// Most warps a block of `qmv_row4` holds (`QROW_MAX_WARPS`): row-pair warps times the
 /// warps splitting each pair's input.
 pub(crate) const QROW_MAX_WARPS: usize = 8;
+/// Activation rows every matvec kernel takes (the N of `mma.m16n8k16`).
+pub(crate) const QMATVEC_ROWS: usize = 8;
+/// Activation rows `qmv_tc4x` takes (`8 * QTC_NTILES`), for weights [`takes_row_matvec`] accepts.
+pub(crate) const QMATVEC_TC4X_ROWS: usize = 32;
 
 /// A planned matvec launch: the kernel, output rows a block, warps a row pair's input is split
 /// over (`blockDim.y`; 1 except for `qmv_row4`) and warps a block along x.
@@ -68,6 +73,10 @@ pub(super) fn choose(
     // Tensor-core kernels: 16 output rows a block; SIMT kernel: one warp per output row;
     // `qmv_row4`: two output rows a warp index, times `split` warps over the input.
     if dequantizes_before_mma(x_dtype, scale_dtype, bias_dtype, bits, group_size, in_dim) {
+        if rows > QMATVEC_ROWS {
+            let name = format!("qmv_tc4x_{tn}");
+            return Ok(kernel(name, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS));
+        }
         if rows != 1 {
             let name = format!("qmv_tc4_{tn}_b4");
             return Ok(kernel(name, QMATVEC_MMA_ROWS, QMATVEC_MMA_WARPS));
@@ -124,7 +133,7 @@ fn uses_tensor_core_matvec(
 /// would): f16/bf16 activations with scales and biases of the same type, groups of a multiple
 /// of 32. `qmv_tc4` accumulates whole rows on the tensor cores; `qmv_row4` reads rows
 /// contiguously.
-fn dequantizes_before_mma(
+pub(super) fn dequantizes_before_mma(
     x_dtype: DType,
     scale_dtype: DType,
     bias_dtype: DType,
@@ -139,6 +148,16 @@ fn dequantizes_before_mma(
         && group_size >= 32
         && group_size % 32 == 0
         && in_dim % group_size == 0
+}
+
+/// Most activation rows [`super::matvec::qmatvec`] takes for `x_dtype` through `w`: 32 where
+/// the 4-bit kernels that dequantize in registers serve (`qmv_tc4x` above 8 rows), else 8.
+pub(crate) fn qmatvec_max_rows(x_dtype: DType, w: &PackedAffine) -> usize {
+    if takes_row_matvec(x_dtype, w) {
+        QMATVEC_TC4X_ROWS
+    } else {
+        QMATVEC_ROWS
+    }
 }
 
 /// Whether one activation row of `x_dtype` through `w` takes `qmv_row4` (so `qmv_row4_norm`

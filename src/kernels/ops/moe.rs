@@ -14,7 +14,7 @@ use super::geglu::gelu_mul;
 use super::Result;
 use super::{matvec, Norm, Weight};
 use crate::kernels::cpu::moe_route_row;
-use crate::kernels::qmatmul::qmatmul;
+use crate::kernels::qmatmul::{qmatmul, MATVEC_MAX_ROWS};
 use crate::kernels::PackedAffine;
 
 /// One stack of expert matrices `[E, out, in]`: dense, or MLX-packed and kept packed.
@@ -49,7 +49,14 @@ impl ExpertWeights {
             ExpertWeights::Dense(t) => Ok(x.matmul(&t.get(e)?.t()?)?),
             ExpertWeights::Packed { weight, experts } => {
                 let out = weight.out_dim() / experts;
-                Ok(qmatmul(x, &weight.narrow_rows(e * out, out)?)?)
+                let w = weight.narrow_rows(e * out, out)?;
+                // One expert's prefill rows on CUDA: past `MATVEC_MAX_ROWS`, dequantize-then-GEMM
+                // even where `qmatmul` would take `qmv_tc4x` (up to 32 rows), which ran these
+                // small products slower (26B-A4B, 4-bit experts, 512-token prefill).
+                if x.device().is_cuda() && x.dim(0)? > MATVEC_MAX_ROWS {
+                    return Ok(x.matmul(&w.dequantize(x.dtype())?.t()?)?);
+                }
+                Ok(qmatmul(x, &w)?)
             }
         }
     }
