@@ -69,6 +69,8 @@ pub mod hub;
 pub mod kernels;
 pub mod kv;
 mod model;
+mod parallel;
+pub mod shard;
 pub(crate) mod weights;
 
 pub use error::{Error, HubError, Result};
@@ -77,3 +79,4 @@ pub use generate::{FinishReason, GenOptions, Generator, Output, StepOutput};
 pub use kernels::policy::LaunchPolicy;
 pub use kv::{CacheConfig, KvCache};
 pub use model::{best_device, device_memory_in_use, Model, ModelBuilder};
+pub use parallel::ShardedModel;

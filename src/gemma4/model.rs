@@ -12,6 +12,7 @@ use super::step::Step;
 use super::{Embedding, Linear};
 use crate::config::{Config, KvSource, LayerKind};
 use crate::error::{Error, Result};
+use crate::kernels::ops::collective::Collective;
 use crate::kv::{LayerCacheSpec, ModelCache};
 use crate::weights::WeightStore;
 
@@ -37,6 +38,8 @@ pub struct TextModel {
     device: Device,
     /// Captured batch-1 decode steps (shared by clones of the model).
     graphs: std::sync::Arc<super::graph::DecodeGraphs>,
+    /// The tensor-parallel group this model is a rank of.
+    collective: Collective,
 }
 
 impl TextModel {
@@ -86,7 +89,30 @@ impl TextModel {
             device: vb.device().clone(),
             config,
             graphs: Default::default(),
+            collective: Collective::default(),
         })
+    }
+
+    /// Makes this model one rank of a tensor-parallel group (its weights loaded with that
+    /// rank's [`crate::shard::ShardPlan`]): every layer sums its row-parallel products over
+    /// `collective`'s group. Decode steps then run eagerly (no CUDA graph).
+    pub(crate) fn set_collective(&mut self, collective: Collective) {
+        if collective.world() > 1 {
+            self.graphs = std::sync::Arc::new(super::graph::DecodeGraphs::off(&format!(
+                "tensor-parallel rank {} of {}",
+                collective.rank(),
+                collective.world()
+            )));
+        }
+        for layer in &mut self.layers {
+            layer.set_collective(collective.clone());
+        }
+        self.collective = collective;
+    }
+
+    /// This rank's handle on its tensor-parallel group (a group of one on a single device).
+    pub(crate) fn collective(&self) -> &Collective {
+        &self.collective
     }
 
     /// Bytes of every weight the model holds (packed ones at their packed size).

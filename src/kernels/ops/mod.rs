@@ -14,10 +14,12 @@
 //! | [`qkv`] | q/k/v norms, RoPE and the K/V write into a cache's slots |
 //! | [`moe`] | MoE routing and the routed expert products |
 //! | [`argmax`] | greedy token choice on the device |
+//! | [`collective`] | the all-reduce of a tensor-parallel group (NCCL) |
 //! | [`memory`] | the device choice and the memory pool |
 //! | [`graph`] | decode-step capture and replay (CUDA graphs; unavailable elsewhere) |
 
 pub(crate) mod argmax;
+pub mod collective;
 pub(crate) mod geglu;
 pub(crate) mod graph;
 pub(crate) mod matvec;
