@@ -333,7 +333,9 @@ impl Model {
             let plan = ShardPlan::new(&config, rank, world)?;
             let local = plan.local_config(&config);
             let store = match packing {
-                Some((bits, group)) => WeightStore::random_packed(&device, dtype, seed, bits, group),
+                Some((bits, group)) => {
+                    WeightStore::random_packed(&device, dtype, seed, bits, group)
+                }
                 None => WeightStore::random(&device, dtype, seed),
             };
             Self::from_random_store(local, store.with_shard(plan), seed)

@@ -179,10 +179,12 @@ impl ShardPlan {
             .iter()
             .map(|&w| partition(w, world)[rank].clone())
             .collect();
-        let moe = config
-            .moe
-            .as_ref()
-            .map(|m| (partition(m.intermediate_size, world)[rank].clone(), m.intermediate_size));
+        let moe = config.moe.as_ref().map(|m| {
+            (
+                partition(m.intermediate_size, world)[rank].clone(),
+                m.intermediate_size,
+            )
+        });
         let plan = Self {
             rank,
             world,
@@ -254,10 +256,7 @@ impl ShardPlan {
             "self_attn.k_proj" | "self_attn.v_proj" => {
                 Some(rows(&heads.kv, *hd, kv_full(layer) * hd))
             }
-            "self_attn.o_proj" => Some(cols(
-                &(heads.q.start * hd..heads.q.end * hd),
-                nh * hd,
-            )),
+            "self_attn.o_proj" => Some(cols(&(heads.q.start * hd..heads.q.end * hd), nh * hd)),
             "mlp.gate_proj" | "mlp.up_proj" => {
                 Some(rows(&self.mlp[layer], 1, self.mlp_full[layer]))
             }

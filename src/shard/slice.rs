@@ -43,7 +43,11 @@ pub fn apply_dense(t: &Tensor, s: &TensorSlice) -> Result<Tensor> {
     let at = match s.axis {
         Axis::Out if n >= 2 => n - 2,
         Axis::In if n >= 1 => n - 1,
-        _ => return Err(Error::Input(format!("cannot shard a tensor of shape {dims:?}"))),
+        _ => {
+            return Err(Error::Input(format!(
+                "cannot shard a tensor of shape {dims:?}"
+            )))
+        }
     };
     if dims[at] != s.full {
         return Err(Error::Input(format!(
@@ -82,15 +86,14 @@ pub fn apply_packed(p: &PackedAffine, s: &TensorSlice) -> Result<Option<PackedAf
                 )));
             }
             let (g, bits) = (p.group_size, p.bits.bits());
-            if s
-                .ranges
-                .iter()
-                .any(|r| r.start % g != 0 || r.end % g != 0)
-            {
+            if s.ranges.iter().any(|r| r.start % g != 0 || r.end % g != 0) {
                 return Ok(None);
             }
             let scaled = |k: usize, d: usize| -> Vec<Range<usize>> {
-                s.ranges.iter().map(|r| r.start * k / d..r.end * k / d).collect()
+                s.ranges
+                    .iter()
+                    .map(|r| r.start * k / d..r.end * k / d)
+                    .collect()
             };
             PackedAffine::new(
                 take(&p.codes, 1, &scaled(bits, 32))?,

@@ -2,9 +2,9 @@
 //! call (`ncclCommInitAll`), and a sum of a candle tensor as a custom op on the device's own
 //! stream, so it is ordered with the kernels around it.
 
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, NcclType, ReduceOp};
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::{CustomOp1, DType, Device, Layout, Shape, Tensor};
 use half::{bf16, f16};

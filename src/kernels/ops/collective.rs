@@ -67,7 +67,9 @@ impl Collective {
 
     /// Sums run so far by this rank.
     pub fn calls(&self) -> usize {
-        self.0.as_ref().map_or(0, |r| r.calls.load(Ordering::Relaxed))
+        self.0
+            .as_ref()
+            .map_or(0, |r| r.calls.load(Ordering::Relaxed))
     }
 
     /// The elementwise sum of `x` over every rank of the group (`x` itself in a group of one).
@@ -177,7 +179,10 @@ impl GroupHandle {
 /// that are not CUDA devices, or when NCCL cannot set the group up.
 pub fn group(devices: &[Device]) -> Result<(Vec<Collective>, GroupHandle)> {
     if devices.len() <= 1 {
-        return Ok((vec![Collective::default(); devices.len()], GroupHandle::default()));
+        return Ok((
+            vec![Collective::default(); devices.len()],
+            GroupHandle::default(),
+        ));
     }
     #[cfg(feature = "nccl")]
     let comms = crate::kernels::cuda::nccl::comms(devices)?;
