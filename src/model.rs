@@ -195,21 +195,32 @@ impl ModelBuilder {
     /// devices; [`Error::Rank`] naming the first rank that failed to load (no rank is left
     /// waiting) or a group NCCL could not set up (a build without the `nccl` feature).
     pub fn build_sharded(self) -> Result<ShardedModel> {
-        self.install_policy()?;
-        let dir = self.resolve()?;
-        let config = Config::from_dir(&dir)?;
-        let fingerprint = fingerprint(&dir, self.dtype)?;
-        let tokenizer = load_tokenizer(&dir)?;
         let ordinals = if self.devices.is_empty() {
             vec![0]
         } else {
             self.devices.clone()
         };
-        let world = ordinals.len();
+        self.build_sharded_on(ordinals.len(), |rank| {
+            Ok(Device::new_cuda(ordinals[rank])?)
+        })
+    }
+
+    /// [`ModelBuilder::build_sharded`] over `world` ranks, rank `r` on `device(r)` (CPU ranks
+    /// sum through the host: the tests' reference for the sharded forward).
+    pub(crate) fn build_sharded_on(
+        self,
+        world: usize,
+        device: impl Fn(usize) -> Result<Device> + Sync,
+    ) -> Result<ShardedModel> {
+        self.install_policy()?;
+        let dir = self.resolve()?;
+        let config = Config::from_dir(&dir)?;
+        let fingerprint = fingerprint(&dir, self.dtype)?;
+        let tokenizer = load_tokenizer(&dir)?;
         // Checked once here, so a config that does not split fails before any thread starts.
         ShardPlan::new(&config, 0, world)?;
         ShardedModel::load(world, |rank| {
-            let device = Device::new_cuda(ordinals[rank])?;
+            let device = device(rank)?;
             let plan = ShardPlan::new(&config, rank, world)?;
             let local = plan.local_config(&config);
             let store = WeightStore::open(&dir, &device, self.dtype)?.with_shard(plan);

@@ -191,3 +191,6 @@ impl ShardedModel {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -6,12 +6,17 @@
 //! several ranks are built by [`group`] over NCCL (`nccl` feature, [`crate::kernels::cuda`]'s
 //! `nccl` module); without the feature [`group`] refuses more than one device.
 //!
+//! Ranks on the CPU sum through the host instead ([`HostGroup`]: each rank leaves its part in
+//! a slot, the last to arrive adds them in rank order): the same sharded forward as on GPUs,
+//! which the CPU tests compare with the whole model.
+//!
 //! Failure: a rank that fails marks its group failed ([`GroupHandle::abort`]); every later sum
 //! on every rank returns [`KernelError::Collective`] without entering NCCL, and the aborted
 //! communicators release any peer that waits in a collective already enqueued.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 
@@ -25,6 +30,67 @@ struct GroupState {
     failed: AtomicBool,
 }
 
+/// How a rank sums with its peers.
+enum Backend {
+    /// NCCL (`nccl` feature, CUDA devices).
+    #[cfg(feature = "nccl")]
+    Nccl(crate::kernels::cuda::nccl::RankComm),
+    /// Through the host (CPU ranks).
+    Host(Arc<HostGroup>),
+}
+
+/// The sum of CPU ranks: a slot per rank, filled in each round; the last rank to arrive adds
+/// the slots in rank order (so every run sums alike) and wakes the others.
+#[derive(Default)]
+struct HostGroup {
+    state: Mutex<HostState>,
+    woken: Condvar,
+}
+
+#[derive(Default)]
+struct HostState {
+    round: u64,
+    slots: Vec<Option<Tensor>>,
+    /// The last round's sum.
+    sum: Option<Tensor>,
+}
+
+impl HostGroup {
+    fn sum(&self, rank: usize, x: &Tensor, failed: &AtomicBool) -> Result<Tensor> {
+        let lost = || peer_failed(rank);
+        let mut st = self.state.lock().map_err(|_| lost())?;
+        let round = st.round;
+        st.slots[rank] = Some(x.clone());
+        if st.slots.iter().all(Option::is_some) {
+            let mut total: Option<Tensor> = None;
+            for part in st.slots.iter_mut().map(Option::take) {
+                let part = part.ok_or_else(lost)?;
+                total = Some(match total {
+                    None => part,
+                    Some(t) => (t + part)?,
+                });
+            }
+            st.sum = total;
+            st.round += 1;
+            self.woken.notify_all();
+            return st.sum.clone().ok_or_else(lost);
+        }
+        loop {
+            let (next, _) = self
+                .woken
+                .wait_timeout(st, Duration::from_millis(20))
+                .map_err(|_| lost())?;
+            st = next;
+            if st.round != round {
+                return st.sum.clone().ok_or_else(lost);
+            }
+            if failed.load(Ordering::Acquire) {
+                return Err(lost());
+            }
+        }
+    }
+}
+
 /// One rank of a group of several.
 struct RankComm {
     rank: usize,
@@ -32,12 +98,9 @@ struct RankComm {
     group: Arc<GroupState>,
     /// Sums run so far (the all-reduces a step takes are read from it).
     calls: AtomicUsize,
-    /// The NCCL communicator; `None` once aborted. The mutex keeps one thread inside NCCL per
+    /// How this rank sums; `None` once aborted. The mutex keeps one thread inside NCCL per
     /// communicator at a time.
-    #[cfg(feature = "nccl")]
-    comm: Mutex<Option<crate::kernels::cuda::nccl::RankComm>>,
-    #[cfg(not(feature = "nccl"))]
-    comm: Mutex<Option<()>>,
+    comm: Mutex<Option<Backend>>,
 }
 
 impl std::fmt::Debug for RankComm {
@@ -89,16 +152,10 @@ impl Collective {
             return Err(peer_failed(r.rank));
         };
         r.calls.fetch_add(1, Ordering::Relaxed);
-        #[cfg(feature = "nccl")]
-        {
-            crate::kernels::cuda::nccl::all_reduce_sum(comm, x)
-        }
-        #[cfg(not(feature = "nccl"))]
-        {
-            let _ = comm;
-            Err(KernelError::Collective {
-                reason: "built without the `nccl` feature".to_string(),
-            })
+        match comm {
+            #[cfg(feature = "nccl")]
+            Backend::Nccl(c) => crate::kernels::cuda::nccl::all_reduce_sum(c, x),
+            Backend::Host(h) => h.sum(r.rank, x, &r.group.failed),
         }
     }
 
@@ -176,7 +233,8 @@ impl GroupHandle {
 ///
 /// # Errors
 /// [`KernelError::Collective`] without the `nccl` feature (for several devices), for devices
-/// that are not CUDA devices, or when NCCL cannot set the group up.
+/// that are not CUDA devices, or when NCCL cannot set the group up. CPU devices form a group
+/// that sums through the host.
 pub fn group(devices: &[Device]) -> Result<(Vec<Collective>, GroupHandle)> {
     if devices.len() <= 1 {
         return Ok((
@@ -184,18 +242,15 @@ pub fn group(devices: &[Device]) -> Result<(Vec<Collective>, GroupHandle)> {
             GroupHandle::default(),
         ));
     }
-    #[cfg(feature = "nccl")]
-    let comms = crate::kernels::cuda::nccl::comms(devices)?;
-    #[cfg(not(feature = "nccl"))]
-    let comms: Vec<()> = {
-        return Err(KernelError::Collective {
-            reason: format!(
-                "{} devices asked for, but tensor parallelism needs the `nccl` feature",
-                devices.len()
-            ),
-        });
+    let comms: Vec<Backend> = if devices.iter().all(Device::is_cpu) {
+        let host = Arc::new(HostGroup::default());
+        if let Ok(mut st) = host.state.lock() {
+            st.slots = vec![None; devices.len()];
+        }
+        (0..devices.len()).map(|_| Backend::Host(host.clone())).collect()
+    } else {
+        gpu_comms(devices)?
     };
-    #[allow(unreachable_code)]
     {
         let state = Arc::new(GroupState::default());
         let world = devices.len();
@@ -219,6 +274,26 @@ pub fn group(devices: &[Device]) -> Result<(Vec<Collective>, GroupHandle)> {
     }
 }
 
+/// NCCL communicators for GPU ranks.
+#[cfg(feature = "nccl")]
+fn gpu_comms(devices: &[Device]) -> Result<Vec<Backend>> {
+    Ok(crate::kernels::cuda::nccl::comms(devices)?
+        .into_iter()
+        .map(Backend::Nccl)
+        .collect())
+}
+
+/// Without NCCL there are no GPU groups.
+#[cfg(not(feature = "nccl"))]
+fn gpu_comms(devices: &[Device]) -> Result<Vec<Backend>> {
+    Err(KernelError::Collective {
+        reason: format!(
+            "{} GPUs asked for, but tensor parallelism over GPUs needs the `nccl` feature",
+            devices.len()
+        ),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -240,8 +315,34 @@ mod tests {
     }
 
     #[test]
-    fn several_cpu_devices_are_refused_with_a_typed_error() {
-        let err = group(&[Device::Cpu, Device::Cpu]).unwrap_err();
+    fn cpu_ranks_sum_in_rank_order_and_fail_together() {
+        let (c, handle) = group(&[Device::Cpu, Device::Cpu, Device::Cpu]).unwrap();
+        let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = c
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let x = Tensor::new(&[c.rank() as f32, 1.0], &Device::Cpu).unwrap();
+                        // Two rounds: the second sees only the second round's parts.
+                        drop(c.sum(&x).unwrap());
+                        c.sum(&x).unwrap().to_vec1::<f32>().unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(sums.iter().all(|s| s == &[3.0, 3.0]), "{sums:?}");
+        assert_eq!(c[0].calls(), 2);
+        // A rank whose peers never arrive is released by the abort.
+        let waiting = std::thread::spawn({
+            let c0 = c[0].clone();
+            move || c0.sum(&Tensor::new(&[1f32], &Device::Cpu).unwrap())
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        handle.abort();
+        let err = waiting.join().unwrap().unwrap_err();
         assert!(matches!(err, KernelError::Collective { .. }), "{err}");
+        assert!(handle.failed());
+        assert!(c[1].sum(&Tensor::new(&[1f32], &Device::Cpu).unwrap()).is_err());
     }
 }
