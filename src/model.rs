@@ -200,9 +200,7 @@ impl ModelBuilder {
         } else {
             self.devices.clone()
         };
-        self.build_sharded_on(ordinals.len(), |rank| {
-            Ok(Device::new_cuda(ordinals[rank])?)
-        })
+        self.build_sharded_on(ordinals.len(), |rank| Ok(Device::new_cuda(ordinals[rank])?))
     }
 
     /// [`ModelBuilder::build_sharded`] over `world` ranks, rank `r` on `device(r)` (CPU ranks

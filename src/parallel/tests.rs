@@ -39,9 +39,10 @@ fn two_cpu_ranks_give_the_goldens_tokens_and_the_whole_models_logits() {
         "e2b-q4",
         "e2b-q8",
     ] {
-        let golden: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(fixture(name).join("golden.json")).unwrap())
-                .unwrap();
+        let golden: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture(name).join("golden.json")).unwrap(),
+        )
+        .unwrap();
         let sm = sharded(name, 2);
         let whole = Model::builder().path(fixture(name)).build().unwrap();
         for (i, case) in golden["cases"].as_array().unwrap().iter().enumerate() {
@@ -68,7 +69,10 @@ fn two_cpu_ranks_give_the_goldens_tokens_and_the_whole_models_logits() {
             let outs = sm
                 .run(|m| m.generator(opts.clone()).generate(&prompt))
                 .unwrap();
-            assert_eq!(outs[0].tokens, outs[1].tokens, "{name} case {i}: ranks differ");
+            assert_eq!(
+                outs[0].tokens, outs[1].tokens,
+                "{name} case {i}: ranks differ"
+            );
             assert_eq!(
                 outs[0].tokens[..near_tie],
                 want[..near_tie],
@@ -85,7 +89,10 @@ fn two_cpu_ranks_give_the_goldens_tokens_and_the_whole_models_logits() {
 #[test]
 fn a_rank_that_fails_stops_every_rank_with_a_typed_error() {
     let sm = sharded("dense-sharded", 2).failure_grace(Duration::from_millis(300));
-    assert_eq!((sm.world(), sm.ranks()[1].rank(), sm.ranks()[1].world()), (2, 1, 2));
+    assert_eq!(
+        (sm.world(), sm.ranks()[1].rank(), sm.ranks()[1].world()),
+        (2, 1, 2)
+    );
     // The same bad input on every rank: all fail alike, before any all-reduce; the group
     // stays usable.
     let err = sm.run(|m| forward(m, &[100_000])).unwrap_err();
@@ -124,5 +131,54 @@ fn a_rank_that_fails_to_load_is_named() {
     match err {
         Error::Rank { rank: 1, reason } => assert!(reason.contains("no such GPU")),
         other => panic!("expected rank 1's error, got {other}"),
+    }
+}
+
+#[test]
+fn every_cache_kind_and_batched_decode_run_on_the_ranks_as_on_the_whole_model() {
+    use crate::generate::BatchSession;
+    use crate::kv::{CacheMode, QuantBits, QuantSpec};
+    let name = "e2b-kvq";
+    let sm = sharded(name, 2);
+    let whole = Model::builder().path(fixture(name)).build().unwrap();
+    let prompts: [&[u32]; 3] = [&[2, 17, 40, 99, 3, 8, 11], &[2, 300, 5], &[2, 7, 7, 9, 120]];
+    let quantized = |bits| {
+        CacheMode::Quantized(QuantSpec {
+            bits,
+            group_size: 32,
+            start: 0,
+        })
+    };
+    for mode in [
+        CacheMode::Simple,
+        CacheMode::Rotating,
+        quantized(QuantBits::Eight),
+        quantized(QuantBits::Four),
+    ] {
+        let opts = GenOptions {
+            max_tokens: 12,
+            ignore_eos: true,
+            cache: CacheConfig { mode },
+            ..Default::default()
+        };
+        let want = whole.generator(opts.clone()).generate(prompts[0]).unwrap();
+        let got = sm
+            .run(|m| m.generator(opts.clone()).generate(prompts[0]))
+            .unwrap();
+        assert_eq!(got[0].tokens, want.tokens, "{mode:?}");
+        // Batched decode: the ranks' sessions against the whole model's.
+        let batch = |m: &Model| -> Result<Vec<Vec<u32>>> {
+            let mut session = BatchSession::new(m, opts.clone());
+            for p in prompts {
+                session.add(p)?;
+            }
+            let mut out = session.run_to_end()?;
+            out.sort_by_key(|(id, _, _)| id.0);
+            Ok(out.into_iter().map(|(_, ids, _)| ids).collect())
+        };
+        let want = batch(&whole).unwrap();
+        let got = sm.run(batch).unwrap();
+        assert_eq!(got[0], want, "batched, {mode:?}");
+        assert_eq!(got[1], want, "batched, rank 1, {mode:?}");
     }
 }

@@ -247,7 +247,9 @@ pub fn group(devices: &[Device]) -> Result<(Vec<Collective>, GroupHandle)> {
         if let Ok(mut st) = host.state.lock() {
             st.slots = vec![None; devices.len()];
         }
-        (0..devices.len()).map(|_| Backend::Host(host.clone())).collect()
+        (0..devices.len())
+            .map(|_| Backend::Host(host.clone()))
+            .collect()
     } else {
         gpu_comms(devices)?
     };
@@ -343,6 +345,8 @@ mod tests {
         let err = waiting.join().unwrap().unwrap_err();
         assert!(matches!(err, KernelError::Collective { .. }), "{err}");
         assert!(handle.failed());
-        assert!(c[1].sum(&Tensor::new(&[1f32], &Device::Cpu).unwrap()).is_err());
+        assert!(c[1]
+            .sum(&Tensor::new(&[1f32], &Device::Cpu).unwrap())
+            .is_err());
     }
 }
