@@ -242,7 +242,7 @@ impl ShardPlan {
         let rows = |r: &Range<usize>, unit: usize, full: usize| TensorSlice {
             axis: Axis::Out,
             full,
-            ranges: vec![r.start * unit..r.end * unit],
+            ranges: std::iter::once(r.start * unit..r.end * unit).collect(),
         };
         let cols = |r: &Range<usize>, full: usize| TensorSlice {
             axis: Axis::In,

@@ -227,7 +227,7 @@ fn packed_cuts_equal_cuts_of_the_dequantized_matrix() {
             let cols = TensorSlice {
                 axis: Axis::In,
                 full: 512,
-                ranges: vec![256..512],
+                ranges: std::iter::once(256..512).collect(),
             };
             let got = apply_packed(&p, &cols).unwrap().unwrap();
             assert_eq!(got.in_dim(), 256);
@@ -237,7 +237,7 @@ fn packed_cuts_equal_cuts_of_the_dequantized_matrix() {
             let inside = TensorSlice {
                 axis: Axis::In,
                 full: 512,
-                ranges: vec![0..16],
+                ranges: std::iter::once(0..16).collect(),
             };
             assert!(apply_packed(&p, &inside).unwrap().is_none());
         }
