@@ -1,7 +1,7 @@
 //! The tensor-parallel sharding plan: which rows or columns of every weight each rank of a
 //! group of `world` GPUs holds, and the rank-local config its layers are built from. Pure
 //! arithmetic over the [`Config`] and the weights' logical names, no backend: the loader
-//! ([`crate::weights::WeightStore::with_shard`]) applies it ([`slice`]) and the layers add one
+//! (`weights::WeightStore::with_shard`) applies it ([`mod@slice`]) and the layers add one
 //! all-reduce after each row-parallel product (`kernels::ops::collective`).
 //!
 //! | weight | split | how |
