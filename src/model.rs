@@ -361,8 +361,9 @@ impl Model {
         self.text.collective().world()
     }
 
-    /// All-reduces this rank has run so far (two per layer per forward, one on 26B-A4B's
-    /// layers with both branches joined into one; 0 on a single device).
+    /// Collectives this rank has run so far: two all-reduces per layer per forward (26B-A4B
+    /// joins its two feed-forward branches into one) and the head's all-gather; 0 on a single
+    /// device.
     pub fn all_reduces(&self) -> usize {
         self.text.collective().calls()
     }
@@ -382,8 +383,14 @@ impl Model {
     }
 
     /// Makes this model a rank of a tensor-parallel group.
-    pub(crate) fn set_collective(&mut self, c: crate::kernels::ops::collective::Collective) {
-        self.text.set_collective(c);
+    ///
+    /// # Errors
+    /// As [`TextModel::set_collective`].
+    pub(crate) fn set_collective(
+        &mut self,
+        c: crate::kernels::ops::collective::Collective,
+    ) -> Result<()> {
+        self.text.set_collective(c)
     }
 
     fn from_random_store(config: Config, store: WeightStore, seed: u64) -> Result<Self> {

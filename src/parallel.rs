@@ -70,8 +70,11 @@ impl ShardedModel {
             rank: 0,
             reason: e.to_string(),
         })?;
-        for (model, c) in ranks.iter_mut().zip(collectives) {
-            model.set_collective(c);
+        for (rank, (model, c)) in ranks.iter_mut().zip(collectives).enumerate() {
+            model.set_collective(c).map_err(|e| Error::Rank {
+                rank,
+                reason: e.to_string(),
+            })?;
         }
         let sharded = Self {
             ranks,

@@ -13,15 +13,18 @@
 //! | `mlp.down_proj` | row-parallel, all-reduce | columns of that part |
 //! | MoE `gate_up_proj` / `switch_glu.{gate,up}_proj` | by tensor, column-parallel | every expert's rows of the rank's part of the expert width |
 //! | MoE `down_proj` | by tensor, row-parallel, all-reduce (joined with the dense MLP's) | every expert's columns of that part |
-//! | embeddings, tied head, `lm_head`, PLE tables and gates, router, norms | replicated | whole on every rank |
+//! | embeddings, `lm_head`, PLE tables and gates, router, norms | replicated | whole on every rank |
+//! | tied head | vocabulary-parallel, all-gather | each rank's logits of its rows of the (replicated) table (`TextModel::set_collective`) |
 //!
 //! Experts are split by tensor (each rank holds a slice of every expert), not by expert: every
 //! rank then runs the same `top_k` experts at a fraction of the width, so the work is even
 //! whichever experts the router picks (split by expert, the rank holding most of a token's
 //! picks sets the step time), and the expert kernels run unchanged.
 //!
-//! Embeddings are replicated, not vocab-parallel: a lookup then needs no collective, and the
-//! head's logits need no all-gather, at the cost of the table's memory on every rank.
+//! The embedding table is replicated, not vocab-parallel: a lookup then needs no collective,
+//! at the cost of the table's memory on every rank. The tied head reading the same table is
+//! split by vocabulary rows (where the group divides the vocabulary): each rank reads only its
+//! rows per step, and one all-gather of the logits joins them.
 //!
 //! Widths are split at multiples of 128 elements where the width allows (smaller powers of two
 //! otherwise): MLX packs each row's inputs in groups of 32, 64 or 128, so a column split on such

@@ -1,6 +1,6 @@
 //! The NCCL all-reduce (`nccl` feature): communicators for the GPUs of one host, built in one
-//! call (`ncclCommInitAll`), and a sum of a candle tensor as a custom op on the device's own
-//! stream, so it is ordered with the kernels around it.
+//! call (`ncclCommInitAll`), and the sum and the gather of a candle tensor as custom ops on the
+//! device's own stream, so they are ordered with the kernels around them.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
@@ -51,7 +51,65 @@ pub(crate) fn all_reduce_sum(comm: &RankComm, x: &Tensor) -> Result<Tensor, Kern
     Ok(x.apply_op1_no_bwd(&AllReduce(&comm.0))?)
 }
 
+/// Every rank's `x` (flattened), rank order, in one `[world * elements]` tensor.
+///
+/// # Errors
+/// As [`all_reduce_sum`].
+pub(crate) fn all_gather(comm: &RankComm, x: &Tensor) -> Result<Tensor, KernelError> {
+    let x = x.contiguous()?;
+    Ok(x.apply_op1_no_bwd(&AllGather(&comm.0))?)
+}
+
 struct AllReduce<'a>(&'a Comm);
+
+struct AllGather<'a>(&'a Comm);
+
+impl AllGather<'_> {
+    fn gather<T: CudaDType + DeviceRepr + NcclType>(
+        &self,
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<CudaStorage> {
+        let n = l.shape().elem_count();
+        let start = l.start_offset();
+        let src = s.as_cuda_slice::<T>()?.slice(start..start + n);
+        let dev = s.device.clone();
+        // SAFETY: the all-gather writes all `world * n` elements before any reader.
+        let mut dst = unsafe { dev.alloc::<T>(n * self.0.world_size()) }?;
+        self.0
+            .all_gather(&src, &mut dst)
+            .map_err(|e| candle_core::Error::Msg(format!("ncclAllGather: {e:?}")))?;
+        Ok(CudaStorage::wrap_cuda_slice(dst, dev))
+    }
+}
+
+impl CustomOp1 for AllGather<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-all-gather"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("the NCCL all-gather runs on CUDA tensors only")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        if !l.is_contiguous() {
+            candle_core::bail!("the NCCL all-gather takes a contiguous tensor");
+        }
+        let out = match s.dtype() {
+            DType::F32 => self.gather::<f32>(s, l)?,
+            DType::BF16 => self.gather::<bf16>(s, l)?,
+            DType::F16 => self.gather::<f16>(s, l)?,
+            other => candle_core::bail!("the NCCL all-gather does not take {other:?}"),
+        };
+        let world = self.0.world_size();
+        Ok((out, Shape::from(l.shape().elem_count() * world)))
+    }
+}
 
 impl AllReduce<'_> {
     fn sum<T: CudaDType + DeviceRepr + NcclType>(

@@ -1,5 +1,6 @@
-//! The all-reduce of a tensor-parallel model: the partial sums of a row-parallel product (each
-//! GPU holds some of the product's input columns) summed across the GPUs of one host.
+//! The collectives of a tensor-parallel model: the all-reduce of a row-parallel product's
+//! partial sums (each GPU holds some of the product's input columns) and the all-gather of a
+//! vocabulary-parallel head's logits, across the GPUs of one host.
 //!
 //! [`Collective`] is one rank's handle on its group. The default handle is a group of one,
 //! whose sum is the identity, so a single-device model carries one at no cost. Groups of
@@ -56,20 +57,26 @@ struct HostState {
 }
 
 impl HostGroup {
-    fn sum(&self, rank: usize, x: &Tensor, failed: &AtomicBool) -> Result<Tensor> {
+    /// Leaves `x` in this rank's slot; the last rank to arrive joins the slots (rank order) with
+    /// `join`, and every rank returns that.
+    fn exchange(
+        &self,
+        rank: usize,
+        x: &Tensor,
+        failed: &AtomicBool,
+        join: impl FnOnce(Vec<Tensor>) -> candle_core::Result<Tensor>,
+    ) -> Result<Tensor> {
         let lost = || peer_failed(rank);
         let mut st = self.state.lock().map_err(|_| lost())?;
         let round = st.round;
         st.slots[rank] = Some(x.clone());
         if st.slots.iter().all(Option::is_some) {
-            let mut total: Option<Tensor> = None;
-            for part in st.slots.iter_mut().map(Option::take) {
-                let part = part.ok_or_else(lost)?;
-                total = Some(match total {
-                    None => part,
-                    Some(t) => (t + part)?,
-                });
-            }
+            let parts = st
+                .slots
+                .iter_mut()
+                .map(|s| s.take().ok_or_else(lost))
+                .collect::<Result<Vec<_>>>()?;
+            let total = Some(join(parts)?);
             st.sum = total;
             st.round += 1;
             self.woken.notify_all();
@@ -155,8 +162,54 @@ impl Collective {
         match comm {
             #[cfg(feature = "nccl")]
             Backend::Nccl(c) => crate::kernels::cuda::nccl::all_reduce_sum(c, x),
-            Backend::Host(h) => h.sum(r.rank, x, &r.group.failed),
+            Backend::Host(h) => h.exchange(r.rank, x, &r.group.failed, |parts| {
+                let mut it = parts.into_iter();
+                let first = it
+                    .next()
+                    .ok_or_else(|| candle_core::Error::Msg("no parts".into()))?;
+                it.try_fold(first, |t, p| t + p)
+            }),
         }
+    }
+
+    /// `x` `[.., n]` of every rank joined along the last axis in rank order: `[.., world * n]`
+    /// (the vocabulary-parallel head's logits). `x` itself in a group of one.
+    ///
+    /// # Errors
+    /// As [`Collective::sum`].
+    pub fn gather_last(&self, x: &Tensor) -> Result<Tensor> {
+        let Some(r) = &self.0 else {
+            return Ok(x.clone());
+        };
+        if r.group.failed.load(Ordering::Acquire) {
+            return Err(peer_failed(r.rank));
+        }
+        let guard = r.comm.lock().map_err(|_| peer_failed(r.rank))?;
+        let Some(comm) = guard.as_ref() else {
+            return Err(peer_failed(r.rank));
+        };
+        r.calls.fetch_add(1, Ordering::Relaxed);
+        // Every rank's block, rank order: `[world * elements]`.
+        let blocks = match comm {
+            #[cfg(feature = "nccl")]
+            Backend::Nccl(c) => crate::kernels::cuda::nccl::all_gather(c, x)?,
+            Backend::Host(h) => h.exchange(r.rank, x, &r.group.failed, |parts| {
+                Tensor::cat(&parts, 0)?.flatten_all()
+            })?,
+        };
+        let dims = x.dims();
+        let last = dims.len().saturating_sub(1);
+        let n = dims.get(last).copied().unwrap_or(1);
+        let lead = x.elem_count() / n.max(1);
+        let mut out = dims.to_vec();
+        if let Some(d) = out.last_mut() {
+            *d = n * r.world;
+        }
+        Ok(blocks
+            .reshape((r.world, lead, n))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape(out)?)
     }
 
     /// `a` and `b` (of one dtype, equal leading dims) summed over the group in one all-reduce:
@@ -334,7 +387,26 @@ mod tests {
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         assert!(sums.iter().all(|s| s == &[3.0, 3.0]), "{sums:?}");
-        assert_eq!(c[0].calls(), 2);
+        // The gather joins every rank's last axis in rank order, row by row.
+        let gathered: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = c
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let r = c.rank() as f32;
+                        let x = Tensor::new(&[[r, r], [10.0 + r, 10.0 + r]], &Device::Cpu).unwrap();
+                        c.gather_last(&x).unwrap().to_vec2::<f32>().unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let want = vec![
+            vec![0.0, 0.0, 1.0, 1.0, 2.0, 2.0],
+            vec![10.0, 10.0, 11.0, 11.0, 12.0, 12.0],
+        ];
+        assert!(gathered.iter().all(|g| g == &want), "{gathered:?}");
+        assert_eq!(c[0].calls(), 3);
         // A rank whose peers never arrive is released by the abort.
         let waiting = std::thread::spawn({
             let c0 = c[0].clone();
