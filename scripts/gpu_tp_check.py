@@ -58,7 +58,7 @@ def main():
     goldens = sorted(FIX.glob("*/golden.json"))
     jobs = [(g, i, c) for g in goldens for i, c in enumerate(json.load(open(g))["cases"])]
     results = []
-    with ThreadPoolExecutor(4) as ex:
+    with ThreadPoolExecutor(8) as ex:
         for r in ex.map(f32_case, jobs):
             print(json.dumps(r), flush=True); results.append(r)
         extra = []

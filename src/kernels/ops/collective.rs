@@ -29,6 +29,43 @@ use crate::kernels::KernelError;
 struct GroupState {
     /// Set once any rank failed: no sum enters NCCL afterwards.
     failed: AtomicBool,
+    /// Ranks arrived at the current NCCL call ([`GroupState::meet`]).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    arrived: AtomicUsize,
+    /// NCCL calls every rank has reached.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    round: AtomicUsize,
+}
+
+impl GroupState {
+    /// Waits on the host until every rank of `world` reached this collective, so that no rank
+    /// enqueues an NCCL kernel that waits for a peer while that peer's thread is still in a
+    /// call that synchronizes with the first rank's device. With peer access on (NCCL turns it
+    /// on between the GPUs of one process), allocations and module loads of one device wait
+    /// for the other devices' running kernels: a lazily loaded kernel or a cuBLAS workspace on
+    /// one rank, while the other's all-reduce kernel already waits for it, never returns.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    fn meet(&self, rank: usize, world: usize) -> Result<()> {
+        let round = self.round.load(Ordering::Acquire);
+        if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == world {
+            self.arrived.store(0, Ordering::Release);
+            self.round.fetch_add(1, Ordering::AcqRel);
+            return Ok(());
+        }
+        let mut spins = 0u32;
+        while self.round.load(Ordering::Acquire) == round {
+            if self.failed.load(Ordering::Acquire) {
+                return Err(peer_failed(rank));
+            }
+            spins = spins.saturating_add(1);
+            if spins < 4096 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
 }
 
 /// How a rank sums with its peers.
@@ -161,7 +198,10 @@ impl Collective {
         r.calls.fetch_add(1, Ordering::Relaxed);
         match comm {
             #[cfg(feature = "nccl")]
-            Backend::Nccl(c) => crate::kernels::cuda::nccl::all_reduce_sum(c, x),
+            Backend::Nccl(c) => {
+                r.group.meet(r.rank, r.world)?;
+                crate::kernels::cuda::nccl::all_reduce_sum(c, x)
+            }
             Backend::Host(h) => h.exchange(r.rank, x, &r.group.failed, |parts| {
                 let mut it = parts.into_iter();
                 let first = it
@@ -192,7 +232,10 @@ impl Collective {
         // Every rank's block, rank order: `[world * elements]`.
         let blocks = match comm {
             #[cfg(feature = "nccl")]
-            Backend::Nccl(c) => crate::kernels::cuda::nccl::all_gather(c, x)?,
+            Backend::Nccl(c) => {
+                r.group.meet(r.rank, r.world)?;
+                crate::kernels::cuda::nccl::all_gather(c, x)?
+            }
             Backend::Host(h) => h.exchange(r.rank, x, &r.group.failed, |parts| {
                 Tensor::cat(&parts, 0)?.flatten_all()
             })?,
