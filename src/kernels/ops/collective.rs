@@ -38,9 +38,10 @@ struct GroupState {
 }
 
 impl GroupState {
-    /// Waits on the host until every rank of `world` reached this collective, so that no rank
-    /// enqueues an NCCL kernel that waits for a peer while that peer's thread is still in a
-    /// call that synchronizes with the first rank's device. With peer access on (NCCL turns it
+    /// Waits on the host until every rank of `world` reached this point. Each NCCL call is
+    /// enqueued between two such meetings, so no rank's NCCL kernel waits for a peer's while
+    /// that peer's thread is in a call that synchronizes with the first rank's device (or
+    /// holds the driver lock that the other's launch needs). With peer access on (NCCL turns it
     /// on between the GPUs of one process), allocations and module loads of one device wait
     /// for the other devices' running kernels: a lazily loaded kernel or a cuBLAS workspace on
     /// one rank, while the other's all-reduce kernel already waits for it, never returns.
@@ -200,7 +201,9 @@ impl Collective {
             #[cfg(feature = "nccl")]
             Backend::Nccl(c) => {
                 r.group.meet(r.rank, r.world)?;
-                crate::kernels::cuda::nccl::all_reduce_sum(c, x)
+                let y = crate::kernels::cuda::nccl::all_reduce_sum(c, x)?;
+                r.group.meet(r.rank, r.world)?;
+                Ok(y)
             }
             Backend::Host(h) => h.exchange(r.rank, x, &r.group.failed, |parts| {
                 let mut it = parts.into_iter();
@@ -234,7 +237,9 @@ impl Collective {
             #[cfg(feature = "nccl")]
             Backend::Nccl(c) => {
                 r.group.meet(r.rank, r.world)?;
-                crate::kernels::cuda::nccl::all_gather(c, x)?
+                let y = crate::kernels::cuda::nccl::all_gather(c, x)?;
+                r.group.meet(r.rank, r.world)?;
+                y
             }
             Backend::Host(h) => h.exchange(r.rank, x, &r.group.failed, |parts| {
                 Tensor::cat(&parts, 0)?.flatten_all()
