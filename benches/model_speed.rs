@@ -60,6 +60,10 @@ struct Args {
     /// Run on the CPU.
     #[arg(long)]
     cpu: bool,
+    /// Tensor parallel over GPUs 0..N of this host (`nccl` feature): one thread per GPU runs
+    /// every point; rank 0 prints, with the all-reduces' share of the time.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
     /// Passed by `cargo bench` to every bench; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -189,9 +193,8 @@ fn main() -> Result<()> {
     let bw = copy_bandwidth(&dev)?;
     println!(
         "{}",
-        json!({"device": format!("{dev:?}"), "copy_bandwidth_gb_s": bw / 1e9})
+        json!({"device": format!("{dev:?}"), "copy_bandwidth_gb_s": bw / 1e9, "tp": args.tp})
     );
-    let fused = std::env::var("CANDLE_GEMMA_UNFUSED").map_or(true, |v| v.is_empty() || v == "0");
     for path in &args.config {
         let text = std::fs::read_to_string(path)?;
         let cfg = Config::from_json(&serde_json::from_str(&text)?, None)?;
@@ -201,104 +204,173 @@ fn main() -> Result<()> {
             .unwrap_or_default();
         for weights in &args.weights {
             let (bpp, bits) = bytes_per_param(weights)?;
+            let point = Point {
+                name: &name,
+                weights,
+                wbytes: weight_bytes_per_token(&cfg, bpp),
+                bw,
+            };
             let before = candle_gemma::device_memory_in_use(&dev);
             let t = Instant::now();
+            if args.tp > 1 {
+                let ordinals: Vec<usize> = (0..args.tp).collect();
+                let packing = bits.map(|b| (b, 64));
+                let sharded =
+                    Model::random_sharded(cfg.clone(), &ordinals, DType::BF16, 1, packing)?;
+                let build_s = t.elapsed().as_secs_f64();
+                sharded.run(|m| -> Result<()> {
+                    if m.rank() == 0 {
+                        report_memory(m, &point, build_s, None);
+                    }
+                    measure(m, &args, &point)
+                })?;
+                continue;
+            }
             let model = match bits {
                 None => Model::random(cfg.clone(), &dev, DType::BF16, 1)?,
                 Some(b) => Model::random_packed(cfg.clone(), &dev, DType::BF16, 1, b, 64)?,
             };
             dev.synchronize()?;
             let after = candle_gemma::device_memory_in_use(&dev);
-            let wbytes = weight_bytes_per_token(&cfg, bpp);
-            let resident = model.text_model().resident_bytes();
-            let checkpoint = model.checkpoint_bytes();
             let device_delta = before.zip(after).map(|(b, a)| a.saturating_sub(b));
-            println!(
-                "{}",
-                json!({
-                    "model": name, "weights": weights, "op": "memory",
-                    "build_s": t.elapsed().as_secs_f64(),
-                    "checkpoint_bytes": checkpoint, "resident_bytes": resident,
-                    "device_bytes": device_delta,
-                    "device_over_checkpoint": device_delta.map(|d| d as f64 / checkpoint as f64),
-                    "weight_bytes_read_per_token": wbytes,
-                })
-            );
-            if args.memory_only {
-                continue;
+            let build_s = t.elapsed().as_secs_f64();
+            report_memory(&model, &point, build_s, device_delta);
+            measure(&model, &args, &point)?;
+        }
+    }
+    Ok(())
+}
+
+/// What every line of one model and weight format names.
+struct Point<'a> {
+    name: &'a str,
+    weights: &'a str,
+    wbytes: usize,
+    bw: f64,
+}
+
+fn report_memory(model: &Model, p: &Point<'_>, build_s: f64, device: Option<usize>) {
+    let checkpoint = model.checkpoint_bytes();
+    println!(
+        "{}",
+        json!({
+            "model": p.name, "weights": p.weights, "op": "memory", "tp": model.world(),
+            "build_s": build_s,
+            "checkpoint_bytes": checkpoint, "resident_bytes": model.text_model().resident_bytes(),
+            "device_bytes": device,
+            "device_over_checkpoint": device.map(|d| d as f64 / checkpoint as f64),
+            "weight_bytes_read_per_token": p.wbytes,
+        })
+    );
+}
+
+/// The all-reduces a run of `calls` took, as `(per run, ms of one alone, share of secs)`; on
+/// every rank at once (the timing is an all-reduce itself).
+fn all_reduce_share(model: &Model, calls: f64, rows: usize, secs: f64) -> Result<(f64, f64, f64)> {
+    if model.world() == 1 {
+        return Ok((0.0, 0.0, 0.0));
+    }
+    let one = model.time_all_reduce(rows, 20)?;
+    Ok((calls, one * 1e3, calls * one / secs))
+}
+
+/// Every prefill and decode point of `args` on `model` (on every rank of a sharded one, in
+/// step; rank 0 prints).
+fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
+    if args.memory_only {
+        return Ok(());
+    }
+    let dev = model.device().clone();
+    let print = model.rank() == 0;
+    let fused = std::env::var("CANDLE_GEMMA_UNFUSED").map_or(true, |v| v.is_empty() || v == "0");
+    let (name, weights, wbytes, bw) = (p.name, p.weights, p.wbytes, p.bw);
+    let tp = model.world();
+    for kv in &args.kv {
+        let cc = cache_config(kv)?;
+        for &len in args.prefill.iter().filter(|&&l| l > 0) {
+            // Warm-up at the timed length (first uses of kernels and cuBLAS plans
+            // for these shapes), then the median of three.
+            let (_, _) = prefill(model, &cc, len, 0)?;
+            let calls0 = model.all_reduces();
+            let mut times = (1..=3)
+                .map(|seed| prefill(model, &cc, len, seed).map(|r| r.1))
+                .collect::<Result<Vec<f64>>>()?;
+            let calls = (model.all_reduces() - calls0) as f64 / 3.0;
+            times.sort_by(f64::total_cmp);
+            let secs = times[1];
+            profiled(args.profile, &dev, || prefill(model, &cc, len, 2))?;
+            let rows = len.min(candle_gemma::PREFILL_CHUNK);
+            let (ar_calls, ar_ms, ar_share) = all_reduce_share(model, calls, rows, secs)?;
+            if print {
+                println!(
+                    "{}",
+                    json!({"model": name, "weights": weights, "kv": kv, "fused": fused, "tp": tp,
+                        "op": "prefill", "tokens": len, "tok_s": len as f64 / secs,
+                        "all_reduces": ar_calls, "all_reduce_ms": ar_ms, "all_reduce_share": ar_share})
+                );
             }
-            for kv in &args.kv {
-                let cc = cache_config(kv)?;
-                for &len in args.prefill.iter().filter(|&&l| l > 0) {
-                    // Warm-up at the timed length (first uses of kernels and cuBLAS plans
-                    // for these shapes), then the median of three.
-                    let (_, _) = prefill(&model, &cc, len, 0)?;
-                    let mut times = (1..=3)
-                        .map(|seed| prefill(&model, &cc, len, seed).map(|r| r.1))
-                        .collect::<Result<Vec<f64>>>()?;
-                    times.sort_by(f64::total_cmp);
-                    let secs = times[1];
-                    profiled(args.profile, &dev, || prefill(&model, &cc, len, 2))?;
+        }
+        for &ctx in &args.context {
+            for &b in args.batch.iter().filter(|&&b| b > 0) {
+                let seqs = (0..b)
+                    .map(|i| prefill(model, &cc, ctx, i as u32).map(|c| c.0))
+                    .collect::<Result<Vec<_>>>()?;
+                let mut cache = ModelCache::batch(seqs)?;
+                let kv_bytes = cache.memory_bytes();
+                let tokens: Vec<Vec<u32>> = (0..b).map(|i| vec![100 + i as u32]).collect();
+                // Warm-up.
+                let _ = greedy(&model.forward(&tokens, &mut cache)?)?;
+                // `host_ms`: the time until `forward` returns, i.e. the host's cost of
+                // enqueueing the step; near `step_ms` means the host is the limit.
+                // Several rounds, reporting the median round: the host's speed drifts
+                // between rounds on a shared machine.
+                let mut rounds = Vec::new();
+                // The first sequence's greedy id at each step of the first round: runs
+                // that must compute alike (CUDA graphs on and off) print the same list.
+                let mut step_ids = Vec::new();
+                let calls0 = model.all_reduces();
+                for round in 0..args.rounds.max(1) {
+                    let mut enqueue = 0.0;
+                    let t = Instant::now();
+                    for _ in 0..args.steps {
+                        let e = Instant::now();
+                        let logits = model.forward(&tokens, &mut cache)?;
+                        enqueue += e.elapsed().as_secs_f64();
+                        let ids = greedy(&logits)?;
+                        if round == 0 {
+                            step_ids.push(ids[0]);
+                        }
+                    }
+                    let n = args.steps as f64;
+                    rounds.push((t.elapsed().as_secs_f64() / n, enqueue / n * 1e3));
+                }
+                let steps = (args.steps * args.rounds.max(1)) as f64;
+                let calls = (model.all_reduces() - calls0) as f64 / steps;
+                rounds.sort_by(|a, b| a.0.total_cmp(&b.0));
+                let (secs, host_ms) = rounds[rounds.len() / 2];
+                profiled(args.profile, &dev, || {
+                    greedy(&model.forward(&tokens, &mut cache)?)
+                })?;
+                let (ar_calls, ar_ms, ar_share) = all_reduce_share(model, calls, b, secs)?;
+                let bytes = wbytes + kv_bytes;
+                // Whether batch-1 steps replayed a CUDA graph (and if not, why).
+                #[cfg(feature = "cuda")]
+                let graph = model.text_model().cuda_graph_state();
+                #[cfg(not(feature = "cuda"))]
+                let graph = "cuda feature off";
+                if print {
                     println!(
                         "{}",
-                        json!({"model": name, "weights": weights, "kv": kv, "fused": fused, "op": "prefill", "tokens": len, "tok_s": len as f64 / secs})
+                        json!({
+                            "model": name, "weights": weights, "kv": kv, "fused": fused, "tp": tp,
+                            "op": "decode", "batch": b, "context": ctx, "cuda_graph": graph,
+                            "tok_s": b as f64 / secs, "step_ms": secs * 1e3, "host_ms": host_ms,
+                            "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,
+                            "all_reduces_per_step": ar_calls, "all_reduce_ms": ar_ms,
+                            "all_reduce_share": ar_share,
+                            "step_ids": step_ids,
+                        })
                     );
-                }
-                for &ctx in &args.context {
-                    for &b in args.batch.iter().filter(|&&b| b > 0) {
-                        let seqs = (0..b)
-                            .map(|i| prefill(&model, &cc, ctx, i as u32).map(|c| c.0))
-                            .collect::<Result<Vec<_>>>()?;
-                        let mut cache = ModelCache::batch(seqs)?;
-                        let kv_bytes = cache.memory_bytes();
-                        let tokens: Vec<Vec<u32>> = (0..b).map(|i| vec![100 + i as u32]).collect();
-                        // Warm-up.
-                        let _ = greedy(&model.forward(&tokens, &mut cache)?)?;
-                        // `host_ms`: the time until `forward` returns, i.e. the host's cost of
-                        // enqueueing the step; near `step_ms` means the host is the limit.
-                        // Several rounds, reporting the median round: the host's speed drifts
-                        // between rounds on a shared machine.
-                        let mut rounds = Vec::new();
-                        // The first sequence's greedy id at each step of the first round: runs
-                        // that must compute alike (CUDA graphs on and off) print the same list.
-                        let mut step_ids = Vec::new();
-                        for round in 0..args.rounds.max(1) {
-                            let mut enqueue = 0.0;
-                            let t = Instant::now();
-                            for _ in 0..args.steps {
-                                let e = Instant::now();
-                                let logits = model.forward(&tokens, &mut cache)?;
-                                enqueue += e.elapsed().as_secs_f64();
-                                let ids = greedy(&logits)?;
-                                if round == 0 {
-                                    step_ids.push(ids[0]);
-                                }
-                            }
-                            let n = args.steps as f64;
-                            rounds.push((t.elapsed().as_secs_f64() / n, enqueue / n * 1e3));
-                        }
-                        rounds.sort_by(|a, b| a.0.total_cmp(&b.0));
-                        let (secs, host_ms) = rounds[rounds.len() / 2];
-                        profiled(args.profile, &dev, || {
-                            greedy(&model.forward(&tokens, &mut cache)?)
-                        })?;
-                        let bytes = wbytes + kv_bytes;
-                        // Whether batch-1 steps replayed a CUDA graph (and if not, why).
-                        #[cfg(feature = "cuda")]
-                        let graph = model.text_model().cuda_graph_state();
-                        #[cfg(not(feature = "cuda"))]
-                        let graph = "cuda feature off";
-                        println!(
-                            "{}",
-                            json!({
-                                "model": name, "weights": weights, "kv": kv, "fused": fused,
-                                "op": "decode", "batch": b, "context": ctx, "cuda_graph": graph,
-                                "tok_s": b as f64 / secs, "step_ms": secs * 1e3, "host_ms": host_ms,
-                                "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,
-                                "step_ids": step_ids,
-                            })
-                        );
-                    }
                 }
             }
         }

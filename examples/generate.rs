@@ -6,6 +6,12 @@
 //! ```
 //! Several `--prompt`/`--prompt-ids` run as one batch. Without `--json` the text streams to
 //! stdout and the speed goes to stderr.
+//!
+//! `--tp N` (the `nccl` feature) shards the checkpoint over GPUs 0..N of this host, tensor
+//! parallel: one thread per GPU runs the same generation, rank 0 prints.
+//! ```text
+//! cargo run --release --features nccl --example generate -- --model DIR --tp 2 --prompt "Hello"
+//! ```
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -14,7 +20,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_gemma::generate::{BatchSession, SamplingOptions};
 use candle_gemma::kv::{CacheMode, QuantBits, QuantSpec};
-use candle_gemma::{CacheConfig, GenOptions, Model};
+use candle_gemma::{CacheConfig, GenOptions, Model, ModelBuilder};
 use clap::{Parser, ValueEnum};
 use serde_json::json;
 
@@ -101,18 +107,18 @@ struct Args {
     /// Prefill chunk size.
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// Tensor parallel over this many GPUs (0..N) of this host (needs the `nccl` feature).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
-fn load(args: &Args) -> Result<Model> {
+fn builder(args: &Args) -> Result<ModelBuilder> {
     let dtype = match args.dtype {
         Dtype::F32 => DType::F32,
         Dtype::Bf16 => DType::BF16,
         Dtype::F16 => DType::F16,
     };
-    let mut b = Model::builder()
-        .device(candle_gemma::best_device(args.cpu)?)
-        .dtype(dtype)
-        .progress(!args.json);
+    let mut b = Model::builder().dtype(dtype).progress(!args.json);
     let path = PathBuf::from(&args.model);
     b = if path.exists() {
         b.path(path)
@@ -122,7 +128,7 @@ fn load(args: &Args) -> Result<Model> {
     if let Some(r) = &args.revision {
         b = b.revision(r);
     }
-    Ok(b.build()?)
+    Ok(b)
 }
 
 fn options(args: &Args) -> Result<GenOptions> {
@@ -188,8 +194,27 @@ fn prompts(args: &Args, model: &Model) -> Result<Vec<Vec<u32>>> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // Options are checked before the model loads (a bad flag fails fast).
     let opts = options(&args)?;
-    let model = load(&args)?;
+    if args.tp > 1 {
+        // One thread per GPU runs the same generation; only rank 0 prints.
+        let sharded = builder(&args)?
+            .devices(&(0..args.tp).collect::<Vec<_>>())
+            .build_sharded()?;
+        let prompts = prompts(&args, sharded.first())?;
+        sharded.run(|model| -> Result<()> {
+            let opts = opts.clone();
+            if prompts.len() == 1 {
+                run_single(&args, model, opts, &prompts[0])
+            } else {
+                run_batch(&args, model, opts, &prompts)
+            }
+        })?;
+        return Ok(());
+    }
+    let model = builder(&args)?
+        .device(candle_gemma::best_device(args.cpu)?)
+        .build()?;
     let prompts = prompts(&args, &model)?;
     if prompts.len() == 1 {
         run_single(&args, &model, opts, &prompts[0])
@@ -199,8 +224,15 @@ fn main() -> Result<()> {
 }
 
 fn run_single(args: &Args, model: &Model, opts: GenOptions, prompt: &[u32]) -> Result<()> {
+    // Tensor parallel: every rank generates the same tokens; rank 0 prints.
+    let quiet = model.rank() != 0;
+    // Each rank caches its own part of the K/V: one file per rank.
+    let prompt_cache = args.prompt_cache.as_ref().map(|p| match model.world() {
+        1 => p.clone(),
+        _ => p.with_extension(format!("rank{}", model.rank())),
+    });
     let mut gen = model.generator(opts);
-    if let Some(path) = &args.prompt_cache {
+    if let Some(path) = &prompt_cache {
         if path.exists() {
             gen.load_prompt_cache(path)?;
         }
@@ -213,7 +245,7 @@ fn run_single(args: &Args, model: &Model, opts: GenOptions, prompt: &[u32]) -> R
         let step = step?;
         ids.push(step.token);
         text.push_str(&step.text);
-        if !args.json {
+        if !args.json && !quiet {
             let mut out = stdout.lock();
             write!(out, "{}", step.text)?;
             out.flush()?;
@@ -221,8 +253,11 @@ fn run_single(args: &Args, model: &Model, opts: GenOptions, prompt: &[u32]) -> R
     }
     let stats = stream.stats();
     drop(stream);
-    if let Some(path) = &args.prompt_cache {
+    if let Some(path) = &prompt_cache {
         gen.save_prompt_cache(path)?;
+    }
+    if quiet {
+        return Ok(());
     }
     if args.json {
         println!(
@@ -237,6 +272,7 @@ fn run_single(args: &Args, model: &Model, opts: GenOptions, prompt: &[u32]) -> R
                     "decode_tok_s": stats.decode_tok_s(),
                     "kv_bytes": stats.kv_bytes,
                     "cuda_graph": graph_state(model),
+                    "tp": model.world(),
                 }
             })
         );
@@ -272,6 +308,7 @@ fn run_batch(args: &Args, model: &Model, opts: GenOptions, prompts: &[Vec<u32>])
     if args.prompt_cache.is_some() {
         bail!("--prompt-cache works with a single prompt");
     }
+    let quiet = model.rank() != 0;
     let mut session = BatchSession::new(model, opts);
     for p in prompts {
         session.add(p)?;
@@ -282,11 +319,14 @@ fn run_batch(args: &Args, model: &Model, opts: GenOptions, prompts: &[Vec<u32>])
         for (id, step) in session.step()? {
             results[id.0].0.push(step.token);
             results[id.0].1.push_str(&step.text);
-            if !args.json && !step.text.is_empty() {
+            if !args.json && !quiet && !step.text.is_empty() {
                 println!("[{}] {}", id.0, step.text);
             }
         }
         kv_peak = kv_peak.max(session.kv_bytes());
+    }
+    if quiet {
+        return Ok(());
     }
     let generated: usize = results.iter().map(|r| r.0.len()).sum();
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
@@ -315,6 +355,7 @@ fn run_batch(args: &Args, model: &Model, opts: GenOptions, prompts: &[Vec<u32>])
                     "prefill_tok_s": prefill_tok_s,
                     "decode_tok_s": decode_tok_s,
                     "kv_bytes": kv_peak,
+                    "tp": model.world(),
                 }
             })
         );

@@ -109,6 +109,15 @@ pub enum Error {
         /// The model's `max_position_embeddings`.
         max: usize,
     },
+    /// A rank of a tensor-parallel model failed to load or run; every rank's work was
+    /// stopped (see [`crate::ShardedModel`]).
+    #[error("tensor-parallel rank {rank}: {reason}")]
+    Rank {
+        /// The rank that failed first.
+        rank: usize,
+        /// Its error.
+        reason: String,
+    },
     /// A KV cache misuse or mismatch.
     #[error(transparent)]
     Cache(#[from] crate::kv::CacheError),

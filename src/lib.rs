@@ -76,7 +76,9 @@ pub mod hub;
 pub mod kernels;
 pub mod kv;
 mod model;
+mod parallel;
 pub mod serve;
+pub mod shard;
 pub(crate) mod weights;
 
 pub use error::{Error, HubError, Result};
@@ -85,3 +87,4 @@ pub use generate::{FinishReason, GenOptions, Generator, Output, StepOutput};
 pub use kernels::policy::LaunchPolicy;
 pub use kv::{CacheConfig, KvCache};
 pub use model::{best_device, device_memory_in_use, Model, ModelBuilder};
+pub use parallel::ShardedModel;

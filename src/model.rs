@@ -12,6 +12,8 @@ use crate::gemma4::TextModel;
 use crate::generate::{GenOptions, Generator};
 use crate::kernels::policy::LaunchPolicy;
 use crate::kv::{CacheConfig, ModelCache};
+use crate::parallel::ShardedModel;
+use crate::shard::ShardPlan;
 use crate::weights::WeightStore;
 
 /// Where the checkpoint comes from.
@@ -34,6 +36,8 @@ pub struct ModelBuilder {
     device: Device,
     dtype: DType,
     launch_policy: Option<LaunchPolicy>,
+    /// CUDA ordinals of a tensor-parallel load ([`ModelBuilder::build_sharded`]).
+    devices: Vec<usize>,
 }
 
 impl Default for ModelBuilder {
@@ -49,6 +53,7 @@ impl Default for ModelBuilder {
             device: Device::Cpu,
             dtype: DType::F32,
             launch_policy: None,
+            devices: Vec::new(),
         }
     }
 }
@@ -123,6 +128,13 @@ impl ModelBuilder {
         self
     }
 
+    /// The GPUs (CUDA ordinals) of a tensor-parallel load: [`ModelBuilder::build_sharded`]
+    /// puts rank `i` on `ordinals[i]`. Needs the `nccl` feature for more than one.
+    pub fn devices(mut self, ordinals: &[usize]) -> Self {
+        self.devices = ordinals.to_vec();
+        self
+    }
+
     /// Resolves the source to a local folder.
     fn resolve(&self) -> Result<PathBuf> {
         match &self.source {
@@ -158,6 +170,70 @@ impl ModelBuilder {
     /// [`Error::Tokenizer`] for an unreadable `tokenizer.json`, and [`Error::Config`] (field
     /// `launch_policy`) when another model of this process was built under another policy.
     pub fn build(self) -> Result<Model> {
+        self.install_policy()?;
+        let dir = self.resolve()?;
+        let config = Config::from_dir(&dir)?;
+        let store = WeightStore::open(&dir, &self.device, self.dtype)?;
+        let fingerprint = fingerprint(&dir, self.dtype)?;
+        let text = TextModel::new(config, &store)?;
+        Ok(Model {
+            text,
+            tokenizer: load_tokenizer(&dir)?,
+            fingerprint,
+            dir,
+            checkpoint_bytes: store.file_bytes(),
+        })
+    }
+
+    /// Loads the checkpoint tensor-parallel over the GPUs given to
+    /// [`ModelBuilder::devices`]: rank `i` on `ordinals[i]` holds its part of every sharded
+    /// weight ([`crate::shard`]), loaded by a thread of its own; the ranks then form one NCCL
+    /// group. Drive it with [`ShardedModel::run`] (one thread per GPU in this process).
+    ///
+    /// # Errors
+    /// As [`ModelBuilder::build`]; [`Error::Config`] when the heads do not split over the
+    /// devices; [`Error::Rank`] naming the first rank that failed to load (no rank is left
+    /// waiting) or a group NCCL could not set up (a build without the `nccl` feature).
+    pub fn build_sharded(self) -> Result<ShardedModel> {
+        let ordinals = if self.devices.is_empty() {
+            vec![0]
+        } else {
+            self.devices.clone()
+        };
+        self.build_sharded_on(ordinals.len(), |rank| Ok(Device::new_cuda(ordinals[rank])?))
+    }
+
+    /// [`ModelBuilder::build_sharded`] over `world` ranks, rank `r` on `device(r)` (CPU ranks
+    /// sum through the host: the tests' reference for the sharded forward).
+    pub(crate) fn build_sharded_on(
+        self,
+        world: usize,
+        device: impl Fn(usize) -> Result<Device> + Sync,
+    ) -> Result<ShardedModel> {
+        self.install_policy()?;
+        let dir = self.resolve()?;
+        let config = Config::from_dir(&dir)?;
+        let fingerprint = fingerprint(&dir, self.dtype)?;
+        let tokenizer = load_tokenizer(&dir)?;
+        // Checked once here, so a config that does not split fails before any thread starts.
+        ShardPlan::new(&config, 0, world)?;
+        ShardedModel::load(world, |rank| {
+            let device = device(rank)?;
+            let plan = ShardPlan::new(&config, rank, world)?;
+            let local = plan.local_config(&config);
+            let store = WeightStore::open(&dir, &device, self.dtype)?.with_shard(plan);
+            Ok(Model {
+                text: TextModel::new(local, &store)?,
+                tokenizer: tokenizer.clone(),
+                fingerprint: format!("{fingerprint}-tp{rank}of{world}"),
+                dir: dir.clone(),
+                checkpoint_bytes: store.file_bytes(),
+            })
+        })
+    }
+
+    /// Checks the dtype and installs the launch policy.
+    fn install_policy(&self) -> Result<()> {
         if !matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16) {
             return Err(Error::Input(format!(
                 "dtype {:?} is not supported: use f32, bf16 or f16",
@@ -174,28 +250,19 @@ impl ModelBuilder {
                 ),
             });
         }
-        let dir = self.resolve()?;
-        let config = Config::from_dir(&dir)?;
-        let store = WeightStore::open(&dir, &self.device, self.dtype)?;
-        let fingerprint = fingerprint(&dir, self.dtype)?;
-        let text = TextModel::new(config, &store)?;
-        let tokenizer_path = dir.join("tokenizer.json");
-        let tokenizer = if tokenizer_path.exists() {
-            Some(
-                Tokenizer::from_file(&tokenizer_path)
-                    .map_err(|e| Error::Tokenizer(format!("{}: {e}", tokenizer_path.display())))?,
-            )
-        } else {
-            None
-        };
-        Ok(Model {
-            text,
-            tokenizer,
-            fingerprint,
-            dir,
-            checkpoint_bytes: store.file_bytes(),
-        })
+        Ok(())
     }
+}
+
+/// `tokenizer.json` of a checkpoint folder, when present.
+fn load_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
+    let path = dir.join("tokenizer.json");
+    if !path.exists() {
+        return Ok(None);
+    }
+    Tokenizer::from_file(&path)
+        .map(Some)
+        .map_err(|e| Error::Tokenizer(format!("{}: {e}", path.display())))
 }
 
 /// A loaded Gemma 4 checkpoint.
@@ -253,6 +320,77 @@ impl Model {
         }
         let store = WeightStore::random_packed(device, dtype, seed, bits, group_size);
         Self::from_random_store(config, store, seed)
+    }
+
+    /// Like [`Model::random`] (or [`Model::random_packed`] with `packing` as `(bits,
+    /// group_size)`), tensor-parallel over the GPUs `ordinals`: each rank generates only its
+    /// part of the sharded weights ([`crate::shard`]).
+    ///
+    /// # Errors
+    /// As [`ModelBuilder::build_sharded`].
+    pub fn random_sharded(
+        config: Config,
+        ordinals: &[usize],
+        dtype: DType,
+        seed: u64,
+        packing: Option<(crate::kv::QuantBits, usize)>,
+    ) -> Result<ShardedModel> {
+        let world = ordinals.len().max(1);
+        ShardPlan::new(&config, 0, world)?;
+        ShardedModel::load(world, |rank| {
+            let device = Device::new_cuda(ordinals.get(rank).copied().unwrap_or(0))?;
+            let plan = ShardPlan::new(&config, rank, world)?;
+            let local = plan.local_config(&config);
+            let store = match packing {
+                Some((bits, group)) => {
+                    WeightStore::random_packed(&device, dtype, seed, bits, group)
+                }
+                None => WeightStore::random(&device, dtype, seed),
+            };
+            Self::from_random_store(local, store.with_shard(plan), seed)
+        })
+    }
+
+    /// This model's rank in its tensor-parallel group (0 on a single device).
+    pub fn rank(&self) -> usize {
+        self.text.collective().rank()
+    }
+
+    /// Ranks in this model's tensor-parallel group (1 on a single device).
+    pub fn world(&self) -> usize {
+        self.text.collective().world()
+    }
+
+    /// Collectives this rank has run so far: two all-reduces per layer per forward (26B-A4B
+    /// joins its two feed-forward branches into one) and the head's all-gather; 0 on a single
+    /// device.
+    pub fn all_reduces(&self) -> usize {
+        self.text.collective().calls()
+    }
+
+    /// Seconds one all-reduce of `rows` activation rows takes on this group (mean of `reps`);
+    /// every rank must call it at once ([`ShardedModel::run`]). 0 on a single device.
+    ///
+    /// # Errors
+    /// Allocation and NCCL errors.
+    pub fn time_all_reduce(&self, rows: usize, reps: usize) -> Result<f64> {
+        let like = Tensor::zeros(
+            (rows.max(1), self.config().hidden_size),
+            self.dtype(),
+            self.device(),
+        )?;
+        Ok(self.text.collective().time_sum(&like, reps)?)
+    }
+
+    /// Makes this model a rank of a tensor-parallel group.
+    ///
+    /// # Errors
+    /// As [`TextModel::set_collective`].
+    pub(crate) fn set_collective(
+        &mut self,
+        c: crate::kernels::ops::collective::Collective,
+    ) -> Result<()> {
+        self.text.set_collective(c)
     }
 
     fn from_random_store(config: Config, store: WeightStore, seed: u64) -> Result<Self> {

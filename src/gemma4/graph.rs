@@ -88,6 +88,14 @@ const _: fn() = || {
 };
 
 impl DecodeGraphs {
+    /// Graphs off for the model, for `why` (a tensor-parallel rank: its all-reduces are not
+    /// captured, and a capture failing on one rank alone would leave its peers waiting).
+    pub(crate) fn off(why: &str) -> Self {
+        Self {
+            state: Mutex::new(State::Off(why.to_string())),
+        }
+    }
+
     /// One line: whether steps replay a graph, and if not, why.
     pub(crate) fn describe(&self) -> String {
         if let Some(why) = graph::unsupported() {

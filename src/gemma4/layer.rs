@@ -11,6 +11,7 @@ use super::step::Step;
 use super::Linear;
 use crate::config::{Config, LayerPlan};
 use crate::error::{Error, Result};
+use crate::kernels::ops::collective::Collective;
 use crate::kernels::ops::norm::{self, ProductAddNorm};
 use crate::kv::KvView;
 use crate::weights::WeightStore;
@@ -58,6 +59,9 @@ pub struct DecoderLayer {
     ple: Option<PleGate>,
     /// `[1]`, multiplies the whole residual stream at the end of the layer.
     layer_scalar: Tensor,
+    /// Sums the row-parallel products (o_proj, down_proj, the experts) over a tensor-parallel
+    /// group; a group of one on a single device.
+    collective: Collective,
 }
 
 impl DecoderLayer {
@@ -114,7 +118,14 @@ impl DecoderLayer {
             ple,
             layer_scalar: vb.tensor(&format!("{p}.layer_scalar"), l, &[1])?,
             plan,
+            collective: Collective::default(),
         })
+    }
+
+    /// Makes this layer one rank of a tensor-parallel group: its row-parallel products are
+    /// summed over `collective`'s group.
+    pub(crate) fn set_collective(&mut self, collective: Collective) {
+        self.collective = collective;
     }
 
     /// The norm applied to the residual before attention.
@@ -157,7 +168,7 @@ impl DecoderLayer {
         };
         // On 26B-A4B both feed-forward inputs are norms of the same residual, computed in the
         // same pass; its two branch outputs meet in the layer's last residual add.
-        let (x, normed, normed_2) = norm::product_add_norm(
+        let (x, normed, normed_2) = norm::product_reduce_add_norm(
             o_proj.weight(),
             &attn,
             None,
@@ -171,6 +182,7 @@ impl DecoderLayer {
                     .as_ref()
                     .map(|m| m.pre_feedforward_layernorm_2.operand()),
             },
+            &self.collective,
         )?;
         let normed = normed.ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
         if let Some(m) = &self.moe {
@@ -178,6 +190,8 @@ impl DecoderLayer {
                 normed_2.ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
             let dense = self.mlp.forward(&normed)?;
             let experts = m.block.forward(&x, &normed_2)?;
+            // Both branches are row-parallel partial sums: one all-reduce for the two.
+            let (dense, experts) = self.collective.sum_pair(&dense, &experts)?;
             if ple.is_none() {
                 let (x, next_normed) = norm::add_two_branch_norm(
                     &x,
@@ -205,7 +219,7 @@ impl DecoderLayer {
             return self.finish_ple(x, ple, next_norm, view);
         }
         let (input, up) = self.mlp.down_input(&normed)?;
-        let (x, next_normed, _) = norm::product_add_norm(
+        let (x, next_normed, _) = norm::product_reduce_add_norm(
             self.mlp.down_proj().weight(),
             &input,
             up.as_ref(),
@@ -220,6 +234,7 @@ impl DecoderLayer {
                 },
                 next2: None,
             },
+            &self.collective,
         )?;
         if ple.is_none() {
             return Ok(LayerOutput {

@@ -124,6 +124,29 @@ impl Embedding {
         }
     }
 
+    /// Rows `start .. start + len` of the table as a table of their own (copied, so the
+    /// products read it from its start): one rank's part of a vocabulary-parallel head.
+    ///
+    /// # Errors
+    /// Rows outside the table.
+    pub(crate) fn rows(&self, start: usize, len: usize) -> crate::Result<Self> {
+        Ok(match self {
+            Embedding::Dense(t) => Embedding::Dense(t.narrow(0, start, len)?.copy()?),
+            Embedding::Packed(p) => {
+                let part = p.narrow_rows(start, len)?;
+                let settled = part.is_settled();
+                let copied = PackedAffine::new(
+                    part.codes.copy()?,
+                    part.scales.copy()?,
+                    part.biases.copy()?,
+                    len,
+                    part.in_dim(),
+                )?;
+                Embedding::Packed(if settled { copied.settled() } else { copied })
+            }
+        })
+    }
+
     /// `x · Tableᵀ` (the tied head): `[.., width] → [.., vocab]`.
     ///
     /// # Errors

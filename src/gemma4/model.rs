@@ -12,6 +12,7 @@ use super::step::Step;
 use super::{Embedding, Linear};
 use crate::config::{Config, KvSource, LayerKind};
 use crate::error::{Error, Result};
+use crate::kernels::ops::collective::Collective;
 use crate::kv::{LayerCacheSpec, ModelCache};
 use crate::weights::WeightStore;
 
@@ -37,6 +38,11 @@ pub struct TextModel {
     device: Device,
     /// Captured batch-1 decode steps (shared by clones of the model).
     graphs: std::sync::Arc<super::graph::DecodeGraphs>,
+    /// The tensor-parallel group this model is a rank of.
+    collective: Collective,
+    /// A rank's part of a vocabulary-parallel tied head (its rows of the table); the logits of
+    /// every rank's part are gathered.
+    head_part: Option<Embedding>,
 }
 
 impl TextModel {
@@ -86,7 +92,49 @@ impl TextModel {
             device: vb.device().clone(),
             config,
             graphs: Default::default(),
+            collective: Collective::default(),
+            head_part: None,
         })
+    }
+
+    /// Makes this model one rank of a tensor-parallel group (its weights loaded with that
+    /// rank's [`crate::shard::ShardPlan`]): every layer sums its row-parallel products over
+    /// `collective`'s group. Decode steps then run eagerly (no CUDA graph).
+    ///
+    /// With a tied head and a vocabulary the group divides, the head is vocabulary-parallel:
+    /// each rank computes the logits of its rows of the (replicated) table and the ranks'
+    /// logits are gathered, so no rank reads the whole table per step.
+    ///
+    /// # Errors
+    /// Allocation of the head's part.
+    pub(crate) fn set_collective(&mut self, collective: Collective) -> Result<()> {
+        let (rank, world, v) = (
+            collective.rank(),
+            collective.world(),
+            self.config.vocab_size,
+        );
+        self.head_part = if world > 1 && self.lm_head.is_none() && v % world == 0 {
+            Some(self.embed_tokens.rows(rank * v / world, v / world)?)
+        } else {
+            None
+        };
+        if collective.world() > 1 {
+            self.graphs = std::sync::Arc::new(super::graph::DecodeGraphs::off(&format!(
+                "tensor-parallel rank {} of {}",
+                collective.rank(),
+                collective.world()
+            )));
+        }
+        for layer in &mut self.layers {
+            layer.set_collective(collective.clone());
+        }
+        self.collective = collective;
+        Ok(())
+    }
+
+    /// This rank's handle on its tensor-parallel group (a group of one on a single device).
+    pub(crate) fn collective(&self) -> &Collective {
+        &self.collective
     }
 
     /// Bytes of every weight the model holds (packed ones at their packed size).
@@ -103,6 +151,7 @@ impl TextModel {
                 .sum::<usize>()
             + self.norm.resident_bytes()
             + self.lm_head.as_ref().map_or(0, Linear::resident_bytes)
+            + self.head_part.as_ref().map_or(0, Embedding::resident_bytes)
     }
 
     /// Whether batch-1 decode steps run as a CUDA graph, and if not, why (one line).
@@ -297,9 +346,10 @@ impl TextModel {
         }
         let last = x.dim(1)? - 1;
         let x = self.norm.forward(&x.narrow(1, last, 1)?.squeeze(1)?)?;
-        let logits = match &self.lm_head {
-            Some(head) => head.forward(&x)?,
-            None => self.embed_tokens.as_head(&x)?,
+        let logits = match (&self.lm_head, &self.head_part) {
+            (Some(head), _) => head.forward(&x)?,
+            (None, Some(part)) => self.collective.gather_last(&part.as_head(&x)?)?,
+            (None, None) => self.embed_tokens.as_head(&x)?,
         }
         .to_dtype(DType::F32)?;
         Ok(match self.config.final_logit_softcapping {

@@ -69,6 +69,13 @@ pub enum KernelError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The all-reduce of a tensor-parallel group failed: a peer rank failed, the group was
+    /// aborted, NCCL reported an error, or the build has no NCCL.
+    #[error("tensor-parallel all-reduce: {reason}")]
+    Collective {
+        /// What went wrong.
+        reason: String,
+    },
     /// An error raised by candle.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),

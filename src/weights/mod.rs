@@ -16,6 +16,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{Error, Result};
 use crate::kernels::{PackedAffine, QuantBits};
+use crate::shard::{slice, ShardPlan};
 
 /// How the text-stack tensors are named in a checkpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +53,8 @@ pub struct WeightStore {
     layout: KeyLayout,
     device: Device,
     dtype: DType,
+    /// A tensor-parallel rank's plan: sharded matrices load as the rank's part only.
+    shard: Option<ShardPlan>,
 }
 
 impl std::fmt::Debug for WeightStore {
@@ -124,7 +127,17 @@ impl WeightStore {
             layout,
             device: device.clone(),
             dtype,
+            shard: None,
         })
+    }
+
+    /// Loads only `plan`'s part of every sharded matrix (one rank of a tensor-parallel group):
+    /// callers ask for the rank-local shape, the store checks the checkpoint's full shape,
+    /// cuts the part on the host ([`crate::shard::slice`]) and moves only that to the device.
+    /// A random store generates the local shapes directly.
+    pub fn with_shard(mut self, plan: ShardPlan) -> Self {
+        self.shard = Some(plan);
+        self
     }
 
     /// A store with no files that generates every requested tensor on `device`: norms,
@@ -140,6 +153,7 @@ impl WeightStore {
             layout: KeyLayout::HfText,
             device: device.clone(),
             dtype,
+            shard: None,
         }
     }
 
@@ -284,10 +298,10 @@ impl WeightStore {
             return self.generate(name, shape);
         }
         let t = self.raw(name, layer, Some(shape))?;
-        self.finish(name, t)
+        self.finish(name, t, &self.device)
     }
 
-    fn finish(&self, name: &str, t: Tensor) -> Result<Tensor> {
+    fn finish(&self, name: &str, t: Tensor, device: &Device) -> Result<Tensor> {
         if !t.dtype().is_float() {
             return Err(Error::DType {
                 tensor: self.full_name(name),
@@ -295,7 +309,7 @@ impl WeightStore {
                 found: format!("{:?}", t.dtype()),
             });
         }
-        Ok(t.to_dtype(self.dtype)?.to_device(&self.device)?)
+        Ok(t.to_dtype(self.dtype)?.to_device(device)?)
     }
 
     /// Loads a weight matrix stored either dense under `<module>.weight` (or `<module>` itself
@@ -403,8 +417,43 @@ impl WeightStore {
         })
     }
 
-    /// [`WeightStore::matrix`] onto `device`.
+    /// [`WeightStore::matrix`] onto `device`: with a shard plan, the rank's part of a sharded
+    /// matrix (`shape` is then the rank-local shape).
     fn matrix_on(
+        &self,
+        module: &str,
+        layer: Option<usize>,
+        shape: &[usize],
+        device: &Device,
+    ) -> Result<LoadedMatrix> {
+        let cut = match &self.shard {
+            Some(plan) if self.random.is_none() => plan.slice(module),
+            _ => None,
+        };
+        let Some(cut) = cut else {
+            return self.matrix_whole(module, layer, shape, device);
+        };
+        let full = cut.full_shape(&self.full_name(module), shape)?;
+        let whole = self.matrix_whole(module, layer, &full, &Device::Cpu)?;
+        let part = match whole {
+            LoadedMatrix::Dense(t) => LoadedMatrix::Dense(slice::apply_dense(&t, &cut)?),
+            LoadedMatrix::Packed(p) => match slice::apply_packed(&p, &cut)? {
+                Some(q) => LoadedMatrix::Packed(q),
+                // A column cut inside a quantization group: the part is dequantized.
+                None => LoadedMatrix::Dense(slice::apply_dense(
+                    &p.dequantize(self.dtype)?.reshape(full)?,
+                    &cut,
+                )?),
+            },
+        };
+        Ok(match part {
+            LoadedMatrix::Dense(t) => LoadedMatrix::Dense(t.to_device(device)?),
+            LoadedMatrix::Packed(p) => LoadedMatrix::Packed(p.to_device(device)?),
+        })
+    }
+
+    /// A whole matrix of the checkpoint (or a generated one) onto `device`.
+    fn matrix_whole(
         &self,
         module: &str,
         layer: Option<usize>,
@@ -431,8 +480,7 @@ impl WeightStore {
         let scales_name = format!("{module}.scales");
         if !self.contains(&scales_name) {
             let t = self.raw(&weight_name, layer, Some(shape))?;
-            let t = self.finish(&weight_name, t)?;
-            return Ok(LoadedMatrix::Dense(t.to_device(device)?));
+            return Ok(LoadedMatrix::Dense(self.finish(&weight_name, t, device)?));
         }
         let codes = self.raw(&weight_name, layer, None)?;
         let scales = self.raw(&scales_name, layer, None)?;

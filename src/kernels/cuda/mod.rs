@@ -15,6 +15,7 @@
 //! | `moe` | router top-k, grouped expert products, the weighted mix (`moe.cu`) |
 //! | `reduce` | masked softmax, row argmax (`reduce.cu`) |
 //! | `quantize` | affine quantization and dequantization (`quantize.cu`) |
+//! | `nccl` | the NCCL all-reduce of tensor-parallel groups (`nccl` feature) |
 //! | `pool` | the device memory pool and event tracking |
 //! | `scratch`, `graph` | per-thread scratch buffers; CUDA graph capture of decode steps |
 //! | `diagnostics` | bench helpers: copy bandwidth reference, GPU spin, host-cost probe (`diagnostics.cu`) |
@@ -41,6 +42,8 @@ pub mod matvec;
 mod matvec_plan;
 #[cfg(feature = "cuda")]
 pub mod moe;
+#[cfg(feature = "nccl")]
+pub(crate) mod nccl;
 #[cfg(feature = "cuda")]
 pub mod norm_tail;
 #[cfg(feature = "cuda")]

@@ -14,10 +14,12 @@
 //! | [`qkv`] | q/k/v norms, RoPE and the K/V write into a cache's slots |
 //! | [`moe`] | MoE routing and the routed expert products |
 //! | [`argmax`] | greedy token choice on the device |
+//! | [`collective`] | the all-reduce of a tensor-parallel group (NCCL) |
 //! | [`memory`] | the device choice and the memory pool |
 //! | [`graph`] | decode-step capture and replay (CUDA graphs; unavailable elsewhere) |
 
 pub(crate) mod argmax;
+pub mod collective;
 pub(crate) mod geglu;
 pub(crate) mod graph;
 pub(crate) mod matvec;
@@ -44,19 +46,22 @@ pub(crate) struct Norm<'a> {
 
 /// Whether the fused CUDA kernels run on `device`: the `cuda` feature is built, the device is a
 /// CUDA device and [`crate::kernels::policy::LaunchPolicy::fused`] is on. The first `true` also
-/// lets the device's memory pool keep freed blocks (every forward reallocates the same sizes).
+/// on a device lets its memory pool keep freed blocks (every forward reallocates the same sizes).
 pub(crate) fn fused(device: &Device) -> bool {
     let on = cfg!(feature = "cuda") && device.is_cuda() && crate::kernels::policy::current().fused;
     #[cfg(feature = "cuda")]
     if on {
-        static POOL: std::sync::OnceLock<()> = std::sync::OnceLock::new();
-        POOL.get_or_init(|| {
-            if let Device::Cuda(d) = device {
+        // Once per device (a tensor-parallel model runs on several).
+        static POOLS: std::sync::Mutex<Vec<candle_core::cuda_backend::DeviceId>> =
+            std::sync::Mutex::new(Vec::new());
+        if let (Device::Cuda(d), Ok(mut seen)) = (device, POOLS.lock()) {
+            if !seen.contains(&d.id()) {
+                seen.push(d.id());
                 // Best effort: without it the pool only regrows more often.
                 let _ = crate::kernels::cuda::pool::retain_pool_memory(d);
                 crate::kernels::cuda::pool::skip_event_tracking(d);
             }
-        });
+        }
     }
     on
 }

@@ -169,13 +169,41 @@ pub(crate) fn product_add_norm(
         Some(g) => matvec::matmul_gated(x, g, w)?,
         None => matvec::matmul(x, w)?,
     };
+    add_norms(&y, a)
+}
+
+/// [`product_add_norm`] of a row-parallel product: each rank's partial `x · Wᵀ` (its columns
+/// of `W`) is summed over the group by `sum` before the add and the norms. In a group of one
+/// it is [`product_add_norm`] itself.
+///
+/// # Errors
+/// Shape mismatch; [`crate::kernels::KernelError::Collective`].
+pub(crate) fn product_reduce_add_norm(
+    w: &Weight,
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    a: &ProductAddNorm<'_>,
+    sum: &super::collective::Collective,
+) -> Result<AddNormOut> {
+    if sum.world() == 1 {
+        return product_add_norm(w, x, gate, a);
+    }
+    let y = match gate {
+        Some(g) => matvec::matmul_gated(x, g, w)?,
+        None => matvec::matmul(x, w)?,
+    };
+    add_norms(&sum.sum(&y)?, a)
+}
+
+/// `a.res + a.norm(y)` (times the scalar) and the norms of the sum `a` asks for.
+fn add_norms(y: &Tensor, a: &ProductAddNorm<'_>) -> Result<AddNormOut> {
     match (a.next, a.next2) {
         (Some(n1), Some(n2)) if a.scalar.is_none() => {
-            let (s, o1, o2) = add_norm_two_next(a.res, &y, a.norm, n1, n2)?;
+            let (s, o1, o2) = add_norm_two_next(a.res, y, a.norm, n1, n2)?;
             Ok((s, Some(o1), Some(o2)))
         }
         (n1, n2) => {
-            let (s, o1) = add_norm(a.res, &y, a.norm, a.scalar, n1)?;
+            let (s, o1) = add_norm(a.res, y, a.norm, a.scalar, n1)?;
             let o2 = match n2 {
                 Some(n) => Some(rms_norm(&s, n)?),
                 None => None,

@@ -1,0 +1,158 @@
+//! The NCCL all-reduce (`nccl` feature): communicators for the GPUs of one host, built in one
+//! call (`ncclCommInitAll`), and the sum and the gather of a candle tensor as custom ops on the
+//! device's own stream, so they are ordered with the kernels around them.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
+use candle_core::cuda_backend::cudarc::nccl::safe::{Comm, NcclType, ReduceOp};
+use candle_core::cuda_backend::{CudaDType, CudaStorage};
+use candle_core::{CustomOp1, DType, Device, Layout, Shape, Tensor};
+use half::{bf16, f16};
+
+use crate::kernels::KernelError;
+
+/// A communicator that may move to the thread of its rank.
+pub(crate) struct RankComm(Comm);
+
+// SAFETY: an NCCL communicator may be used from any thread as long as no two threads use it at
+// once; `ops::collective` keeps it behind a mutex. Dropping it aborts it (`ncclCommAbort`).
+unsafe impl Send for RankComm {}
+
+fn nccl_err(what: &str, e: impl std::fmt::Debug) -> KernelError {
+    KernelError::Collective {
+        reason: format!("{what}: {e:?}"),
+    }
+}
+
+/// One communicator per device, rank `i` on `devices[i]`, each on its device's stream.
+///
+/// # Errors
+/// A device that is not a CUDA device; NCCL's own errors.
+pub(crate) fn comms(devices: &[Device]) -> Result<Vec<RankComm>, KernelError> {
+    let streams = devices
+        .iter()
+        .map(|d| match d {
+            Device::Cuda(c) => Ok(c.cuda_stream()),
+            other => Err(KernelError::Collective {
+                reason: format!("tensor parallelism runs on CUDA devices, not {other:?}"),
+            }),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let comms = Comm::from_devices(streams).map_err(|e| nccl_err("ncclCommInitAll", e))?;
+    Ok(comms.into_iter().map(RankComm).collect())
+}
+
+/// The sum of `x` over every rank of `comm`'s group, in a new tensor.
+///
+/// # Errors
+/// A tensor off CUDA or of a dtype other than f32, f16 and bf16; NCCL's errors.
+pub(crate) fn all_reduce_sum(comm: &RankComm, x: &Tensor) -> Result<Tensor, KernelError> {
+    let x = x.contiguous()?;
+    Ok(x.apply_op1_no_bwd(&AllReduce(&comm.0))?)
+}
+
+/// Every rank's `x` (flattened), rank order, in one `[world * elements]` tensor.
+///
+/// # Errors
+/// As [`all_reduce_sum`].
+pub(crate) fn all_gather(comm: &RankComm, x: &Tensor) -> Result<Tensor, KernelError> {
+    let x = x.contiguous()?;
+    Ok(x.apply_op1_no_bwd(&AllGather(&comm.0))?)
+}
+
+struct AllReduce<'a>(&'a Comm);
+
+struct AllGather<'a>(&'a Comm);
+
+impl AllGather<'_> {
+    fn gather<T: CudaDType + DeviceRepr + NcclType>(
+        &self,
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<CudaStorage> {
+        let n = l.shape().elem_count();
+        let start = l.start_offset();
+        let src = s.as_cuda_slice::<T>()?.slice(start..start + n);
+        let dev = s.device.clone();
+        // SAFETY: the all-gather writes all `world * n` elements before any reader.
+        let mut dst = unsafe { dev.alloc::<T>(n * self.0.world_size()) }?;
+        self.0
+            .all_gather(&src, &mut dst)
+            .map_err(|e| candle_core::Error::Msg(format!("ncclAllGather: {e:?}")))?;
+        Ok(CudaStorage::wrap_cuda_slice(dst, dev))
+    }
+}
+
+impl CustomOp1 for AllGather<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-all-gather"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("the NCCL all-gather runs on CUDA tensors only")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        if !l.is_contiguous() {
+            candle_core::bail!("the NCCL all-gather takes a contiguous tensor");
+        }
+        let out = match s.dtype() {
+            DType::F32 => self.gather::<f32>(s, l)?,
+            DType::BF16 => self.gather::<bf16>(s, l)?,
+            DType::F16 => self.gather::<f16>(s, l)?,
+            other => candle_core::bail!("the NCCL all-gather does not take {other:?}"),
+        };
+        let world = self.0.world_size();
+        Ok((out, Shape::from(l.shape().elem_count() * world)))
+    }
+}
+
+impl AllReduce<'_> {
+    fn sum<T: CudaDType + DeviceRepr + NcclType>(
+        &self,
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> candle_core::Result<CudaStorage> {
+        let n = l.shape().elem_count();
+        let start = l.start_offset();
+        let src = s.as_cuda_slice::<T>()?.slice(start..start + n);
+        let dev = s.device.clone();
+        // SAFETY: the all-reduce writes all `n` elements before any reader on this stream.
+        let mut dst = unsafe { dev.alloc::<T>(n) }?;
+        self.0
+            .all_reduce(&src, &mut dst, &ReduceOp::Sum)
+            .map_err(|e| candle_core::Error::Msg(format!("ncclAllReduce: {e:?}")))?;
+        Ok(CudaStorage::wrap_cuda_slice(dst, dev))
+    }
+}
+
+impl CustomOp1 for AllReduce<'_> {
+    fn name(&self) -> &'static str {
+        "nccl-all-reduce"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
+        candle_core::bail!("the NCCL all-reduce runs on CUDA tensors only")
+    }
+
+    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
+        if !l.is_contiguous() {
+            candle_core::bail!("the NCCL all-reduce takes a contiguous tensor");
+        }
+        let out = match s.dtype() {
+            DType::F32 => self.sum::<f32>(s, l)?,
+            DType::BF16 => self.sum::<bf16>(s, l)?,
+            DType::F16 => self.sum::<f16>(s, l)?,
+            other => candle_core::bail!("the NCCL all-reduce does not take {other:?}"),
+        };
+        Ok((out, l.shape().clone()))
+    }
+}

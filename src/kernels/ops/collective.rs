@@ -1,0 +1,472 @@
+//! The collectives of a tensor-parallel model: the all-reduce of a row-parallel product's
+//! partial sums (each GPU holds some of the product's input columns) and the all-gather of a
+//! vocabulary-parallel head's logits, across the GPUs of one host.
+//!
+//! [`Collective`] is one rank's handle on its group. The default handle is a group of one,
+//! whose sum is the identity, so a single-device model carries one at no cost. Groups of
+//! several ranks are built by [`group`] over NCCL (`nccl` feature, [`crate::kernels::cuda`]'s
+//! `nccl` module); without the feature [`group`] refuses more than one device.
+//!
+//! Ranks on the CPU sum through the host instead ([`HostGroup`]: each rank leaves its part in
+//! a slot, the last to arrive adds them in rank order): the same sharded forward as on GPUs,
+//! which the CPU tests compare with the whole model.
+//!
+//! Failure: a rank that fails marks its group failed ([`GroupHandle::abort`]); every later sum
+//! on every rank returns [`KernelError::Collective`] without entering NCCL, and the aborted
+//! communicators release any peer that waits in a collective already enqueued.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use candle_core::{Device, Tensor};
+
+use super::Result;
+use crate::kernels::KernelError;
+
+/// What the ranks of one group share.
+#[derive(Debug, Default)]
+struct GroupState {
+    /// Set once any rank failed: no sum enters NCCL afterwards.
+    failed: AtomicBool,
+    /// Ranks arrived at the current NCCL call ([`GroupState::meet`]).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    arrived: AtomicUsize,
+    /// NCCL calls every rank has reached.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    round: AtomicUsize,
+}
+
+impl GroupState {
+    /// Waits on the host until every rank of `world` reached this point. Each NCCL call is
+    /// enqueued between two such meetings, so no rank's NCCL kernel waits for a peer's while
+    /// that peer's thread is in a call that synchronizes with the first rank's device (or
+    /// holds the driver lock that the other's launch needs). With peer access on (NCCL turns it
+    /// on between the GPUs of one process), allocations and module loads of one device wait
+    /// for the other devices' running kernels: a lazily loaded kernel or a cuBLAS workspace on
+    /// one rank, while the other's all-reduce kernel already waits for it, never returns.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    fn meet(&self, rank: usize, world: usize) -> Result<()> {
+        let round = self.round.load(Ordering::Acquire);
+        if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == world {
+            self.arrived.store(0, Ordering::Release);
+            self.round.fetch_add(1, Ordering::AcqRel);
+            return Ok(());
+        }
+        let mut spins = 0u32;
+        while self.round.load(Ordering::Acquire) == round {
+            if self.failed.load(Ordering::Acquire) {
+                return Err(peer_failed(rank));
+            }
+            spins = spins.saturating_add(1);
+            if spins < 4096 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How a rank sums with its peers.
+enum Backend {
+    /// NCCL (`nccl` feature, CUDA devices).
+    #[cfg(feature = "nccl")]
+    Nccl(crate::kernels::cuda::nccl::RankComm),
+    /// Through the host (CPU ranks).
+    Host(Arc<HostGroup>),
+}
+
+/// The sum of CPU ranks: a slot per rank, filled in each round; the last rank to arrive adds
+/// the slots in rank order (so every run sums alike) and wakes the others.
+#[derive(Default)]
+struct HostGroup {
+    state: Mutex<HostState>,
+    woken: Condvar,
+}
+
+#[derive(Default)]
+struct HostState {
+    round: u64,
+    slots: Vec<Option<Tensor>>,
+    /// The last round's sum.
+    sum: Option<Tensor>,
+}
+
+impl HostGroup {
+    /// Leaves `x` in this rank's slot; the last rank to arrive joins the slots (rank order) with
+    /// `join`, and every rank returns that.
+    fn exchange(
+        &self,
+        rank: usize,
+        x: &Tensor,
+        failed: &AtomicBool,
+        join: impl FnOnce(Vec<Tensor>) -> candle_core::Result<Tensor>,
+    ) -> Result<Tensor> {
+        let lost = || peer_failed(rank);
+        let mut st = self.state.lock().map_err(|_| lost())?;
+        let round = st.round;
+        st.slots[rank] = Some(x.clone());
+        if st.slots.iter().all(Option::is_some) {
+            let parts = st
+                .slots
+                .iter_mut()
+                .map(|s| s.take().ok_or_else(lost))
+                .collect::<Result<Vec<_>>>()?;
+            let total = Some(join(parts)?);
+            st.sum = total;
+            st.round += 1;
+            self.woken.notify_all();
+            return st.sum.clone().ok_or_else(lost);
+        }
+        loop {
+            let (next, _) = self
+                .woken
+                .wait_timeout(st, Duration::from_millis(20))
+                .map_err(|_| lost())?;
+            st = next;
+            if st.round != round {
+                return st.sum.clone().ok_or_else(lost);
+            }
+            if failed.load(Ordering::Acquire) {
+                return Err(lost());
+            }
+        }
+    }
+}
+
+/// One rank of a group of several.
+struct RankComm {
+    rank: usize,
+    world: usize,
+    group: Arc<GroupState>,
+    /// Sums run so far (the all-reduces a step takes are read from it).
+    calls: AtomicUsize,
+    /// How this rank sums; `None` once aborted. The mutex keeps one thread inside NCCL per
+    /// communicator at a time.
+    comm: Mutex<Option<Backend>>,
+}
+
+impl std::fmt::Debug for RankComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RankComm({} of {})", self.rank, self.world)
+    }
+}
+
+/// One rank's handle on its tensor-parallel group (cheap to clone: every layer holds one).
+#[derive(Debug, Clone, Default)]
+pub struct Collective(Option<Arc<RankComm>>);
+
+/// Aborts a whole group (held by whoever supervises the ranks).
+#[derive(Debug, Clone, Default)]
+pub struct GroupHandle(Vec<Arc<RankComm>>);
+
+impl Collective {
+    /// This rank's index (0 in a group of one).
+    pub fn rank(&self) -> usize {
+        self.0.as_ref().map_or(0, |r| r.rank)
+    }
+
+    /// Ranks in the group (1 for the default handle).
+    pub fn world(&self) -> usize {
+        self.0.as_ref().map_or(1, |r| r.world)
+    }
+
+    /// Sums run so far by this rank.
+    pub fn calls(&self) -> usize {
+        self.0
+            .as_ref()
+            .map_or(0, |r| r.calls.load(Ordering::Relaxed))
+    }
+
+    /// The elementwise sum of `x` over every rank of the group (`x` itself in a group of one).
+    /// Every rank must call it, in the same order, with tensors of one shape and dtype.
+    ///
+    /// # Errors
+    /// [`KernelError::Collective`] when a rank of the group failed or NCCL reports an error.
+    pub fn sum(&self, x: &Tensor) -> Result<Tensor> {
+        let Some(r) = &self.0 else {
+            return Ok(x.clone());
+        };
+        if r.group.failed.load(Ordering::Acquire) {
+            return Err(peer_failed(r.rank));
+        }
+        let guard = r.comm.lock().map_err(|_| peer_failed(r.rank))?;
+        let Some(comm) = guard.as_ref() else {
+            return Err(peer_failed(r.rank));
+        };
+        r.calls.fetch_add(1, Ordering::Relaxed);
+        match comm {
+            #[cfg(feature = "nccl")]
+            Backend::Nccl(c) => {
+                r.group.meet(r.rank, r.world)?;
+                let y = crate::kernels::cuda::nccl::all_reduce_sum(c, x)?;
+                r.group.meet(r.rank, r.world)?;
+                Ok(y)
+            }
+            Backend::Host(h) => h.exchange(r.rank, x, &r.group.failed, |parts| {
+                let mut it = parts.into_iter();
+                let first = it
+                    .next()
+                    .ok_or_else(|| candle_core::Error::Msg("no parts".into()))?;
+                it.try_fold(first, |t, p| t + p)
+            }),
+        }
+    }
+
+    /// `x` `[.., n]` of every rank joined along the last axis in rank order: `[.., world * n]`
+    /// (the vocabulary-parallel head's logits). `x` itself in a group of one.
+    ///
+    /// # Errors
+    /// As [`Collective::sum`].
+    pub fn gather_last(&self, x: &Tensor) -> Result<Tensor> {
+        let Some(r) = &self.0 else {
+            return Ok(x.clone());
+        };
+        if r.group.failed.load(Ordering::Acquire) {
+            return Err(peer_failed(r.rank));
+        }
+        let guard = r.comm.lock().map_err(|_| peer_failed(r.rank))?;
+        let Some(comm) = guard.as_ref() else {
+            return Err(peer_failed(r.rank));
+        };
+        r.calls.fetch_add(1, Ordering::Relaxed);
+        // Every rank's block, rank order: `[world * elements]`.
+        let blocks = match comm {
+            #[cfg(feature = "nccl")]
+            Backend::Nccl(c) => {
+                r.group.meet(r.rank, r.world)?;
+                let y = crate::kernels::cuda::nccl::all_gather(c, x)?;
+                r.group.meet(r.rank, r.world)?;
+                y
+            }
+            Backend::Host(h) => h.exchange(r.rank, x, &r.group.failed, |parts| {
+                Tensor::cat(&parts, 0)?.flatten_all()
+            })?,
+        };
+        let dims = x.dims();
+        let last = dims.len().saturating_sub(1);
+        let n = dims.get(last).copied().unwrap_or(1);
+        let lead = x.elem_count() / n.max(1);
+        let mut out = dims.to_vec();
+        if let Some(d) = out.last_mut() {
+            *d = n * r.world;
+        }
+        Ok(blocks
+            .reshape((r.world, lead, n))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape(out)?)
+    }
+
+    /// `a` and `b` (of one dtype, equal leading dims) summed over the group in one all-reduce:
+    /// joined along the last axis, summed, split again.
+    ///
+    /// # Errors
+    /// As [`Collective::sum`].
+    pub fn sum_pair(&self, a: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
+        if self.0.is_none() {
+            return Ok((a.clone(), b.clone()));
+        }
+        let last = a.rank() - 1;
+        let wa = a.dim(last)?;
+        let wb = b.dim(last)?;
+        let s = self.sum(&Tensor::cat(&[a, b], last)?)?;
+        Ok((s.narrow(last, 0, wa)?, s.narrow(last, wa, wb)?))
+    }
+
+    /// Seconds one sum of a `[rows, width]` tensor of `x`'s dtype takes on this group, the mean
+    /// of `reps` after one warm-up (every rank must call it at once). 0 in a group of one.
+    ///
+    /// # Errors
+    /// As [`Collective::sum`].
+    pub fn time_sum(&self, like: &Tensor, reps: usize) -> Result<f64> {
+        if self.0.is_none() {
+            return Ok(0.0);
+        }
+        let x = like.zeros_like()?;
+        let dev = x.device().clone();
+        drop(self.sum(&x)?);
+        dev.synchronize()?;
+        let t = std::time::Instant::now();
+        for _ in 0..reps.max(1) {
+            drop(self.sum(&x)?);
+        }
+        dev.synchronize()?;
+        Ok(t.elapsed().as_secs_f64() / reps.max(1) as f64)
+    }
+}
+
+fn peer_failed(rank: usize) -> KernelError {
+    KernelError::Collective {
+        reason: format!("rank {rank}: another rank of the tensor-parallel group failed"),
+    }
+}
+
+impl GroupHandle {
+    /// Marks the group failed and aborts every communicator (NCCL's `ncclCommAbort`), so a rank
+    /// waiting in an enqueued collective is released. The group cannot sum again.
+    pub fn abort(&self) {
+        for r in &self.0 {
+            r.group.failed.store(true, Ordering::Release);
+        }
+        for r in &self.0 {
+            // A poisoned lock still holds the communicator; dropping it aborts it.
+            let mut guard = match r.comm.lock() {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+            drop(guard.take());
+        }
+    }
+
+    /// Whether a rank failed.
+    pub fn failed(&self) -> bool {
+        self.0
+            .first()
+            .is_some_and(|r| r.group.failed.load(Ordering::Acquire))
+    }
+}
+
+/// One [`Collective`] per device (rank `i` on `devices[i]`, all GPUs of this host) and the
+/// handle that aborts them. One device gives the default handle.
+///
+/// # Errors
+/// [`KernelError::Collective`] without the `nccl` feature (for several devices), for devices
+/// that are not CUDA devices, or when NCCL cannot set the group up. CPU devices form a group
+/// that sums through the host.
+pub fn group(devices: &[Device]) -> Result<(Vec<Collective>, GroupHandle)> {
+    if devices.len() <= 1 {
+        return Ok((
+            vec![Collective::default(); devices.len()],
+            GroupHandle::default(),
+        ));
+    }
+    let comms: Vec<Backend> = if devices.iter().all(Device::is_cpu) {
+        let host = Arc::new(HostGroup::default());
+        if let Ok(mut st) = host.state.lock() {
+            st.slots = vec![None; devices.len()];
+        }
+        (0..devices.len())
+            .map(|_| Backend::Host(host.clone()))
+            .collect()
+    } else {
+        gpu_comms(devices)?
+    };
+    {
+        let state = Arc::new(GroupState::default());
+        let world = devices.len();
+        let ranks: Vec<Arc<RankComm>> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                Arc::new(RankComm {
+                    rank,
+                    world,
+                    group: state.clone(),
+                    calls: AtomicUsize::new(0),
+                    comm: Mutex::new(Some(comm)),
+                })
+            })
+            .collect();
+        Ok((
+            ranks.iter().cloned().map(|r| Collective(Some(r))).collect(),
+            GroupHandle(ranks),
+        ))
+    }
+}
+
+/// NCCL communicators for GPU ranks.
+#[cfg(feature = "nccl")]
+fn gpu_comms(devices: &[Device]) -> Result<Vec<Backend>> {
+    Ok(crate::kernels::cuda::nccl::comms(devices)?
+        .into_iter()
+        .map(Backend::Nccl)
+        .collect())
+}
+
+/// Without NCCL there are no GPU groups.
+#[cfg(not(feature = "nccl"))]
+fn gpu_comms(devices: &[Device]) -> Result<Vec<Backend>> {
+    Err(KernelError::Collective {
+        reason: format!(
+            "{} GPUs asked for, but tensor parallelism over GPUs needs the `nccl` feature",
+            devices.len()
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_group_of_one_sums_to_itself() {
+        let x = Tensor::arange(0f32, 6.0, &Device::Cpu)
+            .unwrap()
+            .reshape((2, 3))
+            .unwrap();
+        let (c, handle) = group(&[Device::Cpu]).unwrap();
+        assert_eq!(c.len(), 1);
+        assert_eq!((c[0].rank(), c[0].world()), (0, 1));
+        let s = c[0].sum(&x).unwrap();
+        assert_eq!(s.to_vec2::<f32>().unwrap(), x.to_vec2::<f32>().unwrap());
+        let (a, b) = c[0].sum_pair(&x, &x).unwrap();
+        assert_eq!(a.dims(), b.dims());
+        assert!(!handle.failed());
+    }
+
+    #[test]
+    fn cpu_ranks_sum_in_rank_order_and_fail_together() {
+        let (c, handle) = group(&[Device::Cpu, Device::Cpu, Device::Cpu]).unwrap();
+        let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = c
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let x = Tensor::new(&[c.rank() as f32, 1.0], &Device::Cpu).unwrap();
+                        // Two rounds: the second sees only the second round's parts.
+                        drop(c.sum(&x).unwrap());
+                        c.sum(&x).unwrap().to_vec1::<f32>().unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(sums.iter().all(|s| s == &[3.0, 3.0]), "{sums:?}");
+        // The gather joins every rank's last axis in rank order, row by row.
+        let gathered: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = c
+                .iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let r = c.rank() as f32;
+                        let x = Tensor::new(&[[r, r], [10.0 + r, 10.0 + r]], &Device::Cpu).unwrap();
+                        c.gather_last(&x).unwrap().to_vec2::<f32>().unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let want = vec![
+            vec![0.0, 0.0, 1.0, 1.0, 2.0, 2.0],
+            vec![10.0, 10.0, 11.0, 11.0, 12.0, 12.0],
+        ];
+        assert!(gathered.iter().all(|g| g == &want), "{gathered:?}");
+        assert_eq!(c[0].calls(), 3);
+        // A rank whose peers never arrive is released by the abort.
+        let waiting = std::thread::spawn({
+            let c0 = c[0].clone();
+            move || c0.sum(&Tensor::new(&[1f32], &Device::Cpu).unwrap())
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        handle.abort();
+        let err = waiting.join().unwrap().unwrap_err();
+        assert!(matches!(err, KernelError::Collective { .. }), "{err}");
+        assert!(handle.failed());
+        assert!(c[1]
+            .sum(&Tensor::new(&[1f32], &Device::Cpu).unwrap())
+            .is_err());
+    }
+}
