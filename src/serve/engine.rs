@@ -44,7 +44,7 @@ use crate::model::Model;
 pub type Sink = Box<dyn FnMut(Event) -> bool + Send>;
 
 /// The worker's inbox.
-enum Command {
+pub(super) enum Command {
     Submit {
         id: RequestId,
         prompt: Vec<u32>,
@@ -57,12 +57,12 @@ enum Command {
 
 /// What the handles and the worker share.
 #[derive(Debug, Default)]
-struct Shared {
+pub(super) struct Shared {
     /// The scheduler's figures after the worker's last step.
-    stats: Mutex<EngineStats>,
+    pub(super) stats: Mutex<EngineStats>,
     /// Requests accepted by `submit` and not yet admitted to the batch (or dropped).
-    waiting: AtomicUsize,
-    shut: AtomicBool,
+    pub(super) waiting: AtomicUsize,
+    pub(super) shut: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -213,10 +213,10 @@ impl Engine {
 }
 
 /// A request the worker knows.
-struct Entry {
-    sink: Sink,
+pub(super) struct Entry {
+    pub(super) sink: Sink,
     /// Whether it left the queue (counted out of `waiting`).
-    admitted: bool,
+    pub(super) admitted: bool,
 }
 
 /// The worker loop: take commands (blocking while idle), run a scheduler step, hand the events
@@ -319,7 +319,7 @@ fn run(model: &Model, config: SchedulerConfig, rx: &Receiver<Command>, shared: &
 }
 
 /// Fails and forgets every request the worker knows.
-fn fail_every(entries: &mut HashMap<RequestId, Entry>, shared: &Shared, reason: &str) {
+pub(super) fn fail_every(entries: &mut HashMap<RequestId, Entry>, shared: &Shared, reason: &str) {
     for (_, mut entry) in entries.drain() {
         (entry.sink)(Event::Failed(Error::Input(reason.to_string())));
         if !entry.admitted {
@@ -329,7 +329,7 @@ fn fail_every(entries: &mut HashMap<RequestId, Entry>, shared: &Shared, reason: 
 }
 
 /// Drops a request's entry, counting it out of `waiting` if it never left the queue.
-fn forget(entries: &mut HashMap<RequestId, Entry>, id: RequestId, shared: &Shared) {
+pub(super) fn forget(entries: &mut HashMap<RequestId, Entry>, id: RequestId, shared: &Shared) {
     if let Some(entry) = entries.remove(&id) {
         if !entry.admitted {
             shared.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -337,7 +337,7 @@ fn forget(entries: &mut HashMap<RequestId, Entry>, id: RequestId, shared: &Share
     }
 }
 
-fn publish(scheduler: &Scheduler<'_>, shared: &Shared) {
+pub(super) fn publish(scheduler: &Scheduler<'_>, shared: &Shared) {
     let stats = scheduler.stats();
     match shared.stats.lock() {
         Ok(mut s) => *s = stats,

@@ -262,10 +262,28 @@ impl<'m> Scheduler<'m> {
     /// A model error in the batched decode fails every running request (each gets
     /// [`Event::Failed`]) and leaves the scheduler ready for the queued ones.
     pub fn step(&mut self) -> Vec<(RequestId, Event)> {
-        let mut events = std::mem::take(&mut self.deferred);
-        self.admit(&mut events);
+        let mut events = Vec::new();
+        if let Err(e) = self.advance(&mut events) {
+            let reason = e.to_string();
+            events.extend(self.fail_all(&reason));
+        }
+        events
+    }
+
+    /// [`Scheduler::step`], except that a model error in the batched decode is returned
+    /// rather than failing the running requests (the sharded engine stops every rank on it).
+    pub(crate) fn try_step(&mut self) -> Result<Vec<(RequestId, Event)>> {
+        let mut events = Vec::new();
+        self.advance(&mut events)?;
+        Ok(events)
+    }
+
+    /// One step's work, its events appended to `events`; stops at a batched-decode error.
+    fn advance(&mut self, events: &mut Vec<(RequestId, Event)>) -> Result<()> {
+        events.append(&mut self.deferred);
+        self.admit(events);
         if self.session.is_empty() {
-            return events;
+            return Ok(());
         }
         let model = self.model;
         let stepped = match self.prefix.as_mut() {
@@ -276,14 +294,7 @@ impl<'m> Scheduler<'m> {
             }),
             None => self.session.step(),
         };
-        let steps = match stepped {
-            Ok(s) => s,
-            Err(e) => {
-                let reason = e.to_string();
-                events.extend(self.fail_all(&reason));
-                return events;
-            }
-        };
+        let steps = stepped?;
         for (seq, step) in steps {
             let Some(i) = self.running.iter().position(|r| r.seq == seq) else {
                 continue;
@@ -319,7 +330,7 @@ impl<'m> Scheduler<'m> {
                 let _ = store.insert(f.tokens, layout, f.cache);
             }
         }
-        events
+        Ok(())
     }
 
     /// Moves queued requests into the batch while they fit (see the module docs).
