@@ -16,6 +16,6 @@ mod template;
 
 pub use error::ChatError;
 pub use parser::{OutputEvent, OutputParser};
-pub use session::{ChatSession, Reply};
+pub use session::{hidden_token_ids, ChatSession, Reply};
 pub use syntax::{declaration, parse_tool_call, parse_tool_calls, parse_value, to_gemma, QUOTE};
 pub use template::{ChatTemplate, Message, RenderOptions, Role, ToolCall};

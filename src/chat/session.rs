@@ -30,6 +30,22 @@ const STRUCTURAL: &[&str] = &[
     "<tool_response|>",
 ];
 
+/// The ids of the special tokens dropped from a streamed answer before it is parsed: every
+/// special token of the model's tokenizer but the structural ones the output parser reads
+/// (channel, tool-call, turn markers). Empty without a tokenizer.
+pub fn hidden_token_ids(model: &Model) -> std::collections::HashSet<u32> {
+    model
+        .tokenizer()
+        .map(|t| {
+            t.get_added_tokens_decoder()
+                .into_iter()
+                .filter(|(_, tok)| tok.special && !STRUCTURAL.contains(&tok.content.as_str()))
+                .map(|(id, _)| id)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// One answer of the model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Reply {
@@ -210,17 +226,7 @@ impl<'m> ChatSession<'m> {
             }
             keep_going
         };
-        let hidden: std::collections::HashSet<u32> = self
-            .model
-            .tokenizer()
-            .map(|t| {
-                t.get_added_tokens_decoder()
-                    .into_iter()
-                    .filter(|(_, tok)| tok.special && !STRUCTURAL.contains(&tok.content.as_str()))
-                    .map(|(id, _)| id)
-                    .collect()
-            })
-            .unwrap_or_default();
+        let hidden = hidden_token_ids(self.model);
         let mut stream = self.generator.stream(&prompt)?;
         for step in stream.by_ref() {
             let step = step?;

@@ -13,8 +13,9 @@ use crate::harness::MODEL;
 use crate::server::chat::ChatStream;
 use crate::server::engine::{Event, Usage};
 use crate::server::messages::MessagesStream;
-use crate::server::split::{hidden_ids, OutputSplit};
+use crate::server::split::OutputSplit;
 use crate::server::sse::{Frame, Translate};
+use candle_gemma::chat::hidden_token_ids;
 
 const ANSWER: &str = "<|channel>thought\nThe user wants weather.<channel|>Let me check.\
 <|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>,days:3}<tool_call|><turn|>";
@@ -48,7 +49,7 @@ fn scripted() -> (Vec<Event>, Arc<std::collections::HashSet<u32>>) {
             cached_tokens: 0,
         },
     });
-    (events, Arc::new(hidden_ids(&model)))
+    (events, Arc::new(hidden_token_ids(&model)))
 }
 
 fn run(mut t: impl Translate, events: Vec<Event>) -> Vec<Frame> {

@@ -96,7 +96,7 @@ impl AppState {
     /// An unreadable chat template; the engine cannot start.
     pub fn new(model: Arc<Model>, config: ServerConfig) -> anyhow::Result<Self> {
         let renderer = PromptRenderer::for_model(&model)?;
-        let hidden = Arc::new(split::hidden_ids(&model));
+        let hidden = Arc::new(candle_gemma::chat::hidden_token_ids(&model));
         let engine = EngineHandle::start(model, config.engine.clone())?;
         Ok(Self {
             config,

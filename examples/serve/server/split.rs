@@ -10,21 +10,7 @@
 use std::collections::HashSet;
 
 use candle_gemma::chat::{OutputEvent, OutputParser};
-use candle_gemma::Model;
 use serde_json::Value;
-
-/// Special tokens the output parser must see.
-const STRUCTURAL: &[&str] = &[
-    "<|channel>",
-    "<channel|>",
-    "<|tool_call>",
-    "<tool_call|>",
-    "<|\"|>",
-    "<|turn>",
-    "<turn|>",
-    "<|tool_response>",
-    "<tool_response|>",
-];
 
 /// One piece of a chat answer.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,20 +26,6 @@ pub enum Piece {
         /// The arguments (a JSON object).
         arguments: Value,
     },
-}
-
-/// The ids of special tokens that are dropped before parsing.
-pub fn hidden_ids(model: &Model) -> HashSet<u32> {
-    model
-        .tokenizer()
-        .map(|t| {
-            t.get_added_tokens_decoder()
-                .into_iter()
-                .filter(|(_, tok)| tok.special && !STRUCTURAL.contains(&tok.content.as_str()))
-                .map(|(id, _)| id)
-                .collect()
-        })
-        .unwrap_or_default()
 }
 
 /// Splits one answer as it streams.
