@@ -27,7 +27,8 @@ const MODULES: [&str; 9] = [
 ];
 
 /// Device code the kernel files include.
-const HEADERS: [&str; 6] = [
+const HEADERS: [&str; 7] = [
+    "async_copy.cuh",
     "gate.cuh",
     "common.cuh",
     "packed.cuh",

@@ -8,6 +8,7 @@
 #include "common.cuh"
 #include "norm_tail.cuh"
 #include "packed.cuh"
+#include "async_copy.cuh"
 
 // y[r, o] = sum_e x[r, e] * W[o, e] for rows <= MAXR: one warp per output row, each lane reads
 // 16 bytes of codes per step (32 four-bit or 16 eight-bit codes, always inside one group).
@@ -92,38 +93,11 @@ __device__ __forceinline__ void qmatvec_body(const QmatParams p, const T* __rest
 // ---------------------------------------------------------------------------------------------
 constexpr int QMMA_WARPS = 8;
 
-
 // Two 4-bit fields of `lo`/`hi` (selected by the byte_perm selector) as the pair
 // (MAGIC + c0, MAGIC + c1), exact; the offset is taken out after the mma (see qmv_mma_body).
 template <typename T>
 __device__ __forceinline__ uint32_t code_pair(uint32_t lo, uint32_t hi, uint32_t sel) {
     return (__byte_perm(lo, hi, sel) & 0x000F000Fu) | MmaMagic<T>::MAGIC;
-}
-
-// Async 16-byte global -> shared copies (bypassing L1), committed and waited per warp.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
-
-// A thread's TW consecutive code words from shared memory (16-byte aligned for TW >= 4).
-template <int TW> __device__ __forceinline__ void lds_codes(const uint32_t* p, uint32_t* w) {
-    if constexpr (TW >= 4) {
-#pragma unroll
-        for (int c = 0; c < TW / 4; ++c) {
-            const uint4 v = reinterpret_cast<const uint4*>(p)[c];
-            w[4 * c] = v.x; w[4 * c + 1] = v.y; w[4 * c + 2] = v.z; w[4 * c + 3] = v.w;
-        }
-    } else if constexpr (TW == 2) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p);
-        w[0] = v.x; w[1] = v.y;
-    } else {
-        w[0] = *p;
-    }
 }
 
 // Weights stream through shared memory: each warp copies "units" of 16 rows x 64 bytes (or one
