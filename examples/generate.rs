@@ -291,7 +291,8 @@ fn run_single(args: &Args, model: &Model, opts: GenOptions, prompt: &[u32]) -> R
     Ok(())
 }
 
-/// Whether batch-1 decode steps replayed a CUDA graph, and if not, why.
+/// Whether decode steps replayed a CUDA graph (per batch size once several were seen), and if
+/// not, why.
 fn graph_state(model: &Model) -> String {
     #[cfg(feature = "cuda")]
     {
@@ -356,6 +357,7 @@ fn run_batch(args: &Args, model: &Model, opts: GenOptions, prompts: &[Vec<u32>])
                     "decode_tok_s": decode_tok_s,
                     "kv_bytes": kv_peak,
                     "tp": model.world(),
+                    "cuda_graph": graph_state(model),
                 }
             })
         );

@@ -1,28 +1,32 @@
-//! Batch-1 decode steps replayed from a captured graph (CUDA graphs, through
-//! [`crate::kernels::ops::graph`]; elsewhere every step runs eagerly).
+//! Decode steps replayed from captured graphs (CUDA graphs, through
+//! [`crate::kernels::ops::graph`]; elsewhere every step runs eagerly), one graph per batch
+//! size.
 //!
-//! The first eligible decode step runs eagerly: it sizes the per-thread scratch buffers and fills
-//! candle's cache of uploaded kernel parameters (the shapes and strides of strided operands),
-//! which the capture must find there. The second is captured into a graph and launched; later
-//! steps replay that graph. A replay does on the host only what a step must: advance each
-//! layer's cache by one token and plan each layer's attention over its new view (the same
-//! planning the captured launches did), then write the token id, the rotary tables and those
-//! plans into fixed device buffers and launch the graph. The graph holds no cache address and no key count,
-//! so it stays valid as caches grow, wrap or change; it holds the capturing thread's scratch
-//! buffers, so only that thread replays it (other threads run eagerly), and only while those
-//! buffers live: an eager launch that outgrows one (a long prefill, a batched step) replaces
-//! it, and the next step captures again (`scratch::generation`).
+//! The first eligible decode step of a batch size runs eagerly: it sizes the per-thread
+//! scratch buffers and fills candle's cache of uploaded kernel parameters (the shapes and
+//! strides of strided operands), which the capture must find there. The second is captured
+//! into a graph and launched; later steps of that size replay the graph. A replay does on the
+//! host only what a step must: advance each layer's cache by one token a sequence and plan
+//! each layer's attention over its new views (the same planning the captured launches did),
+//! then write the token ids, the rotary tables and those plans into fixed device buffers and
+//! launch the graph. The graph holds no cache address and no key count, so it stays valid as
+//! caches grow, wrap or change; it holds the capturing thread's scratch buffers, so only that
+//! thread replays it (other threads run eagerly), and only while those buffers live: an eager
+//! launch that outgrows one (a long prefill, a larger batch) replaces it, and the next step
+//! of each size captures again (`scratch::generation`).
 //!
-//! Eligible steps: one sequence, one new token, on CUDA with the fused kernels, every
-//! KV-owning layer's cache dense in the activations' dtype (simple, rotating, or a batch of
-//! one of those) or quantized and already packed with scales in that dtype (growing or ring,
-//! or a batch of one; a quantized cache still below its `start` runs eagerly until the update
-//! that packs it). Quantized layers write K/V to a fresh buffer and quantize it into the
-//! slots their parameter block names. [`crate::kernels::policy::LaunchPolicy::cuda_graph`]
-//! turns graphs off. A capture that fails (an op that reads back to the host, such as MoE
-//! routing on the sorted path, or an upload candle has not cached) turns them off for the
-//! model, rolls the caches back and runs the step eagerly; the reason is in
-//! [`TextModel::cuda_graph_state`].
+//! Eligible steps: 1 to [`MAX_GRAPH_BATCH`] sequences of one new token each, on CUDA with the
+//! fused kernels, every KV-owning layer's cache dense in the activations' dtype (simple,
+//! rotating, or a batch of those) or quantized and already packed with scales in that dtype
+//! (growing or ring, or a batch of those with one bit width and group size); a quantized cache
+//! still below its `start` runs eagerly until the update that packs it. A batch's sequences
+//! may differ in length, position and storage: each replay plans each one. Quantized layers
+//! write K/V to a fresh buffer and quantize it into the slots their parameter block names.
+//! At most [`MAX_GRAPHS`] batch sizes keep a graph; the one replayed least recently goes
+//! first. [`crate::kernels::policy::LaunchPolicy::cuda_graph`] turns graphs off. A capture
+//! that fails (an op that reads back to the host, such as MoE routing on the sorted path, or
+//! an upload candle has not cached) turns graphs off for that batch size, rolls the caches
+//! back and runs the step eagerly; the reason is in [`TextModel::cuda_graph_state`].
 
 use std::sync::{Mutex, TryLockError};
 use std::thread::ThreadId;
@@ -37,20 +41,55 @@ use crate::config::{KvSource, LayerKind};
 use crate::error::Result;
 use crate::kernels::ops::graph::{self, DecodeGraph, StepRecord};
 use crate::kernels::QueryPlan;
-use crate::kv::ModelCache;
+use crate::kv::{KvView, LayerCache, ModelCache};
 
-/// Eager decode steps before the capture (the first sizes the scratch buffers).
+/// Eager decode steps of a batch size before its capture (the first sizes the scratch
+/// buffers).
 const EAGER_STEPS: usize = 1;
 
-/// A model's decode graph, shared by its clones.
+/// Most sequences a captured step takes; larger batches run eagerly.
+pub(crate) const MAX_GRAPH_BATCH: usize = 64;
+
+/// Batch sizes that keep a graph (or the reason they have none) at once.
+pub(crate) const MAX_GRAPHS: usize = 8;
+
+/// A model's decode graphs, shared by its clones.
 #[derive(Default)]
 pub(crate) struct DecodeGraphs {
-    state: Mutex<State>,
+    state: Mutex<States>,
 }
 
 impl std::fmt::Debug for DecodeGraphs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "DecodeGraphs({})", self.describe())
+    }
+}
+
+/// The graphs of each batch size.
+#[derive(Default)]
+struct States {
+    /// Why graphs are off for the whole model.
+    off: Option<String>,
+    /// One state per batch size, the one used least recently first.
+    sizes: Vec<(usize, State)>,
+}
+
+impl States {
+    /// The state of batch size `seqs`, made the most recently used (a new one, cold, may push
+    /// out the least recently used).
+    fn of(&mut self, seqs: usize) -> &mut State {
+        let state = match self.sizes.iter().position(|(n, _)| *n == seqs) {
+            Some(i) => self.sizes.remove(i).1,
+            None => {
+                if self.sizes.len() >= MAX_GRAPHS {
+                    self.sizes.remove(0);
+                }
+                State::default()
+            }
+        };
+        self.sizes.push((seqs, state));
+        let last = self.sizes.len() - 1;
+        &mut self.sizes[last].1
     }
 }
 
@@ -60,7 +99,7 @@ enum State {
         eager_steps: usize,
     },
     Ready(Box<Captured>),
-    /// Why graphs are off for this model.
+    /// Why this batch size has no graph.
     Off(String),
 }
 
@@ -70,13 +109,25 @@ impl Default for State {
     }
 }
 
+impl State {
+    fn describe(&self) -> String {
+        match self {
+            State::Cold { eager_steps } => {
+                format!("not captured yet ({eager_steps} eligible steps run)")
+            }
+            State::Ready(c) => format!("captured ({} parameter blocks)", c.graph.blocks()),
+            State::Off(why) => format!("off: {why}"),
+        }
+    }
+}
+
 /// A captured step and the buffer its logits land in.
 struct Captured {
-    /// The graph; its inputs are the token id `[1, 1]` u32 and the rotary tables (sliding,
-    /// full) `[2, 1, 1, head_dim / 2]`, in that order.
+    /// The graph; its inputs are the token ids `[seqs, 1]` u32 and the rotary tables (sliding,
+    /// full) `[2, seqs, 1, head_dim / 2]`, in that order.
     graph: DecodeGraph,
     thread: ThreadId,
-    /// The step's logits `[1, vocab]` f32, written by the graph.
+    /// The step's logits `[seqs, vocab]` f32, written by the graph.
     out: Tensor,
 }
 
@@ -92,28 +143,35 @@ impl DecodeGraphs {
     /// captured, and a capture failing on one rank alone would leave its peers waiting).
     pub(crate) fn off(why: &str) -> Self {
         Self {
-            state: Mutex::new(State::Off(why.to_string())),
+            state: Mutex::new(States {
+                off: Some(why.to_string()),
+                sizes: Vec::new(),
+            }),
         }
     }
 
-    /// One line: whether steps replay a graph, and if not, why.
+    /// One line: whether steps replay graphs, and if not, why; with several batch sizes seen,
+    /// the state of each (`batch N: ...`, least recently used first).
     pub(crate) fn describe(&self) -> String {
         if let Some(why) = graph::unsupported() {
             return format!("off: {why}");
         }
         match self.state.try_lock() {
-            Ok(s) => match &*s {
-                State::Cold { eager_steps } => {
-                    format!("not captured yet ({eager_steps} eligible steps run)")
-                }
-                State::Ready(c) => format!("captured ({} parameter blocks)", c.graph.blocks()),
-                State::Off(why) => format!("off: {why}"),
+            Ok(s) => match (&s.off, s.sizes.as_slice()) {
+                (Some(why), _) => format!("off: {why}"),
+                (None, []) => "not captured yet (0 eligible steps run)".to_string(),
+                (None, [(1, only)]) => only.describe(),
+                (None, sizes) => sizes
+                    .iter()
+                    .map(|(n, st)| format!("batch {n}: {}", st.describe()))
+                    .collect::<Vec<_>>()
+                    .join("; "),
             },
             Err(_) => "in use".to_string(),
         }
     }
 
-    /// Runs a decode step through the graph when it is eligible (see the module docs) and
+    /// Runs a decode step through a graph when it is eligible (see the module docs) and
     /// returns its logits; `None` when the caller must run it eagerly.
     ///
     /// # Errors
@@ -124,19 +182,24 @@ impl DecodeGraphs {
         batch: &[Vec<u32>],
         cache: &mut ModelCache,
     ) -> Result<Option<Tensor>> {
-        let id = match batch {
-            [seq] if seq.len() == 1 => seq[0],
-            _ => return Ok(None),
-        };
-        if !graph::available(model.device()) || !eligible(model, cache) {
+        let seqs = batch.len();
+        if seqs == 0 || seqs > MAX_GRAPH_BATCH || batch.iter().any(|s| s.len() != 1) {
             return Ok(None);
         }
-        let mut state = match self.state.try_lock() {
+        if !graph::available(model.device()) || !eligible(model, cache, seqs) {
+            return Ok(None);
+        }
+        let ids: Vec<u32> = batch.iter().map(|s| s[0]).collect();
+        let mut states = match self.state.try_lock() {
             Ok(s) => s,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => return Ok(None),
         };
-        match &mut *state {
+        if states.off.is_some() {
+            return Ok(None);
+        }
+        let state = states.of(seqs);
+        match state {
             State::Off(_) => Ok(None),
             State::Cold { eager_steps } if *eager_steps < EAGER_STEPS => {
                 *eager_steps += 1;
@@ -148,7 +211,7 @@ impl DecodeGraphs {
                 })?;
                 Ok(Some(logits))
             }
-            State::Cold { .. } => match capture(model, id, cache)? {
+            State::Cold { .. } => match capture(model, &ids, cache)? {
                 Ok((captured, logits)) => {
                     *state = State::Ready(Box::new(captured));
                     Ok(Some(logits))
@@ -159,11 +222,11 @@ impl DecodeGraphs {
                 }
             },
             State::Ready(c) if c.thread != std::thread::current().id() => Ok(None),
-            State::Ready(c) => match replay(model, c, id, cache)? {
+            State::Ready(c) => match replay(model, c, &ids, cache)? {
                 Replayed::Logits(logits) => Ok(Some(logits)),
                 Replayed::NotThisStep => Ok(None),
                 Replayed::Outgrown => {
-                    // Capture again at the next step (this one runs eagerly).
+                    // Capture again at the next step of this size (this one runs eagerly).
                     *state = State::Cold {
                         eager_steps: EAGER_STEPS,
                     };
@@ -174,22 +237,21 @@ impl DecodeGraphs {
     }
 }
 
-/// Whether `cache` suits a captured step of `model` (the host-side conditions; the capture
-/// checks the rest).
-fn eligible(model: &TextModel, cache: &ModelCache) -> bool {
+/// Whether `cache` suits a captured step of `seqs` sequences of `model` (the host-side
+/// conditions; the capture checks the rest).
+fn eligible(model: &TextModel, cache: &ModelCache, seqs: usize) -> bool {
     let dtype = model.dtype();
     matches!(dtype, DType::BF16 | DType::F16 | DType::F32)
         && crate::kernels::ops::fused(model.device())
         && cache.layers.len() == model.config().layers.len()
+        && cache.offsets().len() == seqs
         && model
             .config()
             .layers
             .iter()
             .zip(&cache.layers)
             .all(|(plan, c)| match (&plan.kv, c) {
-                (KvSource::Own, Some(c)) => {
-                    c.dense_dtype() == Some(dtype) || c.packed_dtype() == Some(dtype)
-                }
+                (KvSource::Own, Some(c)) => c.step_layout().map(|(dt, _)| dt) == Some(dtype),
                 (KvSource::Shared { .. }, None) => true,
                 _ => false,
             })
@@ -203,46 +265,104 @@ fn window_of(model: &TextModel, kind: LayerKind) -> Option<usize> {
     }
 }
 
-/// Advances every KV-owning layer's cache by one token and records, in launch order, the
-/// parameter blocks the captured launches read: where each such layer writes its K and V, and
-/// each layer's attention over its view. `Ok(false)`: a cache cannot take this step in place
-/// (the caller rolls back and runs it eagerly).
+/// A batch of several sequences (whose K/V go to one slot per sequence), or `None` for a
+/// single cache or a batch of one (whose K/V the fused projection writes in place).
+fn several(c: &mut LayerCache) -> Option<&mut crate::kv::BatchCache> {
+    match c {
+        LayerCache::Batch(b) if b.len() > 1 => Some(b),
+        _ => None,
+    }
+}
+
+/// Reserves storage for one more token a sequence in `c`; `false` when it cannot write one in
+/// place.
+fn reserve_one(c: &mut LayerCache, device: &candle_core::Device) -> Result<bool> {
+    Ok(match several(c) {
+        Some(b) => {
+            b.reserve_each_slots(1, device)?.is_some()
+                || b.reserve_each_packed(1, device)?.is_some()
+        }
+        None => {
+            c.reserve_slots(1, device)?.is_some() || c.reserve_packed_slots(1, device)?.is_some()
+        }
+    })
+}
+
+/// Advances a KV-owning layer's cache by one token a sequence and records where its new K/V
+/// go, in the order the captured launches read them. `None`: the cache cannot take this step
+/// in place.
+fn advance(
+    c: &mut LayerCache,
+    head_dim: usize,
+    model: &TextModel,
+    rec: &mut StepRecord,
+) -> Result<Option<KvView>> {
+    let (device, dtype) = (model.device(), model.dtype());
+    if let Some(b) = several(c) {
+        let recorded = if let Some(slots) = b.reserve_each_slots(1, device)? {
+            rec.kv_destinations(&slots)?
+        } else if let Some(parts) = b.reserve_each_packed(1, device)? {
+            rec.packed_kv_destinations(&parts, head_dim, dtype)?
+        } else {
+            false
+        };
+        return Ok(if recorded {
+            Some(b.commit_each(1)?)
+        } else {
+            None
+        });
+    }
+    if let Some((kd, vd)) = c.reserve_slots(1, device)? {
+        rec.kv_destination(&kd, &vd)?;
+    } else if let Some(parts) = c.reserve_packed_slots(1, device)? {
+        if !rec.packed_kv_destination(&parts, head_dim, dtype)? {
+            return Ok(None);
+        }
+    } else {
+        return Ok(None);
+    }
+    Ok(Some(c.commit_slots(1)?))
+}
+
+/// Advances every KV-owning layer's cache by one token a sequence and records, in launch
+/// order, the parameter blocks the captured launches read: where each such layer writes its K
+/// and V, and each layer's attention over its views. `Ok(false)`: a cache cannot take this
+/// step in place (the caller rolls back and runs it eagerly).
 fn record_step(
     model: &TextModel,
     cache: &mut ModelCache,
-    pos: usize,
+    positions: &[usize],
     rec: &mut StepRecord,
 ) -> Result<bool> {
     let config = model.config();
-    let (device, dtype) = (model.device(), model.dtype());
+    let dtype = model.dtype();
     let mut routing = KvRouting::new(&model.producers);
     for (i, plan) in config.layers.iter().enumerate() {
         let view = match routing.input(i, plan.kv, cache)? {
-            KvInput::Own(c) => {
-                if let Some((kd, vd)) = c.reserve_slots(1, device)? {
-                    rec.kv_destination(&kd, &vd)?;
-                } else if let Some(parts) = c.reserve_packed_slots(1, device)? {
-                    if !rec.packed_kv_destination(&parts, plan.head_dim, dtype)? {
-                        return Ok(false);
-                    }
-                } else {
-                    return Ok(false);
-                }
-                c.commit_slots(1)?
-            }
+            KvInput::Own(c) => match advance(c, plan.head_dim, model, rec)? {
+                Some(view) => view,
+                None => return Ok(false),
+            },
             KvInput::Shared(view) => view.clone(),
         };
-        let query = QueryPlan {
-            q_offset: pos,
-            window: window_of(model, plan.kind),
-            scale: 1.0,
+        let queries: Vec<QueryPlan> = positions
+            .iter()
+            .map(|&q_offset| QueryPlan {
+                q_offset,
+                window: window_of(model, plan.kind),
+                scale: 1.0,
+            })
+            .collect();
+        let views: Vec<&KvView> = match &view {
+            KvView::Batch(views) if views.len() > 1 => views.iter().collect(),
+            one => vec![one],
         };
         if !rec.attention(
             config.num_attention_heads,
             plan.head_dim,
             dtype,
-            &view,
-            &query,
+            &views,
+            &queries,
         )? {
             return Ok(false);
         }
@@ -251,22 +371,22 @@ fn record_step(
     Ok(true)
 }
 
-/// Captures this step (token `id`) into a graph and launches it. The outer error is a failure
-/// of the step itself; the inner one says why no graph could be made (the cache is then as
-/// before and the caller runs the step eagerly).
+/// Captures this step (token `ids[b]` for sequence `b`) into a graph and launches it. The
+/// outer error is a failure of the step itself; the inner one says why no graph could be made
+/// (the cache is then as before and the caller runs the step eagerly).
 fn capture(
     model: &TextModel,
-    id: u32,
+    ids: &[u32],
     cache: &mut ModelCache,
 ) -> Result<std::result::Result<(Captured, Tensor), String>> {
     let device = model.device();
     let dtype = model.dtype();
+    let seqs = ids.len();
     // Storage for this token in every layer now: memory allocated during the capture belongs
     // to the graph and must not outlive it inside a cache.
     for (l, c) in cache.layers.iter_mut().enumerate() {
         if let Some(c) = c {
-            if c.reserve_slots(1, device)?.is_none() && c.reserve_packed_slots(1, device)?.is_none()
-            {
+            if !reserve_one(c, device)? {
                 return Ok(Err(format!(
                     "layer {l}'s cache cannot write a token in place"
                 )));
@@ -276,14 +396,14 @@ fn capture(
     let Some(marks) = cache.marks() else {
         return Ok(Err("a cache kind without marks".to_string()));
     };
-    let pos = cache.offsets().first().copied().unwrap_or(0);
-    let ids = Tensor::from_vec(vec![id], (1, 1), device)?;
-    let rope_s = model.rope_sliding.both(&[pos], 1, dtype, device)?;
-    let rope_f = model.rope_full.both(&[pos], 1, dtype, device)?;
-    let out = Tensor::zeros((1, model.config().vocab_size), DType::F32, device)?;
-    let step = Step::from_both(vec![pos], 1, &rope_s, &rope_f)?;
+    let positions = cache.offsets();
+    let ids = Tensor::from_vec(ids.to_vec(), (seqs, 1), device)?;
+    let rope_s = model.rope_sliding.both(&positions, 1, dtype, device)?;
+    let rope_f = model.rope_full.both(&positions, 1, dtype, device)?;
+    let out = Tensor::zeros((seqs, model.config().vocab_size), DType::F32, device)?;
+    let step = Step::from_both(positions, 1, &rope_s, &rope_f)?;
     let inputs = vec![ids.clone(), rope_s.clone(), rope_f.clone()];
-    let captured = DecodeGraph::capture(device, inputs, || {
+    let captured = DecodeGraph::capture(device, seqs, inputs, || {
         let logits = model.run(&ids, step, cache)?;
         out.slice_set(&logits, 0, 0)?;
         Ok::<(), crate::Error>(())
@@ -315,17 +435,25 @@ enum Replayed {
     Outgrown,
 }
 
-/// Replays the captured step for token `id`.
-fn replay(model: &TextModel, c: &Captured, id: u32, cache: &mut ModelCache) -> Result<Replayed> {
+/// Replays the captured step for tokens `ids` (one a sequence).
+fn replay(
+    model: &TextModel,
+    c: &Captured,
+    ids: &[u32],
+    cache: &mut ModelCache,
+) -> Result<Replayed> {
     if c.graph.outgrown() {
         return Ok(Replayed::Outgrown);
     }
     let Some(marks) = cache.marks() else {
         return Ok(Replayed::NotThisStep);
     };
-    let pos = cache.offsets().first().copied().unwrap_or(0);
+    let positions = cache.offsets();
+    if positions.len() != ids.len() {
+        return Ok(Replayed::NotThisStep);
+    }
     let mut rec = c.graph.record();
-    let recorded = record_step(model, cache, pos, &mut rec);
+    let recorded = record_step(model, cache, &positions, &mut rec);
     match recorded {
         Ok(true) if c.graph.fits(&rec) => {}
         // More key splits than captured, or other launches (the model now decodes with a
@@ -344,9 +472,36 @@ fn replay(model: &TextModel, c: &Captured, id: u32, cache: &mut ModelCache) -> R
         }
     }
     let dtype = model.dtype();
-    let rope_s = model.rope_sliding.both_bytes(&[pos], 1, dtype)?;
-    let rope_f = model.rope_full.both_bytes(&[pos], 1, dtype)?;
-    c.graph
-        .replay(&rec, &[&id.to_le_bytes(), &rope_s, &rope_f])?;
+    let rope_s = model.rope_sliding.both_bytes(&positions, 1, dtype)?;
+    let rope_f = model.rope_full.both_bytes(&positions, 1, dtype)?;
+    let id_bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+    c.graph.replay(&rec, &[&id_bytes, &rope_s, &rope_f])?;
     Ok(Replayed::Logits(c.out.copy()?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sizes(s: &States) -> Vec<usize> {
+        s.sizes.iter().map(|(n, _)| *n).collect()
+    }
+
+    #[test]
+    fn batch_sizes_are_kept_most_recent_last_and_the_least_recent_goes_first() {
+        let mut s = States::default();
+        for n in 1..=MAX_GRAPHS {
+            s.of(n);
+        }
+        assert_eq!(sizes(&s), (1..=MAX_GRAPHS).collect::<Vec<_>>());
+        // Using size 1 again makes it the most recent; a new size then pushes out size 2.
+        *s.of(1) = State::Off("marked".to_string());
+        s.of(MAX_GRAPHS + 1);
+        let mut want: Vec<usize> = (3..=MAX_GRAPHS).collect();
+        want.extend([1, MAX_GRAPHS + 1]);
+        assert_eq!(sizes(&s), want);
+        // A kept size keeps its state.
+        assert!(matches!(s.of(1), State::Off(why) if why == "marked"));
+        assert!(matches!(s.of(2), State::Cold { eager_steps: 0 }));
+    }
 }

@@ -100,20 +100,19 @@ pub fn attend(
     // parameter area (see `cuda::graph`).
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && cuda::graph::recording() {
-        return match q_offsets {
-            [q_offset] => {
-                let plan = QueryPlan {
-                    q_offset: *q_offset,
-                    window,
-                    scale,
-                };
-                Ok(cuda::batched::attend_recorded(q, view, &plan)?)
-            }
-            _ => Err(KernelError::BatchSize {
-                expected: 1,
-                found: batch,
-            }),
+        let views: Vec<&KvView> = match view {
+            KvView::Batch(views) => views.iter().collect(),
+            single => vec![single],
         };
+        let plans: Vec<QueryPlan> = q_offsets
+            .iter()
+            .map(|&q_offset| QueryPlan {
+                q_offset,
+                window,
+                scale,
+            })
+            .collect();
+        return cuda::batched::attend_recorded(q, &views, &plans);
     }
     match view {
         KvView::Single { data, positions } => {

@@ -196,6 +196,52 @@ impl BatchCache {
             .map(Some)
     }
 
+    /// Dense storage for the next `n` tokens of every sequence (each one's
+    /// [`LayerCache::reserve_slots`]), for a captured step that writes them in place; `None` as
+    /// soon as one sequence has none. A `Some` must be followed by
+    /// [`BatchCache::commit_each`].
+    ///
+    /// # Errors
+    /// Allocation errors.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn reserve_each_slots(
+        &mut self,
+        n: usize,
+        device: &candle_core::Device,
+    ) -> Result<Option<Vec<(Tensor, Tensor)>>, CacheError> {
+        self.reserve_each(|c| c.reserve_slots(n, device))
+    }
+
+    /// Packed storage for the next `n` tokens of every sequence (each one's
+    /// [`LayerCache::reserve_packed_slots`]); `None` as soon as one sequence has none. A
+    /// `Some` must be followed by [`BatchCache::commit_each`].
+    ///
+    /// # Errors
+    /// Allocation errors.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn reserve_each_packed(
+        &mut self,
+        n: usize,
+        device: &candle_core::Device,
+    ) -> Result<Option<Vec<Vec<Tensor>>>, CacheError> {
+        self.reserve_each(|c| c.reserve_packed_slots(n, device))
+    }
+
+    /// Commits the slots of [`BatchCache::reserve_each_slots`] or
+    /// [`BatchCache::reserve_each_packed`] in every sequence: the batch view `update` would
+    /// have returned.
+    ///
+    /// # Errors
+    /// [`CacheError::Config`] when a sequence reserved no such storage.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn commit_each(&mut self, n: usize) -> Result<KvView, CacheError> {
+        self.seqs
+            .iter_mut()
+            .map(|c| c.commit_slots(n))
+            .collect::<Result<Vec<_>, _>>()
+            .map(KvView::Batch)
+    }
+
     /// Every sequence's slots from `reserve`, or `None` as soon as one has none. Reserving grows
     /// storage at most; nothing is counted until the slots are committed.
     fn reserve_each<S>(

@@ -243,6 +243,26 @@ impl LayerCache {
         }
     }
 
+    /// What a captured decode step reads of this cache: the dtype of dense K/V or of a packed
+    /// cache's scales, and a packed cache's bits and group size. A batch has one when every
+    /// sequence has the same; `None` otherwise, and for quantized caches not packed yet.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn step_layout(&self) -> Option<(candle_core::DType, Option<(usize, usize)>)> {
+        match self {
+            LayerCache::Simple(c) => Some((c.dtype(), None)),
+            LayerCache::Rotating(c) => Some((c.dtype(), None)),
+            LayerCache::Quantized(c) => {
+                let q = c.quant();
+                Some((c.packed_dtype()?, Some((q.bits.bits(), q.group_size))))
+            }
+            LayerCache::Batch(b) => {
+                let mut seqs = b.sequences().iter().map(LayerCache::step_layout);
+                let first = seqs.next()??;
+                seqs.all(|l| l == Some(first)).then_some(first)
+            }
+        }
+    }
+
     /// The dtype of a packed quantized cache's scales and biases (a batch's when it holds one
     /// sequence); `None` for dense caches, quantized caches not packed yet and larger batches.
     pub(crate) fn packed_dtype(&self) -> Option<candle_core::DType> {

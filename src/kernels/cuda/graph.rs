@@ -1,4 +1,4 @@
-//! CUDA graphs for batch-1 decode: the host side.
+//! CUDA graphs for decode steps (one sequence or a batch): the host side.
 //!
 //! A decode step of a small model is a few hundred short kernels, and enqueueing them costs more
 //! host time than the GPU spends running them. A captured graph enqueues them all with one call.
@@ -26,10 +26,31 @@ pub(crate) enum Slot {
     /// Where a layer's new K and V are quantized to (`KvqDst`), with the bits and group size
     /// the captured launch quantizes to.
     KvQuantDestination { bits: u32, group_size: u32 },
-    /// One attention launch's sequence descriptor (`QsdpaSeq`), with its key splits (at
-    /// capture, the most the launch covers; at a replay, the ones the step needs) and the
-    /// bits of the K/V its kernel reads (4/8 packed, 16/32 dense).
-    Attention { splits: u32, bits: u32 },
+    /// The K/V slots of each of `seqs` sequences of a batched step (`QkvDst` each).
+    KvBatchDestination { seqs: u32 },
+    /// Where each of `seqs` sequences' new K and V are quantized to (`KvqDst` each).
+    KvQuantBatchDestination {
+        bits: u32,
+        group_size: u32,
+        seqs: u32,
+    },
+    /// One attention launch's sequence descriptors (`QsdpaSeq`, one per sequence), with their
+    /// key splits (at capture, the most the launch covers; at a replay, the most any sequence
+    /// needs), the bits of the K/V its kernel reads (4/8 packed, 16/32 dense) and the kernel
+    /// it launches ([`kernel_code`]).
+    Attention {
+        seqs: u32,
+        splits: u32,
+        bits: u32,
+        kernel: u32,
+    },
+}
+
+/// A number naming an attention kernel choice (query rows a block, tensor cores, shared-memory
+/// stages, value folding), so a replay whose planning would pick another kernel than the
+/// captured launch is caught.
+pub(crate) fn kernel_code(nq: usize, tensor_cores: bool, stages: usize, fold: bool) -> u32 {
+    (nq as u32) << 8 | (stages as u32) << 2 | u32::from(tensor_cores) << 1 | u32::from(fold)
 }
 
 impl Slot {
@@ -38,13 +59,29 @@ impl Slot {
         match (self, captured) {
             (Slot::KvDestination, Slot::KvDestination) => true,
             (Slot::KvQuantDestination { .. }, Slot::KvQuantDestination { .. }) => self == captured,
+            (Slot::KvBatchDestination { .. }, Slot::KvBatchDestination { .. })
+            | (Slot::KvQuantBatchDestination { .. }, Slot::KvQuantBatchDestination { .. }) => {
+                self == captured
+            }
             (
-                Slot::Attention { splits, bits },
                 Slot::Attention {
+                    seqs,
+                    splits,
+                    bits,
+                    kernel,
+                },
+                Slot::Attention {
+                    seqs: captured_seqs,
                     splits: most,
                     bits: captured_bits,
+                    kernel: captured_kernel,
                 },
-            ) => splits <= most && bits == captured_bits,
+            ) => {
+                seqs == captured_seqs
+                    && splits <= most
+                    && bits == captured_bits
+                    && kernel == captured_kernel
+            }
             _ => false,
         }
     }
@@ -94,8 +131,21 @@ impl StepParams {
     /// # Errors
     /// The area is full.
     pub(crate) fn push<T: Copy>(&mut self, slot: Slot, value: &T) -> candle_core::Result<u64> {
+        self.push_slice(slot, std::slice::from_ref(value))
+    }
+
+    /// Appends the bytes of `values`, one block read as an array, and returns the device
+    /// address of its first element.
+    ///
+    /// # Errors
+    /// The area is full.
+    pub(crate) fn push_slice<T: Copy>(
+        &mut self,
+        slot: Slot,
+        values: &[T],
+    ) -> candle_core::Result<u64> {
         let at = self.bytes.len().div_ceil(BLOCK_ALIGN) * BLOCK_ALIGN;
-        let size = std::mem::size_of::<T>();
+        let size = std::mem::size_of_val(values);
         if at + size > self.capacity {
             candle_core::bail!(
                 "CUDA graph parameter area full: {} bytes, a block of {size} more needed",
@@ -105,7 +155,7 @@ impl StepParams {
         self.bytes.resize(at, 0);
         // SAFETY: `T` is a `#[repr(C)]` struct of integers and floats (the kernels' parameter
         // blocks); its bytes are read as they are.
-        let raw = unsafe { std::slice::from_raw_parts((value as *const T).cast::<u8>(), size) };
+        let raw = unsafe { std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), size) };
         self.bytes.extend_from_slice(raw);
         self.slots.push(slot);
         Ok(self.base + at as u64)
@@ -137,6 +187,18 @@ pub(crate) fn recording() -> bool {
 pub(crate) fn record<T: Copy>(slot: Slot, value: &T) -> candle_core::Result<Option<u64>> {
     RECORDING.with(|r| match r.borrow_mut().as_mut() {
         Some(p) => p.push(slot, value).map(Some),
+        None => Ok(None),
+    })
+}
+
+/// While recording: appends `values` as the next block (an array) and returns the device
+/// address of its first element; `None` when this thread is not recording.
+///
+/// # Errors
+/// The area is full.
+pub(crate) fn record_slice<T: Copy>(slot: Slot, values: &[T]) -> candle_core::Result<Option<u64>> {
+    RECORDING.with(|r| match r.borrow_mut().as_mut() {
+        Some(p) => p.push_slice(slot, values).map(Some),
         None => Ok(None),
     })
 }

@@ -81,8 +81,10 @@ pub(crate) struct KvScatterParams {
 
 /// Copies sequence `b` of `k`, `v` (`[batch, kv_heads, n, head_dim]`) into `dst[b]` (its
 /// cache's reserved slots, `[1, kv_heads, n, head_dim]` views with a head's tokens contiguous
-/// and K and V heads equally spaced), [`KV_BATCH`] sequences a launch. `Ok(false)` without
-/// writing when a destination has another shape, dtype or layout, or while a step is captured.
+/// and K and V heads equally spaced), [`KV_BATCH`] sequences a launch. While a step is
+/// captured, the slots go to the step's parameter area (one block for the whole batch) and
+/// one launch reads them from there. `Ok(false)` without writing when a destination has
+/// another shape, dtype or layout.
 ///
 /// # Errors
 /// CUDA errors.
@@ -92,7 +94,7 @@ pub(crate) fn kv_scatter_batch(k: &Tensor, v: &Tensor, dst: &[(Tensor, Tensor)])
     let Ok(name) = tn(dtype) else {
         return Ok(false);
     };
-    if batch != dst.len() || v.dims() != k.dims() || v.dtype() != dtype || graph::recording() {
+    if batch != dst.len() || v.dims() != k.dims() || v.dtype() != dtype {
         return Ok(false);
     }
     let fits = |t: &Tensor| fits_kv_slots(t, kv_heads, n, head_dim, dtype);
@@ -115,6 +117,33 @@ pub(crate) fn kv_scatter_batch(k: &Tensor, v: &Tensor, dst: &[(Tensor, Tensor)])
         head_dim: u32_of(head_dim, "head dim")?,
         pad_: 0,
     };
+    if graph::recording() {
+        let seqs = u32_of(batch, "sequences")?;
+        let slot = graph::Slot::KvBatchDestination { seqs };
+        let at = graph::record_slice(slot, &blocks)?
+            .ok_or_else(|| candle_core::Error::Msg("not capturing a step".into()))?;
+        let func = load_kernel(&dev, &format!("kv_scatter_dyn_{name}"), &LAYER_OPS)?;
+        let cfg = LaunchConfig {
+            grid_dim: (per_seq.div_ceil(256).min(64) as u32, 2, seqs),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        by_dtype!(dtype, E, {
+            bind!(kv_, k, E);
+            bind!(vv_, v, E);
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&at);
+            b.arg(&kv_);
+            b.arg(&vv_);
+            // SAFETY: arguments match the kernel's signature; the recorded block holds one
+            // destination per sequence, each checked above (and at every replay, by the same
+            // `kv_destination`) to hold kv_heads heads of n tokens at its head stride.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok::<(), candle_core::Error>(())
+        })?;
+        return Ok(true);
+    }
     let func = load_kernel(&dev, &format!("kv_scatter_batch_{name}"), &LAYER_OPS)?;
     for (c, chunk) in blocks.chunks(KV_BATCH).enumerate() {
         let mut table = KvBatchDst::default();
@@ -194,8 +223,9 @@ pub(crate) fn quantize_kv_into(
 
 /// [`quantize_kv_into`] for a batch: sequence `b` of `k`, `v` (`[batch, kv_heads, n,
 /// head_dim]`) into `dst[b]` (each sequence's six packed slots), [`KVQ_BATCH`] sequences a
-/// launch. `Ok(false)` without writing when some sequence's slots are not laid out as
-/// `quantize_into` writes them, or while a step is captured.
+/// launch; while a step is captured, one launch reading every sequence's slots from the
+/// step's parameter area. `Ok(false)` without writing when some sequence's slots are not laid
+/// out as `quantize_into` writes them.
 ///
 /// # Errors
 /// Candle/CUDA errors.
@@ -211,7 +241,6 @@ pub(crate) fn quantize_kv_into_batch(
         || v.dims() != k.dims()
         || v.dtype() != k.dtype()
         || kname(k.dtype()).is_err()
-        || graph::recording()
     {
         return Ok(false);
     }
@@ -227,6 +256,18 @@ pub(crate) fn quantize_kv_into_batch(
         }
     }
     let (k, v) = (k.contiguous()?, v.contiguous()?);
+    if graph::recording() {
+        let slot = graph::Slot::KvQuantBatchDestination {
+            bits: bits.bits() as u32,
+            group_size: group_size as u32,
+            seqs: u32_of(batch, "sequences")?,
+        };
+        let at = graph::record_slice(slot, &blocks)?
+            .ok_or_else(|| candle_core::Error::Msg("not capturing a step".into()))?;
+        let rows = 0..k.elem_count();
+        launch_quantize_into(&k, &v, rows, bits, group_size, SlotArg::Recorded(at))?;
+        return Ok(true);
+    }
     let seq_len = k.elem_count() / batch.max(1);
     for (c, chunk) in blocks.chunks(KVQ_BATCH).enumerate() {
         let mut table = KvqBatch::default();
@@ -240,7 +281,7 @@ pub(crate) fn quantize_kv_into_batch(
 
 /// Where a `quantize_into` launch finds its slots.
 enum SlotArg<'a> {
-    /// The device address of a recorded [`KvqDst`] (`quantize_into_dyn`, one sequence).
+    /// The device address of recorded [`KvqDst`]s, one per sequence (`quantize_into_dyn`).
     Recorded(u64),
     /// A table of sequences' slots passed by value (`quantize_into_batch`).
     Table(&'a KvqBatch),

@@ -213,10 +213,9 @@ struct KvScatterParams {
 };
 
 template <typename T>
-__device__ __forceinline__ void kv_scatter_body(const KvScatterParams p, const KvBatchDst& dst,
+__device__ __forceinline__ void kv_scatter_body(const KvScatterParams p, const QkvDst& d,
                                                 const T* __restrict__ k,
                                                 const T* __restrict__ v) {
-    const QkvDst& d = dst.d[blockIdx.z];
     const bool is_v = blockIdx.y == 1;
     const size_t head = (size_t)p.n * p.head_dim, per_seq = head * p.kv_heads;
     const T* src = (is_v ? v : k) + blockIdx.z * per_seq;
@@ -232,7 +231,13 @@ __device__ __forceinline__ void kv_scatter_body(const KvScatterParams p, const K
                                                      const KvBatchDst dst, const T* k,          \
                                                      const T* v) {                              \
         pdl_entry();                                                                            \
-        kv_scatter_body<T>(p, dst, k, v);                                                       \
+        kv_scatter_body<T>(p, dst.d[blockIdx.z], k, v);                                         \
+    }                                                                                           \
+    /* A captured batched decode step: sequence blockIdx.z's slots read from device memory. */ \
+    extern "C" __global__ void kv_scatter_dyn_##TN(const KvScatterParams p, const QkvDst* dst,  \
+                                                   const T* k, const T* v) {                    \
+        pdl_entry();                                                                            \
+        kv_scatter_body<T>(p, dst[blockIdx.z], k, v);                                           \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                              \
         add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,              \

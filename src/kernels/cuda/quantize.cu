@@ -145,9 +145,10 @@ __device__ __forceinline__ void quantize_into_body(const QmatParams p, const Kvq
                             scales + h * d.s_sh + r, biases + h * d.s_sh + r);
 }
 
-// quantize_into_dyn: one sequence, its slots read from device memory (a captured decode step's
-// parameter area: the slots move from step to step, the graph does not). quantize_into_batch:
-// sequence blockIdx.z of a batch into dst.d[blockIdx.z] (one launch for a whole batch).
+// quantize_into_dyn: sequence blockIdx.z into dst[blockIdx.z], its slots read from device memory
+// (a captured decode step's parameter area: the slots move from step to step, the graph does
+// not). quantize_into_batch: sequence blockIdx.z of a batch into dst.d[blockIdx.z], the table
+// passed by value (one launch for a whole batch).
 #define QUANT_INST(TN, T, BITS)                                                                \
     extern "C" __global__ void quantize_##TN##_##BITS(const QmatParams p, const T* x,          \
                                                        uint32_t* codes, T* scales, T* biases) { \
@@ -158,7 +159,8 @@ __device__ __forceinline__ void quantize_into_body(const QmatParams p, const Kvq
                                                                 const KvqDst* dst, const T* k, \
                                                                 const T* v) {                  \
         pdl_entry();                                                                           \
-        quantize_into_body<T, BITS>(p, *dst, k, v);                                            \
+        const size_t seq = (size_t)blockIdx.z * p.rows * p.group_size;                         \
+        quantize_into_body<T, BITS>(p, dst[blockIdx.z], k + seq, v + seq);                     \
     }                                                                                          \
     extern "C" __global__ void quantize_into_batch_##TN##_##BITS(                              \
         const QmatParams p, const KvqBatch dst, const T* k, const T* v) {                      \

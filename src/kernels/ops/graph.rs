@@ -28,7 +28,7 @@ mod imp {
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Device, Tensor};
 
-    use crate::kernels::cuda::batched::{address, step_descriptor};
+    use crate::kernels::cuda::batched::{address, step_descriptors};
     use crate::kernels::cuda::graph::{self, Slot, StepParams};
     use crate::kernels::cuda::kv_write::kv_destination;
     use crate::kernels::cuda::kv_write::kvq_destination;
@@ -37,9 +37,9 @@ mod imp {
     use crate::kernels::KvView;
     use crate::kernels::QueryPlan;
 
-    /// Bytes of the parameter area: two blocks a layer (a `QsdpaSeq` is 192 bytes), ample for
-    /// every Gemma 4 depth.
-    const PARAM_BYTES: usize = 64 * 1024;
+    /// Bytes of the parameter area for each sequence of a step: two blocks a layer (a
+    /// `QsdpaSeq` is 192 bytes), ample for every Gemma 4 depth.
+    const PARAM_BYTES_PER_SEQ: usize = 64 * 1024;
 
     fn cuda_device(device: &Device) -> Option<&CudaDevice> {
         match device {
@@ -95,8 +95,66 @@ mod imp {
             Ok(true)
         }
 
-        /// Records one layer's attention of `n_heads` queries over `view`. `false`: the view
-        /// does not suit a captured launch (the step cannot replay).
+        /// Records where each sequence of a batched step writes its new K and V: dense slots
+        /// `dst[b]` (`[1, kv_heads, 1, head_dim]` views), one block for the batch. `false`:
+        /// some slots are not laid out as the kernel writes them (the step cannot replay).
+        ///
+        /// # Errors
+        /// The area is full.
+        pub(crate) fn kv_destinations(&mut self, dst: &[(Tensor, Tensor)]) -> Result<bool> {
+            let mut blocks = Vec::with_capacity(dst.len());
+            for (kd, vd) in dst {
+                match kv_destination(kd, vd) {
+                    Ok(b) => blocks.push(b),
+                    Err(_) => return Ok(false),
+                }
+            }
+            let slot = Slot::KvBatchDestination {
+                seqs: blocks.len() as u32,
+            };
+            self.params.push_slice(slot, &blocks)?;
+            Ok(true)
+        }
+
+        /// Records where each sequence of a batched step quantizes its new K and V: packed
+        /// slots `dst[b]` (codes, scales, biases of K, then of V), one block for the batch.
+        /// `false`: some slots are not laid out as the kernel writes them, or the sequences
+        /// quantize differently (the step cannot replay).
+        ///
+        /// # Errors
+        /// Slots not on the device; the area is full.
+        pub(crate) fn packed_kv_destinations(
+            &mut self,
+            dst: &[Vec<Tensor>],
+            head_dim: usize,
+            dtype: DType,
+        ) -> Result<bool> {
+            let mut blocks = Vec::with_capacity(dst.len());
+            let mut quant = None;
+            for parts in dst {
+                let Some((block, slot)) = kvq_destination(parts, head_dim, dtype)? else {
+                    return Ok(false);
+                };
+                if *quant.get_or_insert(slot) != slot {
+                    return Ok(false);
+                }
+                blocks.push(block);
+            }
+            let Some(Slot::KvQuantDestination { bits, group_size }) = quant else {
+                return Ok(false);
+            };
+            let slot = Slot::KvQuantBatchDestination {
+                bits,
+                group_size,
+                seqs: blocks.len() as u32,
+            };
+            self.params.push_slice(slot, &blocks)?;
+            Ok(true)
+        }
+
+        /// Records one layer's attention of `n_heads` queries a sequence, sequence `b` over
+        /// `views[b]` at `plans[b]`. `false`: the views do not suit a captured launch (the
+        /// step cannot replay).
         ///
         /// # Errors
         /// The area is full.
@@ -105,18 +163,15 @@ mod imp {
             n_heads: usize,
             head_dim: usize,
             dtype: DType,
-            view: &KvView,
-            plan: &QueryPlan,
+            views: &[&KvView],
+            plans: &[QueryPlan],
         ) -> Result<bool> {
-            let Ok((desc, bits)) = step_descriptor(n_heads, head_dim, dtype, view, plan, &self.dev)
+            let Ok((descs, slot)) =
+                step_descriptors(n_heads, head_dim, dtype, views, plans, &self.dev)
             else {
                 return Ok(false);
             };
-            let slot = Slot::Attention {
-                splits: desc.p.n_split,
-                bits: bits as u32,
-            };
-            self.params.push(slot, &desc)?;
+            self.params.push_slice(slot, &descs)?;
             Ok(true)
         }
     }
@@ -126,9 +181,10 @@ mod imp {
         graph: CudaGraph,
         /// What each parameter block feeds, as recorded at capture.
         slots: Vec<Slot>,
-        /// The parameter area, `PARAM_BYTES` bytes, and its device address.
+        /// The parameter area, `param_bytes` bytes, and its device address.
         _params: CudaSlice<u8>,
         params_at: u64,
+        param_bytes: usize,
         /// The inputs rewritten before each replay, kept alive for the graph, and their
         /// device addresses.
         inputs: Vec<(Tensor, u64)>,
@@ -152,29 +208,31 @@ mod imp {
     unsafe impl Send for DecodeGraph {}
 
     impl DecodeGraph {
-        /// Captures what `run` launches on `device` into a graph and launches it once. `inputs`
-        /// are the buffers `run` reads that [`DecodeGraph::replay`] rewrites, in that order.
-        /// The outer error is a failure of the step itself; the inner one says why no graph
+        /// Captures what `run` launches on `device` for a step of `seqs` sequences into a graph
+        /// and launches it once. `inputs` are the buffers `run` reads that
+        /// [`DecodeGraph::replay`] rewrites, in that order. The outer error is a failure of the step itself; the inner one says why no graph
         /// could be made (the caller then undoes what `run` changed and runs the step eagerly).
         ///
         /// # Errors
         /// Device errors of the allocation, the upload or the launch.
         pub(crate) fn capture<E: std::fmt::Display>(
             device: &Device,
+            seqs: usize,
             inputs: Vec<Tensor>,
             run: impl FnOnce() -> std::result::Result<(), E>,
         ) -> Result<std::result::Result<Self, String>> {
             let Some(dev) = cuda_device(device) else {
                 return Ok(Err("not a CUDA device".to_string()));
             };
-            let params = dev.alloc_zeros::<u8>(PARAM_BYTES)?;
+            let param_bytes = PARAM_BYTES_PER_SEQ * seqs.max(1);
+            let params = dev.alloc_zeros::<u8>(param_bytes)?;
             let params_at = params.device_ptr(&dev.cuda_stream()).0;
             // Candle's uploads come from the cache the eager step filled (a miss fails the
             // capture). The fixed buffers were made before, so none of them is a shared cache
             // entry.
             let uploads = dev.enable_cuda_graph_htod_cache();
             graph::begin_capture(dev)?;
-            let (ran, rec) = graph::with_recording(StepParams::new(params_at, PARAM_BYTES), run);
+            let (ran, rec) = graph::with_recording(StepParams::new(params_at, param_bytes), run);
             let ended = graph::end_capture(dev);
             drop(uploads);
             let graph = match (ran, ended) {
@@ -197,6 +255,7 @@ mod imp {
                 slots: rec.slots().to_vec(),
                 _params: params,
                 params_at,
+                param_bytes,
                 inputs,
                 dev: dev.clone(),
                 scratch_generation: scratch::generation(),
@@ -218,7 +277,7 @@ mod imp {
         /// An empty record of the next step's parameter blocks.
         pub(crate) fn record(&self) -> StepRecord {
             StepRecord {
-                params: StepParams::new(self.params_at, PARAM_BYTES),
+                params: StepParams::new(self.params_at, self.param_bytes),
                 dev: self.dev.clone(),
             }
         }
@@ -289,13 +348,28 @@ mod imp {
         }
 
         /// See the CUDA build.
+        pub(crate) fn kv_destinations(&mut self, _dst: &[(Tensor, Tensor)]) -> Result<bool> {
+            match self.never {}
+        }
+
+        /// See the CUDA build.
+        pub(crate) fn packed_kv_destinations(
+            &mut self,
+            _dst: &[Vec<Tensor>],
+            _head_dim: usize,
+            _dtype: DType,
+        ) -> Result<bool> {
+            match self.never {}
+        }
+
+        /// See the CUDA build.
         pub(crate) fn attention(
             &mut self,
             _n_heads: usize,
             _head_dim: usize,
             _dtype: DType,
-            _view: &KvView,
-            _plan: &QueryPlan,
+            _views: &[&KvView],
+            _plans: &[QueryPlan],
         ) -> Result<bool> {
             match self.never {}
         }
@@ -313,6 +387,7 @@ mod imp {
         /// None.
         pub(crate) fn capture<E: std::fmt::Display>(
             _device: &Device,
+            _seqs: usize,
             _inputs: Vec<Tensor>,
             _run: impl FnOnce() -> std::result::Result<(), E>,
         ) -> Result<std::result::Result<Self, String>> {

@@ -295,27 +295,91 @@ fn single(view: &KvView) -> Option<(&KvData, &KeyPositions)> {
     }
 }
 
-/// What a captured decode step's attention reads for one sequence: its descriptor and the bits
-/// of the K/V its kernel reads (4/8 packed, 16/32 dense), planned
-/// from `view` (dense K/V in `dtype`, positions that need no table). Called by the capture
-/// and by each replay, so both plan alike.
+/// What a captured decode step's attention reads: one descriptor per sequence (views[b] with
+/// plans[b]) and the slot that names the launch (the most key splits any sequence needs, the
+/// bits of the K/V its kernel reads, the kernel). Called by the capture and by each replay, so
+/// both plan alike.
 ///
 /// # Errors
-/// [`KernelError::Shape`] for a view this path cannot take (packed, another dtype, positions
-/// needing a table) or that does not fit the queries.
-pub(crate) fn step_descriptor(
+/// [`KernelError::Shape`] for views this path cannot take (another dtype, positions needing a
+/// table, storage the kernel does not read in place, sequences needing different kernels) or
+/// that do not fit the queries.
+pub(crate) fn step_descriptors(
     n_heads: usize,
     head_dim: usize,
     dtype: DType,
-    view: &KvView,
-    plan: &QueryPlan,
+    views: &[&KvView],
+    plans: &[QueryPlan],
     dev: &CudaDevice,
-) -> Result<(QsdpaSeq, usize), KernelError> {
-    let (desc, seq) = plan_step(n_heads, head_dim, dtype, view, plan, dev)?;
-    Ok((desc, seq.bits))
+) -> Result<(Vec<QsdpaSeq>, graph::Slot), KernelError> {
+    let (descs, seqs) = plan_steps(n_heads, head_dim, dtype, views, plans, dev)?;
+    let slot = step_slot(&seqs, seqs.iter().map(|s| s.n_split).max().unwrap_or(1))?;
+    Ok((descs, slot))
 }
 
-/// [`step_descriptor`] with the plan it came from.
+/// The slot of an attention launch over `seqs` covering `splits` key splits.
+fn step_slot(seqs: &[SeqPlan], splits: usize) -> Result<graph::Slot, KernelError> {
+    let first = seqs.first().ok_or(KernelError::BatchSize {
+        expected: 1,
+        found: 0,
+    })?;
+    Ok(graph::Slot::Attention {
+        seqs: seqs.len() as u32,
+        splits: splits as u32,
+        bits: first.bits as u32,
+        kernel: graph::kernel_code(
+            first.nq,
+            first.tensor_cores,
+            first.stages,
+            first.fold_values,
+        ),
+    })
+}
+
+/// Plans each sequence of a captured step ([`plan_step`]) and checks they share one kernel.
+fn plan_steps(
+    n_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    views: &[&KvView],
+    plans: &[QueryPlan],
+    dev: &CudaDevice,
+) -> Result<(Vec<QsdpaSeq>, Vec<SeqPlan>), KernelError> {
+    if views.is_empty() || views.len() != plans.len() {
+        return Err(KernelError::BatchSize {
+            expected: plans.len(),
+            found: views.len(),
+        });
+    }
+    let mut descs = Vec::with_capacity(views.len());
+    let mut seqs: Vec<SeqPlan> = Vec::with_capacity(views.len());
+    for (view, plan) in views.iter().zip(plans) {
+        let (desc, seq) = plan_step(n_heads, head_dim, dtype, view, plan, dev)?;
+        if let Some(first) = seqs.first() {
+            let same = seq.bits == first.bits
+                && seq.dense == first.dense
+                && seq.nq == first.nq
+                && seq.tensor_cores == first.tensor_cores
+                && seq.stages == first.stages
+                && seq.fold_values == first.fold_values
+                && seq.params.kv_heads == first.params.kv_heads
+                && seq.params.group_size == first.params.group_size;
+            if !same {
+                return Err(KernelError::Shape {
+                    what: "captured decode attention",
+                    expected: "sequences attended by one kernel".to_string(),
+                    found: vec![first.bits, seq.bits],
+                });
+            }
+        }
+        descs.push(desc);
+        seqs.push(seq);
+    }
+    Ok((descs, seqs))
+}
+
+/// One sequence of a captured step, planned from `view` (dense K/V in `dtype`, or packed K/V
+/// with scales in `dtype`, with positions that need no table), and its descriptor.
 fn plan_step(
     n_heads: usize,
     head_dim: usize,
@@ -376,30 +440,42 @@ fn plan_step(
     Ok((descriptor(&seq, None, dev)?, seq))
 }
 
-/// One decode query `q` `[1, n_heads, 1, head_dim]` attending `view` while a step is captured:
-/// the descriptor goes to the step's parameter area and the launch reads it from there,
-/// covering more key splits than this step needs (see [`graph::covered_splits`]; the
-/// unused ones return at once).
+/// Decode queries `q` `[batch, n_heads, 1, head_dim]`, sequence `b` attending `views[b]` at
+/// `plans[b]`, while a step is captured: the descriptors go to the step's parameter area (one
+/// block) and one launch reads them from there, covering more key splits than this step needs
+/// (see [`graph::covered_splits`]; the unused ones return at once).
 ///
 /// # Errors
-/// As [`step_descriptor`]; not recording.
+/// As [`step_descriptors`]; not recording.
 pub(crate) fn attend_recorded(
     q: &Tensor,
-    view: &KvView,
-    plan: &QueryPlan,
+    views: &[&KvView],
+    plans: &[QueryPlan],
 ) -> Result<Tensor, KernelError> {
-    let (_, n_heads, _, head_dim) = q.dims4()?;
+    let (batch, n_heads, _, head_dim) = q.dims4()?;
+    if batch != views.len() {
+        return Err(KernelError::BatchSize {
+            expected: batch,
+            found: views.len(),
+        });
+    }
     let dev = cuda_dev(q)?;
-    let (desc, seq) = plan_step(n_heads, head_dim, q.dtype(), view, plan, &dev)?;
-    let splits = graph::covered_splits(seq.n_split, seq.split_bound);
-    let slot = graph::Slot::Attention {
-        splits: splits as u32,
-        bits: seq.bits as u32,
-    };
-    let at = graph::record(slot, &desc)?.ok_or_else(|| {
+    let (descs, seqs) = plan_steps(n_heads, head_dim, q.dtype(), views, plans, &dev)?;
+    let need = seqs.iter().map(|s| s.n_split).max().unwrap_or(1);
+    let bound = seqs.iter().map(|s| s.split_bound).max().unwrap_or(1);
+    let splits = graph::covered_splits(need, bound);
+    if batch * splits > u16::MAX as usize {
+        return Err(KernelError::Shape {
+            what: "captured decode attention",
+            expected: format!("at most {} sequences x key splits", u16::MAX),
+            found: vec![batch, splits],
+        });
+    }
+    let slot = step_slot(&seqs, splits)?;
+    let at = graph::record_slice(slot, &descs)?.ok_or_else(|| {
         KernelError::Candle(candle_core::Error::Msg(
             "attend_recorded called outside a capture".to_string(),
         ))
     })?;
-    launch_seqs(q, &seq, 1, splits, at, &dev)
+    launch_seqs(q, &seqs[0], batch, splits, at, &dev)
 }
