@@ -39,9 +39,9 @@ use super::step::Step;
 use super::KvInput;
 use crate::config::{KvSource, LayerKind};
 use crate::error::Result;
-use crate::kernels::ops::graph::{self, DecodeGraph, StepRecord};
+use crate::kernels::ops::graph::{self, DecodeGraph, SeqRecord, StepRecord};
 use crate::kernels::QueryPlan;
-use crate::kv::{KvView, LayerCache, ModelCache};
+use crate::kv::{LayerCache, ModelCache};
 
 /// Eager decode steps of a batch size before its capture (the first sizes the scratch
 /// buffers).
@@ -288,87 +288,138 @@ fn reserve_one(c: &mut LayerCache, device: &candle_core::Device) -> Result<bool>
     })
 }
 
-/// Advances a KV-owning layer's cache by one token a sequence and records where its new K/V
-/// go, in the order the captured launches read them. `None`: the cache cannot take this step
-/// in place.
-fn advance(
-    c: &mut LayerCache,
-    head_dim: usize,
-    model: &TextModel,
-    rec: &mut StepRecord,
-) -> Result<Option<KvView>> {
-    let (device, dtype) = (model.device(), model.dtype());
-    if let Some(b) = several(c) {
-        let recorded = if let Some(slots) = b.reserve_each_slots(1, device)? {
-            rec.kv_destinations(&slots)?
-        } else if let Some(parts) = b.reserve_each_packed(1, device)? {
-            rec.packed_kv_destinations(&parts, head_dim, dtype)?
-        } else {
-            false
-        };
-        return Ok(if recorded {
-            Some(b.commit_each(1)?)
-        } else {
-            None
-        });
-    }
-    if let Some((kd, vd)) = c.reserve_slots(1, device)? {
-        rec.kv_destination(&kd, &vd)?;
-    } else if let Some(parts) = c.reserve_packed_slots(1, device)? {
-        if !rec.packed_kv_destination(&parts, head_dim, dtype)? {
-            return Ok(None);
-        }
-    } else {
-        return Ok(None);
-    }
-    Ok(Some(c.commit_slots(1)?))
-}
+/// Sequences a thread records at least when a replayed step is recorded on several threads.
+const SEQS_PER_THREAD: usize = 4;
+
+/// Most threads recording one replayed step.
+const RECORD_THREADS: usize = 8;
 
 /// Advances every KV-owning layer's cache by one token a sequence and records, in launch
-/// order, the parameter blocks the captured launches read: where each such layer writes its K
-/// and V, and each layer's attention over its views. `Ok(false)`: a cache cannot take this
-/// step in place (the caller rolls back and runs it eagerly).
+/// order, the parameter blocks the captured launches read: for each layer, where each
+/// sequence writes its K and V, then the attention over every sequence's view. Each sequence
+/// is recorded on its own (large batches on several threads) and the records are merged.
+/// `Ok(false)`: a cache cannot take this step in place (the caller rolls back and runs it
+/// eagerly).
 fn record_step(
     model: &TextModel,
     cache: &mut ModelCache,
     positions: &[usize],
     rec: &mut StepRecord,
 ) -> Result<bool> {
+    let records = match cache.split_sequences() {
+        Some(mut seqs) => {
+            let recorded = record_sequences(model, &mut seqs, positions);
+            cache.join_sequences(seqs);
+            recorded?
+        }
+        None => match positions {
+            [pos] => vec![record_sequence(model, cache, *pos)?],
+            _ => return Ok(false),
+        },
+    };
+    match records.into_iter().collect::<Option<Vec<SeqRecord>>>() {
+        Some(records) => Ok(rec.merge(&records)?),
+        None => Ok(false),
+    }
+}
+
+/// [`record_sequence`] for each of `seqs` at `positions`, on up to [`RECORD_THREADS`] threads
+/// of at least [`SEQS_PER_THREAD`] sequences each (one thread below that: a thread costs more
+/// than a few sequences).
+fn record_sequences(
+    model: &TextModel,
+    seqs: &mut [ModelCache],
+    positions: &[usize],
+) -> Result<Vec<Option<SeqRecord>>> {
+    if seqs.len() != positions.len() {
+        return Ok(vec![None]);
+    }
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = (seqs.len() / SEQS_PER_THREAD).clamp(1, RECORD_THREADS.min(cores).max(1));
+    if threads == 1 {
+        return seqs
+            .iter_mut()
+            .zip(positions)
+            .map(|(c, &pos)| record_sequence(model, c, pos))
+            .collect();
+    }
+    let chunk = seqs.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = seqs
+            .chunks_mut(chunk)
+            .zip(positions.chunks(chunk))
+            .map(|(cs, ps)| {
+                scope.spawn(move || {
+                    cs.iter_mut()
+                        .zip(ps)
+                        .map(|(c, &pos)| record_sequence(model, c, pos))
+                        .collect::<Result<Vec<_>>>()
+                })
+            })
+            .collect();
+        let mut out = Vec::with_capacity(positions.len());
+        for h in handles {
+            let part = h.join().map_err(|_| {
+                crate::Error::Candle(candle_core::Error::Msg(
+                    "a thread recording a decode step panicked".to_string(),
+                ))
+            })??;
+            out.extend(part);
+        }
+        Ok(out)
+    })
+}
+
+/// Advances one sequence's caches (`cache`, not batched) by one token at `pos` and records its
+/// blocks, layer by layer; `None` when a cache cannot take the step in place or a view does
+/// not suit a captured launch.
+fn record_sequence(
+    model: &TextModel,
+    cache: &mut ModelCache,
+    pos: usize,
+) -> Result<Option<SeqRecord>> {
+    let (device, dtype) = (model.device(), model.dtype());
+    let Some(mut rec) = SeqRecord::new(device) else {
+        return Ok(None);
+    };
     let config = model.config();
-    let dtype = model.dtype();
     let mut routing = KvRouting::new(&model.producers);
     for (i, plan) in config.layers.iter().enumerate() {
         let view = match routing.input(i, plan.kv, cache)? {
-            KvInput::Own(c) => match advance(c, plan.head_dim, model, rec)? {
-                Some(view) => view,
-                None => return Ok(false),
-            },
+            KvInput::Own(c) => {
+                if let Some((kd, vd)) = c.reserve_slots(1, device)? {
+                    if !rec.kv_destination(&kd, &vd) {
+                        return Ok(None);
+                    }
+                } else if let Some(parts) = c.reserve_packed_slots(1, device)? {
+                    if !rec.packed_kv_destination(&parts, plan.head_dim, dtype)? {
+                        return Ok(None);
+                    }
+                } else {
+                    return Ok(None);
+                }
+                c.commit_slots(1)?
+            }
             KvInput::Shared(view) => view.clone(),
         };
-        let queries: Vec<QueryPlan> = positions
-            .iter()
-            .map(|&q_offset| QueryPlan {
-                q_offset,
-                window: window_of(model, plan.kind),
-                scale: 1.0,
-            })
-            .collect();
-        let views: Vec<&KvView> = match &view {
-            KvView::Batch(views) if views.len() > 1 => views.iter().collect(),
-            one => vec![one],
+        let query = QueryPlan {
+            q_offset: pos,
+            window: window_of(model, plan.kind),
+            scale: 1.0,
         };
         if !rec.attention(
             config.num_attention_heads,
             plan.head_dim,
             dtype,
-            &views,
-            &queries,
-        )? {
-            return Ok(false);
+            &view,
+            &query,
+        ) {
+            return Ok(None);
         }
         routing.produced(i, Some(view));
     }
-    Ok(true)
+    Ok(Some(rec))
 }
 
 /// Captures this step (token `ids[b]` for sequence `b`) into a graph and launches it. The

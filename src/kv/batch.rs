@@ -198,8 +198,7 @@ impl BatchCache {
 
     /// Dense storage for the next `n` tokens of every sequence (each one's
     /// [`LayerCache::reserve_slots`]), for a captured step that writes them in place; `None` as
-    /// soon as one sequence has none. A `Some` must be followed by
-    /// [`BatchCache::commit_each`].
+    /// soon as one sequence has none (reserving grows storage at most; nothing is counted).
     ///
     /// # Errors
     /// Allocation errors.
@@ -213,8 +212,7 @@ impl BatchCache {
     }
 
     /// Packed storage for the next `n` tokens of every sequence (each one's
-    /// [`LayerCache::reserve_packed_slots`]); `None` as soon as one sequence has none. A
-    /// `Some` must be followed by [`BatchCache::commit_each`].
+    /// [`LayerCache::reserve_packed_slots`]); `None` as soon as one sequence has none.
     ///
     /// # Errors
     /// Allocation errors.
@@ -227,19 +225,18 @@ impl BatchCache {
         self.reserve_each(|c| c.reserve_packed_slots(n, device))
     }
 
-    /// Commits the slots of [`BatchCache::reserve_each_slots`] or
-    /// [`BatchCache::reserve_each_packed`] in every sequence: the batch view `update` would
-    /// have returned.
-    ///
-    /// # Errors
-    /// [`CacheError::Config`] when a sequence reserved no such storage.
+    /// Moves the sequences' caches out, leaving the batch empty until
+    /// [`BatchCache::put_sequences`] returns them (crate only: a replayed decode step records
+    /// each sequence on its own).
     #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
-    pub(crate) fn commit_each(&mut self, n: usize) -> Result<KvView, CacheError> {
-        self.seqs
-            .iter_mut()
-            .map(|c| c.commit_slots(n))
-            .collect::<Result<Vec<_>, _>>()
-            .map(KvView::Batch)
+    pub(crate) fn take_sequences(&mut self) -> Vec<LayerCache> {
+        std::mem::take(&mut self.seqs)
+    }
+
+    /// Puts back what [`BatchCache::take_sequences`] took.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn put_sequences(&mut self, seqs: Vec<LayerCache>) {
+        self.seqs = seqs;
     }
 
     /// Every sequence's slots from `reserve`, or `None` as soon as one has none. Reserving grows

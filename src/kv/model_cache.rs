@@ -95,6 +95,58 @@ impl ModelCache {
         }
     }
 
+    /// Moves each sequence's caches out of a cache whose every layer is a batch (or empty), one
+    /// `ModelCache` a sequence, leaving the batches empty until
+    /// [`ModelCache::join_sequences`] puts them back; `None`, moving nothing, when some layer
+    /// is not a batch or the batches differ in size.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn split_sequences(&mut self) -> Option<Vec<ModelCache>> {
+        let mut n = None;
+        for c in self.layers.iter().flatten() {
+            let LayerCache::Batch(b) = c else {
+                return None;
+            };
+            if *n.get_or_insert(b.len()) != b.len() {
+                return None;
+            }
+        }
+        let n = n?;
+        let mut seqs: Vec<ModelCache> = (0..n)
+            .map(|_| ModelCache {
+                layers: Vec::with_capacity(self.layers.len()),
+            })
+            .collect();
+        for c in &mut self.layers {
+            match c {
+                Some(LayerCache::Batch(b)) => {
+                    for (seq, layer) in seqs.iter_mut().zip(b.take_sequences()) {
+                        seq.layers.push(Some(layer));
+                    }
+                }
+                _ => seqs.iter_mut().for_each(|s| s.layers.push(None)),
+            }
+        }
+        Some(seqs)
+    }
+
+    /// Puts back the sequences [`ModelCache::split_sequences`] moved out.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn join_sequences(&mut self, seqs: Vec<ModelCache>) {
+        let mut per_layer: Vec<Vec<LayerCache>> = self.layers.iter().map(|_| Vec::new()).collect();
+        for seq in seqs {
+            for (l, c) in seq.layers.into_iter().enumerate() {
+                if let (Some(c), Some(out)) = (c, per_layer.get_mut(l)) {
+                    out.push(c);
+                }
+            }
+        }
+        for (c, seqs) in self.layers.iter_mut().zip(per_layer) {
+            if let Some(LayerCache::Batch(b)) = c {
+                b.put_sequences(seqs);
+            }
+        }
+    }
+
     /// How many tokens every layer can roll back.
     pub fn trimmable(&self) -> usize {
         self.caches().map(LayerCache::trimmable).min().unwrap_or(0)

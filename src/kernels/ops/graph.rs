@@ -9,7 +9,7 @@
 
 use candle_core::Device;
 
-pub(crate) use imp::{with_cached_uploads, DecodeGraph, StepRecord};
+pub(crate) use imp::{with_cached_uploads, DecodeGraph, SeqRecord, StepRecord};
 
 /// Whether decode steps on `device` may be captured: the `cuda` feature is built, `device` is a
 /// CUDA device and [`crate::kernels::policy::LaunchPolicy::cuda_graph`] is on.
@@ -28,10 +28,11 @@ mod imp {
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Device, Tensor};
 
-    use crate::kernels::cuda::batched::{address, step_descriptors};
+    use crate::kernels::cuda::batched::{
+        address, step_attention, step_attention_slot, StepAttention,
+    };
     use crate::kernels::cuda::graph::{self, Slot, StepParams};
-    use crate::kernels::cuda::kv_write::kv_destination;
-    use crate::kernels::cuda::kv_write::kvq_destination;
+    use crate::kernels::cuda::kv_write::{kv_destination, kvq_destination, KvqDst, QkvDst};
     use crate::kernels::cuda::scratch;
     use crate::kernels::ops::Result;
     use crate::kernels::KvView;
@@ -57,122 +58,180 @@ mod imp {
         f()
     }
 
-    /// The parameter blocks of one replayed step, in launch order: where each KV-owning layer
-    /// writes its new K and V, and each layer's attention over its view.
-    pub(crate) struct StepRecord {
-        params: StepParams,
+    /// Where one layer of one sequence writes its new K and V in a replayed step.
+    #[derive(Debug, Clone, Copy)]
+    enum KvBlock {
+        /// Dense slots (`QkvDst`).
+        Dense(QkvDst),
+        /// Packed slots (`KvqDst`) and the quantization its slot names.
+        Packed(KvqDst, Slot),
+    }
+
+    /// One layer of one sequence in a replayed step.
+    #[derive(Debug, Clone, Copy)]
+    struct LayerBlocks {
+        kv: Option<KvBlock>,
+        attention: StepAttention,
+    }
+
+    /// The parameter blocks of one sequence of a replayed step, layer by layer: where each
+    /// KV-owning layer writes its new K and V, and each layer's attention over its view.
+    /// Sequences are recorded independently (on several threads for large batches) and then
+    /// merged into the step's [`StepRecord`].
+    pub(crate) struct SeqRecord {
+        layers: Vec<LayerBlocks>,
+        pending: Option<KvBlock>,
         dev: CudaDevice,
     }
 
-    impl StepRecord {
-        /// Records where a layer's new K and V go: dense slots `kd`, `vd`
-        /// (`[1, kv_heads, 1, head_dim]` views).
-        ///
-        /// # Errors
-        /// Slots not laid out as the kernel writes them; the area is full.
-        pub(crate) fn kv_destination(&mut self, kd: &Tensor, vd: &Tensor) -> Result<()> {
-            self.params
-                .push(Slot::KvDestination, &kv_destination(kd, vd)?)?;
-            Ok(())
+    impl SeqRecord {
+        /// An empty record for a sequence on `device`; `None` off CUDA.
+        pub(crate) fn new(device: &Device) -> Option<Self> {
+            Some(Self {
+                layers: Vec::new(),
+                pending: None,
+                dev: cuda_device(device)?.clone(),
+            })
         }
 
-        /// Records where a layer's new K and V are quantized to: packed slots `parts` (codes,
-        /// scales, biases of K, then of V). `false`: the slots are not laid out as the kernel
-        /// writes them (the step cannot replay).
+        /// Records where the next layer's new K and V go: dense slots `kd`, `vd`
+        /// (`[1, kv_heads, 1, head_dim]` views). `false`: the slots are not laid out as the
+        /// kernels write them (the step cannot replay).
+        pub(crate) fn kv_destination(&mut self, kd: &Tensor, vd: &Tensor) -> bool {
+            match kv_destination(kd, vd) {
+                Ok(block) => {
+                    self.pending = Some(KvBlock::Dense(block));
+                    true
+                }
+                Err(_) => false,
+            }
+        }
+
+        /// Records where the next layer's new K and V are quantized to: packed slots `parts`
+        /// (codes, scales, biases of K, then of V). `false`: the slots are not laid out as the
+        /// kernel writes them (the step cannot replay).
         ///
         /// # Errors
-        /// Slots not on the device; the area is full.
+        /// Slots not on the device.
         pub(crate) fn packed_kv_destination(
             &mut self,
             parts: &[Tensor],
             head_dim: usize,
             dtype: DType,
         ) -> Result<bool> {
-            let Some((dst, slot)) = kvq_destination(parts, head_dim, dtype)? else {
+            let Some((block, slot)) = kvq_destination(parts, head_dim, dtype)? else {
                 return Ok(false);
             };
-            self.params.push(slot, &dst)?;
+            self.pending = Some(KvBlock::Packed(block, slot));
             Ok(true)
         }
 
-        /// Records where each sequence of a batched step writes its new K and V: dense slots
-        /// `dst[b]` (`[1, kv_heads, 1, head_dim]` views), one block for the batch. `false`:
-        /// some slots are not laid out as the kernel writes them (the step cannot replay).
-        ///
-        /// # Errors
-        /// The area is full.
-        pub(crate) fn kv_destinations(&mut self, dst: &[(Tensor, Tensor)]) -> Result<bool> {
-            let mut blocks = Vec::with_capacity(dst.len());
-            for (kd, vd) in dst {
-                match kv_destination(kd, vd) {
-                    Ok(b) => blocks.push(b),
-                    Err(_) => return Ok(false),
-                }
-            }
-            let slot = Slot::KvBatchDestination {
-                seqs: blocks.len() as u32,
-            };
-            self.params.push_slice(slot, &blocks)?;
-            Ok(true)
-        }
-
-        /// Records where each sequence of a batched step quantizes its new K and V: packed
-        /// slots `dst[b]` (codes, scales, biases of K, then of V), one block for the batch.
-        /// `false`: some slots are not laid out as the kernel writes them, or the sequences
-        /// quantize differently (the step cannot replay).
-        ///
-        /// # Errors
-        /// Slots not on the device; the area is full.
-        pub(crate) fn packed_kv_destinations(
-            &mut self,
-            dst: &[Vec<Tensor>],
-            head_dim: usize,
-            dtype: DType,
-        ) -> Result<bool> {
-            let mut blocks = Vec::with_capacity(dst.len());
-            let mut quant = None;
-            for parts in dst {
-                let Some((block, slot)) = kvq_destination(parts, head_dim, dtype)? else {
-                    return Ok(false);
-                };
-                if *quant.get_or_insert(slot) != slot {
-                    return Ok(false);
-                }
-                blocks.push(block);
-            }
-            let Some(Slot::KvQuantDestination { bits, group_size }) = quant else {
-                return Ok(false);
-            };
-            let slot = Slot::KvQuantBatchDestination {
-                bits,
-                group_size,
-                seqs: blocks.len() as u32,
-            };
-            self.params.push_slice(slot, &blocks)?;
-            Ok(true)
-        }
-
-        /// Records one layer's attention of `n_heads` queries a sequence, sequence `b` over
-        /// `views[b]` at `plans[b]`. `false`: the views do not suit a captured launch (the
-        /// step cannot replay).
-        ///
-        /// # Errors
-        /// The area is full.
+        /// Records the layer's attention of `n_heads` queries over `view` at `plan`, which
+        /// completes the layer. `false`: the view does not suit a captured launch (the step
+        /// cannot replay).
         pub(crate) fn attention(
             &mut self,
             n_heads: usize,
             head_dim: usize,
             dtype: DType,
-            views: &[&KvView],
-            plans: &[QueryPlan],
-        ) -> Result<bool> {
-            let Ok((descs, slot)) =
-                step_descriptors(n_heads, head_dim, dtype, views, plans, &self.dev)
-            else {
+            view: &KvView,
+            plan: &QueryPlan,
+        ) -> bool {
+            match step_attention(n_heads, head_dim, dtype, view, plan, &self.dev) {
+                Ok(attention) => {
+                    let kv = self.pending.take();
+                    self.layers.push(LayerBlocks { kv, attention });
+                    true
+                }
+                Err(_) => false,
+            }
+        }
+    }
+
+    /// The parameter blocks of one replayed step, in launch order: for each layer, where each
+    /// sequence of a KV-owning layer writes its new K and V (one block), then the layer's
+    /// attention over every sequence's view (one block).
+    pub(crate) struct StepRecord {
+        params: StepParams,
+    }
+
+    impl StepRecord {
+        /// Appends every layer of `seqs` (one record a sequence, in batch order) in the order
+        /// the captured launches read them. `false`: the sequences' layers do not line up
+        /// (another number of layers, K/V written differently, or attention needing different
+        /// kernels), so the step cannot replay.
+        ///
+        /// # Errors
+        /// The area is full.
+        pub(crate) fn merge(&mut self, seqs: &[SeqRecord]) -> Result<bool> {
+            let Some(first) = seqs.first() else {
                 return Ok(false);
             };
-            self.params.push_slice(slot, &descs)?;
+            let n = seqs.len();
+            if seqs.iter().any(|s| s.layers.len() != first.layers.len()) {
+                return Ok(false);
+            }
+            for l in 0..first.layers.len() {
+                let layer: Vec<&LayerBlocks> = seqs.iter().map(|s| &s.layers[l]).collect();
+                if !self.push_kv(&layer, n)? {
+                    return Ok(false);
+                }
+                let atts: Vec<StepAttention> = layer.iter().map(|b| b.attention).collect();
+                let Some(slot) = step_attention_slot(&atts, None) else {
+                    return Ok(false);
+                };
+                let descs: Vec<_> = atts.iter().map(|a| a.desc).collect();
+                self.params.push_slice(slot, &descs)?;
+            }
             Ok(true)
+        }
+
+        /// Appends one layer's K/V blocks of `n` sequences (none for a layer that writes no
+        /// K/V): one sequence's as the fused projection or the quantization reads it, several
+        /// as one batch block. `false` when the sequences write differently.
+        fn push_kv(&mut self, layer: &[&LayerBlocks], n: usize) -> Result<bool> {
+            match layer.first().and_then(|b| b.kv) {
+                None => Ok(layer.iter().all(|b| b.kv.is_none())),
+                Some(KvBlock::Dense(_)) => {
+                    let mut blocks = Vec::with_capacity(n);
+                    for b in layer {
+                        match b.kv {
+                            Some(KvBlock::Dense(d)) => blocks.push(d),
+                            _ => return Ok(false),
+                        }
+                    }
+                    if n == 1 {
+                        self.params.push(Slot::KvDestination, &blocks[0])?;
+                    } else {
+                        let slot = Slot::KvBatchDestination { seqs: n as u32 };
+                        self.params.push_slice(slot, &blocks)?;
+                    }
+                    Ok(true)
+                }
+                Some(KvBlock::Packed(_, slot)) => {
+                    let mut blocks = Vec::with_capacity(n);
+                    for b in layer {
+                        match b.kv {
+                            Some(KvBlock::Packed(d, s)) if s == slot => blocks.push(d),
+                            _ => return Ok(false),
+                        }
+                    }
+                    let Slot::KvQuantDestination { bits, group_size } = slot else {
+                        return Ok(false);
+                    };
+                    if n == 1 {
+                        self.params.push(slot, &blocks[0])?;
+                    } else {
+                        let slot = Slot::KvQuantBatchDestination {
+                            bits,
+                            group_size,
+                            seqs: n as u32,
+                        };
+                        self.params.push_slice(slot, &blocks)?;
+                    }
+                    Ok(true)
+                }
+            }
         }
     }
 
@@ -278,7 +337,6 @@ mod imp {
         pub(crate) fn record(&self) -> StepRecord {
             StepRecord {
                 params: StepParams::new(self.params_at, self.param_bytes),
-                dev: self.dev.clone(),
             }
         }
 
@@ -326,14 +384,19 @@ mod imp {
         f()
     }
 
-    /// The parameter blocks of one replayed step (none exist without CUDA).
-    pub(crate) struct StepRecord {
+    /// One sequence's parameter blocks of a replayed step (none exist without CUDA).
+    pub(crate) struct SeqRecord {
         never: Never,
     }
 
-    impl StepRecord {
+    impl SeqRecord {
+        /// `None`: nothing is recorded without CUDA.
+        pub(crate) fn new(_device: &Device) -> Option<Self> {
+            None
+        }
+
         /// See the CUDA build.
-        pub(crate) fn kv_destination(&mut self, _kd: &Tensor, _vd: &Tensor) -> Result<()> {
+        pub(crate) fn kv_destination(&mut self, _kd: &Tensor, _vd: &Tensor) -> bool {
             match self.never {}
         }
 
@@ -348,29 +411,26 @@ mod imp {
         }
 
         /// See the CUDA build.
-        pub(crate) fn kv_destinations(&mut self, _dst: &[(Tensor, Tensor)]) -> Result<bool> {
-            match self.never {}
-        }
-
-        /// See the CUDA build.
-        pub(crate) fn packed_kv_destinations(
-            &mut self,
-            _dst: &[Vec<Tensor>],
-            _head_dim: usize,
-            _dtype: DType,
-        ) -> Result<bool> {
-            match self.never {}
-        }
-
-        /// See the CUDA build.
         pub(crate) fn attention(
             &mut self,
             _n_heads: usize,
             _head_dim: usize,
             _dtype: DType,
-            _views: &[&KvView],
-            _plans: &[QueryPlan],
-        ) -> Result<bool> {
+            _view: &KvView,
+            _plan: &QueryPlan,
+        ) -> bool {
+            match self.never {}
+        }
+    }
+
+    /// The parameter blocks of one replayed step (none exist without CUDA).
+    pub(crate) struct StepRecord {
+        never: Never,
+    }
+
+    impl StepRecord {
+        /// See the CUDA build.
+        pub(crate) fn merge(&mut self, _seqs: &[SeqRecord]) -> Result<bool> {
             match self.never {}
         }
     }

@@ -295,87 +295,93 @@ fn single(view: &KvView) -> Option<(&KvData, &KeyPositions)> {
     }
 }
 
-/// What a captured decode step's attention reads: one descriptor per sequence (views[b] with
-/// plans[b]) and the slot that names the launch (the most key splits any sequence needs, the
-/// bits of the K/V its kernel reads, the kernel). Called by the capture and by each replay, so
-/// both plan alike.
+/// What one sequence's attention in a captured step reads and which launch it needs: its
+/// descriptor, the key splits it needs and can take, and the kernel it is planned for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepAttention {
+    /// The sequence descriptor the launch reads from the parameter area.
+    pub(crate) desc: QsdpaSeq,
+    n_split: usize,
+    split_bound: usize,
+    kernel: KernelKey,
+}
+
+/// What must agree for sequences to share one attention launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct KernelKey {
+    bits: usize,
+    dense: bool,
+    nq: usize,
+    tensor_cores: bool,
+    stages: usize,
+    fold: bool,
+    kv_heads: u32,
+    group_size: u32,
+}
+
+impl KernelKey {
+    fn of(p: &SeqPlan) -> Self {
+        Self {
+            bits: p.bits,
+            dense: p.dense,
+            nq: p.nq,
+            tensor_cores: p.tensor_cores,
+            stages: p.stages,
+            fold: p.fold_values,
+            kv_heads: p.params.kv_heads,
+            group_size: p.params.group_size,
+        }
+    }
+}
+
+impl StepAttention {
+    fn of(desc: QsdpaSeq, p: &SeqPlan) -> Self {
+        Self {
+            desc,
+            n_split: p.n_split,
+            split_bound: p.split_bound,
+            kernel: KernelKey::of(p),
+        }
+    }
+}
+
+/// Plans one sequence's attention in a captured step: `view` attended by `n_heads` queries at
+/// `plan` (the same planning the captured launch did). Called by each replay.
 ///
 /// # Errors
-/// [`KernelError::Shape`] for views this path cannot take (another dtype, positions needing a
-/// table, storage the kernel does not read in place, sequences needing different kernels) or
-/// that do not fit the queries.
-pub(crate) fn step_descriptors(
+/// [`KernelError::Shape`] for a view this path cannot take (another dtype, positions needing a
+/// table, storage the kernel does not read in place) or that does not fit the queries.
+pub(crate) fn step_attention(
     n_heads: usize,
     head_dim: usize,
     dtype: DType,
-    views: &[&KvView],
-    plans: &[QueryPlan],
+    view: &KvView,
+    plan: &QueryPlan,
     dev: &CudaDevice,
-) -> Result<(Vec<QsdpaSeq>, graph::Slot), KernelError> {
-    let (descs, seqs) = plan_steps(n_heads, head_dim, dtype, views, plans, dev)?;
-    let slot = step_slot(&seqs, seqs.iter().map(|s| s.n_split).max().unwrap_or(1))?;
-    Ok((descs, slot))
+) -> Result<StepAttention, KernelError> {
+    let (desc, seq) = plan_step(n_heads, head_dim, dtype, view, plan, dev)?;
+    Ok(StepAttention::of(desc, &seq))
 }
 
-/// The slot of an attention launch over `seqs` covering `splits` key splits.
-fn step_slot(seqs: &[SeqPlan], splits: usize) -> Result<graph::Slot, KernelError> {
-    let first = seqs.first().ok_or(KernelError::BatchSize {
-        expected: 1,
-        found: 0,
-    })?;
-    Ok(graph::Slot::Attention {
+/// The slot of one attention launch over `seqs` (one planned sequence each), covering
+/// `splits` key splits (the most any sequence needs when `None`); `None` when the sequences
+/// need different kernels (or there are none).
+pub(crate) fn step_attention_slot(
+    seqs: &[StepAttention],
+    splits: Option<usize>,
+) -> Option<graph::Slot> {
+    let first = seqs.first()?;
+    if seqs.iter().any(|s| s.kernel != first.kernel) {
+        return None;
+    }
+    let k = first.kernel;
+    let splits = splits.unwrap_or_else(|| seqs.iter().map(|s| s.n_split).max().unwrap_or(1));
+    Some(graph::Slot::Attention {
         seqs: seqs.len() as u32,
         splits: splits as u32,
-        bits: first.bits as u32,
-        kernel: graph::kernel_code(
-            first.nq,
-            first.tensor_cores,
-            first.stages,
-            first.fold_values,
-        ),
+        bits: k.bits as u32,
+        kernel: graph::kernel_code(k.nq, k.tensor_cores, k.stages, k.fold),
     })
-}
-
-/// Plans each sequence of a captured step ([`plan_step`]) and checks they share one kernel.
-fn plan_steps(
-    n_heads: usize,
-    head_dim: usize,
-    dtype: DType,
-    views: &[&KvView],
-    plans: &[QueryPlan],
-    dev: &CudaDevice,
-) -> Result<(Vec<QsdpaSeq>, Vec<SeqPlan>), KernelError> {
-    if views.is_empty() || views.len() != plans.len() {
-        return Err(KernelError::BatchSize {
-            expected: plans.len(),
-            found: views.len(),
-        });
-    }
-    let mut descs = Vec::with_capacity(views.len());
-    let mut seqs: Vec<SeqPlan> = Vec::with_capacity(views.len());
-    for (view, plan) in views.iter().zip(plans) {
-        let (desc, seq) = plan_step(n_heads, head_dim, dtype, view, plan, dev)?;
-        if let Some(first) = seqs.first() {
-            let same = seq.bits == first.bits
-                && seq.dense == first.dense
-                && seq.nq == first.nq
-                && seq.tensor_cores == first.tensor_cores
-                && seq.stages == first.stages
-                && seq.fold_values == first.fold_values
-                && seq.params.kv_heads == first.params.kv_heads
-                && seq.params.group_size == first.params.group_size;
-            if !same {
-                return Err(KernelError::Shape {
-                    what: "captured decode attention",
-                    expected: "sequences attended by one kernel".to_string(),
-                    found: vec![first.bits, seq.bits],
-                });
-            }
-        }
-        descs.push(desc);
-        seqs.push(seq);
-    }
-    Ok((descs, seqs))
 }
 
 /// One sequence of a captured step, planned from `view` (dense K/V in `dtype`, or packed K/V
@@ -446,21 +452,31 @@ fn plan_step(
 /// (see [`graph::covered_splits`]; the unused ones return at once).
 ///
 /// # Errors
-/// As [`step_descriptors`]; not recording.
+/// As [`step_attention`], sequences needing different kernels; not recording.
 pub(crate) fn attend_recorded(
     q: &Tensor,
     views: &[&KvView],
     plans: &[QueryPlan],
 ) -> Result<Tensor, KernelError> {
     let (batch, n_heads, _, head_dim) = q.dims4()?;
-    if batch != views.len() {
+    if batch != views.len() || batch != plans.len() || batch == 0 {
         return Err(KernelError::BatchSize {
             expected: batch,
             found: views.len(),
         });
     }
     let dev = cuda_dev(q)?;
-    let (descs, seqs) = plan_steps(n_heads, head_dim, q.dtype(), views, plans, &dev)?;
+    let mut seqs = Vec::with_capacity(batch);
+    let mut first = None;
+    for (view, plan) in views.iter().zip(plans) {
+        let (desc, seq) = plan_step(n_heads, head_dim, q.dtype(), view, plan, &dev)?;
+        seqs.push(StepAttention::of(desc, &seq));
+        first.get_or_insert(seq);
+    }
+    let first = first.ok_or(KernelError::BatchSize {
+        expected: batch,
+        found: 0,
+    })?;
     let need = seqs.iter().map(|s| s.n_split).max().unwrap_or(1);
     let bound = seqs.iter().map(|s| s.split_bound).max().unwrap_or(1);
     let splits = graph::covered_splits(need, bound);
@@ -471,11 +487,16 @@ pub(crate) fn attend_recorded(
             found: vec![batch, splits],
         });
     }
-    let slot = step_slot(&seqs, splits)?;
+    let slot = step_attention_slot(&seqs, Some(splits)).ok_or_else(|| KernelError::Shape {
+        what: "captured decode attention",
+        expected: "sequences attended by one kernel".to_string(),
+        found: vec![batch],
+    })?;
+    let descs: Vec<QsdpaSeq> = seqs.iter().map(|s| s.desc).collect();
     let at = graph::record_slice(slot, &descs)?.ok_or_else(|| {
         KernelError::Candle(candle_core::Error::Msg(
             "attend_recorded called outside a capture".to_string(),
         ))
     })?;
-    launch_seqs(q, &seqs[0], batch, splits, at, &dev)
+    launch_seqs(q, &first, batch, splits, at, &dev)
 }
