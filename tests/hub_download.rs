@@ -9,7 +9,7 @@ mod common;
 #[path = "common/hub_server.rs"]
 mod hub_server;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Barrier};
 
 use candle_gemma::{CacheConfig, Model};
@@ -30,14 +30,6 @@ fn build(server: &HubServer, cache: &TempCache) -> candle_gemma::Result<Model> {
         .hub_cache_dir(&cache.0)
         .progress(false)
         .build()
-}
-
-/// Every file of the snapshot holds the fixture's bytes.
-fn assert_snapshot_matches(dir: &Path, repo: &HubRepo) {
-    for (name, bytes) in &repo.files {
-        let got = std::fs::read(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(got == *bytes, "{name} differs from the served bytes");
-    }
 }
 
 fn check_goldens(model: &Model) {
@@ -61,7 +53,7 @@ fn cold_download_matches_goldens_and_second_build_makes_no_request() {
 
     let model = build(&server, &cache).expect("cold download");
     check_goldens(&model);
-    assert_snapshot_matches(model.dir(), &repo);
+    repo.assert_snapshot_matches(model.dir());
     // Each file's bytes crossed the wire once.
     for (name, _) in &repo.files {
         assert_eq!(server.transfers(name).0, 1, "{name} fetched once");
@@ -109,7 +101,7 @@ fn single_file_checkpoint_downloads_at_a_commit() {
         .hub_cache_dir(&cache.0)
         .build()
         .expect("download by commit");
-    assert_snapshot_matches(model.dir(), &repo);
+    repo.assert_snapshot_matches(model.dir());
     let first = golden("e2b-hf");
     let got = greedy(&model, &first[0].prompt, 8, CacheConfig::default(), None);
     assert_matches_reference("hub e2b", &got, &first[0], 0.01);
@@ -136,7 +128,7 @@ fn connection_cut_mid_file_is_resumed_with_range() {
     let cache = TempCache::new("cut");
 
     let model = build(&server, &cache).expect("resumed download");
-    assert_snapshot_matches(model.dir(), &repo);
+    repo.assert_snapshot_matches(model.dir());
     let ranges: Vec<_> = server
         .requests()
         .into_iter()
@@ -174,7 +166,7 @@ fn partial_file_of_an_earlier_run_is_resumed_or_refetched() {
     std::fs::create_dir_all(&blobs).expect("blobs");
     std::fs::write(blobs.join(format!("{sha}.incomplete")), &shard[..4096]).expect("part");
     let model = build(&server, &cache).expect("resumed");
-    assert_snapshot_matches(model.dir(), &repo);
+    repo.assert_snapshot_matches(model.dir());
     let ranges: Vec<_> = server
         .requests()
         .into_iter()
@@ -190,7 +182,7 @@ fn partial_file_of_an_earlier_run_is_resumed_or_refetched() {
     std::fs::create_dir_all(&blobs).expect("blobs");
     std::fs::write(blobs.join(format!("{sha}.incomplete")), vec![7u8; 4096]).expect("part");
     let model = build(&server, &cache).expect("fetched again");
-    assert_snapshot_matches(model.dir(), &repo);
+    repo.assert_snapshot_matches(model.dir());
     let ranges: Vec<_> = server
         .requests()
         .into_iter()
@@ -228,7 +220,7 @@ fn five_clients_share_one_cache_and_fetch_each_file_once() {
         .map(|c| c.join().expect("client thread").expect("client builds"))
         .collect();
     assert!(dirs.windows(2).all(|w| w[0] == w[1]), "one snapshot");
-    assert_snapshot_matches(&dirs[0], &repo);
+    repo.assert_snapshot_matches(&dirs[0]);
     for (name, _) in &repo.files {
         let (fetched, most) = server.transfers(name);
         assert_eq!((fetched, most), (1, 1), "{name}: transfers, most at once");
@@ -248,7 +240,7 @@ fn renamed_repo_is_followed_through_relative_redirects() {
         .hub_cache_dir(&cache.0)
         .build()
         .expect("download through the redirect");
-    assert_snapshot_matches(model.dir(), &repo);
+    repo.assert_snapshot_matches(model.dir());
     assert!(model.dir().starts_with(cache.repo_dir("test-org/e2b-old")));
     let seen = server.requests();
     assert!(seen.iter().any(|s| s.path.contains("/test-org/e2b-old/")));

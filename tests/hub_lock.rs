@@ -68,13 +68,6 @@ fn build(server: &HubServer, cache: &TempCache, timeout: Duration) -> candle_gem
         .build()
 }
 
-fn assert_snapshot_matches(dir: &Path, repo: &HubRepo) {
-    for (name, bytes) in &repo.files {
-        let got = std::fs::read(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(got == *bytes, "{name} differs from the served bytes");
-    }
-}
-
 /// The `Range` headers of the shard's transfers, in order.
 fn shard_ranges(server: &HubServer) -> Vec<Option<String>> {
     server
@@ -125,7 +118,7 @@ fn waiter_waits_while_the_holder_progresses_then_resumes_its_part() {
         "{:?}",
         start.elapsed()
     );
-    assert_snapshot_matches(model.dir(), &repo);
+    repo.assert_snapshot_matches(model.dir());
     assert_eq!(
         shard_ranges(&server),
         vec![Some(format!("bytes={}-", STEP * STEPS))],
@@ -195,7 +188,7 @@ fn held_lock_without_progress_ends_the_wait_with_a_typed_error() {
     // Once the holder lets go, the same call completes the checkpoint.
     drop(held);
     let dir = resolve(REPO, &opts).expect("download after the lock is free");
-    assert_snapshot_matches(&dir, &repo);
+    repo.assert_snapshot_matches(&dir);
 }
 
 #[test]
@@ -235,7 +228,7 @@ fn lock_left_by_a_killed_process_blocks_no_one() {
         "{:?}",
         start.elapsed()
     );
-    assert_snapshot_matches(model.dir(), &repo);
+    repo.assert_snapshot_matches(model.dir());
 }
 
 /// Run by [`lock_left_by_a_killed_process_blocks_no_one`] in a child process: takes the lock
