@@ -129,12 +129,7 @@ fn connection_cut_mid_file_is_resumed_with_range() {
 
     let model = build(&server, &cache).expect("resumed download");
     repo.assert_snapshot_matches(model.dir());
-    let ranges: Vec<_> = server
-        .requests()
-        .into_iter()
-        .filter(|s| s.path.ends_with(&format!("#{SHARD}")))
-        .map(|s| s.range)
-        .collect();
+    let ranges = server.ranges(SHARD);
     assert_eq!(
         ranges,
         vec![
@@ -144,12 +139,7 @@ fn connection_cut_mid_file_is_resumed_with_range() {
         ],
         "the shard is fetched from where each transfer broke"
     );
-    let tok: Vec<_> = server
-        .requests()
-        .into_iter()
-        .filter(|s| s.method == "GET" && s.path.ends_with("#tokenizer.json"))
-        .map(|s| s.range)
-        .collect();
+    let tok = server.ranges("tokenizer.json");
     assert_eq!(tok, vec![None, Some("bytes=10000-".to_string())]);
 }
 
@@ -167,12 +157,7 @@ fn partial_file_of_an_earlier_run_is_resumed_or_refetched() {
     std::fs::write(blobs.join(format!("{sha}.incomplete")), &shard[..4096]).expect("part");
     let model = build(&server, &cache).expect("resumed");
     repo.assert_snapshot_matches(model.dir());
-    let ranges: Vec<_> = server
-        .requests()
-        .into_iter()
-        .filter(|s| s.path.ends_with(&format!("#{SHARD}")))
-        .map(|s| s.range)
-        .collect();
+    let ranges = server.ranges(SHARD);
     assert_eq!(ranges, vec![Some("bytes=4096-".to_string())]);
 
     // A corrupt prefix: the hash check fails, the file is fetched again from the start.
@@ -183,12 +168,7 @@ fn partial_file_of_an_earlier_run_is_resumed_or_refetched() {
     std::fs::write(blobs.join(format!("{sha}.incomplete")), vec![7u8; 4096]).expect("part");
     let model = build(&server, &cache).expect("fetched again");
     repo.assert_snapshot_matches(model.dir());
-    let ranges: Vec<_> = server
-        .requests()
-        .into_iter()
-        .filter(|s| s.path.ends_with(&format!("#{SHARD}")))
-        .map(|s| s.range)
-        .collect();
+    let ranges = server.ranges(SHARD);
     assert_eq!(ranges, vec![Some("bytes=4096-".to_string()), None]);
 }
 

@@ -68,16 +68,6 @@ fn build(server: &HubServer, cache: &TempCache, timeout: Duration) -> candle_gem
         .build()
 }
 
-/// The `Range` headers of the shard's transfers, in order.
-fn shard_ranges(server: &HubServer) -> Vec<Option<String>> {
-    server
-        .requests()
-        .into_iter()
-        .filter(|s| s.method == "GET" && s.path.ends_with(&format!("#{SHARD}")))
-        .map(|s| s.range)
-        .collect()
-}
-
 #[test]
 fn waiter_waits_while_the_holder_progresses_then_resumes_its_part() {
     let repo = sharded();
@@ -120,7 +110,7 @@ fn waiter_waits_while_the_holder_progresses_then_resumes_its_part() {
     );
     repo.assert_snapshot_matches(model.dir());
     assert_eq!(
-        shard_ranges(&server),
+        server.ranges(SHARD),
         vec![Some(format!("bytes={}-", STEP * STEPS))],
         "the waiter asks only for what the holder did not write"
     );

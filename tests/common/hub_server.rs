@@ -236,6 +236,15 @@ impl HubServer {
         lock(&self.state.seen).len()
     }
 
+    /// The `Range` header of each GET of `file`'s bytes, in order.
+    pub fn ranges(&self, file: &str) -> Vec<Option<String>> {
+        lock(&self.state.seen)
+            .iter()
+            .filter(|s| s.method == "GET" && s.path.ends_with(&format!("#{file}")))
+            .map(|s| s.range.clone())
+            .collect()
+    }
+
     /// Body transfers of `file` started (GETs that sent bytes or a cut), and the most that
     /// ran at once.
     pub fn transfers(&self, file: &str) -> (usize, usize) {
