@@ -99,6 +99,8 @@ fn single_file_checkpoint_downloads_at_a_commit() {
         .revision(repo.commit.clone())
         .endpoint(server.url())
         .hub_cache_dir(&cache.0)
+        // One bar per file on stderr (indicatif draws nothing when it is not a terminal).
+        .progress(true)
         .build()
         .expect("download by commit");
     repo.assert_snapshot_matches(model.dir());
