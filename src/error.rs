@@ -260,6 +260,17 @@ pub enum HubError {
         #[source]
         source: std::io::Error,
     },
+    /// Another thread or process holds the file's download lock, and its download made no
+    /// progress (its `blobs/<etag>.incomplete` did not grow) for the wait's bound
+    /// (`HubOptions::lock_timeout`): that download hangs, or its process is stopped. A process
+    /// that exits, killed or not, releases its locks.
+    #[error("the download lock {} is held, and that download made no progress for {} s", .lock.display(), .idle.as_secs())]
+    LockTimeout {
+        /// The lock file.
+        lock: PathBuf,
+        /// How long the wait saw no progress.
+        idle: std::time::Duration,
+    },
     /// The crate was built without the `hub` feature.
     #[error("this build has no `hub` feature; download the folder and use .path()")]
     Disabled,

@@ -33,6 +33,7 @@ pub struct ModelBuilder {
     hub_endpoint: Option<String>,
     offline: bool,
     progress: bool,
+    hub_lock_timeout: Option<std::time::Duration>,
     device: Device,
     dtype: DType,
     launch_policy: Option<LaunchPolicy>,
@@ -50,6 +51,7 @@ impl Default for ModelBuilder {
             hub_endpoint: None,
             offline: false,
             progress: false,
+            hub_lock_timeout: None,
             device: Device::Cpu,
             dtype: DType::F32,
             launch_policy: None,
@@ -108,6 +110,14 @@ impl ModelBuilder {
         self
     }
 
+    /// How long to wait for a file that another thread or process is downloading into the
+    /// same hub cache while that download makes no progress, before failing with
+    /// `HubError::LockTimeout`; 10 minutes by default (`hub::DEFAULT_LOCK_TIMEOUT`).
+    pub fn hub_lock_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.hub_lock_timeout = Some(timeout);
+        self
+    }
+
     /// The kernels' tuning switches. Without it, [`LaunchPolicy::from_env`]: the defaults with
     /// the documented environment overrides applied. The policy is per process: kernels cache
     /// launch decisions, so every model of a process runs under the first policy built with.
@@ -152,6 +162,7 @@ impl ModelBuilder {
                     endpoint: self.hub_endpoint.clone(),
                     offline: self.offline,
                     progress: self.progress,
+                    lock_timeout: self.hub_lock_timeout,
                 },
             ),
             #[cfg(not(feature = "hub"))]

@@ -4,30 +4,9 @@
 
 mod common;
 
-use candle_gemma::kv::{CacheError, CacheMode, ModelCache, QuantBits, QuantSpec};
+use candle_gemma::kv::{CacheError, CacheMode, ModelCache};
 use candle_gemma::{CacheConfig, Model};
 use common::*;
-
-fn modes() -> Vec<(&'static str, CacheConfig)> {
-    let q = |bits| CacheConfig {
-        mode: CacheMode::Quantized(QuantSpec {
-            bits,
-            group_size: 32,
-            start: 0,
-        }),
-    };
-    vec![
-        (
-            "simple",
-            CacheConfig {
-                mode: CacheMode::Simple,
-            },
-        ),
-        ("rotating", CacheConfig::default()),
-        ("8-bit", q(QuantBits::Eight)),
-        ("4-bit", q(QuantBits::Four)),
-    ]
-}
 
 /// A prefilled single-sequence cache and the first token it chose.
 fn prefill(model: &Model, cfg: &CacheConfig, prompt: &[u32]) -> (ModelCache, u32) {
@@ -55,7 +34,7 @@ fn batch_equals_single_for_every_cache_kind() {
     for name in ["e2b-hf", "e4b-text", "moe-mlx"] {
         let model = load(name);
         let prompts: Vec<Vec<u32>> = golden(name).into_iter().map(|c| c.prompt).collect(); // 7, 19, 33 tokens
-        for (label, cfg) in modes() {
+        for (label, cfg) in cache_layouts() {
             // Reference: each sequence alone, teacher-forced later on the batch's own ids.
             let mut singles = Vec::new();
             let mut members = Vec::new();
@@ -112,7 +91,7 @@ fn batch_equals_single_for_every_cache_kind() {
 fn sequences_join_and_leave_between_steps() {
     let model = load("e2b-hf");
     let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
-    for (label, cfg) in modes() {
+    for (label, cfg) in cache_layouts() {
         // Each sequence's greedy ids when decoded alone.
         let alone: Vec<Vec<u32>> = prompts
             .iter()
@@ -213,7 +192,7 @@ fn batch_session_equals_single_decode_with_joins_and_early_stops() {
     use candle_gemma::GenOptions;
     let model = load("e2b-hf");
     let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
-    for (label, cfg) in modes() {
+    for (label, cfg) in cache_layouts() {
         let opts = |max_tokens| GenOptions {
             max_tokens,
             ignore_eos: true,

@@ -6,30 +6,9 @@
 mod common;
 
 use candle_gemma::generate::{BatchSession, SamplingOptions, SeqId};
-use candle_gemma::kv::{CacheMode, QuantBits, QuantSpec};
+use candle_gemma::kv::{CacheMode, QuantSpec};
 use candle_gemma::{CacheConfig, Error, FinishReason, GenOptions, Model};
 use common::*;
-
-fn layouts() -> Vec<(&'static str, CacheConfig)> {
-    let q = |bits| CacheConfig {
-        mode: CacheMode::Quantized(QuantSpec {
-            bits,
-            group_size: 32,
-            start: 0,
-        }),
-    };
-    vec![
-        (
-            "simple",
-            CacheConfig {
-                mode: CacheMode::Simple,
-            },
-        ),
-        ("rotating", CacheConfig::default()),
-        ("8-bit", q(QuantBits::Eight)),
-        ("4-bit", q(QuantBits::Four)),
-    ]
-}
 
 /// Greedy options of one layout, `n` tokens past EOS.
 fn greedy(cache: CacheConfig, n: usize) -> GenOptions {
@@ -77,7 +56,7 @@ fn mixed_layouts_in_one_batch_equal_single_decode() {
         let prompts: Vec<Vec<u32>> = golden(name).into_iter().map(|c| c.prompt).collect();
         let mut jobs = Vec::new();
         for (i, p) in prompts.iter().enumerate() {
-            for (j, (label, cfg)) in layouts().into_iter().enumerate() {
+            for (j, (label, cfg)) in cache_layouts().into_iter().enumerate() {
                 // Different budgets, so sequences leave at different steps.
                 jobs.push((label, p.clone(), greedy(cfg, 6 + (i + j) % 4 * 2)));
             }
@@ -134,7 +113,7 @@ fn mixed_layouts_in_one_batch_equal_single_decode() {
 fn per_sequence_sampling_stops_and_eos_equal_single_decode() {
     let model = load("e2b-hf");
     let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
-    let lay = layouts();
+    let lay = cache_layouts();
     let sampled = |seed, cache| GenOptions {
         max_tokens: 10,
         sampling: SamplingOptions {
@@ -228,7 +207,7 @@ fn per_sequence_sampling_stops_and_eos_equal_single_decode() {
 fn cancel_frees_the_cache_and_finished_caches_hold_their_tokens() {
     let model = load("e2b-hf");
     let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
-    let lay = layouts();
+    let lay = cache_layouts();
     let mut session = BatchSession::new(&model, GenOptions::default());
     session.set_keep_finished(true);
     session.set_prefill_chunk(4);
@@ -354,7 +333,7 @@ fn invalid_options_name_the_field() {
 fn joiners_with_equal_chunks_share_a_step_and_longer_ones_follow_chunk_by_chunk() {
     let model = load("e2b-hf");
     let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
-    let lay = layouts();
+    let lay = cache_layouts();
     let jobs = [
         (prompts[0].clone(), lay[3].1), // 7 tokens, 4-bit
         (prompts[0].clone(), lay[0].1), // 7 tokens, simple

@@ -9,7 +9,7 @@ mod common;
 #[path = "common/hub_server.rs"]
 mod hub_server;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Barrier};
 
 use candle_gemma::{CacheConfig, Model};
@@ -30,14 +30,6 @@ fn build(server: &HubServer, cache: &TempCache) -> candle_gemma::Result<Model> {
         .hub_cache_dir(&cache.0)
         .progress(false)
         .build()
-}
-
-/// Every file of the snapshot holds the fixture's bytes.
-fn assert_snapshot_matches(dir: &Path, repo: &HubRepo) {
-    for (name, bytes) in &repo.files {
-        let got = std::fs::read(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(got == *bytes, "{name} differs from the served bytes");
-    }
 }
 
 fn check_goldens(model: &Model) {
@@ -61,7 +53,7 @@ fn cold_download_matches_goldens_and_second_build_makes_no_request() {
 
     let model = build(&server, &cache).expect("cold download");
     check_goldens(&model);
-    assert_snapshot_matches(model.dir(), &repo);
+    repo.assert_snapshot_matches(model.dir());
     // Each file's bytes crossed the wire once.
     for (name, _) in &repo.files {
         assert_eq!(server.transfers(name).0, 1, "{name} fetched once");
@@ -107,9 +99,11 @@ fn single_file_checkpoint_downloads_at_a_commit() {
         .revision(repo.commit.clone())
         .endpoint(server.url())
         .hub_cache_dir(&cache.0)
+        // One bar per file on stderr (indicatif draws nothing when it is not a terminal).
+        .progress(true)
         .build()
         .expect("download by commit");
-    assert_snapshot_matches(model.dir(), &repo);
+    repo.assert_snapshot_matches(model.dir());
     let first = golden("e2b-hf");
     let got = greedy(&model, &first[0].prompt, 8, CacheConfig::default(), None);
     assert_matches_reference("hub e2b", &got, &first[0], 0.01);
@@ -136,13 +130,8 @@ fn connection_cut_mid_file_is_resumed_with_range() {
     let cache = TempCache::new("cut");
 
     let model = build(&server, &cache).expect("resumed download");
-    assert_snapshot_matches(model.dir(), &repo);
-    let ranges: Vec<_> = server
-        .requests()
-        .into_iter()
-        .filter(|s| s.path.ends_with(&format!("#{SHARD}")))
-        .map(|s| s.range)
-        .collect();
+    repo.assert_snapshot_matches(model.dir());
+    let ranges = server.ranges(SHARD);
     assert_eq!(
         ranges,
         vec![
@@ -152,12 +141,7 @@ fn connection_cut_mid_file_is_resumed_with_range() {
         ],
         "the shard is fetched from where each transfer broke"
     );
-    let tok: Vec<_> = server
-        .requests()
-        .into_iter()
-        .filter(|s| s.method == "GET" && s.path.ends_with("#tokenizer.json"))
-        .map(|s| s.range)
-        .collect();
+    let tok = server.ranges("tokenizer.json");
     assert_eq!(tok, vec![None, Some("bytes=10000-".to_string())]);
 }
 
@@ -174,13 +158,8 @@ fn partial_file_of_an_earlier_run_is_resumed_or_refetched() {
     std::fs::create_dir_all(&blobs).expect("blobs");
     std::fs::write(blobs.join(format!("{sha}.incomplete")), &shard[..4096]).expect("part");
     let model = build(&server, &cache).expect("resumed");
-    assert_snapshot_matches(model.dir(), &repo);
-    let ranges: Vec<_> = server
-        .requests()
-        .into_iter()
-        .filter(|s| s.path.ends_with(&format!("#{SHARD}")))
-        .map(|s| s.range)
-        .collect();
+    repo.assert_snapshot_matches(model.dir());
+    let ranges = server.ranges(SHARD);
     assert_eq!(ranges, vec![Some("bytes=4096-".to_string())]);
 
     // A corrupt prefix: the hash check fails, the file is fetched again from the start.
@@ -190,13 +169,8 @@ fn partial_file_of_an_earlier_run_is_resumed_or_refetched() {
     std::fs::create_dir_all(&blobs).expect("blobs");
     std::fs::write(blobs.join(format!("{sha}.incomplete")), vec![7u8; 4096]).expect("part");
     let model = build(&server, &cache).expect("fetched again");
-    assert_snapshot_matches(model.dir(), &repo);
-    let ranges: Vec<_> = server
-        .requests()
-        .into_iter()
-        .filter(|s| s.path.ends_with(&format!("#{SHARD}")))
-        .map(|s| s.range)
-        .collect();
+    repo.assert_snapshot_matches(model.dir());
+    let ranges = server.ranges(SHARD);
     assert_eq!(ranges, vec![Some("bytes=4096-".to_string()), None]);
 }
 
@@ -228,7 +202,7 @@ fn five_clients_share_one_cache_and_fetch_each_file_once() {
         .map(|c| c.join().expect("client thread").expect("client builds"))
         .collect();
     assert!(dirs.windows(2).all(|w| w[0] == w[1]), "one snapshot");
-    assert_snapshot_matches(&dirs[0], &repo);
+    repo.assert_snapshot_matches(&dirs[0]);
     for (name, _) in &repo.files {
         let (fetched, most) = server.transfers(name);
         assert_eq!((fetched, most), (1, 1), "{name}: transfers, most at once");
@@ -248,7 +222,7 @@ fn renamed_repo_is_followed_through_relative_redirects() {
         .hub_cache_dir(&cache.0)
         .build()
         .expect("download through the redirect");
-    assert_snapshot_matches(model.dir(), &repo);
+    repo.assert_snapshot_matches(model.dir());
     assert!(model.dir().starts_with(cache.repo_dir("test-org/e2b-old")));
     let seen = server.requests();
     assert!(seen.iter().any(|s| s.path.contains("/test-org/e2b-old/")));

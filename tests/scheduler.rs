@@ -8,22 +8,12 @@ use std::collections::HashMap;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use candle_gemma::kv::{CacheMode, QuantBits, QuantSpec};
+use candle_gemma::kv::{CacheMode, QuantBits};
 use candle_gemma::serve::{
     kv_bytes_for, Engine, Event, RequestId, Scheduler, SchedulerConfig, SubmitError, Usage,
 };
 use candle_gemma::{CacheConfig, FinishReason, GenOptions, Model};
 use common::*;
-
-fn quantized(bits: QuantBits) -> CacheConfig {
-    CacheConfig {
-        mode: CacheMode::Quantized(QuantSpec {
-            bits,
-            group_size: 32,
-            start: 0,
-        }),
-    }
-}
 
 fn greedy(cache: CacheConfig, n: usize) -> GenOptions {
     GenOptions {
@@ -427,18 +417,7 @@ fn turn_two_of_a_chat_reuses_turn_one_in_its_own_layout_only() {
         )
         .expect("scheduler")
     };
-    let layouts = [
-        (
-            "simple",
-            CacheConfig {
-                mode: CacheMode::Simple,
-            },
-        ),
-        ("rotating", CacheConfig::default()),
-        ("8-bit", quantized(QuantBits::Eight)),
-        ("4-bit", quantized(QuantBits::Four)),
-    ];
-    for (label, layout) in layouts {
+    for (label, layout) in cache_layouts() {
         let mut s = with_store();
         let (answer, cached, _) = run_one(&mut s, prompts[1].clone(), greedy(layout, 6));
         assert_eq!(cached, 0, "{label}: turn 1 starts cold");

@@ -9,9 +9,14 @@
 //! ```
 //!
 //! A snapshot entry is made only for a verified blob, so whatever a snapshot holds is whole.
+//!
+//! The `.lock` files carry advisory OS locks (`flock` on Unix, `LockFileEx` on Windows), as
+//! `huggingface_hub`'s do: the OS releases a lock when its process exits, killed or not, so a
+//! lock file left behind blocks no one.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use super::{hub_error, safe_name, shards, snapshot_dir, HubError, INDEX, REQUIRED, SINGLE};
 use crate::{Error, Result};
@@ -22,6 +27,9 @@ pub(super) struct RepoCache {
     folder: String,
     repo: String,
 }
+
+/// How often a waiter tries a held lock again.
+const LOCK_POLL: Duration = Duration::from_millis(50);
 
 /// Makes temporary names unique within the process (the pid makes them unique across).
 static TMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -73,8 +81,14 @@ impl RepoCache {
             .join(format!("{etag}.lock"))
     }
 
-    /// Blocks until this thread holds the lock of blob `etag`; released on drop.
-    pub(super) fn lock(&self, etag: &str) -> std::result::Result<BlobLock, HubError> {
+    /// Waits until this thread holds the lock of blob `etag` (released on drop), as long as
+    /// the holder's download makes progress: the wait ends with [`HubError::LockTimeout`]
+    /// once `blobs/<etag>.incomplete` has not changed size for `timeout`.
+    pub(super) fn lock(
+        &self,
+        etag: &str,
+        timeout: Duration,
+    ) -> std::result::Result<BlobLock, HubError> {
         use fs2::FileExt;
         let path = self.lock_path(etag);
         create_parent(&path)?;
@@ -84,8 +98,26 @@ impl RepoCache {
             .write(true)
             .open(&path)
             .map_err(|e| io_error(&path, e))?;
-        file.lock_exclusive().map_err(|e| io_error(&path, e))?;
-        Ok(BlobLock(file))
+        let part = self.incomplete(etag);
+        let size = || std::fs::metadata(&part).map(|m| m.len()).ok();
+        let (mut seen, mut since) = (size(), Instant::now());
+        loop {
+            match file.try_lock_exclusive() {
+                Ok(()) => return Ok(BlobLock(file)),
+                Err(e) if e.raw_os_error() == fs2::lock_contended_error().raw_os_error() => {}
+                Err(e) => return Err(io_error(&path, e)),
+            }
+            let now = size();
+            if now != seen {
+                (seen, since) = (now, Instant::now());
+            } else if since.elapsed() >= timeout {
+                return Err(HubError::LockTimeout {
+                    lock: path,
+                    idle: since.elapsed(),
+                });
+            }
+            std::thread::sleep(LOCK_POLL.min(timeout));
+        }
     }
 
     /// The cached path of `file` at `revision` (a branch or tag with a ref, or a commit).

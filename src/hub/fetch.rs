@@ -8,6 +8,7 @@
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
@@ -22,6 +23,7 @@ pub(super) fn file(
     commit: &str,
     file: &str,
     progress: bool,
+    lock_timeout: Duration,
 ) -> Result<PathBuf, HubError> {
     if !safe_name(file) {
         return Err(HubError::BadResponse {
@@ -33,7 +35,7 @@ pub(super) fn file(
     }
     let meta = client.meta(commit, file)?;
     // Whoever holds the lock fetches the blob; the others then find it in place.
-    let _lock = cache.lock(&meta.etag)?;
+    let _lock = cache.lock(&meta.etag, lock_timeout)?;
     let blob = cache.blob(&meta.etag);
     match std::fs::metadata(&blob) {
         Ok(m) if m.is_file() && m.len() == meta.size => {}

@@ -22,7 +22,10 @@
 //!   and reported ([`HubError::SizeMismatch`], [`HubError::HashMismatch`]);
 //! - one lock file per blob (`.locks/models--org--name/<etag>.lock`) lets threads and
 //!   processes share a cache: a file is fetched by one of them while the others wait, then
-//!   find it in place.
+//!   find it in place. The lock is an advisory OS file lock (`flock`, `LockFileEx`), so a
+//!   process that exits or is killed releases it and its lock file never blocks anyone. A
+//!   waiter gives up with [`HubError::LockTimeout`] once the holder's download has made no
+//!   progress for [`HubOptions::lock_timeout`] ([`DEFAULT_LOCK_TIMEOUT`] by default).
 //!
 //! The token, when not given, is the one `huggingface-cli login` stored next to the cache.
 //! This module reads no environment variable itself; `hf-hub` reads `HF_HOME` when no cache
@@ -42,6 +45,7 @@ mod fetch;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 pub use crate::error::HubError;
 use crate::{Error, Result};
@@ -51,6 +55,12 @@ pub use client::ATTEMPTS;
 
 /// The public Hugging Face hub.
 pub const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
+
+/// How long a wait for another fetcher's lock on a file may see its download make no
+/// progress. Longer than a live fetcher of this crate can go without a new byte before it
+/// gives up itself (its retries: [`ATTEMPTS`] transfers of at most 20 s to connect and 60 s
+/// per read), and than it spends verifying a resumed file of tens of gigabytes.
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Files the model cannot load without.
 const REQUIRED: &[&str] = &["config.json", "tokenizer.json"];
@@ -80,6 +90,9 @@ pub struct HubOptions {
     pub offline: bool,
     /// Show a progress bar per downloaded file (bytes and rate, on stderr).
     pub progress: bool,
+    /// How long to wait for a file another thread or process is downloading into the same
+    /// cache while that download makes no progress; [`DEFAULT_LOCK_TIMEOUT`] when `None`.
+    pub lock_timeout: Option<Duration>,
 }
 
 /// Returns a local folder holding the checkpoint `repo` (`"org/name"`), downloading what is
@@ -140,7 +153,8 @@ fn download(cache: &RepoCache, revision: &str, opts: &HubOptions) -> Result<Path
     let commit = info.sha.as_str();
     let listed: BTreeSet<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
     let get = |file: &str| {
-        fetch::file(&client, cache, commit, file, opts.progress)
+        let lock_timeout = opts.lock_timeout.unwrap_or(DEFAULT_LOCK_TIMEOUT);
+        fetch::file(&client, cache, commit, file, opts.progress, lock_timeout)
             .map_err(|cause| hub_error(repo, file, cause))
     };
 

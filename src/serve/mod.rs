@@ -8,13 +8,15 @@
 
 mod budget;
 mod engine;
+mod intake;
 pub mod prefix;
 mod request;
 mod scheduler;
 mod sharded;
 
 pub use budget::{kv_bytes_for, kv_bytes_per_token};
-pub use engine::{Engine, Sink};
+pub use engine::Engine;
+pub use intake::Sink;
 pub use prefix::{LayoutKey, PrefixStore};
 pub use request::{EngineStats, Event, RequestId, SubmitError, Usage};
 pub use scheduler::{Scheduler, SchedulerConfig};

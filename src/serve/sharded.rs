@@ -17,20 +17,17 @@
 //!
 //! Failure: a model error on any rank, or a rank that stops, ends every rank (a rank waiting
 //! in an all-reduce is released by [`ShardedModel::run`]'s abort after
-//! [`ShardedModel::failure_grace`]); every queued and running request gets [`Event::Failed`]
-//! and later submissions [`SubmitError::ShutDown`]. The group is then aborted: load the model
-//! again to serve again.
+//! [`ShardedModel::failure_grace`]); every queued and running request gets
+//! [`Event::Failed`](super::Event::Failed) and later submissions [`SubmitError::ShutDown`].
+//! The group is then aborted: load the model again to serve again.
 
 use std::cell::Cell;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::{JoinHandle, ThreadId};
+use std::sync::{Arc, Mutex};
 
-use super::engine::{fail_every, forget, publish, Command, Entry, Shared, Sink};
-use super::request::{EngineStats, Event, RequestId, SubmitError};
-use super::scheduler::{check_request, Scheduler, SchedulerConfig};
+use super::intake::{lock, Command, Intake, Shared, Sink, Sinks};
+use super::request::{EngineStats, RequestId, SubmitError};
+use super::scheduler::{Scheduler, SchedulerConfig};
 use crate::error::{Error, Result};
 use crate::generate::GenOptions;
 use crate::parallel::ShardedModel;
@@ -57,14 +54,9 @@ struct Fault {
 #[derive(Debug)]
 struct Inner {
     model: Arc<ShardedModel>,
-    tx: Mutex<Sender<Command>>,
-    shared: Arc<Shared>,
+    intake: Intake,
     /// Each rank's scheduler figures after its last step.
     ranks: Arc<Mutex<Vec<EngineStats>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
-    worker_id: ThreadId,
-    next_id: AtomicU64,
-    max_queue: usize,
 }
 
 /// A handle to the serving ranks of a [`ShardedModel`]. Clones share them; they stop on
@@ -97,27 +89,21 @@ impl ShardedEngine {
         fault: Option<Fault>,
     ) -> Result<Self> {
         config.validate()?;
-        let (tx, rx) = mpsc::channel();
-        let shared = Arc::new(Shared::default());
         let ranks = Arc::new(Mutex::new(vec![EngineStats::default(); model.world()]));
         let max_queue = config.max_queue;
-        let worker = {
-            let (model, shared, ranks) = (model.clone(), shared.clone(), ranks.clone());
-            std::thread::Builder::new()
-                .name("candle-gemma-sharded-engine".to_string())
-                .spawn(move || serve(&model, &config, rx, &shared, &ranks, fault))
-                .map_err(|e| Error::Input(format!("cannot start the engine thread: {e}")))?
+        let intake = {
+            let (model, ranks) = (model.clone(), ranks.clone());
+            Intake::spawn(
+                "candle-gemma-sharded-engine",
+                max_queue,
+                move |rx, shared| serve(&model, &config, rx, shared, &ranks, fault),
+            )?
         };
         Ok(Self {
             inner: Arc::new(Inner {
                 model,
-                tx: Mutex::new(tx),
-                shared,
+                intake,
                 ranks,
-                worker_id: worker.thread().id(),
-                worker: Mutex::new(Some(worker)),
-                next_id: AtomicU64::new(0),
-                max_queue,
             }),
         })
     }
@@ -140,45 +126,21 @@ impl ShardedEngine {
         sink: Sink,
     ) -> std::result::Result<RequestId, SubmitError> {
         let inner = &self.inner;
-        if inner.shared.shut.load(Ordering::Acquire) {
-            return Err(SubmitError::ShutDown);
-        }
-        check_request(inner.model.first(), &prompt, &options)?;
-        let max = inner.max_queue;
         inner
-            .shared
-            .waiting
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-                (w < max).then_some(w + 1)
-            })
-            .map_err(|_| SubmitError::QueueFull {
-                retry_after_secs: 1,
-            })?;
-        let id = RequestId(inner.next_id.fetch_add(1, Ordering::Relaxed));
-        if !self.send(Command::Submit {
-            id,
-            prompt,
-            options,
-            sink,
-        }) {
-            inner.shared.waiting.fetch_sub(1, Ordering::AcqRel);
-            return Err(SubmitError::ShutDown);
-        }
-        Ok(id)
+            .intake
+            .submit(inner.model.first(), prompt, options, sink)
     }
 
     /// Cancels request `id` on every rank at the next step. Unknown or finished ids are
     /// ignored.
     pub fn cancel(&self, id: RequestId) {
-        self.send(Command::Cancel(id));
+        self.inner.intake.cancel(id);
     }
 
     /// Rank 0's load after its last step (`queued` counts requests accepted and not yet
     /// admitted).
     pub fn stats(&self) -> EngineStats {
-        let mut stats = *lock(&self.inner.shared.stats);
-        stats.queued = self.inner.shared.waiting.load(Ordering::Acquire);
-        stats
+        self.inner.intake.stats()
     }
 
     /// Every rank's scheduler figures after that rank's last step, rank order.
@@ -186,30 +148,12 @@ impl ShardedEngine {
         lock(&self.inner.ranks).clone()
     }
 
-    /// Stops every rank: queued and running requests get [`Event::Failed`], later submissions
-    /// [`SubmitError::ShutDown`]. Waits for the ranks to exit (unless called from a sink).
+    /// Stops every rank: queued and running requests get
+    /// [`Event::Failed`](super::Event::Failed), later submissions [`SubmitError::ShutDown`].
+    /// Waits for the ranks to exit (unless called from a sink).
     pub fn shutdown(&self) {
-        self.inner.shared.shut.store(true, Ordering::Release);
-        self.send(Command::Shutdown);
-        if std::thread::current().id() == self.inner.worker_id || DELIVERING.with(Cell::get) {
-            return;
-        }
-        let handle = lock(&self.inner.worker).take();
-        if let Some(h) = handle {
-            // A worker that panicked has nothing more to report.
-            let _ = h.join();
-        }
+        self.inner.intake.shutdown(DELIVERING.with(Cell::get));
     }
-
-    /// Sends a command; `false` when the ranks are gone.
-    fn send(&self, command: Command) -> bool {
-        lock(&self.inner.tx).send(command).is_ok()
-    }
-}
-
-/// Locks, taking a poisoned lock's value as it is.
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The worker: runs the leader on rank 0 and a follower on every other rank until they stop,
@@ -222,7 +166,7 @@ fn serve(
     ranks: &Mutex<Vec<EngineStats>>,
     fault: Option<Fault>,
 ) {
-    let entries: Mutex<HashMap<RequestId, Entry>> = Mutex::new(HashMap::new());
+    let sinks: Mutex<Sinks> = Mutex::new(Sinks::default());
     let (logs, inboxes): (Vec<_>, Vec<_>) = (1..model.world())
         .map(|_| {
             let (tx, rx) = mpsc::channel::<Vec<Order>>();
@@ -247,7 +191,7 @@ fn serve(
                 &mut scheduler,
                 &rx,
                 &logs,
-                &entries,
+                &sinks,
                 shared,
                 fault,
                 &publish_rank,
@@ -266,8 +210,8 @@ fn serve(
         Ok(_) => "the engine shut down".to_string(),
         Err(e) => format!("the engine stopped: {e}"),
     };
-    shared.shut.store(true, Ordering::Release);
-    fail_every(&mut lock(&entries), shared, &reason);
+    shared.close();
+    lock(&sinks).fail_every(shared, &reason);
 }
 
 /// Fails rank `rank` at step `step` when a test asks for it.
@@ -286,7 +230,7 @@ fn lead(
     scheduler: &mut Scheduler<'_>,
     rx: &Receiver<Command>,
     logs: &[Sender<Vec<Order>>],
-    entries: &Mutex<HashMap<RequestId, Entry>>,
+    sinks: &Mutex<Sinks>,
     shared: &Shared,
     fault: Option<Fault>,
     publish_rank: &dyn Fn(&Scheduler<'_>),
@@ -308,7 +252,7 @@ fn lead(
         }
         let mut log: Vec<Order> = refused.drain(..).map(Order::Cancel).collect();
         {
-            let mut entries = lock(entries);
+            let mut sinks = lock(sinks);
             for command in commands {
                 match command {
                     Command::Submit {
@@ -317,13 +261,7 @@ fn lead(
                         options,
                         sink,
                     } => {
-                        entries.insert(
-                            id,
-                            Entry {
-                                sink,
-                                admitted: false,
-                            },
-                        );
+                        sinks.insert(id, sink);
                         log.push(Order::Submit {
                             id,
                             prompt,
@@ -331,7 +269,7 @@ fn lead(
                         });
                     }
                     Command::Cancel(id) => {
-                        forget(&mut entries, id, shared);
+                        sinks.forget(id, shared);
                         log.push(Order::Cancel(id));
                     }
                     Command::Shutdown => log.push(Order::Shutdown),
@@ -351,34 +289,13 @@ fn lead(
         inject(fault, 0, step)?;
         step += 1;
         let events = scheduler.try_step()?;
-        let mut entries = lock(entries);
+        let mut sinks = lock(sinks);
         for (id, e) in rejected {
-            if let Some(mut entry) = entries.remove(&id) {
-                shared.waiting.fetch_sub(1, Ordering::AcqRel);
-                (entry.sink)(Event::Failed(Error::Input(e.to_string())));
-            }
+            sinks.reject(id, &e, shared);
         }
-        for (id, event) in events {
-            let Some(entry) = entries.get_mut(&id) else {
-                continue;
-            };
-            let last = matches!(event, Event::Done { .. } | Event::Failed(_));
-            if matches!(event, Event::Started { .. }) && !entry.admitted {
-                entry.admitted = true;
-                shared.waiting.fetch_sub(1, Ordering::AcqRel);
-            }
-            if !(entry.sink)(event) && !last {
-                refused.push(id);
-            }
-            if last {
-                forget(&mut entries, id, shared);
-            }
-        }
-        for &id in &refused {
-            forget(&mut entries, id, shared);
-        }
-        drop(entries);
-        publish(scheduler, shared);
+        refused = sinks.deliver(events, shared);
+        drop(sinks);
+        shared.publish(scheduler);
         publish_rank(scheduler);
     }
 }

@@ -98,6 +98,14 @@ impl HubRepo {
             .find(|(n, _)| n == name)
             .map(|(_, b)| b.as_slice())
     }
+
+    /// Checks that every file of the snapshot folder `dir` holds the served bytes.
+    pub fn assert_snapshot_matches(&self, dir: &Path) {
+        for (name, bytes) in &self.files {
+            let got = std::fs::read(dir.join(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(got == *bytes, "{name} differs from the served bytes");
+        }
+    }
 }
 
 /// A scripted failure for requests whose file (or `"api"` for model info) is the target.
@@ -226,6 +234,15 @@ impl HubServer {
 
     pub fn count(&self) -> usize {
         lock(&self.state.seen).len()
+    }
+
+    /// The `Range` header of each GET of `file`'s bytes, in order.
+    pub fn ranges(&self, file: &str) -> Vec<Option<String>> {
+        lock(&self.state.seen)
+            .iter()
+            .filter(|s| s.method == "GET" && s.path.ends_with(&format!("#{file}")))
+            .map(|s| s.range.clone())
+            .collect()
     }
 
     /// Body transfers of `file` started (GETs that sent bytes or a cut), and the most that

@@ -7,7 +7,7 @@ pub mod close;
 
 use std::path::PathBuf;
 
-use candle_gemma::kv::ModelCache;
+use candle_gemma::kv::{CacheMode, ModelCache, QuantBits, QuantSpec};
 use candle_gemma::{CacheConfig, GenOptions, Model};
 use serde_json::Value;
 
@@ -241,4 +241,30 @@ pub fn logprob_diff(a: &[f32], b: &[f32]) -> f64 {
         .zip(log_softmax(b))
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f64::max)
+}
+
+/// A quantized K/V layout of `bits` with groups of 32, packed from the first token.
+pub fn quantized(bits: QuantBits) -> CacheConfig {
+    CacheConfig {
+        mode: CacheMode::Quantized(QuantSpec {
+            bits,
+            group_size: 32,
+            start: 0,
+        }),
+    }
+}
+
+/// Every K/V layout a sequence can pick, labelled: simple, rotating, 8-bit and 4-bit.
+pub fn cache_layouts() -> Vec<(&'static str, CacheConfig)> {
+    vec![
+        (
+            "simple",
+            CacheConfig {
+                mode: CacheMode::Simple,
+            },
+        ),
+        ("rotating", CacheConfig::default()),
+        ("8-bit", quantized(QuantBits::Eight)),
+        ("4-bit", quantized(QuantBits::Four)),
+    ]
 }

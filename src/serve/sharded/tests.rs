@@ -11,7 +11,7 @@ use candle_core::Device;
 
 use super::*;
 use crate::kv::{CacheMode, QuantBits, QuantSpec};
-use crate::serve::Engine;
+use crate::serve::{Engine, Event};
 use crate::{CacheConfig, Model};
 
 const FIXTURE: &str = "e2b-kvq";
