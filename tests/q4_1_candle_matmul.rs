@@ -58,7 +58,9 @@ fn q4_1_tensor(p: &PackedAffine) -> Option<QTensor> {
 /// over a 64-bit LCG), every ninth row scaled by 4 and every 13th element by 6, so blocks
 /// with one large element (a coarse `Q8_1` step for the rest) occur.
 fn activations(rows: usize, k: usize, seed: u64) -> Tensor {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     let mut uniform = || {
         state = state
             .wrapping_mul(6364136223846793005)
@@ -155,7 +157,9 @@ fn decompose(q: QTensor, w: &[f32], biases: &[f32], group: usize, x: &Tensor) ->
             d.deviation = d.deviation.max((y - exact).abs());
             d.without_block_sums = d.without_block_sums.max((y - rounded).abs());
             d.residual = d.residual.max(residual);
-            d.residual_over_bound = d.residual_over_bound.max(residual / bound.max(f64::MIN_POSITIVE));
+            d.residual_over_bound = d
+                .residual_over_bound
+                .max(residual / bound.max(f64::MIN_POSITIVE));
             d.output = d.output.max(exact.abs());
         }
     }
@@ -172,13 +176,13 @@ fn decompose(q: QTensor, w: &[f32], biases: &[f32], group: usize, x: &Tensor) ->
 fn cpu_qmatmul_is_the_exact_weights_times_q8_1_activations() {
     for name in FOUR_BIT {
         let mut total = Decomposition::default();
-        let mut products = 0;
+        let (mut products, mut odd) = (0, 0);
         for (module, p) in packed_matrices(name) {
             if p.bits.bits() != 4 {
                 continue;
             }
             let Some(q) = q4_1_tensor(&p) else {
-                eprintln!("{name} {module}: not on candle's CPU kernel (odd block count)");
+                odd += 1;
                 continue;
             };
             let w = q.dequantize(&Device::Cpu).expect("candle's dequantization");
@@ -209,9 +213,9 @@ fn cpu_qmatmul_is_the_exact_weights_times_q8_1_activations() {
             }
         }
         eprintln!(
-            "{name}: {products} products; max |QMatMul - W x| {:.3e} (outputs up to {:.2}); \
-             max |QMatMul - W q8(x)| {:.3e}; with Q8_1's f16 block sums {:.3e} \
-             ({:.2} of the f32 rounding bound)",
+            "{name}: {products} products ({odd} 4-bit matrices with an odd block count skipped); \
+             max |QMatMul - W x| {:.3e} (outputs up to {:.2}); max |QMatMul - W q8(x)| {:.3e}; \
+             with Q8_1's f16 block sums {:.3e} ({:.2} of the f32 rounding bound)",
             total.deviation,
             total.output,
             total.without_block_sums,
@@ -229,14 +233,45 @@ fn cpu_qmatmul_is_the_exact_weights_times_q8_1_activations() {
     }
 }
 
+/// The goldens' own bound on the first-step log-probs (tests/golden.rs).
+const GOLDEN_LOGPROB_TOL: f64 = 2e-3;
+
+/// Whether a fixture module is a row of an MoE expert stack (converted per product, not at
+/// load).
+fn is_expert(module: &str) -> bool {
+    module.contains(".experts.")
+}
+
 /// The goldens through candle's CPU `QMatMul` (the whole forward: prefill and decode products
-/// of every exactly-mapped 4-bit matrix, the tied head and MoE expert rows included; 8-bit
-/// matrices keep the crate's reference). Measured, then asserted where it holds.
+/// of every exactly-mapped 4-bit matrix with an even block count, the tied head and MoE
+/// expert rows included; 8-bit matrices and 4-bit ones with an odd block count keep the
+/// crate's reference).
+///
+/// What holds, and is asserted: every such matrix runs on candle's kernel (the conversions
+/// counted at load, and per product for the expert rows), and the first-step log-probs move
+/// by more than the goldens' 2e-3 in every case: the `Q8_1` rounding of the activations is
+/// visible through the whole model, which is also what tells that the products really ran on
+/// candle's kernel (through the same blocks dequantized, `tests/q4_1_mapping.rs` stays within
+/// 2e-3). What does not hold, and is only printed: the greedy ids (measured: `e2b-q4` 1, 20
+/// and 0 of 24 leading ids equal, `moe-q4` 0, 2 and 1) and any log-prob bound near golden.rs's
+/// (measured max |Δ log-prob| 1.4 to 5.6). No upper bound is asserted: the rounding error of
+/// one product is bounded (half a `Q8_1` step per activation, measured above), but its growth
+/// through the fixtures' layers is not, so any bound would only restate this measurement.
 #[test]
 fn fixture_goldens_through_candles_cpu_qmatmul() {
     let mut policy = LaunchPolicy::default();
     policy.candle_qmatmul_on_cpu = true;
     for name in FOUR_BIT {
+        let (mut at_load_wanted, mut experts) = (0, 0);
+        for (module, p) in packed_matrices(name) {
+            if p.bits.bits() == 4 && q4_1_tensor(&p).is_some() {
+                if is_expert(&module) {
+                    experts += 1;
+                } else {
+                    at_load_wanted += 1;
+                }
+            }
+        }
         let before = conversions();
         let model = Model::builder()
             .path(fixture(name))
@@ -244,11 +279,19 @@ fn fixture_goldens_through_candles_cpu_qmatmul() {
             .build()
             .expect("fixture loads");
         let at_load = conversions() - before;
-        assert!(at_load > 0, "{name}: no matrix took the Q4_1 path");
+        assert_eq!(
+            at_load, at_load_wanted,
+            "{name}: every exactly-mapped 4-bit matrix with an even block count takes Q4_1"
+        );
         for (i, case) in golden(name).iter().enumerate() {
             let before = conversions();
             let max_diff = first_step_deviation(&model, case);
             let in_forward = conversions() - before;
+            assert_eq!(
+                in_forward > 0,
+                experts > 0,
+                "{name} case {i}: expert rows on Q4_1 exactly when the fixture has 4-bit experts"
+            );
             let got = greedy(
                 &model,
                 &case.prompt,
@@ -260,15 +303,19 @@ fn fixture_goldens_through_candles_cpu_qmatmul() {
             let same = got
                 .iter()
                 .zip(&case.greedy)
+                .take(n)
                 .take_while(|(a, b)| a == b)
                 .count();
             eprintln!(
-                "{name} case {i}: prompt {} tokens, {at_load} matrices on Q4_1 at load, \
-                 {in_forward} expert conversions in the first step; first {same} of {} ids \
-                 equal ({n} comparable); max |dlogprob| {max_diff:.3e}; got {got:?} want {:?}",
+                "{name} case {i}: prompt {} tokens; {at_load} matrices on Q4_1 at load, \
+                 {in_forward} expert products on Q4_1 in the first step; ids: the first \
+                 {same} of {n} compared equal; max |dlogprob| {max_diff:.3e}",
                 case.prompt.len(),
-                case.greedy.len(),
-                case.greedy
+            );
+            assert!(
+                max_diff > GOLDEN_LOGPROB_TOL,
+                "{name} case {i}: first-step log-probs within {GOLDEN_LOGPROB_TOL} ({max_diff:.3e}): \
+                 did the products run on candle's quantized matmul?"
             );
         }
     }
