@@ -6,10 +6,10 @@
 //! each block of 32 activations to 8 bits (`Q8_1`: `d = max|x| / 127`, codes `round(x / d)`,
 //! and the block's sum kept as an f16 `s`), and computes per block
 //! `Σ q·qx · d·dx + m·s`. candle's Metal matrix-vector kernel, which the crate runs on a Mac,
-//! reads the activations in f32. [`cpu_qmatmul_is_the_exact_weights_times_q8_1_activations`]
+//! reads the activations in f32. `cpu_qmatmul_is_the_exact_weights_times_q8_1_activations`
 //! shows that candle's CPU output equals the bit-exact dequantized weights times the
 //! activations as candle's own `Q8_1` quantization rounds them, within the f32 rounding of
-//! the sum: the weight mapping adds nothing. [`fixture_goldens_through_candles_cpu_qmatmul`]
+//! the sum: the weight mapping adds nothing. `fixture_goldens_through_candles_cpu_qmatmul`
 //! measures what that rounding does to the goldens.
 //!
 //! The golden test installs a launch policy for this process (`candle_qmatmul_on_cpu`), which
@@ -252,9 +252,9 @@ fn is_expert(module: &str) -> bool {
 /// by more than the goldens' 2e-3 in every case: the `Q8_1` rounding of the activations is
 /// visible through the whole model, which is also what tells that the products really ran on
 /// candle's kernel (through the same blocks dequantized, `tests/q4_1_mapping.rs` stays within
-/// 2e-3). What does not hold, and is only printed: the greedy ids (measured: `e2b-q4` 1, 20
-/// and 0 of 24 leading ids equal, `moe-q4` 0, 2 and 1) and any log-prob bound near golden.rs's
-/// (measured max |Δ log-prob| 1.4 to 5.6). No upper bound is asserted: the rounding error of
+/// 2e-3). What does not hold, and is only printed: the greedy ids (measured leading ids equal
+/// of those compared: `e2b-q4` 1/24, 20/24, 0/24; `moe-q4` 0/24, 2/19, 1/24) and any log-prob
+/// bound near golden.rs's (measured max |Δ log-prob| 1.4 to 5.6). No upper bound is asserted: the rounding error of
 /// one product is bounded (half a `Q8_1` step per activation, measured above), but its growth
 /// through the fixtures' layers is not, so any bound would only restate this measurement.
 #[test]

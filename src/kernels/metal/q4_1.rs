@@ -175,8 +175,9 @@ impl Q41Weight {
     /// candle's matrix-vector kernel once per row: it takes the activations in f32 as they are
     /// (candle's tiled GEMM would stage activations and weights in half precision). On the CPU
     /// the blocks are dequantized by candle and multiplied in f32: candle's CPU quantized
-    /// product rounds each block of activations to 8 bits (`Q8_1`), which moves the fixtures'
-    /// first-step log-probs by up to 1.8. [`crate::kernels::policy::LaunchPolicy`]'s
+    /// product rounds each block of activations to 8 bits (`Q8_1`), which moves the 4-bit
+    /// fixtures' first-step log-probs by 1.4 to 5.6 (`tests/q4_1_candle_matmul.rs`).
+    /// [`crate::kernels::policy::LaunchPolicy`]'s
     /// `candle_qmatmul_on_cpu` (a test switch) runs that CPU product instead, for any number
     /// of rows.
     ///
