@@ -57,9 +57,13 @@ impl ExpertWeights {
                     return Ok(x.matmul(&w.dequantize(x.dtype())?.t()?)?);
                 }
                 // A test switch: the expert's rows as `Q4_1` blocks, on candle's CPU matmul.
-                if x.device().is_cpu() && crate::kernels::policy::current().candle_qmatmul_on_cpu {
-                    return Ok(qmatmul(x, &w.with_candle_q4_1())?);
-                }
+                let w = if x.device().is_cpu()
+                    && crate::kernels::policy::current().candle_qmatmul_on_cpu
+                {
+                    w.with_candle_q4_1()
+                } else {
+                    w
+                };
                 Ok(qmatmul(x, &w)?)
             }
         }
