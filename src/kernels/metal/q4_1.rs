@@ -176,10 +176,9 @@ impl Q41Weight {
     /// (candle's tiled GEMM would stage activations and weights in half precision). On the CPU
     /// the blocks are dequantized by candle and multiplied in f32: candle's CPU quantized
     /// product rounds each block of activations to 8 bits (`Q8_1`), which moves the 4-bit
-    /// fixtures' first-step log-probs by 1.4 to 5.6 (`tests/q4_1_candle_matmul.rs`).
-    /// [`crate::kernels::policy::LaunchPolicy`]'s
-    /// `candle_qmatmul_on_cpu` (a test switch) runs that CPU product instead, for any number
-    /// of rows.
+    /// fixtures' first-step log-probs by 1.4 to 5.6 (`tests/q4_1_candle_matmul.rs`). The test
+    /// switch [`crate::kernels::policy::LaunchPolicy`]`::candle_qmatmul_on_cpu` runs that CPU
+    /// product instead, for any number of rows.
     ///
     /// # Errors
     /// Candle errors (devices differ, shapes).
@@ -215,9 +214,8 @@ impl PackedAffine {
     /// and row gathers: a loaded (settled) 4-bit matrix that maps exactly ([`q4_1_blocks`]),
     /// on a Metal device, or on the CPU when
     /// [`crate::kernels::policy::LaunchPolicy::candle_q4_1_on_cpu`] (or `candle_qmatmul_on_cpu`)
-    /// is on and the input width
-    /// is an even number of blocks (candle's CPU dot product takes them in pairs; every real
-    /// Gemma 4 width is a multiple of 64). Anything else, and
+    /// is on and the input width is an even number of blocks (candle's CPU dot product takes
+    /// them in pairs; every real Gemma 4 width is a multiple of 64). Anything else, and
     /// a matrix whose conversion fails, comes back unchanged and keeps the crate's kernels.
     /// The conversion reads the matrix to the host once, at load. MoE expert stacks, which the
     /// crate's kernels read by expert, are not converted.
