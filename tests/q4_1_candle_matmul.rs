@@ -5,12 +5,13 @@
 //! candle's CPU `Q4_1` product is not the Metal one: before the integer dot products it rounds
 //! each block of 32 activations to 8 bits (`Q8_1`: `dx = max|x| / 127`, codes
 //! `qx = round(x / dx)`, and the block's sum `Σ qx·dx` kept as an f16 `s`), and computes per
-//! block `Σ q·qx · d·dx + m·s`, with the weight block's scale `d`, bias `m` and codes `q`. candle's Metal matrix-vector kernel, which the crate runs on a Mac,
-//! reads the activations in f32. `cpu_qmatmul_is_the_exact_weights_times_q8_1_activations`
-//! shows that candle's CPU output equals the bit-exact dequantized weights times the
-//! activations as candle's own `Q8_1` quantization rounds them, within the f32 rounding of
-//! the sum: the weight mapping adds nothing. `fixture_goldens_through_candles_cpu_qmatmul`
-//! measures what that rounding does to the goldens.
+//! block `Σ q·qx · d·dx + m·s`, with the weight block's scale `d`, bias `m` and codes `q`.
+//! candle's Metal matrix-vector kernel, which the crate runs on a Mac, reads the activations
+//! in f32. `cpu_qmatmul_is_the_exact_weights_times_q8_1_activations` shows that candle's CPU
+//! output equals the bit-exact dequantized weights times the activations as candle's own
+//! `Q8_1` quantization rounds them, within the f32 rounding of the sum: the weight mapping
+//! adds nothing. `fixture_goldens_through_candles_cpu_qmatmul` measures what that rounding
+//! does to the goldens.
 //!
 //! The golden test installs a launch policy for this process (`candle_qmatmul_on_cpu`), which
 //! is why it lives in its own test binary; the product test never reads the policy.
@@ -262,9 +263,10 @@ fn is_expert(module: &str) -> bool {
 /// candle's kernel (through the same blocks dequantized, `tests/q4_1_mapping.rs` stays within
 /// 2e-3). What does not hold, and is only printed: the greedy ids (measured leading ids equal
 /// of those compared: `e2b-q4` 1/24, 20/24, 0/24; `moe-q4` 0/24, 2/19, 1/24) and any log-prob
-/// bound near golden.rs's (measured max |Δ log-prob| 1.4 to 5.6). No upper bound is asserted: the rounding error of
-/// one product is bounded (half a `Q8_1` step per activation, measured above), but its growth
-/// through the fixtures' layers is not, so any bound would only restate this measurement.
+/// bound near golden.rs's (measured max |Δ log-prob| 1.4 to 5.6). No upper bound is
+/// asserted: the rounding error of one product is bounded (half a `Q8_1` step per activation,
+/// about 1% of the largest output in the product test), but its growth through the fixtures'
+/// layers is not, so any bound would only restate this measurement.
 #[test]
 fn fixture_goldens_through_candles_cpu_qmatmul() {
     let mut policy = LaunchPolicy::default();
@@ -322,8 +324,8 @@ fn fixture_goldens_through_candles_cpu_qmatmul() {
             );
             assert!(
                 max_diff > GOLDEN_LOGPROB_TOL,
-                "{name} case {i}: first-step log-probs within {GOLDEN_LOGPROB_TOL} ({max_diff:.3e}): \
-                 did the products run on candle's quantized matmul?"
+                "{name} case {i}: first-step log-probs within {GOLDEN_LOGPROB_TOL} \
+                 ({max_diff:.3e}): did the products run on candle's quantized matmul?"
             );
         }
     }
