@@ -39,6 +39,14 @@ pub struct LaunchPolicy {
     /// faster there); tests turn it on to run the fixtures through the blocks end to end.
     #[doc(hidden)]
     pub candle_q4_1_on_cpu: bool,
+    /// Run every product of the CPU's `Q4_1` blocks (any number of rows, MoE expert rows
+    /// included) on candle's own CPU quantized matmul (`QMatMul`), which rounds each block of
+    /// activations to 8 bits (`Q8_1`) before the integer dot products; implies
+    /// [`LaunchPolicy::candle_q4_1_on_cpu`]. Off by default and never a shipped path: tests
+    /// turn it on to measure the fixtures through candle's CPU kernel
+    /// (`tests/q4_1_candle_matmul.rs`).
+    #[doc(hidden)]
+    pub candle_qmatmul_on_cpu: bool,
 }
 
 impl Default for LaunchPolicy {
@@ -50,6 +58,7 @@ impl Default for LaunchPolicy {
             moe_grouped_max_tokens: 64,
             metal_kernels: true,
             candle_q4_1_on_cpu: false,
+            candle_qmatmul_on_cpu: false,
         }
     }
 }

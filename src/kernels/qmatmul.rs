@@ -45,8 +45,10 @@ pub fn qmatmul(x: &Tensor, w: &PackedAffine) -> Result<Tensor, KernelError> {
     }
     let rows = x.elem_count() / in_dim.max(1);
     let x2 = x.reshape((rows, in_dim))?;
+    // A test switch: every CPU product of the `Q4_1` blocks on candle's own quantized matmul.
+    let candle_cpu = x.device().is_cpu() && super::policy::current().candle_qmatmul_on_cpu;
     let y = match (&w.q4_1, x.device()) {
-        (Some(q), _) if rows <= MATVEC_MAX_ROWS => q.matmul(&x2)?,
+        (Some(q), _) if rows <= MATVEC_MAX_ROWS || candle_cpu => q.matmul(&x2)?,
         (_, Device::Cpu) => cpu_qmatmul(&x2, w)?,
         #[cfg(feature = "cuda")]
         (_, Device::Cuda(_)) => {

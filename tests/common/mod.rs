@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod close;
+pub mod packed;
 
 use std::path::PathBuf;
 

@@ -175,8 +175,10 @@ impl Q41Weight {
     /// candle's matrix-vector kernel once per row: it takes the activations in f32 as they are
     /// (candle's tiled GEMM would stage activations and weights in half precision). On the CPU
     /// the blocks are dequantized by candle and multiplied in f32: candle's CPU quantized
-    /// product rounds each block of activations to 8 bits (`Q8_1`), which moves the fixtures'
-    /// first-step log-probs by up to 1.8.
+    /// product rounds each block of activations to 8 bits (`Q8_1`), which moves the 4-bit
+    /// fixtures' first-step log-probs by 1.4 to 5.6 (`tests/q4_1_candle_matmul.rs`). The test
+    /// switch [`crate::kernels::policy::LaunchPolicy`]`::candle_qmatmul_on_cpu` runs that CPU
+    /// product instead, for any number of rows.
     ///
     /// # Errors
     /// Candle errors (devices differ, shapes).
@@ -184,6 +186,9 @@ impl Q41Weight {
         let (rows, k) = x.dims2()?;
         let xf = x.to_dtype(DType::F32)?.contiguous()?;
         let y = match x.device() {
+            Device::Cpu if crate::kernels::policy::current().candle_qmatmul_on_cpu => {
+                self.matmul.forward(&xf)?
+            }
             Device::Cpu => xf.matmul(&self.qtensor.dequantize(&Device::Cpu)?.t()?)?,
             _ => self
                 .matmul
@@ -208,9 +213,9 @@ impl PackedAffine {
     /// The matrix with its `Q4_1` form attached where candle's kernels should run its products
     /// and row gathers: a loaded (settled) 4-bit matrix that maps exactly ([`q4_1_blocks`]),
     /// on a Metal device, or on the CPU when
-    /// [`crate::kernels::policy::LaunchPolicy::candle_q4_1_on_cpu`] is on and the input width
-    /// is an even number of blocks (candle's CPU dot product takes them in pairs; every real
-    /// Gemma 4 width is a multiple of 64). Anything else, and
+    /// [`crate::kernels::policy::LaunchPolicy::candle_q4_1_on_cpu`] (or `candle_qmatmul_on_cpu`)
+    /// is on and the input width is an even number of blocks (candle's CPU dot product takes
+    /// them in pairs; every real Gemma 4 width is a multiple of 64). Anything else, and
     /// a matrix whose conversion fails, comes back unchanged and keeps the crate's kernels.
     /// The conversion reads the matrix to the host once, at load. MoE expert stacks, which the
     /// crate's kernels read by expert, are not converted.
@@ -220,7 +225,10 @@ impl PackedAffine {
         let even_blocks = (self.in_dim() / BLOCK) % 2 == 0;
         let wanted = match &device {
             Device::Metal(_) => true,
-            Device::Cpu => crate::kernels::policy::current().candle_q4_1_on_cpu && even_blocks,
+            Device::Cpu => {
+                let policy = crate::kernels::policy::current();
+                (policy.candle_q4_1_on_cpu || policy.candle_qmatmul_on_cpu) && even_blocks
+            }
             _ => false,
         };
         if !wanted || !self.is_settled() || self.bits != QuantBits::Four || self.q4_1.is_some() {

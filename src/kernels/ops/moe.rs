@@ -56,6 +56,14 @@ impl ExpertWeights {
                 if x.device().is_cuda() && x.dim(0)? > MATVEC_MAX_ROWS {
                     return Ok(x.matmul(&w.dequantize(x.dtype())?.t()?)?);
                 }
+                // A test switch: the expert's rows as `Q4_1` blocks, on candle's CPU matmul.
+                let w = if x.device().is_cpu()
+                    && crate::kernels::policy::current().candle_qmatmul_on_cpu
+                {
+                    w.with_candle_q4_1()
+                } else {
+                    w
+                };
                 Ok(qmatmul(x, &w)?)
             }
         }
