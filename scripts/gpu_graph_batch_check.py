@@ -4,9 +4,11 @@ different lengths (the golden prompts and variants of them), dense (simple, rota
 quantized (4 and 8 bits, groups of 32, packed from the first token) caches, f32, and bf16 for
 two fixtures; then 300-token runs whose sliding layers' rings wrap many times. The replayed
 kernels are the captured ones, so the ids must be identical, and each graph run must report a
-captured graph for its batch size. In f32 each sequence of the 3-prompt batches must also
-equal the same prompt decoded alone (batch = single, graphs on). Prints each case and a
-summary; exits 1 on any difference or when a graph run did not capture.
+captured graph for its batch size. In f32 with a dense cache each sequence of the 3-prompt
+batches must also equal the same prompt decoded alone (batch = single, graphs on); with a 4-bit
+cache the comparison is reported, not required: the batched and one-row products round
+differently in the last bits, and a 4-bit code can flip on such a difference. Prints each case
+and a summary; exits 1 on any difference or when a graph run did not capture.
 
     python3 scripts/gpu_graph_batch_check.py path/to/generate
 """
@@ -73,12 +75,15 @@ def main(binary):
                "identical": on == off, "first_difference": first_diff, "graph": state}
         if dtype == "f32" and count == 3 and n == 24 and kv in ("simple", "q4"):
             alone = [run(binary, FIX / name, [p], n, extra, True)[0][0] for p in prompts]
-            single_total += 1
-            single_same += alone == on
             rec["batch_equals_single"] = alone == on
+            rec["batch_vs_single_first_difference"] = next(
+                ((b, j) for b in range(count) for j in range(n) if on[b][j] != alone[b][j]), None)
+            if kv == "simple":
+                single_total += 1
+                single_same += alone == on
         print(json.dumps(rec), flush=True)
     print(f"graph vs no graph: {same} of {total} identical; {captured} of {total} graph runs captured; "
-          f"batch = single (graphs on): {single_same} of {single_total}")
+          f"batch = single (graphs on, dense): {single_same} of {single_total}")
     sys.exit(0 if same == total and captured == total and single_same == single_total else 1)
 
 

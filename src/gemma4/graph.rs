@@ -41,7 +41,7 @@ use crate::config::{KvSource, LayerKind};
 use crate::error::Result;
 use crate::kernels::ops::graph::{self, DecodeGraph, SeqRecord, StepRecord};
 use crate::kernels::QueryPlan;
-use crate::kv::{LayerCache, ModelCache};
+use crate::kv::{CacheMark, LayerCache, ModelCache};
 
 /// Eager decode steps of a batch size before its capture (the first sizes the scratch
 /// buffers).
@@ -129,6 +129,22 @@ struct Captured {
     thread: ThreadId,
     /// The step's logits `[seqs, vocab]` f32, written by the graph.
     out: Tensor,
+    /// The next step, recorded while the GPU ran this one.
+    next: Option<Prepared>,
+}
+
+/// A step recorded ahead: right after a replay is launched, the host plans the step after it
+/// (advancing every cache by one token, recording, then putting the counters back) while the
+/// GPU runs the replay. The next replay uses it when the caches are exactly as they were left:
+/// the same counters, positions and storage (an eager step, a trim, another cache or a
+/// replaced sequence in between makes it stale, and the step is planned again).
+struct Prepared {
+    rec: StepRecord,
+    positions: Vec<usize>,
+    /// The counters it was planned from, and the ones the step advances them to.
+    before: Vec<Option<CacheMark>>,
+    after: Vec<Option<CacheMark>>,
+    storage: Vec<Option<candle_core::TensorId>>,
 }
 
 // Models are shared across threads.
@@ -471,6 +487,7 @@ fn capture(
         graph,
         thread: std::thread::current().id(),
         out,
+        next: None,
     };
     Ok(Ok((captured, logits)))
 }
@@ -486,13 +503,15 @@ enum Replayed {
     Outgrown,
 }
 
-/// Replays the captured step for tokens `ids` (one a sequence).
+/// Replays the captured step for tokens `ids` (one a sequence), then records the step after
+/// it ([`Prepared`]) while the GPU runs this one.
 fn replay(
     model: &TextModel,
-    c: &Captured,
+    c: &mut Captured,
     ids: &[u32],
     cache: &mut ModelCache,
 ) -> Result<Replayed> {
+    let prepared = c.next.take();
     if c.graph.outgrown() {
         return Ok(Replayed::Outgrown);
     }
@@ -503,31 +522,66 @@ fn replay(
     if positions.len() != ids.len() {
         return Ok(Replayed::NotThisStep);
     }
-    let mut rec = c.graph.record();
-    let recorded = record_step(model, cache, &positions, &mut rec);
-    match recorded {
-        Ok(true) if c.graph.fits(&rec) => {}
-        // More key splits than captured, or other launches (the model now decodes with a
-        // cache of another kind or bits): capture again.
-        Ok(true) => {
-            cache.restore(&marks);
-            return Ok(Replayed::Outgrown);
+    let rec = match prepared {
+        Some(p)
+            if p.before == marks
+                && p.positions == positions
+                && p.storage == cache.storage_ids() =>
+        {
+            cache.restore(&p.after);
+            p.rec
         }
-        Ok(_) => {
-            cache.restore(&marks);
-            return Ok(Replayed::NotThisStep);
+        _ => {
+            let mut rec = c.graph.record();
+            match record_step(model, cache, &positions, &mut rec) {
+                Ok(true) if c.graph.fits(&rec) => rec,
+                // More key splits than captured, or other launches (the model now decodes with
+                // a cache of another kind or bits): capture again.
+                Ok(true) => {
+                    cache.restore(&marks);
+                    return Ok(Replayed::Outgrown);
+                }
+                Ok(false) => {
+                    cache.restore(&marks);
+                    return Ok(Replayed::NotThisStep);
+                }
+                Err(e) => {
+                    cache.restore(&marks);
+                    return Err(e);
+                }
+            }
         }
-        Err(e) => {
-            cache.restore(&marks);
-            return Err(e);
-        }
-    }
+    };
     let dtype = model.dtype();
     let rope_s = model.rope_sliding.both_bytes(&positions, 1, dtype)?;
     let rope_f = model.rope_full.both_bytes(&positions, 1, dtype)?;
     let id_bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
     c.graph.replay(&rec, &[&id_bytes, &rope_s, &rope_f])?;
-    Ok(Replayed::Logits(c.out.copy()?))
+    let logits = c.out.copy()?;
+    c.next = prepare(model, c, cache);
+    Ok(Replayed::Logits(logits))
+}
+
+/// Records the step after the one just launched (see [`Prepared`]); the caches' counters are
+/// put back before it returns (storage it grew stays grown). `None` when the step cannot be
+/// recorded now; the next replay then records it itself.
+fn prepare(model: &TextModel, c: &Captured, cache: &mut ModelCache) -> Option<Prepared> {
+    let before = cache.marks()?;
+    let positions = cache.offsets();
+    let mut rec = c.graph.record();
+    let recorded = record_step(model, cache, &positions, &mut rec);
+    let after = cache.marks();
+    cache.restore(&before);
+    match (recorded, after) {
+        (Ok(true), Some(after)) if c.graph.fits(&rec) => Some(Prepared {
+            rec,
+            positions,
+            before,
+            after,
+            storage: cache.storage_ids(),
+        }),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

@@ -116,6 +116,13 @@ pub(crate) struct GrowBuf {
 }
 
 impl GrowBuf {
+    /// The identity of the storage (its first part), `None` before any is allocated: it
+    /// changes whenever the storage is replaced.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub fn storage_id(&self) -> Option<candle_core::TensorId> {
+        self.parts.as_ref().and_then(|p| p.first()).map(Tensor::id)
+    }
+
     /// Tokens held.
     pub fn len(&self) -> usize {
         self.len
@@ -241,6 +248,13 @@ pub(crate) struct RingBuf {
 }
 
 impl RingBuf {
+    /// The identity of the storage (its first part), `None` before any is allocated: it
+    /// changes whenever the storage is replaced.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub fn storage_id(&self) -> Option<candle_core::TensorId> {
+        self.parts.as_ref().and_then(|p| p.first()).map(Tensor::id)
+    }
+
     /// An empty ring of `size >= window >= 1` slots.
     pub fn new(window: usize, size: usize) -> Self {
         Self {

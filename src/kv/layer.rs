@@ -263,6 +263,19 @@ impl LayerCache {
         }
     }
 
+    /// Appends the identity of each sequence's storage (one entry, or one a sequence of a
+    /// batch) to `out`: an entry changes whenever that storage is replaced, so a step planned
+    /// against the same counters and the same identities addresses the same memory.
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn storage_ids(&self, out: &mut Vec<Option<candle_core::TensorId>>) {
+        match self {
+            LayerCache::Simple(c) => out.push(c.storage_id()),
+            LayerCache::Rotating(c) => out.push(c.storage_id()),
+            LayerCache::Quantized(c) => out.push(c.storage_id()),
+            LayerCache::Batch(b) => b.sequences().iter().for_each(|c| c.storage_ids(out)),
+        }
+    }
+
     /// The dtype of a packed quantized cache's scales and biases (a batch's when it holds one
     /// sequence); `None` for dense caches, quantized caches not packed yet and larger batches.
     pub(crate) fn packed_dtype(&self) -> Option<candle_core::DType> {

@@ -95,6 +95,20 @@ impl ModelCache {
         }
     }
 
+    /// The identity of every layer's (and sequence's) storage, in order (see
+    /// [`LayerCache::storage_ids`]).
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn storage_ids(&self) -> Vec<Option<candle_core::TensorId>> {
+        let mut out = Vec::new();
+        for c in &self.layers {
+            match c {
+                Some(c) => c.storage_ids(&mut out),
+                None => out.push(None),
+            }
+        }
+        out
+    }
+
     /// Moves each sequence's caches out of a cache whose every layer is a batch (or empty), one
     /// `ModelCache` a sequence, leaving the batches empty until
     /// [`ModelCache::join_sequences`] puts them back; `None`, moving nothing, when some layer

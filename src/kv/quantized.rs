@@ -205,6 +205,15 @@ impl QuantizedCache {
         })
     }
 
+    /// The identity of the storage (see [`crate::kv::LayerCache::storage_ids`]).
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn storage_id(&self) -> Option<candle_core::TensorId> {
+        match &self.store {
+            Store::Grow(b) => b.storage_id(),
+            Store::Ring(r) => r.storage_id(),
+        }
+    }
+
     /// Sets the counters back to a [`QuantizedCache::mark`]; a mark of the other store kind
     /// is ignored.
     #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)

@@ -183,6 +183,12 @@ impl RotatingCache {
         dense_view(parts, positions)
     }
 
+    /// The identity of the storage (see [`crate::kv::LayerCache::storage_ids`]).
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn storage_id(&self) -> Option<candle_core::TensorId> {
+        self.ring.storage_id()
+    }
+
     /// The ring's counters (see [`crate::kv::CacheMark`]).
     #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub(crate) fn mark(&self) -> (usize, usize) {

@@ -104,6 +104,12 @@ impl SimpleCache {
         dense_view(parts, KeyPositions::range(0..self.buf.len()))
     }
 
+    /// The identity of the storage (see [`crate::kv::LayerCache::storage_ids`]).
+    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
+    pub(crate) fn storage_id(&self) -> Option<candle_core::TensorId> {
+        self.buf.storage_id()
+    }
+
     /// Tokens held (see [`crate::kv::CacheMark`]).
     #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub(crate) fn mark(&self) -> usize {
