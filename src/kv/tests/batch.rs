@@ -132,3 +132,62 @@ fn model_cache_batching_helpers() {
     assert_eq!(m.offsets(), vec![0]);
     assert_eq!(m.memory_bytes(), 0);
 }
+
+#[test]
+fn sequences_split_out_and_join_back_in_order_and_storage_ids_track_replacement() {
+    let specs = [Some(spec(Some(4))), Some(spec(None)), None];
+    let mk = |len: usize| {
+        let mut m =
+            ModelCache::new(&CacheConfig::default(), &specs, DType::F32, &Device::Cpu).unwrap();
+        for c in m.layers.iter_mut().flatten() {
+            c.update(
+                &rand(len as u64, (1, KVH, len, HD)),
+                &rand(2, (1, KVH, len, HD)),
+            )
+            .unwrap();
+        }
+        m
+    };
+    let mut b = ModelCache::batch(vec![mk(3), mk(7), mk(5)]).unwrap();
+    let ids = b.storage_ids();
+    // Two KV layers of three sequences each, and the shared layer's one empty entry.
+    assert_eq!(ids.len(), 7);
+    assert!(ids[..6].iter().all(Option::is_some));
+    let marks = b.marks().unwrap();
+
+    let mut seqs = b.split_sequences().unwrap();
+    assert_eq!(seqs.len(), 3);
+    assert_eq!(
+        seqs.iter().map(|s| s.offsets()).collect::<Vec<_>>(),
+        vec![vec![3], vec![7], vec![5]]
+    );
+    assert!(seqs.iter().all(|s| s.layers[2].is_none()));
+    // Each sequence advances on its own, as a replayed step records it.
+    for s in &mut seqs {
+        for c in s.layers.iter_mut().flatten() {
+            c.reserve_slots(1, &Device::Cpu).unwrap();
+            let (k, v) = (rand(9, (1, KVH, 1, HD)), rand(9, (1, KVH, 1, HD)));
+            c.update(&k, &v).unwrap();
+        }
+    }
+    b.join_sequences(seqs);
+    assert_eq!(b.offsets(), vec![4, 8, 6]);
+    assert_eq!(b.batch_size(), 3);
+    // The rings (layer 0) kept their storage.
+    assert_eq!(b.storage_ids()[..3], ids[..3]);
+
+    // Counters go back; storage that only grew or stayed keeps its identity per sequence.
+    b.restore(&marks);
+    assert_eq!(b.offsets(), vec![3, 7, 5]);
+    // Replacing a sequence with one of the same length changes its storage identity.
+    let removed = b.remove_sequence(1).unwrap();
+    assert_eq!(removed.offsets(), vec![7]);
+    b.push_sequence(mk(7)).unwrap();
+    assert_eq!(b.offsets(), vec![3, 5, 7]);
+    assert_ne!(b.storage_ids()[2], ids[1]);
+
+    // A cache that is not batched splits into nothing and is left as it was.
+    let mut single = mk(2);
+    assert!(single.split_sequences().is_none());
+    assert_eq!(single.offsets(), vec![2]);
+}
