@@ -19,7 +19,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_gemma::config::Config;
 use candle_gemma::kv::QuantBits;
-use candle_gemma::Model;
+use candle_gemma::{LaunchPolicy, Model};
 use clap::{Parser, ValueEnum};
 
 use server::engine::EngineSettings;
@@ -84,6 +84,11 @@ struct Args {
     /// an H200 (512: about 4.5x); see docs/performance.md, "Serving under load".
     #[arg(long, default_value_t = 256)]
     prefill_chunk: usize,
+    /// Most running sequences whose decode steps replay a CUDA graph (one graph a batch
+    /// size, captured the second time a size is seen). 1 keeps graphs to single streams: no
+    /// capture pauses when the batch size changes, at a lower aggregate rate.
+    #[arg(long, default_value_t = 64)]
+    cuda_graph_max_batch: usize,
     /// Byte budget of the prefix store, MiB (0 turns prefix reuse off).
     #[arg(long, default_value_t = 2048)]
     prefix_cache_mb: usize,
@@ -125,6 +130,11 @@ fn load(args: &Args) -> Result<(Model, String)> {
         }
         _ => {}
     }
+    let mut policy = LaunchPolicy::from_env();
+    policy.cuda_graph_max_batch = args.cuda_graph_max_batch;
+    if !policy.install() {
+        bail!("another launch policy is already in force in this process");
+    }
     if let Some(path) = &args.random_weights {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -141,7 +151,10 @@ fn load(args: &Args) -> Result<(Model, String)> {
         bail!("give --model DIR|ID or --random-weights CONFIG.json");
     };
     let path = PathBuf::from(model);
-    let builder = Model::builder().device(device).dtype(dtype);
+    let builder = Model::builder()
+        .device(device)
+        .dtype(dtype)
+        .launch_policy(policy);
     let builder = if path.exists() {
         builder.path(path)
     } else {

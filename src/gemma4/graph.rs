@@ -15,8 +15,8 @@
 //! launch that outgrows one (a long prefill, a larger batch) replaces it, and the next step
 //! of each size captures again (`scratch::generation`).
 //!
-//! Eligible steps: 1 to [`MAX_GRAPH_BATCH`] sequences of one new token each, on CUDA with the
-//! fused kernels, every KV-owning layer's cache dense in the activations' dtype (simple,
+//! Eligible steps: 1 to [`crate::kernels::policy::LaunchPolicy::cuda_graph_max_batch`]
+//! sequences of one new token each, on CUDA with the fused kernels, every KV-owning layer's cache dense in the activations' dtype (simple,
 //! rotating, or a batch of those) or quantized and already packed with scales in that dtype
 //! (growing or ring, or a batch of those with one bit width and group size); a quantized cache
 //! still below its `start` runs eagerly until the update that packs it. A batch's sequences
@@ -46,9 +46,6 @@ use crate::kv::{CacheMark, LayerCache, ModelCache};
 /// Eager decode steps of a batch size before its capture (the first sizes the scratch
 /// buffers).
 const EAGER_STEPS: usize = 1;
-
-/// Most sequences a captured step takes; larger batches run eagerly.
-pub(crate) const MAX_GRAPH_BATCH: usize = 64;
 
 /// Batch sizes that keep a graph (or the reason they have none) at once.
 pub(crate) const MAX_GRAPHS: usize = 8;
@@ -199,7 +196,8 @@ impl DecodeGraphs {
         cache: &mut ModelCache,
     ) -> Result<Option<Tensor>> {
         let seqs = batch.len();
-        if seqs == 0 || seqs > MAX_GRAPH_BATCH || batch.iter().any(|s| s.len() != 1) {
+        let most = crate::kernels::policy::current().cuda_graph_max_batch;
+        if seqs == 0 || seqs > most || batch.iter().any(|s| s.len() != 1) {
             return Ok(None);
         }
         if !graph::available(model.device()) || !eligible(model, cache, seqs) {

@@ -23,8 +23,14 @@ pub struct LaunchPolicy {
     /// Fused CUDA kernels for add-norm, GeGLU, qkv-prep, MoE and matvec (on by default); off
     /// runs the candle op chains they replace, which is the reference they are tested against.
     pub fused: bool,
-    /// Replay batch-1 decode steps as a CUDA graph where every layer's cache allows it.
+    /// Replay decode steps as CUDA graphs (one a batch size) where every layer's cache allows
+    /// it.
     pub cuda_graph: bool,
+    /// Most sequences a decode step may have and still replay a graph (default 64; 1 keeps
+    /// graphs to single-sequence decode). Each new batch size costs one eager step and one
+    /// capture (tens of milliseconds for a large model) the first time it is seen, which a
+    /// latency-bound server whose batch size changes often may prefer to avoid.
+    pub cuda_graph_max_batch: usize,
     /// Let a kernel launch before its predecessor finishes (`griddepcontrol`, compute 9.0+).
     pub dependent_launch: bool,
     /// Up to this many tokens an MoE layer runs the grouped matrix-vector kernel; above it, the
@@ -54,6 +60,7 @@ impl Default for LaunchPolicy {
         Self {
             fused: true,
             cuda_graph: true,
+            cuda_graph_max_batch: 64,
             dependent_launch: true,
             moe_grouped_max_tokens: 64,
             metal_kernels: true,
@@ -64,6 +71,13 @@ impl Default for LaunchPolicy {
 }
 
 impl LaunchPolicy {
+    /// Puts this policy in force for the process, as [`crate::ModelBuilder::launch_policy`]
+    /// does at build: for models made without the builder ([`crate::Model::random`]). The
+    /// first policy installed stays; returns whether it is this one.
+    pub fn install(self) -> bool {
+        install(self)
+    }
+
     /// The defaults with the environment overrides in the module table applied. Values that do
     /// not parse leave the default in place.
     pub fn from_env() -> Self {
