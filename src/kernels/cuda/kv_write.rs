@@ -117,59 +117,88 @@ pub(crate) fn kv_scatter_batch(k: &Tensor, v: &Tensor, dst: &[(Tensor, Tensor)])
         head_dim: u32_of(head_dim, "head dim")?,
         pad_: 0,
     };
+    let scatter = Scatter {
+        params,
+        dtype,
+        per_seq,
+    };
     if graph::recording() {
-        let seqs = u32_of(batch, "sequences")?;
-        let slot = graph::Slot::KvBatchDestination { seqs };
+        let slot = graph::Slot::KvBatchDestination {
+            seqs: u32_of(batch, "sequences")?,
+        };
         let at = graph::record_slice(slot, &blocks)?
             .ok_or_else(|| candle_core::Error::Msg("not capturing a step".into()))?;
         let func = load_kernel(&dev, &format!("kv_scatter_dyn_{name}"), &LAYER_OPS)?;
-        let cfg = LaunchConfig {
-            grid_dim: (per_seq.div_ceil(256).min(64) as u32, 2, seqs),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        by_dtype!(dtype, E, {
-            bind!(kv_, k, E);
-            bind!(vv_, v, E);
-            let mut b = func.builder();
-            b.arg(&params);
-            b.arg(&at);
-            b.arg(&kv_);
-            b.arg(&vv_);
-            // SAFETY: arguments match the kernel's signature; the recorded block holds one
-            // destination per sequence, each checked above (and at every replay, by the same
-            // `kv_destination`) to hold kv_heads heads of n tokens at its head stride.
-            unsafe { b.launch(cfg) }.w()?;
-            Ok::<(), candle_core::Error>(())
-        })?;
+        scatter.launch(&func, ScatterSlots::Recorded(at), &k, &v, 0, batch)?;
         return Ok(true);
     }
     let func = load_kernel(&dev, &format!("kv_scatter_batch_{name}"), &LAYER_OPS)?;
     for (c, chunk) in blocks.chunks(KV_BATCH).enumerate() {
         let mut table = KvBatchDst::default();
         table.d[..chunk.len()].copy_from_slice(chunk);
+        let slots = ScatterSlots::Table(&table);
+        scatter.launch(&func, slots, &k, &v, c * KV_BATCH, chunk.len())?;
+    }
+    Ok(true)
+}
+
+/// Where a `kv_scatter_*` launch finds its sequences' slots.
+enum ScatterSlots<'a> {
+    /// The device address of recorded [`QkvDst`]s, one per sequence (`kv_scatter_dyn`).
+    Recorded(u64),
+    /// A table of up to [`KV_BATCH`] sequences' slots passed by value (`kv_scatter_batch`).
+    Table(&'a KvBatchDst),
+}
+
+/// The shape of one batch's K/V scatter.
+struct Scatter {
+    params: KvScatterParams,
+    dtype: DType,
+    /// Elements of one sequence's K (or V) rows.
+    per_seq: usize,
+}
+
+impl Scatter {
+    /// Launches `func` over sequences `first..first + seqs` of contiguous `k`, `v`, one grid
+    /// layer a sequence. The caller has checked every sequence's slots against this shape.
+    fn launch(
+        &self,
+        func: &super::kernel_cache::Kernel,
+        slots: ScatterSlots<'_>,
+        k: &Tensor,
+        v: &Tensor,
+        first: usize,
+        seqs: usize,
+    ) -> Result<()> {
         let cfg = LaunchConfig {
-            grid_dim: (per_seq.div_ceil(256).min(64) as u32, 2, chunk.len() as u32),
+            grid_dim: (
+                self.per_seq.div_ceil(256).min(64) as u32,
+                2,
+                u32_of(seqs, "sequences")?,
+            ),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (first, len) = (c * KV_BATCH * per_seq, chunk.len() * per_seq);
-        by_dtype!(dtype, E, {
+        let rows = first * self.per_seq..(first + seqs) * self.per_seq;
+        by_dtype!(self.dtype, E, {
             bind!(kv_, k, E);
             bind!(vv_, v, E);
-            let (kv_, vv_) = (kv_.slice(first..first + len), vv_.slice(first..first + len));
+            let (kv_, vv_) = (kv_.slice(rows.clone()), vv_.slice(rows.clone()));
             let mut b = func.builder();
-            b.arg(&params);
-            b.arg(&table);
+            b.arg(&self.params);
+            match &slots {
+                ScatterSlots::Recorded(at) => b.arg(at),
+                ScatterSlots::Table(table) => b.arg(*table),
+            };
             b.arg(&kv_);
             b.arg(&vv_);
-            // SAFETY: arguments match the kernel's signature; every destination was checked
-            // above to hold kv_heads heads of n tokens at its head stride.
+            // SAFETY: arguments match the kernel's signature; every destination (a recorded
+            // block is rewritten before each replay with destinations checked by the same
+            // `kv_destination`) holds kv_heads heads of n tokens at its head stride.
             unsafe { b.launch(cfg) }.w()?;
             Ok::<(), candle_core::Error>(())
-        })?;
+        })
     }
-    Ok(true)
 }
 
 /// [`quantize`] of new K and V rows (`k`, `v`: `[1, kv_heads, n, head_dim]`) written straight

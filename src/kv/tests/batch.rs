@@ -79,21 +79,24 @@ fn batch_equals_single_sequences_and_supports_push_remove() {
     }
 }
 
+/// A ring layer, a growing layer and a KV-shared layer, holding `len` random tokens.
+fn filled(len: usize) -> ModelCache {
+    let specs = [Some(spec(Some(4))), Some(spec(None)), None];
+    let mut m = ModelCache::new(&CacheConfig::default(), &specs, DType::F32, &Device::Cpu).unwrap();
+    for c in m.layers.iter_mut().flatten() {
+        c.update(
+            &rand(len as u64, (1, KVH, len, HD)),
+            &rand(1, (1, KVH, len, HD)),
+        )
+        .unwrap();
+    }
+    m
+}
+
 #[test]
 fn model_cache_batching_helpers() {
     let specs = [Some(spec(Some(4))), Some(spec(None)), None];
-    let mk = |len: usize| {
-        let mut m =
-            ModelCache::new(&CacheConfig::default(), &specs, DType::F32, &Device::Cpu).unwrap();
-        for c in m.layers.iter_mut().flatten() {
-            c.update(
-                &rand(len as u64, (1, KVH, len, HD)),
-                &rand(1, (1, KVH, len, HD)),
-            )
-            .unwrap();
-        }
-        m
-    };
+    let mk = filled;
     let mut b = ModelCache::batch(vec![mk(3), mk(7)]).unwrap();
     assert_eq!(b.batch_size(), 2);
     assert_eq!(b.offsets(), vec![3, 7]);
@@ -135,19 +138,7 @@ fn model_cache_batching_helpers() {
 
 #[test]
 fn sequences_split_out_and_join_back_in_order_and_storage_ids_track_replacement() {
-    let specs = [Some(spec(Some(4))), Some(spec(None)), None];
-    let mk = |len: usize| {
-        let mut m =
-            ModelCache::new(&CacheConfig::default(), &specs, DType::F32, &Device::Cpu).unwrap();
-        for c in m.layers.iter_mut().flatten() {
-            c.update(
-                &rand(len as u64, (1, KVH, len, HD)),
-                &rand(2, (1, KVH, len, HD)),
-            )
-            .unwrap();
-        }
-        m
-    };
+    let mk = filled;
     let mut b = ModelCache::batch(vec![mk(3), mk(7), mk(5)]).unwrap();
     let ids = b.storage_ids();
     // Two KV layers of three sequences each, and the shared layer's one empty entry.
