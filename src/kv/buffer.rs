@@ -97,6 +97,18 @@ pub(crate) fn unallocated() -> CacheError {
     }
 }
 
+/// Fresh copies of stored `parts` (none before any storage is allocated).
+fn copy_parts(parts: Option<&[Tensor]>) -> Result<Option<Vec<Tensor>>, CacheError> {
+    Ok(match parts {
+        Some(p) => Some(
+            p.iter()
+                .map(Tensor::copy)
+                .collect::<candle_core::Result<_>>()?,
+        ),
+        None => None,
+    })
+}
+
 fn bytes(parts: &[Tensor]) -> usize {
     parts
         .iter()
@@ -209,14 +221,7 @@ impl GrowBuf {
 
     /// A deep copy (new storage).
     pub fn deep_clone(&self) -> Result<Self, CacheError> {
-        let parts = match &self.parts {
-            Some(p) => Some(
-                p.iter()
-                    .map(|t| t.copy())
-                    .collect::<candle_core::Result<_>>()?,
-            ),
-            None => None,
-        };
+        let parts = copy_parts(self.parts.as_deref())?;
         Ok(Self {
             parts,
             cap: self.cap,
@@ -497,14 +502,7 @@ impl RingBuf {
 
     /// A deep copy (new storage).
     pub fn deep_clone(&self) -> Result<Self, CacheError> {
-        let parts = match &self.parts {
-            Some(p) => Some(
-                p.iter()
-                    .map(|t| t.copy())
-                    .collect::<candle_core::Result<_>>()?,
-            ),
-            None => None,
-        };
+        let parts = copy_parts(self.parts.as_deref())?;
         Ok(Self { parts, ..*self })
     }
 }
