@@ -1,6 +1,6 @@
 //! Packed-weight matrix-vector products on CUDA (decode: at most 8 activation rows, 32 with
 //! 4-bit weights whose scales have the activations' dtype): the
-//! kernel [`super::matvec_plan`] chooses, and the product with the residual add + norm folded
+//! kernel `matvec_plan` chooses, and the product with the residual add + norm folded
 //! into its last block (`qmv_row4_norm`). Kernels in `matvec.cu`.
 
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
@@ -148,7 +148,7 @@ pub fn packed_matvec_folds_norm(x_dtype: DType, rows: usize, w: &PackedAffine) -
     rows == 1 && w.out_dim() <= PACKED_FOLD_MAX_WIDTH && takes_row_matvec(x_dtype, w)
 }
 
-/// [`dense_matvec_add_norm`] over a packed 4-bit weight: one activation row through
+/// [`super::dense_matvec::dense_matvec_add_norm`] over a packed 4-bit weight: one activation row through
 /// `qmv_row4`, whose last block adds the residual and writes the norms asked for (one launch
 /// instead of the product's and the add + norm's). `None` where `qmv_row4` would not serve
 /// (more rows, 8 bits, other dtypes) or the extra asks for a second branch.
