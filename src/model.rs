@@ -214,6 +214,17 @@ impl ModelBuilder {
         self.build_sharded_on(ordinals.len(), |rank| Ok(Device::new_cuda(ordinals[rank])?))
     }
 
+    /// [`ModelBuilder::build_sharded`] over `world` CPU ranks, which sum through the host
+    /// instead of NCCL: the reference the sharded forward is tested against, and a way to run
+    /// sharded serving without GPUs in tests. Not for speed.
+    ///
+    /// # Errors
+    /// As [`ModelBuilder::build_sharded`].
+    #[doc(hidden)]
+    pub fn build_sharded_cpu(self, world: usize) -> Result<ShardedModel> {
+        self.build_sharded_on(world.max(1), |_| Ok(Device::Cpu))
+    }
+
     /// [`ModelBuilder::build_sharded`] over `world` ranks, rank `r` on `device(r)` (CPU ranks
     /// sum through the host: the tests' reference for the sharded forward).
     pub(crate) fn build_sharded_on(

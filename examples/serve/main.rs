@@ -22,7 +22,7 @@ use candle_gemma::kv::QuantBits;
 use candle_gemma::{LaunchPolicy, Model};
 use clap::{Parser, ValueEnum};
 
-use server::engine::EngineSettings;
+use server::engine::{EngineSettings, Served};
 use server::options::{head_dims, Defaults};
 use server::ServerConfig;
 
@@ -111,9 +111,14 @@ struct Args {
     /// Device (default: the GPU the build has, else the CPU).
     #[arg(long, value_enum)]
     device: Option<DeviceKind>,
+    /// Tensor parallel over GPUs 0..N of this host (`nccl` feature), one scheduler per GPU fed
+    /// the same steps; with `--device cpu`, N CPU ranks that sum through the host (a reference
+    /// for tests, not for speed).
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
 }
 
-fn load(args: &Args) -> Result<(Model, String)> {
+fn load(args: &Args) -> Result<(Served, String)> {
     let device = candle_gemma::best_device(args.device == Some(DeviceKind::Cpu))?;
     let dtype = match args.dtype {
         Some(Dtype::F32) => DType::F32,
@@ -135,6 +140,7 @@ fn load(args: &Args) -> Result<(Model, String)> {
     if !policy.install() {
         bail!("another launch policy is already in force in this process");
     }
+    let ordinals: Vec<usize> = (0..args.tp.max(1)).collect();
     if let Some(path) = &args.random_weights {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -142,15 +148,20 @@ fn load(args: &Args) -> Result<(Model, String)> {
         let name = path
             .file_stem()
             .map_or_else(|| "random".into(), |s| s.to_string_lossy().into_owned());
-        return Ok((
-            Model::random(config, &device, dtype, 1)?,
-            format!("random-{name}"),
-        ));
+        let served = match args.tp {
+            0 | 1 => Served::Single(Arc::new(Model::random(config, &device, dtype, 1)?)),
+            _ if device.is_cuda() => Served::Sharded(Arc::new(Model::random_sharded(
+                config, &ordinals, dtype, 1, None,
+            )?)),
+            _ => bail!("--tp with --random-weights needs CUDA devices"),
+        };
+        return Ok((served, format!("random-{name}")));
     }
     let Some(model) = &args.model else {
         bail!("give --model DIR|ID or --random-weights CONFIG.json");
     };
     let path = PathBuf::from(model);
+    let on_cpu = device.is_cpu();
     let builder = Model::builder()
         .device(device)
         .dtype(dtype)
@@ -160,14 +171,19 @@ fn load(args: &Args) -> Result<(Model, String)> {
     } else {
         builder.repo(model)
     };
-    Ok((builder.build()?, model.clone()))
+    let served = match args.tp {
+        0 | 1 => Served::Single(Arc::new(builder.build()?)),
+        n if on_cpu => Served::Sharded(Arc::new(builder.build_sharded_cpu(n)?)),
+        _ => Served::Sharded(Arc::new(builder.devices(&ordinals).build_sharded()?)),
+    };
+    Ok((served, model.clone()))
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let (model, name) = load(&args)?;
+    let (served, name) = load(&args)?;
     let kv_bits = args.kv_bits.map(QuantBits::from_bits).transpose()?;
-    let dims = head_dims(&model);
+    let dims = head_dims(served.model());
     let kv_group_size = args
         .kv_group_size
         .unwrap_or(if dims.iter().all(|d| d % 64 == 0) {
@@ -206,7 +222,7 @@ fn main() -> Result<()> {
         let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))
             .await
             .with_context(|| format!("binding {}:{}", args.host, args.port))?;
-        let running = server::start(Arc::new(model), config, listener)?;
+        let running = server::start(served, config, listener)?;
         eprintln!(
             "serving `{}` on {} (Ctrl-C stops)",
             running.state.model_id(),

@@ -8,7 +8,7 @@ use reqwest::StatusCode;
 use serde_json::Value;
 
 use crate::common;
-use crate::server::engine::EngineSettings;
+use crate::server::engine::{EngineSettings, Served};
 use crate::server::options::{head_dims, Defaults};
 use crate::server::{self, Running, ServerConfig};
 
@@ -54,7 +54,8 @@ impl Harness {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind loopback");
-        let running = server::start(model.clone(), cfg, listener).expect("server starts");
+        let running =
+            server::start(Served::Single(model.clone()), cfg, listener).expect("server starts");
         let client = reqwest::Client::builder()
             .timeout(Duration::from_secs(30))
             .build()

@@ -2,7 +2,8 @@
 //! with a real HTTP client (reqwest): both OpenAI endpoints and Anthropic Messages, streaming
 //! and not; greedy ids against the library's single-sequence decode; concurrency across KV
 //! layouts; prefix reuse; cancellation; every bad input; the API key; a load of 200 requests;
-//! and a teacher-forced streaming tool call. Every server stops when its test ends.
+//! a teacher-forced streaming tool call; and a model sharded over two CPU ranks. Every server
+//! stops when its test ends.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -18,4 +19,5 @@ mod concurrency;
 mod errors;
 mod load;
 mod reuse;
+mod sharded;
 mod tool_stream;

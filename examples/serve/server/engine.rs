@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use candle_gemma::generate::{FinishReason, GenOptions, StepOutput};
-use candle_gemma::Model;
+use candle_gemma::{Model, ShardedModel};
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
@@ -60,6 +60,26 @@ pub struct Stats {
     pub prefix_bytes: usize,
     /// Entries of the prefix store.
     pub prefix_entries: usize,
+}
+
+/// The model a server serves: one model, or one sharded over several devices
+/// (tensor parallel; the HTTP layer reads its tokenizer, template and config from rank 0).
+#[derive(Debug, Clone)]
+pub enum Served {
+    /// One model on one device.
+    Single(Arc<Model>),
+    /// A model sharded over several devices, served by one scheduler per rank.
+    Sharded(Arc<ShardedModel>),
+}
+
+impl Served {
+    /// The model the HTTP layer reads (rank 0 of a sharded one).
+    pub fn model(&self) -> &Model {
+        match self {
+            Served::Single(m) => m,
+            Served::Sharded(m) => m.first(),
+        }
+    }
 }
 
 /// The engine settings the server passes through.
@@ -152,22 +172,22 @@ use backend::{Engine, RequestId};
 #[derive(Debug, Clone)]
 pub struct EngineHandle {
     engine: Engine,
-    model: Arc<Model>,
+    served: Served,
 }
 
 impl EngineHandle {
-    /// Starts the engine's worker over `model`.
+    /// Starts the engine's worker over `served` (one worker thread per rank when sharded).
     ///
     /// # Errors
     /// The engine cannot start.
-    pub fn start(model: Arc<Model>, settings: EngineSettings) -> anyhow::Result<Self> {
-        let engine = Engine::start(model.clone(), settings)?;
-        Ok(Self { engine, model })
+    pub fn start(served: Served, settings: EngineSettings) -> anyhow::Result<Self> {
+        let engine = Engine::start(&served, settings)?;
+        Ok(Self { engine, served })
     }
 
-    /// The model.
-    pub fn model(&self) -> &Arc<Model> {
-        &self.model
+    /// The model (rank 0 of a sharded one).
+    pub fn model(&self) -> &Model {
+        self.served.model()
     }
 
     /// Queues a request; its events arrive on the returned [`Submission`].
@@ -176,7 +196,7 @@ impl EngineHandle {
     /// A full queue (429), a prompt longer than the context, invalid options (400), a stopped
     /// engine (503).
     pub fn submit(&self, prompt: Vec<u32>, options: GenOptions) -> Result<Submission, ApiError> {
-        let limit = self.model.config().max_position_embeddings;
+        let limit = self.model().config().max_position_embeddings;
         if prompt.len() >= limit {
             return Err(ApiError::context_length(prompt.len(), limit));
         }
@@ -206,22 +226,24 @@ impl EngineHandle {
 
 /// The library's engine, its events converted to the server's.
 mod backend {
-    use std::sync::Arc;
-
     use candle_gemma::generate::GenOptions;
     use candle_gemma::serve::{self, SchedulerConfig, SubmitError};
-    use candle_gemma::{Error, Model};
+    use candle_gemma::Error;
 
     use super::super::error::ApiError;
-    use super::{EngineSettings, Event, Stats, Usage};
+    use super::{EngineSettings, Event, Served, Stats, Usage};
 
     pub use candle_gemma::serve::RequestId;
 
+    /// The library's engine for one model or for a sharded one.
     #[derive(Debug, Clone)]
-    pub struct Engine(serve::Engine);
+    pub enum Engine {
+        Single(serve::Engine),
+        Sharded(serve::ShardedEngine),
+    }
 
     impl Engine {
-        pub fn start(model: Arc<Model>, s: EngineSettings) -> anyhow::Result<Self> {
+        pub fn start(served: &Served, s: EngineSettings) -> anyhow::Result<Self> {
             let config = SchedulerConfig {
                 max_batch: s.max_batch,
                 kv_budget_bytes: s.kv_budget_bytes,
@@ -229,7 +251,12 @@ mod backend {
                 max_queue: s.max_queue,
                 prefix_cache_bytes: s.prefix_cache_bytes,
             };
-            Ok(Self(serve::Engine::start(model, config)?))
+            Ok(match served {
+                Served::Single(m) => Self::Single(serve::Engine::start(m.clone(), config)?),
+                Served::Sharded(m) => {
+                    Self::Sharded(serve::ShardedEngine::start(m.clone(), config)?)
+                }
+            })
         }
 
         pub fn submit(
@@ -239,15 +266,25 @@ mod backend {
             mut sink: Box<dyn FnMut(Event) -> bool + Send>,
         ) -> Result<RequestId, ApiError> {
             let sink = Box::new(move |event: serve::Event| sink(convert(event)));
-            self.0.submit(prompt, options, sink).map_err(refused)
+            match self {
+                Self::Single(e) => e.submit(prompt, options, sink),
+                Self::Sharded(e) => e.submit(prompt, options, sink),
+            }
+            .map_err(refused)
         }
 
         pub fn cancel(&self, id: RequestId) {
-            self.0.cancel(id);
+            match self {
+                Self::Single(e) => e.cancel(id),
+                Self::Sharded(e) => e.cancel(id),
+            }
         }
 
         pub fn stats(&self) -> Stats {
-            let s = self.0.stats();
+            let s = match self {
+                Self::Single(e) => e.stats(),
+                Self::Sharded(e) => e.stats(),
+            };
             Stats {
                 queued: s.queued,
                 running: s.running,
@@ -258,7 +295,10 @@ mod backend {
         }
 
         pub fn shutdown(&self) {
-            self.0.shutdown();
+            match self {
+                Self::Single(e) => e.shutdown(),
+                Self::Sharded(e) => e.shutdown(),
+            }
         }
     }
 

@@ -53,7 +53,7 @@ use candle_gemma::Model;
 use serde_json::json;
 use tokio::net::TcpListener;
 
-use engine::{EngineHandle, EngineSettings};
+use engine::{EngineHandle, EngineSettings, Served};
 use error::ApiError;
 use options::Defaults;
 use prompt::PromptRenderer;
@@ -94,10 +94,10 @@ impl AppState {
     ///
     /// # Errors
     /// An unreadable chat template; the engine cannot start.
-    pub fn new(model: Arc<Model>, config: ServerConfig) -> anyhow::Result<Self> {
-        let renderer = PromptRenderer::for_model(&model)?;
-        let hidden = Arc::new(candle_gemma::chat::hidden_token_ids(&model));
-        let engine = EngineHandle::start(model, config.engine.clone())?;
+    pub fn new(served: Served, config: ServerConfig) -> anyhow::Result<Self> {
+        let renderer = PromptRenderer::for_model(served.model())?;
+        let hidden = Arc::new(candle_gemma::chat::hidden_token_ids(served.model()));
+        let engine = EngineHandle::start(served, config.engine.clone())?;
         Ok(Self {
             config,
             engine,
@@ -214,17 +214,18 @@ impl Drop for Running {
     }
 }
 
-/// Starts serving on `listener` (inside a tokio runtime).
+/// Starts serving `served` (one model, or one sharded over several devices) on `listener`
+/// (inside a tokio runtime).
 ///
 /// # Errors
 /// The state cannot be built (see [`AppState::new`]) or the listener has no address.
 pub fn start(
-    model: Arc<Model>,
+    served: Served,
     config: ServerConfig,
     listener: TcpListener,
 ) -> anyhow::Result<Running> {
     let addr = listener.local_addr()?;
-    let state = Arc::new(AppState::new(model, config)?);
+    let state = Arc::new(AppState::new(served, config)?);
     let app = router(state.clone());
     let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
