@@ -246,3 +246,76 @@ pub fn exercise_prompt_cache(
     let (_, kept) = cache.reuse(&meta, &prompt)?;
     Ok(kept)
 }
+
+/// Every special-token string the streaming output parser recognises, for inputs that build
+/// on them.
+pub fn special_token_strings() -> Vec<&'static str> {
+    crate::chat::parser::special_token_strings().collect()
+}
+
+/// The first special-token string that shows in `events`: in the text or in the thinking,
+/// each joined as a client joins its deltas (the text around a dropped token could spell one).
+/// Returns the string and where (`"text"` or `"thinking"`) with the joined stream; `None` when
+/// none shows.
+pub fn leaked_special_token(
+    events: &[crate::chat::OutputEvent],
+) -> Option<(&'static str, &'static str, String)> {
+    use crate::chat::OutputEvent;
+    let (mut text, mut thinking) = (String::new(), String::new());
+    for e in events {
+        match e {
+            OutputEvent::Text(t) => text.push_str(t),
+            OutputEvent::Thinking(t) => thinking.push_str(t),
+            OutputEvent::ToolCall { .. } => {}
+        }
+    }
+    [("text", text), ("thinking", thinking)]
+        .into_iter()
+        .find_map(|(kind, joined)| {
+            crate::chat::parser::special_token_strings()
+                .find(|s| joined.contains(s))
+                .map(|s| (s, kind, joined))
+        })
+}
+
+/// The `output_parser` target's input: a leading byte (bit 0: the output starts inside a
+/// thought), then text whose `0xFF` bytes (never part of UTF-8) mark chunk boundaries. Returns
+/// the events of the chunks pushed one by one and of the whole text pushed at once, adjacent
+/// text (and thinking) events joined; `None` for an empty input.
+pub fn parse_output_chunks(
+    input: &[u8],
+) -> Option<(Vec<crate::chat::OutputEvent>, Vec<crate::chat::OutputEvent>)> {
+    let (&mode, text) = input.split_first()?;
+    let chunks: Vec<String> = text
+        .split(|&b| b == 0xFF)
+        .map(|c| String::from_utf8_lossy(c).into_owned())
+        .collect();
+    let parts: Vec<&str> = chunks.iter().map(String::as_str).collect();
+    let whole = chunks.concat();
+    let in_thinking = mode & 1 == 1;
+    Some((
+        parse_joined(in_thinking, &parts),
+        parse_joined(in_thinking, &[whole.as_str()]),
+    ))
+}
+
+/// The events of `chunks` pushed one by one, adjacent text and thinking joined (the parser
+/// joins them only within one push).
+fn parse_joined(in_thinking: bool, chunks: &[&str]) -> Vec<crate::chat::OutputEvent> {
+    use crate::chat::{OutputEvent, OutputParser};
+    let mut p = if in_thinking {
+        OutputParser::in_thinking()
+    } else {
+        OutputParser::new()
+    };
+    let events: Vec<OutputEvent> = chunks.iter().flat_map(|c| p.push(c)).collect();
+    let mut out: Vec<OutputEvent> = Vec::new();
+    for e in events.into_iter().chain(p.finish()) {
+        match (out.last_mut(), e) {
+            (Some(OutputEvent::Text(a)), OutputEvent::Text(b))
+            | (Some(OutputEvent::Thinking(a)), OutputEvent::Thinking(b)) => a.push_str(&b),
+            (_, e) => out.push(e),
+        }
+    }
+    out
+}

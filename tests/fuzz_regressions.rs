@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use candle_gemma::chat::{OutputEvent, OutputParser};
+use candle_gemma::chat::OutputEvent;
 use candle_gemma::fuzz_api;
 use candle_gemma::kv::{
     CacheConfig, CacheError, CacheMeta, CacheMode, KvCache, LayerCacheSpec, ModelCache,
@@ -38,30 +38,8 @@ fn seeds(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
 
 /// The `output_parser` target: events of `text` split at `0xFF` bytes, and of the whole text.
 fn parse_chunked(in_thinking: bool, text: &[u8]) -> (Vec<OutputEvent>, Vec<OutputEvent>) {
-    let chunks: Vec<String> = text
-        .split(|&b| b == 0xFF)
-        .map(|c| String::from_utf8_lossy(c).into_owned())
-        .collect();
-    let run = |chunks: &[&str]| {
-        let mut p = if in_thinking {
-            OutputParser::in_thinking()
-        } else {
-            OutputParser::new()
-        };
-        let mut out: Vec<OutputEvent> = Vec::new();
-        let events = chunks.iter().flat_map(|c| p.push(c)).collect::<Vec<_>>();
-        for e in events.into_iter().chain(p.finish()) {
-            match (out.last_mut(), e) {
-                (Some(OutputEvent::Text(a)), OutputEvent::Text(b))
-                | (Some(OutputEvent::Thinking(a)), OutputEvent::Thinking(b)) => a.push_str(&b),
-                (_, e) => out.push(e),
-            }
-        }
-        out
-    };
-    let parts: Vec<&str> = chunks.iter().map(String::as_str).collect();
-    let whole = chunks.concat();
-    (run(&parts), run(&[whole.as_str()]))
+    let input = [&[u8::from(in_thinking)], text].concat();
+    fuzz_api::parse_output_chunks(&input).expect("a non-empty input")
 }
 
 #[test]
@@ -162,49 +140,11 @@ fn whole_text(text: &[u8]) -> String {
         .collect()
 }
 
-/// Every special-token string the output parser knows.
-const SPECIAL_TOKEN_STRINGS: &[&str] = &[
-    "<|channel>",
-    "<channel|>",
-    "<|tool_call>",
-    "<tool_call|>",
-    "<|\"|>",
-    "<|turn>",
-    "<turn|>",
-    "<eos>",
-    "<bos>",
-    "<pad>",
-    "<unk>",
-    "<mask>",
-    "<|think|>",
-    "<|tool>",
-    "<tool|>",
-    "<|tool_response>",
-    "<tool_response|>",
-    "<|image>",
-    "<image|>",
-    "<|audio>",
-    "<audio|>",
-    "<|image|>",
-    "<|audio|>",
-    "<|video|>",
-];
-
 /// No special-token string inside `Text` or `Thinking`, nor in all the text (or thinking)
 /// joined.
 fn assert_no_special_token_string(events: &[OutputEvent], input: &str) {
-    let mut joined = [String::new(), String::new()];
-    for e in events {
-        match e {
-            OutputEvent::Text(t) => joined[0].push_str(t),
-            OutputEvent::Thinking(t) => joined[1].push_str(t),
-            OutputEvent::ToolCall { .. } => {}
-        }
-    }
-    for s in SPECIAL_TOKEN_STRINGS {
-        for j in &joined {
-            assert!(!j.contains(s), "{s} in {j:?} from {input:?}");
-        }
+    if let Some((s, kind, joined)) = fuzz_api::leaked_special_token(events) {
+        panic!("{s} in the {kind} {joined:?} from {input:?}");
     }
 }
 

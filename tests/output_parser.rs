@@ -3,35 +3,9 @@
 //! of a stream's text joined, where the text around a dropped token could spell one).
 
 use candle_gemma::chat::{to_gemma, OutputEvent, OutputParser};
+use candle_gemma::fuzz_api;
 use proptest::prelude::*;
 use serde_json::json;
-
-const SPECIALS: &[&str] = &[
-    "<|channel>",
-    "<channel|>",
-    "<|tool_call>",
-    "<tool_call|>",
-    "<|\"|>",
-    "<|turn>",
-    "<turn|>",
-    "<eos>",
-    "<bos>",
-    "<pad>",
-    "<|think|>",
-    "<|tool>",
-    "<tool|>",
-    "<|tool_response>",
-    "<tool_response|>",
-    "<|image|>",
-    "<unk>",
-    "<mask>",
-    "<|image>",
-    "<image|>",
-    "<|audio>",
-    "<audio|>",
-    "<|audio|>",
-    "<|video|>",
-];
 
 /// Merges adjacent Text/Thinking events, so that results compare independently of chunking.
 fn normalize(events: Vec<OutputEvent>) -> Vec<OutputEvent> {
@@ -63,18 +37,8 @@ fn boundaries(s: &str) -> Vec<usize> {
 /// No special-token string inside any `Text` or `Thinking` event, nor in all the text (or all
 /// the thinking) joined, as a client joins its deltas.
 fn assert_no_leak(events: &[OutputEvent]) {
-    let (mut text, mut thinking) = (String::new(), String::new());
-    for e in events {
-        match e {
-            OutputEvent::Text(t) => text.push_str(t),
-            OutputEvent::Thinking(t) => thinking.push_str(t),
-            OutputEvent::ToolCall { .. } => {}
-        }
-    }
-    for (kind, joined) in [("text", &text), ("thinking", &thinking)] {
-        for s in SPECIALS {
-            assert!(!joined.contains(s), "{s} leaked into the {kind} {joined:?}");
-        }
+    if let Some((s, kind, joined)) = fuzz_api::leaked_special_token(events) {
+        panic!("{s} leaked into the {kind} {joined:?}");
     }
 }
 
@@ -221,7 +185,7 @@ fn parser_is_reusable_after_finish() {
 fn fragment() -> impl Strategy<Value = String> {
     prop_oneof![
         "[a-z {}:,\\[\\]<>|\"é世🎉\n]{0,8}",
-        proptest::sample::select(SPECIALS.to_vec()).prop_map(str::to_string),
+        proptest::sample::select(fuzz_api::special_token_strings()).prop_map(str::to_string),
         Just("call:f{a:1}".to_string()),
         Just("thought\n".to_string()),
     ]
@@ -230,7 +194,7 @@ fn fragment() -> impl Strategy<Value = String> {
 /// A piece of the templates' vocabulary: a special token, part of one (the text left around a
 /// dropped token), a role or channel header, or a little text.
 fn template_piece() -> impl Strategy<Value = String> {
-    let special = proptest::sample::select(SPECIALS.to_vec());
+    let special = proptest::sample::select(fuzz_api::special_token_strings());
     prop_oneof![
         3 => special.clone().prop_map(str::to_string),
         3 => (special, any::<prop::sample::Index>(), any::<bool>()).prop_map(|(s, at, head)| {

@@ -8,7 +8,7 @@
 //! strings inside.
 
 mod error;
-mod parser;
+pub(crate) mod parser;
 mod pycompat;
 mod session;
 mod syntax;

@@ -94,6 +94,12 @@ const MARKERS: &[(&str, Marker)] = &[
     ("<|video|>", Marker::Other),
 ];
 
+/// Every special-token string the parser recognises; none of them is ever shown as text or
+/// thinking.
+pub(crate) fn special_token_strings() -> impl Iterator<Item = &'static str> {
+    MARKERS.iter().map(|(s, _)| *s)
+}
+
 /// A channel name (`thought`) or role (`model`) is at most this long.
 const MAX_HEADER: usize = 32;
 
