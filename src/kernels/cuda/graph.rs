@@ -21,15 +21,12 @@ use candle_core::cuda_backend::{CudaDevice, WrapErr};
 /// capture.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Slot {
-    /// Where a layer's new K and V go (`QkvDst`).
-    KvDestination,
-    /// Where a layer's new K and V are quantized to (`KvqDst`), with the bits and group size
-    /// the captured launch quantizes to.
-    KvQuantDestination { bits: u32, group_size: u32 },
-    /// The K/V slots of each of `seqs` sequences of a batched step (`QkvDst` each).
-    KvBatchDestination { seqs: u32 },
-    /// Where each of `seqs` sequences' new K and V are quantized to (`KvqDst` each).
-    KvQuantBatchDestination {
+    /// Where each of `seqs` sequences' new K and V go (`QkvDst` each): written by the fused
+    /// projection for one sequence, by the scatter for a batch.
+    KvDestination { seqs: u32 },
+    /// Where each of `seqs` sequences' new K and V are quantized to (`KvqDst` each), with the
+    /// bits and group size the captured launch quantizes to.
+    KvQuantDestination {
         bits: u32,
         group_size: u32,
         seqs: u32,
@@ -57,10 +54,8 @@ impl Slot {
     /// Whether a replay's block fits the captured launch that reads it.
     pub(crate) fn fits(self, captured: Slot) -> bool {
         match (self, captured) {
-            (Slot::KvDestination, Slot::KvDestination) => true,
-            (Slot::KvQuantDestination { .. }, Slot::KvQuantDestination { .. }) => self == captured,
-            (Slot::KvBatchDestination { .. }, Slot::KvBatchDestination { .. })
-            | (Slot::KvQuantBatchDestination { .. }, Slot::KvQuantBatchDestination { .. }) => {
+            (Slot::KvDestination { .. }, Slot::KvDestination { .. })
+            | (Slot::KvQuantDestination { .. }, Slot::KvQuantDestination { .. }) => {
                 self == captured
             }
             (
@@ -246,4 +241,55 @@ pub(crate) fn end_capture(dev: &CudaDevice) -> candle_core::Result<Option<CudaGr
     dev.cuda_stream()
         .end_capture(sys::CUgraphInstantiate_flags_enum(0))
         .w()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_of_one_is_laid_out_as_the_value_and_slots_fit_only_their_capture() {
+        #[derive(Clone, Copy)]
+        #[repr(C)]
+        struct Block {
+            a: u64,
+            b: u32,
+            c: u32,
+        }
+        let block = Block { a: 7, b: 8, c: 9 };
+        let mut one = StepParams::new(1 << 20, 64);
+        let mut slice = StepParams::new(1 << 20, 64);
+        let kv = Slot::KvDestination { seqs: 1 };
+        assert_eq!(one.push(kv, &block).unwrap(), 1 << 20);
+        assert_eq!(slice.push_slice(kv, &[block]).unwrap(), 1 << 20);
+        assert_eq!(one.bytes, slice.bytes);
+        // Blocks start 16-byte aligned; the area's end is enforced.
+        assert_eq!(one.push(kv, &1u32).unwrap(), (1 << 20) + 16);
+        assert!(one.push_slice(kv, &[block; 3]).is_err());
+
+        let quant = |bits, seqs| Slot::KvQuantDestination {
+            bits,
+            group_size: 32,
+            seqs,
+        };
+        assert!(quant(4, 8).fits(quant(4, 8)));
+        assert!(!quant(4, 8).fits(quant(8, 8)));
+        assert!(!quant(4, 7).fits(quant(4, 8)));
+        assert!(!Slot::KvDestination { seqs: 2 }.fits(Slot::KvDestination { seqs: 3 }));
+        assert!(!Slot::KvDestination { seqs: 1 }.fits(quant(4, 1)));
+        let attention = |splits, kernel| Slot::Attention {
+            seqs: 4,
+            splits,
+            bits: 16,
+            kernel,
+        };
+        // A capture for 3 splits covers at least 8 (twice the need, at least 8).
+        let covered = covered_splits(3, 64) as u32;
+        assert_eq!(covered, 8);
+        let captured = attention(covered, 1);
+        assert!(attention(3, 1).fits(captured));
+        assert!(attention(8, 1).fits(captured));
+        assert!(!attention(9, 1).fits(captured));
+        assert!(!attention(3, 2).fits(captured));
+    }
 }

@@ -123,7 +123,7 @@ pub(crate) fn kv_scatter_batch(k: &Tensor, v: &Tensor, dst: &[(Tensor, Tensor)])
         per_seq,
     };
     if graph::recording() {
-        let slot = graph::Slot::KvBatchDestination {
+        let slot = graph::Slot::KvDestination {
             seqs: u32_of(batch, "sequences")?,
         };
         let at = graph::record_slice(slot, &blocks)?
@@ -218,36 +218,7 @@ pub(crate) fn quantize_kv_into(
     group_size: usize,
     dst: &[Tensor],
 ) -> Result<bool> {
-    if !graph::recording() {
-        return quantize_kv_into_batch(k, v, bits, group_size, &[dst.to_vec()]);
-    }
-    let (b, _, _, hd) = k.dims4()?;
-    if b != 1 || v.dims() != k.dims() || v.dtype() != k.dtype() {
-        return Ok(false);
-    }
-    let Some((block, slot)) = kvq_destination(dst, hd, k.dtype())? else {
-        return Ok(false);
-    };
-    if slot
-        != (graph::Slot::KvQuantDestination {
-            bits: bits.bits() as u32,
-            group_size: group_size as u32,
-        })
-    {
-        return Ok(false);
-    }
-    let at = graph::record(slot, &block)?
-        .ok_or_else(|| candle_core::Error::Msg("not capturing a step".into()))?;
-    let (k, v) = (k.contiguous()?, v.contiguous()?);
-    launch_quantize_into(
-        &k,
-        &v,
-        0..k.elem_count(),
-        bits,
-        group_size,
-        SlotArg::Recorded(at),
-    )?;
-    Ok(true)
+    quantize_kv_into_batch(k, v, bits, group_size, &[dst.to_vec()])
 }
 
 /// [`quantize_kv_into`] for a batch: sequence `b` of `k`, `v` (`[batch, kv_heads, n,
@@ -273,22 +244,19 @@ pub(crate) fn quantize_kv_into_batch(
     {
         return Ok(false);
     }
-    let want = graph::Slot::KvQuantDestination {
-        bits: bits.bits() as u32,
-        group_size: group_size as u32,
-    };
+    let want = (bits.bits() as u32, group_size as u32);
     let mut blocks = Vec::with_capacity(batch);
     for slots in dst {
         match kvq_destination(slots, hd, k.dtype())? {
-            Some((block, slot)) if slot == want => blocks.push(block),
+            Some((block, quant)) if quant == want => blocks.push(block),
             _ => return Ok(false),
         }
     }
     let (k, v) = (k.contiguous()?, v.contiguous()?);
     if graph::recording() {
-        let slot = graph::Slot::KvQuantBatchDestination {
-            bits: bits.bits() as u32,
-            group_size: group_size as u32,
+        let slot = graph::Slot::KvQuantDestination {
+            bits: want.0,
+            group_size: want.1,
             seqs: u32_of(batch, "sequences")?,
         };
         let at = graph::record_slice(slot, &blocks)?
@@ -410,7 +378,7 @@ pub(crate) struct KvqBatch {
 
 /// The [`KvqDst`] of packed slots `dst` (codes, scales, biases of K then of V, `[1, kvh, n, ..]`
 /// views, scales in `dtype`) for rows of `head_dim`, with the quantization their widths imply
-/// (as the graph slot that records it); `None` when they are not laid out as `quantize_into`
+/// (bits, group size); `None` when they are not laid out as `quantize_into`
 /// writes them: rows of one head contiguous, K and V codes at one head stride, the four
 /// scale/bias views at another.
 ///
@@ -420,7 +388,7 @@ pub(crate) fn kvq_destination(
     dst: &[Tensor],
     head_dim: usize,
     dtype: DType,
-) -> Result<Option<(KvqDst, graph::Slot)>> {
+) -> Result<Option<(KvqDst, (u32, u32))>> {
     let [kc, ks, kb, vc, vs, vb] = dst else {
         return Ok(None);
     };
@@ -464,9 +432,5 @@ pub(crate) fn kvq_destination(
         c_sh,
         s_sh,
     };
-    let slot = graph::Slot::KvQuantDestination {
-        bits: bits as u32,
-        group_size: group_size as u32,
-    };
-    Ok(Some((block, slot)))
+    Ok(Some((block, (bits as u32, group_size as u32))))
 }

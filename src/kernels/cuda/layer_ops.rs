@@ -400,7 +400,10 @@ pub fn qkv_prep_into(
     // which a quantized cache then quantizes into its slots (the caches refuse any other
     // write during a capture).
     let recorded = match kv_dst {
-        Some((kd, vd)) => graph::record(graph::Slot::KvDestination, &kv_destination(kd, vd)?)?,
+        Some((kd, vd)) => graph::record(
+            graph::Slot::KvDestination { seqs: 1 },
+            &kv_destination(kd, vd)?,
+        )?,
         None => None,
     };
     let name = match recorded {

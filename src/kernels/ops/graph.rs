@@ -63,8 +63,8 @@ mod imp {
     enum KvBlock {
         /// Dense slots (`QkvDst`).
         Dense(QkvDst),
-        /// Packed slots (`KvqDst`) and the quantization its slot names.
-        Packed(KvqDst, Slot),
+        /// Packed slots (`KvqDst`) and the bits and group size they take.
+        Packed(KvqDst, (u32, u32)),
     }
 
     /// One layer of one sequence in a replayed step.
@@ -119,10 +119,10 @@ mod imp {
             head_dim: usize,
             dtype: DType,
         ) -> Result<bool> {
-            let Some((block, slot)) = kvq_destination(parts, head_dim, dtype)? else {
+            let Some((block, quant)) = kvq_destination(parts, head_dim, dtype)? else {
                 return Ok(false);
             };
-            self.pending = Some(KvBlock::Packed(block, slot));
+            self.pending = Some(KvBlock::Packed(block, quant));
             Ok(true)
         }
 
@@ -186,10 +186,10 @@ mod imp {
             Ok(true)
         }
 
-        /// Appends one layer's K/V blocks of `n` sequences (none for a layer that writes no
-        /// K/V): one sequence's as the fused projection or the quantization reads it, several
-        /// as one batch block. `false` when the sequences write differently.
+        /// Appends one layer's K/V blocks of `n` sequences as one block (none for a layer
+        /// that writes no K/V). `false` when the sequences write differently.
         fn push_kv(&mut self, layer: &[&LayerBlocks], n: usize) -> Result<bool> {
+            let seqs = n as u32;
             match layer.first().and_then(|b| b.kv) {
                 None => Ok(layer.iter().all(|b| b.kv.is_none())),
                 Some(KvBlock::Dense(_)) => {
@@ -200,35 +200,25 @@ mod imp {
                             _ => return Ok(false),
                         }
                     }
-                    if n == 1 {
-                        self.params.push(Slot::KvDestination, &blocks[0])?;
-                    } else {
-                        let slot = Slot::KvBatchDestination { seqs: n as u32 };
-                        self.params.push_slice(slot, &blocks)?;
-                    }
+                    self.params
+                        .push_slice(Slot::KvDestination { seqs }, &blocks)?;
                     Ok(true)
                 }
-                Some(KvBlock::Packed(_, slot)) => {
+                Some(KvBlock::Packed(_, quant)) => {
                     let mut blocks = Vec::with_capacity(n);
                     for b in layer {
                         match b.kv {
-                            Some(KvBlock::Packed(d, s)) if s == slot => blocks.push(d),
+                            Some(KvBlock::Packed(d, q)) if q == quant => blocks.push(d),
                             _ => return Ok(false),
                         }
                     }
-                    let Slot::KvQuantDestination { bits, group_size } = slot else {
-                        return Ok(false);
+                    let (bits, group_size) = quant;
+                    let slot = Slot::KvQuantDestination {
+                        bits,
+                        group_size,
+                        seqs,
                     };
-                    if n == 1 {
-                        self.params.push(slot, &blocks[0])?;
-                    } else {
-                        let slot = Slot::KvQuantBatchDestination {
-                            bits,
-                            group_size,
-                            seqs: n as u32,
-                        };
-                        self.params.push_slice(slot, &blocks)?;
-                    }
+                    self.params.push_slice(slot, &blocks)?;
                     Ok(true)
                 }
             }
