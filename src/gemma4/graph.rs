@@ -133,11 +133,10 @@ struct Captured {
 /// A step recorded ahead: right after a replay is launched, the host plans the step after it
 /// (advancing every cache by one token, recording, then putting the counters back) while the
 /// GPU runs the replay. The next replay uses it when the caches are exactly as they were left:
-/// the same counters, positions and storage (an eager step, a trim, another cache or a
-/// replaced sequence in between makes it stale, and the step is planned again).
+/// the same counters (so the same positions) and storage (an eager step, a trim, another cache
+/// or a replaced sequence in between makes it stale, and the step is planned again).
 struct Prepared {
     rec: StepRecord,
-    positions: Vec<usize>,
     /// The counters it was planned from, and the ones the step advances them to.
     before: Vec<Option<CacheMark>>,
     after: Vec<Option<CacheMark>>,
@@ -521,11 +520,7 @@ fn replay(
         return Ok(Replayed::NotThisStep);
     }
     let rec = match prepared {
-        Some(p)
-            if p.before == marks
-                && p.positions == positions
-                && p.storage == cache.storage_ids() =>
-        {
+        Some(p) if p.before == marks && p.storage == cache.storage_ids() => {
             cache.restore(&p.after);
             p.rec
         }
@@ -573,7 +568,6 @@ fn prepare(model: &TextModel, c: &Captured, cache: &mut ModelCache) -> Option<Pr
     match (recorded, after) {
         (Ok(true), Some(after)) if c.graph.fits(&rec) => Some(Prepared {
             rec,
-            positions,
             before,
             after,
             storage: cache.storage_ids(),
