@@ -264,7 +264,7 @@ fn eligible(model: &TextModel, cache: &ModelCache, seqs: usize) -> bool {
             .iter()
             .zip(&cache.layers)
             .all(|(plan, c)| match (&plan.kv, c) {
-                (KvSource::Own, Some(c)) => c.step_layout().map(|(dt, _)| dt) == Some(dtype),
+                (KvSource::Own, Some(c)) => c.storage_layout().map(|(dt, _)| dt) == Some(dtype),
                 (KvSource::Shared { .. }, None) => true,
                 _ => false,
             })

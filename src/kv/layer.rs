@@ -243,11 +243,10 @@ impl LayerCache {
         }
     }
 
-    /// What a captured decode step reads of this cache: the dtype of dense K/V or of a packed
-    /// cache's scales, and a packed cache's bits and group size. A batch has one when every
-    /// sequence has the same; `None` otherwise, and for quantized caches not packed yet.
-    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
-    pub(crate) fn step_layout(&self) -> Option<(candle_core::DType, Option<(usize, usize)>)> {
+    /// The layout of the stored K/V: the dtype of dense K/V or of a packed cache's scales and
+    /// biases, and a packed cache's bits and group size. A batch has one when every sequence
+    /// has the same; `None` otherwise, and for quantized caches not packed yet.
+    pub(crate) fn storage_layout(&self) -> Option<(candle_core::DType, Option<(usize, usize)>)> {
         match self {
             LayerCache::Simple(c) => Some((c.dtype(), None)),
             LayerCache::Rotating(c) => Some((c.dtype(), None)),
@@ -256,7 +255,7 @@ impl LayerCache {
                 Some((c.packed_dtype()?, Some((q.bits.bits(), q.group_size))))
             }
             LayerCache::Batch(b) => {
-                let mut seqs = b.sequences().iter().map(LayerCache::step_layout);
+                let mut seqs = b.sequences().iter().map(LayerCache::storage_layout);
                 let first = seqs.next()??;
                 seqs.all(|l| l == Some(first)).then_some(first)
             }
@@ -273,33 +272,6 @@ impl LayerCache {
             LayerCache::Rotating(c) => out.push(c.storage_id()),
             LayerCache::Quantized(c) => out.push(c.storage_id()),
             LayerCache::Batch(b) => b.sequences().iter().for_each(|c| c.storage_ids(out)),
-        }
-    }
-
-    /// The dtype of a packed quantized cache's scales and biases (a batch's when it holds one
-    /// sequence); `None` for dense caches, quantized caches not packed yet and larger batches.
-    pub(crate) fn packed_dtype(&self) -> Option<candle_core::DType> {
-        match self {
-            LayerCache::Quantized(c) => c.packed_dtype(),
-            LayerCache::Batch(b) => match b.sequences() {
-                [only] => only.packed_dtype(),
-                _ => None,
-            },
-            LayerCache::Simple(_) | LayerCache::Rotating(_) => None,
-        }
-    }
-
-    /// The dtype of a dense cache's K/V (a batch's when it holds one sequence); `None` for
-    /// quantized caches and larger batches.
-    pub(crate) fn dense_dtype(&self) -> Option<candle_core::DType> {
-        match self {
-            LayerCache::Simple(c) => Some(c.dtype()),
-            LayerCache::Rotating(c) => Some(c.dtype()),
-            LayerCache::Batch(b) => match b.sequences() {
-                [only] => only.dense_dtype(),
-                _ => None,
-            },
-            LayerCache::Quantized(_) => None,
         }
     }
 }

@@ -226,7 +226,6 @@ impl QuantizedCache {
     }
 
     /// The dtype of the scales and biases once packed (the activations'); `None` before.
-    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
     pub(crate) fn packed_dtype(&self) -> Option<DType> {
         self.packed.then_some(self.geometry.dtype)
     }

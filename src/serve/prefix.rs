@@ -157,7 +157,7 @@ impl LayoutKey {
             if !ok {
                 return Err(mismatch(format!("kind of layer {l}"), found, self));
             }
-            let dtype = c.dense_dtype().or_else(|| c.packed_dtype());
+            let dtype = c.storage_layout().map(|(d, _)| d);
             if let Some(d) = dtype.filter(|&d| d != self.dtype) {
                 return Err(mismatch(format!("dtype of layer {l}"), d.as_str(), self));
             }
