@@ -41,7 +41,7 @@ use crate::config::{KvSource, LayerKind};
 use crate::error::Result;
 use crate::kernels::ops::graph::{self, DecodeGraph, SeqRecord, StepRecord};
 use crate::kernels::QueryPlan;
-use crate::kv::{CacheMark, LayerCache, ModelCache};
+use crate::kv::{CacheMark, ModelCache};
 
 /// Eager decode steps of a batch size before its capture (the first sizes the scratch
 /// buffers).
@@ -278,27 +278,30 @@ fn window_of(model: &TextModel, kind: LayerKind) -> Option<usize> {
     }
 }
 
-/// A batch of several sequences (whose K/V go to one slot per sequence), or `None` for a
-/// single cache or a batch of one (whose K/V the fused projection writes in place).
-fn several(c: &mut LayerCache) -> Option<&mut crate::kv::BatchCache> {
-    match c {
-        LayerCache::Batch(b) if b.len() > 1 => Some(b),
-        _ => None,
-    }
-}
-
-/// Reserves storage for one more token a sequence in `c`; `false` when it cannot write one in
-/// place.
-fn reserve_one(c: &mut LayerCache, device: &candle_core::Device) -> Result<bool> {
-    Ok(match several(c) {
-        Some(b) => {
-            b.reserve_each_slots(1, device)?.is_some()
-                || b.reserve_each_packed(1, device)?.is_some()
+/// Reserves storage for one more token in every layer of every sequence of `cache`; the
+/// first layer that cannot write one in place, if any.
+fn reserve_step(cache: &mut ModelCache, device: &candle_core::Device) -> Result<Option<usize>> {
+    let reserve = |seq: &mut ModelCache| -> Result<Option<usize>> {
+        for (l, c) in seq.layers.iter_mut().enumerate() {
+            if let Some(c) = c {
+                if c.reserve_slots(1, device)?.is_none()
+                    && c.reserve_packed_slots(1, device)?.is_none()
+                {
+                    return Ok(Some(l));
+                }
+            }
         }
-        None => {
-            c.reserve_slots(1, device)?.is_some() || c.reserve_packed_slots(1, device)?.is_some()
-        }
-    })
+        Ok(None)
+    };
+    let Some(mut seqs) = cache.split_sequences() else {
+        return reserve(cache);
+    };
+    let refused = seqs.iter_mut().try_fold(None, |found, seq| match found {
+        Some(l) => Ok(Some(l)),
+        None => reserve(seq),
+    });
+    cache.join_sequences(seqs);
+    refused
 }
 
 /// Sequences a thread records at least when a replayed step is recorded on several threads.
@@ -448,14 +451,10 @@ fn capture(
     let seqs = ids.len();
     // Storage for this token in every layer now: memory allocated during the capture belongs
     // to the graph and must not outlive it inside a cache.
-    for (l, c) in cache.layers.iter_mut().enumerate() {
-        if let Some(c) = c {
-            if !reserve_one(c, device)? {
-                return Ok(Err(format!(
-                    "layer {l}'s cache cannot write a token in place"
-                )));
-            }
-        }
+    if let Some(l) = reserve_step(cache, device)? {
+        return Ok(Err(format!(
+            "layer {l}'s cache cannot write a token in place"
+        )));
     }
     let Some(marks) = cache.marks() else {
         return Ok(Err("a cache kind without marks".to_string()));

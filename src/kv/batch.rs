@@ -196,35 +196,6 @@ impl BatchCache {
             .map(Some)
     }
 
-    /// Dense storage for the next `n` tokens of every sequence (each one's
-    /// [`LayerCache::reserve_slots`]), for a captured step that writes them in place; `None` as
-    /// soon as one sequence has none (reserving grows storage at most; nothing is counted).
-    ///
-    /// # Errors
-    /// Allocation errors.
-    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
-    pub(crate) fn reserve_each_slots(
-        &mut self,
-        n: usize,
-        device: &candle_core::Device,
-    ) -> Result<Option<Vec<(Tensor, Tensor)>>, CacheError> {
-        self.reserve_each(|c| c.reserve_slots(n, device))
-    }
-
-    /// Packed storage for the next `n` tokens of every sequence (each one's
-    /// [`LayerCache::reserve_packed_slots`]); `None` as soon as one sequence has none.
-    ///
-    /// # Errors
-    /// Allocation errors.
-    #[allow(dead_code)] // used by the decode-graph driver (CUDA builds)
-    pub(crate) fn reserve_each_packed(
-        &mut self,
-        n: usize,
-        device: &candle_core::Device,
-    ) -> Result<Option<Vec<Vec<Tensor>>>, CacheError> {
-        self.reserve_each(|c| c.reserve_packed_slots(n, device))
-    }
-
     /// Moves the sequences' caches out, leaving the batch empty until
     /// [`BatchCache::put_sequences`] returns them (crate only: a replayed decode step records
     /// each sequence on its own).
