@@ -129,25 +129,17 @@ pub(crate) fn kv_scatter_batch(k: &Tensor, v: &Tensor, dst: &[(Tensor, Tensor)])
         let at = graph::record_slice(slot, &blocks)?
             .ok_or_else(|| candle_core::Error::Msg("not capturing a step".into()))?;
         let func = load_kernel(&dev, &format!("kv_scatter_dyn_{name}"), &LAYER_OPS)?;
-        scatter.launch(&func, ScatterSlots::Recorded(at), &k, &v, 0, batch)?;
+        scatter.launch(&func, SlotArg::Recorded(at), &k, &v, 0, batch)?;
         return Ok(true);
     }
     let func = load_kernel(&dev, &format!("kv_scatter_batch_{name}"), &LAYER_OPS)?;
     for (c, chunk) in blocks.chunks(KV_BATCH).enumerate() {
         let mut table = KvBatchDst::default();
         table.d[..chunk.len()].copy_from_slice(chunk);
-        let slots = ScatterSlots::Table(&table);
+        let slots = SlotArg::Table(&table);
         scatter.launch(&func, slots, &k, &v, c * KV_BATCH, chunk.len())?;
     }
     Ok(true)
-}
-
-/// Where a `kv_scatter_*` launch finds its sequences' slots.
-enum ScatterSlots<'a> {
-    /// The device address of recorded [`QkvDst`]s, one per sequence (`kv_scatter_dyn`).
-    Recorded(u64),
-    /// A table of up to [`KV_BATCH`] sequences' slots passed by value (`kv_scatter_batch`).
-    Table(&'a KvBatchDst),
 }
 
 /// The shape of one batch's K/V scatter.
@@ -164,7 +156,7 @@ impl Scatter {
     fn launch(
         &self,
         func: &super::kernel_cache::Kernel,
-        slots: ScatterSlots<'_>,
+        slots: SlotArg<'_, KvBatchDst>,
         k: &Tensor,
         v: &Tensor,
         first: usize,
@@ -187,8 +179,8 @@ impl Scatter {
             let mut b = func.builder();
             b.arg(&self.params);
             match &slots {
-                ScatterSlots::Recorded(at) => b.arg(at),
-                ScatterSlots::Table(table) => b.arg(*table),
+                SlotArg::Recorded(at) => b.arg(at),
+                SlotArg::Table(table) => b.arg(*table),
             };
             b.arg(&kv_);
             b.arg(&vv_);
@@ -276,12 +268,14 @@ pub(crate) fn quantize_kv_into_batch(
     Ok(true)
 }
 
-/// Where a `quantize_into` launch finds its slots.
-enum SlotArg<'a> {
-    /// The device address of recorded [`KvqDst`]s, one per sequence (`quantize_into_dyn`).
+/// Where a K/V write launch finds its sequences' slots.
+enum SlotArg<'a, T> {
+    /// The device address of recorded slots, one per sequence, in a captured step's parameter
+    /// area (the `_dyn` kernels).
     Recorded(u64),
-    /// A table of sequences' slots passed by value (`quantize_into_batch`).
-    Table(&'a KvqBatch),
+    /// A table of up to 16 sequences' slots passed by value (the `_batch` kernels):
+    /// [`KvBatchDst`] or [`KvqBatch`].
+    Table(&'a T),
 }
 
 /// Launches the quantize-into kernel `slots` names over the sequences of contiguous `k`, `v`
@@ -293,7 +287,7 @@ fn launch_quantize_into(
     rows: std::ops::Range<usize>,
     bits: crate::kernels::QuantBits,
     group_size: usize,
-    slots: SlotArg<'_>,
+    slots: SlotArg<'_, KvqBatch>,
 ) -> Result<()> {
     let (_, kvh, n, hd) = k.dims4()?;
     let dtype = k.dtype();
