@@ -25,10 +25,6 @@ fn batch_step(model: &Model, cache: &mut ModelCache, last: &[u32]) -> Vec<Vec<f3
         .expect("logits")
 }
 
-/// Logits may differ by a few f32 ulps between a batched and a single matmul; the log-probs
-/// stay this close (the goldens' own tolerance).
-const LOGPROB_TOL: f64 = 2e-3;
-
 #[test]
 fn batch_equals_single_for_every_cache_kind() {
     for name in ["e2b-hf", "e4b-text", "moe-mlx"] {

@@ -242,9 +242,6 @@ fn cpu_qmatmul_is_the_exact_weights_times_q8_1_activations() {
     }
 }
 
-/// The goldens' own bound on the first-step log-probs (tests/golden.rs).
-const GOLDEN_LOGPROB_TOL: f64 = 2e-3;
-
 /// Whether a fixture module is a row of an MoE expert stack (converted per product, not at
 /// load).
 fn is_expert(module: &str) -> bool {
@@ -323,8 +320,8 @@ fn fixture_goldens_through_candles_cpu_qmatmul() {
                 case.prompt.len(),
             );
             assert!(
-                max_diff > GOLDEN_LOGPROB_TOL,
-                "{name} case {i}: first-step log-probs within {GOLDEN_LOGPROB_TOL} \
+                max_diff > LOGPROB_TOL,
+                "{name} case {i}: first-step log-probs within {LOGPROB_TOL} \
                  ({max_diff:.3e}): did the products run on candle's quantized matmul?"
             );
         }

@@ -63,8 +63,6 @@ fn fixture_4bit_weights_map_to_q4_1_bit_for_bit() {
 fn fixture_goldens_hold_through_the_q4_1_blocks_on_the_cpu() {
     let mut policy = LaunchPolicy::default();
     policy.candle_q4_1_on_cpu = true;
-    // golden.rs's bound.
-    const LOGPROB_TOL: f64 = 2e-3;
     for name in ["e2b-q4", "moe-q4"] {
         let before = conversions();
         let model = Model::builder()
