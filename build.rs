@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The kernel files, one module each (`Module` constants in `kernel_cache.rs`).
-const MODULES: [&str; 9] = [
+const MODULES: [&str; 10] = [
     "attention",
     "attention_tc",
     "matvec",
@@ -24,6 +24,7 @@ const MODULES: [&str; 9] = [
     "reduce",
     "dense_matvec",
     "diagnostics",
+    "peer_reduce",
 ];
 
 /// Device code the kernel files include.

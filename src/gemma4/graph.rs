@@ -27,9 +27,16 @@
 //! that fails (an op that reads back to the host, such as MoE routing on the sorted path, or
 //! an upload candle has not cached) turns graphs off for that batch size, rolls the caches
 //! back and runs the step eagerly; the reason is in [`TextModel::cuda_graph_state`].
+//!
+//! A tensor-parallel rank captures its collectives into its graphs (NCCL calls can be
+//! captured). Its ranks must take the same path at every step, or one rank's all-reduce would
+//! wait for a peer that never launches its own: each capture and each replay is decided by
+//! [`crate::kernels::ops::collective::Collective::agree_max`], so a capture that fails on one
+//! rank, or a replay one rank cannot take, sends every rank the eager way (or to a new
+//! capture). Graphs replay on the thread that captured them; once that thread has ended (the
+//! rank threads of a finished [`crate::ShardedModel::run`] call), the next step captures again.
 
-use std::sync::{Mutex, TryLockError};
-use std::thread::ThreadId;
+use std::sync::{Arc, Mutex, TryLockError, Weak};
 
 use candle_core::{DType, Tensor};
 
@@ -65,8 +72,6 @@ impl std::fmt::Debug for DecodeGraphs {
 /// The graphs of each batch size.
 #[derive(Default)]
 struct States {
-    /// Why graphs are off for the whole model.
-    off: Option<String>,
     /// One state per batch size, the one used least recently first.
     sizes: Vec<(usize, State)>,
 }
@@ -123,11 +128,17 @@ struct Captured {
     /// The graph; its inputs are the token ids `[seqs, 1]` u32 and the rotary tables (sliding,
     /// full) `[2, seqs, 1, head_dim / 2]`, in that order.
     graph: DecodeGraph,
-    thread: ThreadId,
+    /// Alive while the capturing thread runs (its scratch buffers, which the graph writes,
+    /// are freed when it ends): only that thread replays the graph, and once it has ended the
+    /// batch size captures again.
+    thread: Weak<()>,
     /// The step's logits `[seqs, vocab]` f32, written by the graph.
     out: Tensor,
     /// The next step, recorded while the GPU ran this one.
     next: Option<Prepared>,
+    /// Collectives (all-reduces, the head's gather) the graph holds: a tensor-parallel rank's
+    /// count of collectives grows by this much at each replay.
+    collectives: usize,
 }
 
 /// A step recorded ahead: right after a replay is launched, the host plans the step after it
@@ -151,17 +162,6 @@ const _: fn() = || {
 };
 
 impl DecodeGraphs {
-    /// Graphs off for the model, for `why` (a tensor-parallel rank: its all-reduces are not
-    /// captured, and a capture failing on one rank alone would leave its peers waiting).
-    pub(crate) fn off(why: &str) -> Self {
-        Self {
-            state: Mutex::new(States {
-                off: Some(why.to_string()),
-                sizes: Vec::new(),
-            }),
-        }
-    }
-
     /// One line: whether steps replay graphs, and if not, why; with several batch sizes seen,
     /// the state of each (`batch N: ...`, least recently used first).
     pub(crate) fn describe(&self) -> String {
@@ -169,11 +169,10 @@ impl DecodeGraphs {
             return format!("off: {why}");
         }
         match self.state.try_lock() {
-            Ok(s) => match (&s.off, s.sizes.as_slice()) {
-                (Some(why), _) => format!("off: {why}"),
-                (None, []) => "not captured yet (0 eligible steps run)".to_string(),
-                (None, [(1, only)]) => only.describe(),
-                (None, sizes) => sizes
+            Ok(s) => match s.sizes.as_slice() {
+                [] => "not captured yet (0 eligible steps run)".to_string(),
+                [(1, only)] => only.describe(),
+                sizes => sizes
                     .iter()
                     .map(|(n, st)| format!("batch {n}: {}", st.describe()))
                     .collect::<Vec<_>>()
@@ -208,10 +207,10 @@ impl DecodeGraphs {
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => return Ok(None),
         };
-        if states.off.is_some() {
-            return Ok(None);
-        }
         let state = states.of(seqs);
+        if matches!(state, State::Ready(c) if c.thread.strong_count() == 0) {
+            *state = State::Cold { eager_steps: 0 };
+        }
         match state {
             State::Off(_) => Ok(None),
             State::Cold { eager_steps } if *eager_steps < EAGER_STEPS => {
@@ -234,7 +233,7 @@ impl DecodeGraphs {
                     Ok(None)
                 }
             },
-            State::Ready(c) if c.thread != std::thread::current().id() => Ok(None),
+            State::Ready(c) if !c.thread.ptr_eq(&this_thread()) => Ok(None),
             State::Ready(c) => match replay(model, c, &ids, cache)? {
                 Replayed::Logits(logits) => Ok(Some(logits)),
                 Replayed::NotThisStep => Ok(None),
@@ -248,6 +247,16 @@ impl DecodeGraphs {
             },
         }
     }
+}
+
+thread_local! {
+    /// Lives as long as its thread ([`Captured::thread`]).
+    static THREAD: Arc<()> = Arc::new(());
+}
+
+/// A token of the calling thread that dies with it.
+fn this_thread() -> Weak<()> {
+    THREAD.with(Arc::downgrade)
 }
 
 /// Whether `cache` suits a captured step of `seqs` sequences of `model` (the host-side
@@ -466,11 +475,20 @@ fn capture(
     let out = Tensor::zeros((seqs, model.config().vocab_size), DType::F32, device)?;
     let step = Step::from_both(positions, 1, &rope_s, &rope_f)?;
     let inputs = vec![ids.clone(), rope_s.clone(), rope_f.clone()];
-    let captured = DecodeGraph::capture(device, seqs, inputs, || {
-        let logits = model.run(&ids, step, cache)?;
-        out.slice_set(&logits, 0, 0)?;
-        Ok::<(), crate::Error>(())
-    })?;
+    let collective = model.collective();
+    let calls = collective.calls();
+    let captured = DecodeGraph::capture(
+        device,
+        seqs,
+        inputs,
+        || {
+            let logits = model.run(&ids, step, cache)?;
+            out.slice_set(&logits, 0, 0)?;
+            Ok::<(), crate::Error>(())
+        },
+        |made| Ok(collective.agree_max(u8::from(!made))? == 0),
+    )?;
+    let collectives = collective.calls() - calls;
     let graph = match captured {
         Ok(g) => g,
         Err(why) => {
@@ -481,9 +499,10 @@ fn capture(
     let logits = out.copy()?;
     let captured = Captured {
         graph,
-        thread: std::thread::current().id(),
+        thread: this_thread(),
         out,
         next: None,
+        collectives,
     };
     Ok(Ok((captured, logits)))
 }
@@ -500,23 +519,87 @@ enum Replayed {
 }
 
 /// Replays the captured step for tokens `ids` (one a sequence), then records the step after
-/// it ([`Prepared`]) while the GPU runs this one.
+/// it ([`Prepared`]) while the GPU runs this one. The ranks of a tensor-parallel model replay
+/// only together: each votes its [`Replayed`] verdict and all take the worst one.
 fn replay(
     model: &TextModel,
     c: &mut Captured,
     ids: &[u32],
     cache: &mut ModelCache,
 ) -> Result<Replayed> {
+    let planned = plan_replay(model, c, ids.len(), cache)?;
+    let vote = match &planned {
+        Planned::Ready { .. } => 0,
+        Planned::Not(Replayed::Outgrown) => 2,
+        Planned::Not(_) => 1,
+    };
+    let verdict = model.collective().agree_max(vote)?;
+    let (rec, marks, positions) = match planned {
+        Planned::Ready {
+            rec,
+            marks,
+            positions,
+        } if verdict == 0 => (rec, marks, positions),
+        Planned::Ready { marks, .. } => {
+            cache.restore(&marks);
+            return Ok(if verdict == 2 {
+                Replayed::Outgrown
+            } else {
+                Replayed::NotThisStep
+            });
+        }
+        Planned::Not(_) if verdict == 2 => return Ok(Replayed::Outgrown),
+        Planned::Not(own) => return Ok(own),
+    };
+    let launched = (|| -> Result<Tensor> {
+        let dtype = model.dtype();
+        let rope_s = model.rope_sliding.both_bytes(&positions, 1, dtype)?;
+        let rope_f = model.rope_full.both_bytes(&positions, 1, dtype)?;
+        let id_bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+        c.graph.replay(&rec, &[&id_bytes, &rope_s, &rope_f])?;
+        model.collective().count_replayed(c.collectives);
+        Ok(c.out.copy()?)
+    })();
+    let logits = match launched {
+        Ok(l) => l,
+        Err(e) => {
+            cache.restore(&marks);
+            return Err(e);
+        }
+    };
+    c.next = prepare(model, c, cache);
+    Ok(Replayed::Logits(logits))
+}
+
+/// A replay's plan: the step recorded (the caches advanced past it) or why it cannot replay.
+enum Planned {
+    Ready {
+        rec: StepRecord,
+        /// The caches' counters before the step.
+        marks: Vec<Option<CacheMark>>,
+        positions: Vec<usize>,
+    },
+    Not(Replayed),
+}
+
+/// Records the step a replay of `c` would launch for `seqs` sequences (or takes the one
+/// prepared during the last replay), advancing the caches past it.
+fn plan_replay(
+    model: &TextModel,
+    c: &mut Captured,
+    seqs: usize,
+    cache: &mut ModelCache,
+) -> Result<Planned> {
     let prepared = c.next.take();
     if c.graph.outgrown() {
-        return Ok(Replayed::Outgrown);
+        return Ok(Planned::Not(Replayed::Outgrown));
     }
     let Some(marks) = cache.marks() else {
-        return Ok(Replayed::NotThisStep);
+        return Ok(Planned::Not(Replayed::NotThisStep));
     };
     let positions = cache.offsets();
-    if positions.len() != ids.len() {
-        return Ok(Replayed::NotThisStep);
+    if positions.len() != seqs {
+        return Ok(Planned::Not(Replayed::NotThisStep));
     }
     let rec = match prepared {
         Some(p) if p.before == marks && p.storage == cache.storage_ids() => {
@@ -531,11 +614,11 @@ fn replay(
                 // a cache of another kind or bits): capture again.
                 Ok(true) => {
                     cache.restore(&marks);
-                    return Ok(Replayed::Outgrown);
+                    return Ok(Planned::Not(Replayed::Outgrown));
                 }
                 Ok(false) => {
                     cache.restore(&marks);
-                    return Ok(Replayed::NotThisStep);
+                    return Ok(Planned::Not(Replayed::NotThisStep));
                 }
                 Err(e) => {
                     cache.restore(&marks);
@@ -544,14 +627,11 @@ fn replay(
             }
         }
     };
-    let dtype = model.dtype();
-    let rope_s = model.rope_sliding.both_bytes(&positions, 1, dtype)?;
-    let rope_f = model.rope_full.both_bytes(&positions, 1, dtype)?;
-    let id_bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
-    c.graph.replay(&rec, &[&id_bytes, &rope_s, &rope_f])?;
-    let logits = c.out.copy()?;
-    c.next = prepare(model, c, cache);
-    Ok(Replayed::Logits(logits))
+    Ok(Planned::Ready {
+        rec,
+        marks,
+        positions,
+    })
 }
 
 /// Records the step after the one just launched (see [`Prepared`]); the caches' counters are

@@ -99,7 +99,9 @@ impl TextModel {
 
     /// Makes this model one rank of a tensor-parallel group (its weights loaded with that
     /// rank's [`crate::shard::ShardPlan`]): every layer sums its row-parallel products over
-    /// `collective`'s group. Decode steps then run eagerly (no CUDA graph).
+    /// `collective`'s group. Decode steps replay CUDA graphs as on one device, the collectives
+    /// captured inside them; the ranks decide each capture and replay together
+    /// ([`super::graph`]).
     ///
     /// With a tied head and a vocabulary the group divides, the head is vocabulary-parallel:
     /// each rank computes the logits of its rows of the (replicated) table and the ranks'
@@ -118,13 +120,6 @@ impl TextModel {
         } else {
             None
         };
-        if collective.world() > 1 {
-            self.graphs = std::sync::Arc::new(super::graph::DecodeGraphs::off(&format!(
-                "tensor-parallel rank {} of {}",
-                collective.rank(),
-                collective.world()
-            )));
-        }
         for layer in &mut self.layers {
             layer.set_collective(collective.clone());
         }

@@ -12,6 +12,7 @@
 //! | `CANDLE_GEMMA_CUDA_GRAPH=0` | [`LaunchPolicy::cuda_graph`] | no CUDA graph replay for decode |
 //! | `CANDLE_GEMMA_PDL=0` | [`LaunchPolicy::dependent_launch`] | plain launches (no programmatic dependent launch) |
 //! | `CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=N` | [`LaunchPolicy::moe_grouped_max_tokens`] | token count up to which MoE runs the grouped matvec |
+//! | `CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES=N` | [`LaunchPolicy::peer_all_reduce_max_bytes`] | largest tensor-parallel sum that runs the crate's peer-memory kernel (0: NCCL for every sum) |
 //! | `CANDLE_GEMMA_METAL_KERNELS=0` | [`LaunchPolicy::metal_kernels`] | no crate Metal kernels (the host fallback) |
 
 use std::sync::OnceLock;
@@ -36,6 +37,12 @@ pub struct LaunchPolicy {
     /// Up to this many tokens an MoE layer runs the grouped matrix-vector kernel; above it, the
     /// sorted tensor-core path (0 sends every forward through the sorted path).
     pub moe_grouped_max_tokens: usize,
+    /// Tensor-parallel sums (all-reduces) of up to this many bytes run the crate's one-shot
+    /// kernel over peer memory (NVLink) instead of NCCL, where every pair of the group's GPUs
+    /// can reach each other's memory: a decode step's sums are small, and NCCL's latency is
+    /// most of their cost. Each GPU holds a stage buffer of twice this size. 0 sends every sum
+    /// through NCCL. Default 1 MiB.
+    pub peer_all_reduce_max_bytes: usize,
     /// Use the crate's own Metal kernels for packed K/V and weights (on by default; off, packed
     /// products and K/V fall back to the dequantize-on-host path).
     pub metal_kernels: bool,
@@ -63,6 +70,7 @@ impl Default for LaunchPolicy {
             cuda_graph_max_batch: 64,
             dependent_launch: true,
             moe_grouped_max_tokens: 64,
+            peer_all_reduce_max_bytes: 1 << 20,
             metal_kernels: true,
             candle_q4_1_on_cpu: false,
             candle_qmatmul_on_cpu: false,
@@ -94,6 +102,11 @@ impl LaunchPolicy {
         if let Ok(v) = std::env::var("CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS") {
             if let Ok(n) = v.parse() {
                 p.moe_grouped_max_tokens = n;
+            }
+        }
+        if let Ok(v) = std::env::var("CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES") {
+            if let Ok(n) = v.parse() {
+                p.peer_all_reduce_max_bytes = n;
             }
         }
         if let Ok(v) = std::env::var("CANDLE_GEMMA_METAL_KERNELS") {

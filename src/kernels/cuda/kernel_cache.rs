@@ -119,6 +119,9 @@ modules! {
     DENSE_MATVEC = "dense_matvec";
     /// Bench helpers: the copy kernel and the GPU spin.
     DIAGNOSTICS = "diagnostics";
+    /// The one-shot all-reduce over peer memory.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    PEER_REDUCE = "peer_reduce";
 }
 
 /// Resident blocks per multiprocessor by (kernel handle, threads a block, dynamic shared

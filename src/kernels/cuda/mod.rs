@@ -46,6 +46,9 @@ pub mod moe;
 pub(crate) mod nccl;
 #[cfg(feature = "cuda")]
 pub mod norm_tail;
+/// The one-shot all-reduce over peer memory (tensor parallelism, `nccl` feature).
+#[cfg(feature = "nccl")]
+pub(crate) mod peer_reduce;
 #[cfg(feature = "cuda")]
 pub mod pool;
 #[cfg(feature = "cuda")]

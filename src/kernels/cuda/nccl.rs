@@ -1,6 +1,8 @@
 //! The NCCL all-reduce (`nccl` feature): communicators for the GPUs of one host, built in one
 //! call (`ncclCommInitAll`), and the sum and the gather of a candle tensor as custom ops on the
-//! device's own stream, so they are ordered with the kernels around them.
+//! device's own stream, so they are ordered with the kernels around them. Sums up to
+//! [`crate::kernels::policy::LaunchPolicy::peer_all_reduce_max_bytes`] take the crate's
+//! peer-memory kernel instead ([`super::peer_reduce`]) where the GPUs reach each other's memory.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
@@ -9,10 +11,14 @@ use candle_core::cuda_backend::{CudaDType, CudaStorage};
 use candle_core::{CustomOp1, DType, Device, Layout, Shape, Tensor};
 use half::{bf16, f16};
 
+use super::peer_reduce::{peer_sums, PeerSum};
 use crate::kernels::KernelError;
 
-/// A communicator that may move to the thread of its rank.
-pub(crate) struct RankComm(Comm);
+/// A communicator that may move to the thread of its rank, and its peer-memory sum.
+pub(crate) struct RankComm {
+    comm: Comm,
+    peer: Option<PeerSum>,
+}
 
 // SAFETY: an NCCL communicator may be used from any thread as long as no two threads use it at
 // once; `ops::collective` keeps it behind a mutex. Dropping it aborts it (`ncclCommAbort`).
@@ -29,17 +35,28 @@ fn nccl_err(what: &str, e: impl std::fmt::Debug) -> KernelError {
 /// # Errors
 /// A device that is not a CUDA device; NCCL's own errors.
 pub(crate) fn comms(devices: &[Device]) -> Result<Vec<RankComm>, KernelError> {
-    let streams = devices
+    let cuda = devices
         .iter()
         .map(|d| match d {
-            Device::Cuda(c) => Ok(c.cuda_stream()),
+            Device::Cuda(c) => Ok(c.clone()),
             other => Err(KernelError::Collective {
                 reason: format!("tensor parallelism runs on CUDA devices, not {other:?}"),
             }),
         })
         .collect::<Result<Vec<_>, _>>()?;
+    let streams = cuda.iter().map(|c| c.cuda_stream()).collect();
     let comms = Comm::from_devices(streams).map_err(|e| nccl_err("ncclCommInitAll", e))?;
-    Ok(comms.into_iter().map(RankComm).collect())
+    let max_bytes = crate::kernels::policy::current().peer_all_reduce_max_bytes;
+    let mut peers = match peer_sums(&cuda, max_bytes)? {
+        Some(p) => p.into_iter().map(Some).collect(),
+        None => Vec::new(),
+    };
+    peers.resize_with(comms.len(), || None);
+    Ok(comms
+        .into_iter()
+        .zip(peers)
+        .map(|(comm, peer)| RankComm { comm, peer })
+        .collect())
 }
 
 /// The sum of `x` over every rank of `comm`'s group, in a new tensor.
@@ -47,8 +64,11 @@ pub(crate) fn comms(devices: &[Device]) -> Result<Vec<RankComm>, KernelError> {
 /// # Errors
 /// A tensor off CUDA or of a dtype other than f32, f16 and bf16; NCCL's errors.
 pub(crate) fn all_reduce_sum(comm: &RankComm, x: &Tensor) -> Result<Tensor, KernelError> {
+    if let Some(y) = comm.peer.as_ref().map(|p| p.sum(x)).transpose()?.flatten() {
+        return Ok(y);
+    }
     let x = x.contiguous()?;
-    Ok(x.apply_op1_no_bwd(&AllReduce(&comm.0))?)
+    Ok(x.apply_op1_no_bwd(&AllReduce(&comm.comm))?)
 }
 
 /// Every rank's `x` (flattened), rank order, in one `[world * elements]` tensor.
@@ -57,7 +77,7 @@ pub(crate) fn all_reduce_sum(comm: &RankComm, x: &Tensor) -> Result<Tensor, Kern
 /// As [`all_reduce_sum`].
 pub(crate) fn all_gather(comm: &RankComm, x: &Tensor) -> Result<Tensor, KernelError> {
     let x = x.contiguous()?;
-    Ok(x.apply_op1_no_bwd(&AllGather(&comm.0))?)
+    Ok(x.apply_op1_no_bwd(&AllGather(&comm.comm))?)
 }
 
 struct AllReduce<'a>(&'a Comm);

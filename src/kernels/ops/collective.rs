@@ -15,7 +15,7 @@
 //! on every rank returns [`KernelError::Collective`] without entering NCCL, and the aborted
 //! communicators release any peer that waits in a collective already enqueued.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -29,12 +29,13 @@ use crate::kernels::KernelError;
 struct GroupState {
     /// Set once any rank failed: no sum enters NCCL afterwards.
     failed: AtomicBool,
-    /// Ranks arrived at the current NCCL call ([`GroupState::meet`]).
-    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    /// Ranks arrived at the current meeting ([`GroupState::meet`]).
     arrived: AtomicUsize,
-    /// NCCL calls every rank has reached.
-    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    /// Meetings every rank has reached.
     round: AtomicUsize,
+    /// The latest agreement's highest vote: `(agreement + 1) << 8 | vote`
+    /// ([`Collective::agree_max`]).
+    verdict: AtomicU64,
 }
 
 impl GroupState {
@@ -45,7 +46,6 @@ impl GroupState {
     /// on between the GPUs of one process), allocations and module loads of one device wait
     /// for the other devices' running kernels: a lazily loaded kernel or a cuBLAS workspace on
     /// one rank, while the other's all-reduce kernel already waits for it, never returns.
-    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
     fn meet(&self, rank: usize, world: usize) -> Result<()> {
         let round = self.round.load(Ordering::Acquire);
         if self.arrived.fetch_add(1, Ordering::AcqRel) + 1 == world {
@@ -143,6 +143,8 @@ struct RankComm {
     group: Arc<GroupState>,
     /// Sums run so far (the all-reduces a step takes are read from it).
     calls: AtomicUsize,
+    /// Agreements this rank has taken part in ([`Collective::agree_max`]).
+    agreements: AtomicU64,
     /// How this rank sums; `None` once aborted. The mutex keeps one thread inside NCCL per
     /// communicator at a time.
     comm: Mutex<Option<Backend>>,
@@ -173,11 +175,52 @@ impl Collective {
         self.0.as_ref().map_or(1, |r| r.world)
     }
 
-    /// Sums run so far by this rank.
+    /// Collectives run so far by this rank, the ones inside replayed graphs included.
     pub fn calls(&self) -> usize {
         self.0
             .as_ref()
             .map_or(0, |r| r.calls.load(Ordering::Relaxed))
+    }
+
+    /// Counts `n` collectives that ran without a call to [`Collective::sum`] or
+    /// [`Collective::gather_last`]: those captured in a graph, at each of its replays.
+    pub fn count_replayed(&self, n: usize) {
+        if let Some(r) = &self.0 {
+            r.calls.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// The highest of every rank's `vote` (0..=255), agreed on the host: the ranks decide
+    /// together whether to launch work that holds collectives without entering
+    /// [`Collective::sum`] (a replayed or just-captured graph), so that no rank launches while
+    /// a peer takes another path, whose collectives would not pair with its own. It also holds
+    /// every rank until the last arrives, for the reason given at `GroupState::meet`: no
+    /// rank's enqueued all-reduce may wait for a peer whose thread is still in a call that
+    /// synchronizes with this rank's device. `vote` itself in a group of one.
+    ///
+    /// # Errors
+    /// [`KernelError::Collective`] when a rank of the group failed.
+    pub fn agree_max(&self, vote: u8) -> Result<u8> {
+        let Some(r) = &self.0 else {
+            return Ok(vote);
+        };
+        if r.group.failed.load(Ordering::Acquire) {
+            return Err(peer_failed(r.rank));
+        }
+        let tag = (r.agreements.fetch_add(1, Ordering::Relaxed) + 1) << 8;
+        r.group
+            .verdict
+            .fetch_max(tag | u64::from(vote), Ordering::AcqRel);
+        r.group.meet(r.rank, r.world)?;
+        let verdict = r.group.verdict.load(Ordering::Acquire);
+        // No rank votes in the next agreement before every rank has read this one.
+        r.group.meet(r.rank, r.world)?;
+        if verdict >> 8 != tag >> 8 {
+            return Err(KernelError::Collective {
+                reason: format!("rank {}: the ranks' agreements went out of step", r.rank),
+            });
+        }
+        Ok((verdict & 0xff) as u8)
     }
 
     /// The elementwise sum of `x` over every rank of the group (`x` itself in a group of one).
@@ -366,6 +409,7 @@ pub fn group(devices: &[Device]) -> Result<(Vec<Collective>, GroupHandle)> {
                     world,
                     group: state.clone(),
                     calls: AtomicUsize::new(0),
+                    agreements: AtomicU64::new(0),
                     comm: Mutex::new(Some(comm)),
                 })
             })
@@ -468,5 +512,48 @@ mod tests {
         assert!(c[1]
             .sum(&Tensor::new(&[1f32], &Device::Cpu).unwrap())
             .is_err());
+    }
+
+    #[test]
+    fn ranks_agree_on_the_highest_vote_only_once_all_voted_and_replays_are_counted() {
+        let (c, handle) = group(&[Device::Cpu, Device::Cpu, Device::Cpu]).unwrap();
+        let passed = AtomicUsize::new(0);
+        let votes: Vec<Vec<u8>> = std::thread::scope(|s| {
+            let hs: Vec<_> = c
+                .iter()
+                .map(|c| {
+                    let passed = &passed;
+                    s.spawn(move || {
+                        if c.rank() == 2 {
+                            std::thread::sleep(Duration::from_millis(30));
+                            assert_eq!(passed.load(Ordering::Acquire), 0, "a rank passed alone");
+                        }
+                        // Rounds with one dissenter, none, and the highest vote from another rank.
+                        let mine = [[0, 1, 0], [0, 0, 0], [2, 0, 1]];
+                        let out: Vec<u8> = mine
+                            .iter()
+                            .map(|round| c.agree_max(round[c.rank()]).unwrap())
+                            .collect();
+                        passed.fetch_add(1, Ordering::AcqRel);
+                        out
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(votes.iter().all(|v| v == &[1, 0, 2]), "{votes:?}");
+        c[0].count_replayed(5);
+        assert_eq!((c[0].calls(), c[1].calls()), (5, 0));
+        Collective::default().count_replayed(2);
+        assert_eq!(Collective::default().agree_max(3).unwrap(), 3);
+        // A rank waiting for its peers' votes is released with an error once the group fails.
+        let waiting = std::thread::spawn({
+            let c0 = c[0].clone();
+            move || c0.agree_max(0)
+        });
+        std::thread::sleep(Duration::from_millis(30));
+        handle.abort();
+        assert!(waiting.join().unwrap().is_err());
+        assert!(c[1].agree_max(0).is_err());
     }
 }

@@ -259,16 +259,21 @@ mod imp {
     impl DecodeGraph {
         /// Captures what `run` launches on `device` for a step of `seqs` sequences into a graph
         /// and launches it once. `inputs` are the buffers `run` reads that
-        /// [`DecodeGraph::replay`] rewrites, in that order. The outer error is a failure of the step itself; the inner one says why no graph
-        /// could be made (the caller then undoes what `run` changed and runs the step eagerly).
+        /// [`DecodeGraph::replay`] rewrites, in that order. `agree` is told whether this
+        /// capture made a graph and answers whether to launch it: a tensor-parallel rank
+        /// launches only when every rank's capture succeeded (a group of one answers its
+        /// input). The outer error is a failure of the step itself; the inner one says why no
+        /// graph could be made (the caller then undoes what `run` changed and runs the step
+        /// eagerly).
         ///
         /// # Errors
-        /// Device errors of the allocation, the upload or the launch.
+        /// Device errors of the allocation, the upload or the launch; `agree`'s errors.
         pub(crate) fn capture<E: std::fmt::Display>(
             device: &Device,
             seqs: usize,
             inputs: Vec<Tensor>,
             run: impl FnOnce() -> std::result::Result<(), E>,
+            agree: impl FnOnce(bool) -> Result<bool>,
         ) -> Result<std::result::Result<Self, String>> {
             let Some(dev) = cuda_device(device) else {
                 return Ok(Err("not a CUDA device".to_string()));
@@ -285,10 +290,15 @@ mod imp {
             let ended = graph::end_capture(dev);
             drop(uploads);
             let graph = match (ran, ended) {
-                (Ok(()), Ok(Some(g))) => g,
-                (Err(e), _) => return Ok(Err(format!("capture failed: {e}"))),
-                (_, Err(e)) => return Ok(Err(format!("capture failed: {e}"))),
-                _ => return Ok(Err("nothing was captured".to_string())),
+                (Ok(()), Ok(Some(g))) => Ok(g),
+                (Err(e), _) => Err(format!("capture failed: {e}")),
+                (_, Err(e)) => Err(format!("capture failed: {e}")),
+                _ => Err("nothing was captured".to_string()),
+            };
+            let graph = match (agree(graph.is_ok())?, graph) {
+                (true, Ok(g)) => g,
+                (false, Ok(_)) => return Ok(Err("a peer rank's capture failed".to_string())),
+                (_, Err(why)) => return Ok(Err(why)),
             };
             rec.upload(dev)?;
             graph.launch().map_err(candle_core::Error::wrap)?;
@@ -440,6 +450,7 @@ mod imp {
             _seqs: usize,
             _inputs: Vec<Tensor>,
             _run: impl FnOnce() -> std::result::Result<(), E>,
+            _agree: impl FnOnce(bool) -> Result<bool>,
         ) -> Result<std::result::Result<Self, String>> {
             Ok(Err("the cuda feature is off".to_string()))
         }

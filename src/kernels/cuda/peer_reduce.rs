@@ -1,0 +1,240 @@
+//! The one-shot all-reduce over peer memory (`peer_reduce.cu`) for the GPUs of one process:
+//! each GPU's receive buffer, which every other GPU of the group writes into, and the sum of
+//! a tensor through them. A decode step's sums are a few KiB to a few hundred KiB,
+//! where NCCL's fixed latency is most of the time; this kernel reads the peers' parts over
+//! NVLink directly. Larger sums (prefill) stay on NCCL ([`PeerSum::sum`] declines them).
+//!
+//! The buffers come from `cuMemAlloc`, not from the stream-ordered pool candle allocates from:
+//! pool memory is not reachable by peers without further setup, while plain allocations are
+//! once peer access is on between the two devices.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaContext, CudaStream, DeviceRepr};
+use candle_core::cuda_backend::{CudaDevice, WrapErr};
+use candle_core::{DType, Result, Tensor};
+
+use super::device::{bind, by_dtype, cuda_dev, tn, u32_of, wrap};
+use super::kernel_cache::{load_kernel, Arg, LaunchArg, PEER_REDUCE};
+
+/// Most GPUs a group may have (`PEER_MAX_RANKS` in `peer_reduce.cu`).
+pub(crate) const MAX_RANKS: usize = 8;
+/// Blocks of every launch (`PEER_MAX_BLOCKS`): every call runs all of them.
+const BLOCKS: u32 = 32;
+const THREADS: u32 = 256;
+
+/// `struct PeerArgs` in `peer_reduce.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PeerArgs {
+    recv: [u64; MAX_RANKS],
+    rank: u32,
+    world: u32,
+    n: u32,
+    cap: u32,
+}
+
+// SAFETY: `#[repr(C)]` integers, read by the kernel with the same layout.
+unsafe impl DeviceRepr for PeerArgs {}
+
+impl PeerArgs {
+    fn new(world: u32, cap: u32) -> Self {
+        Self {
+            recv: [0; MAX_RANKS],
+            rank: 0,
+            world,
+            n: 0,
+            cap,
+        }
+    }
+
+    fn of_rank(mut self, rank: u32) -> Self {
+        self.rank = rank;
+        self
+    }
+}
+
+impl<'a> LaunchArg<'a> for &'a PeerArgs {
+    fn push(self, args: &mut Vec<Arg>, _: &CudaStream) {
+        args.push(Arg::Value(self as *const PeerArgs as *mut c_void));
+    }
+}
+
+/// Zeroed device memory from `cuMemAlloc` on one GPU, freed on drop.
+struct Raw {
+    ptr: sys::CUdeviceptr,
+    ctx: Arc<CudaContext>,
+}
+
+impl Raw {
+    fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
+        ctx.bind_to_thread().w()?;
+        // SAFETY: a fresh allocation of `bytes`, zeroed before any use.
+        let ptr = unsafe { result::malloc_sync(bytes) }.w()?;
+        let raw = Self {
+            ptr,
+            ctx: ctx.clone(),
+        };
+        // SAFETY: `ptr` holds `bytes` bytes.
+        unsafe { result::memset_d8_sync(ptr, 0, bytes) }.w()?;
+        Ok(raw)
+    }
+}
+
+impl Drop for Raw {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by `malloc_sync` in this context; no launch that reads it is
+            // left once every rank's handle is gone (the ranks share these buffers).
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// One rank's side of the peer-memory all-reduce.
+pub(crate) struct PeerSum {
+    args: PeerArgs,
+    /// The largest sum taken, bytes.
+    max_bytes: usize,
+    /// This rank's epochs (one per block).
+    epochs: u64,
+    dev: CudaDevice,
+    /// Every rank's buffers, kept alive until the last rank's handle is dropped.
+    _buffers: Arc<Vec<Raw>>,
+}
+
+impl std::fmt::Debug for PeerSum {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PeerSum({} of {})", self.args.rank, self.args.world)
+    }
+}
+
+/// Whether every ordered pair of `devices` can reach the other's memory; turns that access on.
+fn enable_peer_access(devices: &[CudaDevice]) -> Result<bool> {
+    let ctxs: Vec<Arc<CudaContext>> = devices
+        .iter()
+        .map(|d| d.cuda_stream().context().clone())
+        .collect();
+    for (i, a) in ctxs.iter().enumerate() {
+        for (j, b) in ctxs.iter().enumerate() {
+            if i == j {
+                continue;
+            }
+            let mut can = 0;
+            // SAFETY: two valid device handles and an out-parameter.
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can, a.cu_device(), b.cu_device()) }
+                .result()
+                .w()?;
+            if can == 0 {
+                return Ok(false);
+            }
+            a.bind_to_thread().w()?;
+            // SAFETY: `b`'s context is valid; access from the current context (`a`) is asked.
+            match unsafe { sys::cuCtxEnablePeerAccess(b.cu_ctx(), 0) } {
+                sys::CUresult::CUDA_SUCCESS
+                | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {}
+                other => return other.result().w().map(|()| false),
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// One [`PeerSum`] per device (rank `i` on `devices[i]`) for sums of up to `max_bytes`, or
+/// `None` when the group cannot use peer memory (a pair without peer access, more than
+/// [`MAX_RANKS`] devices, or `max_bytes` 0).
+///
+/// # Errors
+/// CUDA errors of the allocations and of turning peer access on.
+pub(crate) fn peer_sums(devices: &[CudaDevice], max_bytes: usize) -> Result<Option<Vec<PeerSum>>> {
+    let world = devices.len();
+    // Whole 16-byte units (counted in 4-byte words by the kernel).
+    let max_bytes = max_bytes.min(u32::MAX as usize) / 16 * 16;
+    if !(2..=MAX_RANKS).contains(&world) || max_bytes == 0 || !enable_peer_access(devices)? {
+        return Ok(None);
+    }
+    let mut buffers = Vec::with_capacity(2 * world);
+    let mut args = PeerArgs::new(
+        u32_of(world, "ranks")?,
+        u32_of(max_bytes / 4, "receive words")?,
+    );
+    for (r, d) in devices.iter().enumerate() {
+        // Two halves of one slot per sender, each word 8 bytes (its data and the epoch).
+        let recv = Raw::zeroed(d.cuda_stream().context(), 2 * world * (max_bytes / 4) * 8)?;
+        args.recv[r] = recv.ptr;
+        buffers.push(recv);
+    }
+    let epochs = devices
+        .iter()
+        .map(|d| Raw::zeroed(d.cuda_stream().context(), BLOCKS as usize * 4))
+        .collect::<Result<Vec<_>>>()?;
+    let epoch_ptrs: Vec<u64> = epochs.iter().map(|e| e.ptr).collect();
+    buffers.extend(epochs);
+    let buffers = Arc::new(buffers);
+    Ok(Some(
+        devices
+            .iter()
+            .zip(epoch_ptrs)
+            .enumerate()
+            .map(|(r, (d, epochs))| PeerSum {
+                args: args.of_rank(r as u32),
+                max_bytes,
+                epochs,
+                dev: d.clone(),
+                _buffers: buffers.clone(),
+            })
+            .collect(),
+    ))
+}
+
+impl PeerSum {
+    /// The sum of `x` over every rank, in a new tensor; `None` when `x` is larger than the
+    /// receive buffer (the caller then sums through NCCL). Every rank must call it with a tensor of
+    /// the same shape and dtype, in the same order as its other sums.
+    ///
+    /// # Errors
+    /// A tensor off this rank's device or of a dtype other than f32, f16 and bf16; CUDA
+    /// errors.
+    pub(crate) fn sum(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let dtype = x.dtype();
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            candle_core::bail!("the peer all-reduce does not take {dtype:?}");
+        }
+        let bytes = x.elem_count() * dtype.size_in_bytes();
+        if bytes > self.max_bytes {
+            return Ok(None);
+        }
+        let dev = cuda_dev(x)?;
+        if dev.id() != self.dev.id() {
+            candle_core::bail!("the peer all-reduce got a tensor of another device");
+        }
+        let x = x.contiguous()?;
+        let mut args = self.args;
+        args.n = u32_of(x.elem_count(), "elements")?;
+        let func = load_kernel(
+            &dev,
+            &format!("peer_all_reduce_{}", tn(dtype)?),
+            &PEER_REDUCE,
+        )?;
+        let cfg = candle_core::cuda_backend::cudarc::driver::LaunchConfig {
+            grid_dim: (BLOCKS, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        by_dtype!(dtype, E, {
+            // SAFETY: the kernel writes every element before any reader on this stream.
+            let mut out = unsafe { dev.alloc::<E>(x.elem_count().max(1))? };
+            bind!(xv, x, E);
+            let mut b = func.builder();
+            b.arg(&args);
+            b.arg(&xv);
+            b.arg(&mut out);
+            b.arg(&self.epochs);
+            // SAFETY: arguments match the kernel's signature; `x` and `out` hold `n` elements
+            // (at most `cap` words), every rank's receive buffer `2 * world * cap` words.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(Some(wrap(out, &dev, x.dims())))
+        })
+    }
+}
