@@ -196,9 +196,86 @@ template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
                 acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
         }
     }
+
+    // As `dot`, for P pair rows at once: each code is decoded once for the P rows (decoding,
+    // not memory, bounds the one-row form once experts have several pairs each).
+    template <int P>
+    __device__ __forceinline__ void dot_multi(const GroupedMvParams& p, uint32_t e, int o0,
+                                              const T* const (&xrow)[P],
+                                              float (&acc)[R][P]) const {
+        constexpr int EPC = 128 / BITS;
+        constexpr uint32_t MASK = (1u << BITS) - 1;
+        const int lane = threadIdx.x & 31;
+        const int words = (int)p.in_dim * BITS / 32, groups = (int)(p.in_dim / p.group_size);
+        const int last = (int)p.out_dim - 1;
+        const uint32_t* wr[R];
+        const S* sr[R];
+        const S* br[R];
+#pragma unroll
+        for (int m = 0; m < R; ++m) {
+            const size_t r = (size_t)e * p.out_dim + min(o0 + m, last);
+            wr[m] = codes + r * words;
+            sr[m] = scales + r * groups;
+            br[m] = biases + r * groups;
+#pragma unroll
+            for (int j = 0; j < P; ++j) acc[m][j] = 0.f;
+        }
+        for (int c = lane; c < words / 4; c += 32) {
+            const int e0 = c * EPC;
+            const int g = e0 / (int)p.group_size;
+            uint4 w4[R];
+            float sc[R], bi[R];
+#pragma unroll
+            for (int m = 0; m < R; ++m) {
+                w4[m] = ld_stream4(wr[m] + c * 4);
+                sc[m] = to_f(sr[m][g]);
+                bi[m] = to_f(br[m][g]);
+            }
+            float dot[R][P], xs[P];
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                xs[j] = 0.f;
+#pragma unroll
+                for (int m = 0; m < R; ++m) dot[m][j] = 0.f;
+            }
+#pragma unroll
+            for (int k8 = 0; k8 < EPC; k8 += 8) {
+                float xv[P][8];
+#pragma unroll
+                for (int j = 0; j < P; ++j) load_x8<T>(xrow[j] + e0 + k8, xv[j]);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    const int i = k8 + k;
+#pragma unroll
+                    for (int j = 0; j < P; ++j) xs[j] += xv[j][k];
+#pragma unroll
+                    for (int m = 0; m < R; ++m) {
+                        const uint32_t w[4] = {w4[m].x, w4[m].y, w4[m].z, w4[m].w};
+                        const uint32_t code = (w[(i * BITS) >> 5] >> ((i * BITS) & 31)) & MASK;
+                        const float cf = __uint_as_float(0x4B000000u | code) - 8388608.f;
+#pragma unroll
+                        for (int j = 0; j < P; ++j) dot[m][j] = fmaf(cf, xv[j][k], dot[m][j]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < R; ++m)
+#pragma unroll
+                for (int j = 0; j < P; ++j)
+                    acc[m][j] = fmaf(sc[m], dot[m][j], fmaf(bi[m], xs[j], acc[m][j]));
+        }
+#pragma unroll
+        for (int m = 0; m < R; ++m)
+#pragma unroll
+            for (int j = 0; j < P; ++j)
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1)
+                    acc[m][j] += __shfl_xor_sync(0xffffffffu, acc[m][j], off);
+    }
 };
 
-template <typename T, bool GATED, typename Rows>
+// P > 1 (packed rows only): the pairs of the expert go through `dot_multi` P at a time.
+template <typename T, bool GATED, typename Rows, int P = 1>
 __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const Rows rows,
                                                 const uint32_t* __restrict__ idx,
                                                 const T* __restrict__ x,
@@ -235,16 +312,44 @@ __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const R
     constexpr int R = Rows::R;
     const int o0 = (blockIdx.y * GMV_WARPS + warp) * R;
     if (o0 >= (int)p.out_dim) return;
-    for (uint32_t i = 0; i < n; ++i) {
-        const uint32_t q = mine[i];
-        const uint32_t row = p.x_per_token ? q / p.top_k : q;
-        const T* xrow = GATED ? sx + (size_t)i * p.in_dim : x + (size_t)row * p.in_dim;
-        float acc[R];
-        rows.dot(p, e, o0, xrow, acc);
-        if (lane == 0) {
+    if constexpr (P == 1) {
+        for (uint32_t i = 0; i < n; ++i) {
+            const uint32_t q = mine[i];
+            const uint32_t row = p.x_per_token ? q / p.top_k : q;
+            const T* xrow = GATED ? sx + (size_t)i * p.in_dim : x + (size_t)row * p.in_dim;
+            float acc[R];
+            rows.dot(p, e, o0, xrow, acc);
+            if (lane == 0) {
 #pragma unroll
-            for (int m = 0; m < R; ++m)
-                if (o0 + m < (int)p.out_dim) y[(size_t)q * p.out_dim + o0 + m] = from_f<T>(acc[m]);
+                for (int m = 0; m < R; ++m)
+                    if (o0 + m < (int)p.out_dim)
+                        y[(size_t)q * p.out_dim + o0 + m] = from_f<T>(acc[m]);
+            }
+        }
+    } else {
+        for (uint32_t i0 = 0; i0 < n; i0 += P) {
+            // Past the last pair, rows repeat it (their sums are not stored).
+            const T* xr[P];
+            uint32_t qs[P];
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+                const uint32_t i = min(i0 + j, n - 1);
+                qs[j] = mine[i];
+                const uint32_t row = p.x_per_token ? qs[j] / p.top_k : qs[j];
+                xr[j] = GATED ? sx + (size_t)i * p.in_dim : x + (size_t)row * p.in_dim;
+            }
+            float acc[R][P];
+            rows.template dot_multi<P>(p, e, o0, xr, acc);
+            if (lane == 0) {
+#pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    if (i0 + j >= n) break;
+#pragma unroll
+                    for (int m = 0; m < R; ++m)
+                        if (o0 + m < (int)p.out_dim)
+                            y[(size_t)qs[j] * p.out_dim + o0 + m] = from_f<T>(acc[m][j]);
+                }
+            }
         }
     }
 }
@@ -295,27 +400,33 @@ MOE_INST(bf16, __nv_bfloat16)
 
 // Grouped products over MLX-packed experts (names grouped_qmv[_gated]_{T}_{S}_{BITS}_r{R}, R
 // output rows a warp); the gated form only for 16-bit activations, as with dense experts.
-#define GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, R, MINB, V)                                    \
+#define GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, R, P, MINB, V)                                 \
     extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, MINB)                         \
         grouped_qmv_##TN##_##SN##_##BITS##_##V(const GroupedMvParams p, const uint32_t* c,     \
                                                const S* s, const S* b, const uint32_t* idx,    \
                                                const T* x, T* y) {                             \
         pdl_entry();                                                                           \
-        grouped_mv_body<T, false>(p, PackedExpertRows<T, S, BITS, R>{c, s, b}, idx, x, x, y);  \
+        grouped_mv_body<T, false, PackedExpertRows<T, S, BITS, R>, P>(                         \
+            p, PackedExpertRows<T, S, BITS, R>{c, s, b}, idx, x, x, y);                        \
     }
-#define GROUPED_QMV_GATED_KERNELS(TN, T, SN, S, BITS, R, MINB, V)                              \
-    GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, R, MINB, V)                                        \
+#define GROUPED_QMV_GATED_KERNELS(TN, T, SN, S, BITS, R, P, MINB, V)                           \
+    GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, R, P, MINB, V)                                     \
     extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, MINB)                         \
         grouped_qmv_gated_##TN##_##SN##_##BITS##_##V(                                          \
             const GroupedMvParams p, const uint32_t* c, const S* s, const S* b,                \
             const uint32_t* idx, const T* x, const T* xb, T* y) {                              \
         pdl_entry();                                                                           \
-        grouped_mv_body<T, true>(p, PackedExpertRows<T, S, BITS, R>{c, s, b}, idx, x, xb, y);  \
+        grouped_mv_body<T, true, PackedExpertRows<T, S, BITS, R>, P>(                          \
+            p, PackedExpertRows<T, S, BITS, R>{c, s, b}, idx, x, xb, y);                       \
     }
-// 4 rows a warp, 3 blocks a multiprocessor (80 registers a thread, no spills).
-#define GROUPED_QMV_INST(TN, T, SN, S, BITS) GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, 4, 3, r4)
-#define GROUPED_QMV_GATED_INST(TN, T, SN, S, BITS) \
-    GROUPED_QMV_GATED_KERNELS(TN, T, SN, S, BITS, 4, 3, r4)
+// 4 rows a warp, one pair at a time, 3 blocks a multiprocessor (80 registers a thread, no
+// spills); and 2 rows a warp for 4 pairs at once, 2 blocks a multiprocessor.
+#define GROUPED_QMV_INST(TN, T, SN, S, BITS)                   \
+    GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, 4, 1, 3, r4)       \
+    GROUPED_QMV_KERNELS(TN, T, SN, S, BITS, 2, 4, 2, r2p4)
+#define GROUPED_QMV_GATED_INST(TN, T, SN, S, BITS)             \
+    GROUPED_QMV_GATED_KERNELS(TN, T, SN, S, BITS, 4, 1, 3, r4) \
+    GROUPED_QMV_GATED_KERNELS(TN, T, SN, S, BITS, 2, 4, 2, r2p4)
 #define GROUPED_QMV_BITS(INST, TN, T, SN, S) INST(TN, T, SN, S, 4) INST(TN, T, SN, S, 8)
 #define GROUPED_QMV_SCALES(INST, TN, T)                   \
     GROUPED_QMV_BITS(INST, TN, T, f32, float)             \

@@ -17,6 +17,11 @@ use crate::kernels::PackedAffine;
 const GMV_WARPS: usize = 8;
 /// Output rows a warp of the packed grouped matvec computes (`R` in `GROUPED_QMV_INST`).
 const GMV_PACKED_ROWS: usize = 4;
+/// Output rows one warp computes in the packed kernels that take several pairs at once
+/// (`r2p4`: 2 rows, 4 pairs), used once a call has at least as many pairs as experts (most
+/// picked experts then have several pairs, and decoding their codes once per pair would bound
+/// the kernel).
+const GMV_MULTI_ROWS: usize = 2;
 /// Experts per lane of the router kernel (`ROUTE_MAX_PER_LANE`): at most 512 experts.
 const ROUTE_MAX_PER_LANE: usize = 16;
 
@@ -173,10 +178,12 @@ enum ExpertStack<'a> {
 }
 
 impl ExpertStack<'_> {
-    /// Output rows one warp computes (`Rows::R` of the kernel's row reader).
-    fn rows_per_warp(&self) -> usize {
+    /// Output rows one warp computes (`Rows::R` of the kernel's row reader); `multi`: the
+    /// packed kernel that takes several pairs at once.
+    fn rows_per_warp(&self, multi: bool) -> usize {
         match self {
             ExpertStack::Dense(_) => 1,
+            ExpertStack::Packed(..) if multi => GMV_MULTI_ROWS,
             ExpertStack::Packed(..) => GMV_PACKED_ROWS,
         }
     }
@@ -194,16 +201,21 @@ impl ExpertStack<'_> {
         }
     }
 
-    /// The kernel's name for activations of `dtype`.
-    fn kernel(&self, gated: bool, dtype: DType) -> Result<String> {
+    /// The kernel's name for activations of `dtype` (`multi`: as in
+    /// [`ExpertStack::rows_per_warp`]).
+    fn kernel(&self, gated: bool, dtype: DType, multi: bool) -> Result<String> {
         let g = if gated { "_gated" } else { "" };
         let t = tn(dtype)?;
         Ok(match *self {
             ExpertStack::Dense(_) => format!("grouped_mv{g}_{t}"),
             ExpertStack::Packed(w, _) => {
                 let s = tn(w.scales.dtype())?;
-                let r = GMV_PACKED_ROWS;
-                format!("grouped_qmv{g}_{t}_{s}_{}_r{r}", w.bits.bits())
+                let v = if multi {
+                    format!("r{GMV_MULTI_ROWS}p4")
+                } else {
+                    format!("r{GMV_PACKED_ROWS}")
+                };
+                format!("grouped_qmv{g}_{t}_{s}_{}_{v}", w.bits.bits())
             }
         })
     }
@@ -308,11 +320,12 @@ fn grouped_mv(
         pad1: 0,
         pad2: 0,
     };
-    let func = load_kernel(&dev, &weights.kernel(gate.is_some(), dtype)?, &MOE)?;
+    let multi = !by_slot;
+    let func = load_kernel(&dev, &weights.kernel(gate.is_some(), dtype, multi)?, &MOE)?;
     let cfg = LaunchConfig {
         grid_dim: (
             u32_of(if by_slot { pairs } else { experts }, "experts")?,
-            out_dim.div_ceil(GMV_WARPS * weights.rows_per_warp()) as u32,
+            out_dim.div_ceil(GMV_WARPS * weights.rows_per_warp(multi)) as u32,
             1,
         ),
         block_dim: ((GMV_WARPS * 32) as u32, 1, 1),
