@@ -1,34 +1,78 @@
 #!/bin/bash
 # Tensor-parallel checks and speed on a 2-GPU machine. Build here with
-#   cargo build --release --features nccl --example generate --bench model_speed
+#   cargo build --release --features nccl --example generate --example serve --bench model_speed
+#   cargo test --release --features nccl --test cuda_kernels --no-run
 # (libnccl.so.2 on the linker's path, e.g. LIBRARY_PATH from the nvidia-nccl-cu13 wheel), put
-# `generate` and the `model_speed-<hash>` binary (as model_speed) into .device/nccl/ with
-# device-env.sh and scripts/gpu_tp_check.py (as tp_tokens.py), carry .device/nccl and run
-#   bash .device/nccl/run.sh
+# `generate`, `serve`, the `model_speed-<hash>` binary (as model_speed) and the test binary (as
+# cuda_kernels_test), xz-compressed, into .device/tp/ with device-env.sh, carry .device/tp and
+# run, from the repository root:
+#   bash .device/tp/run.sh PHASE...
+# Phases: check1 (one-GPU kernel tests, goldens and graph checks on GPU 1, in the background),
+# tp (scripts/gpu_tp_check.py and scripts/gpu_tp_serve_check.py), serve (the latter alone),
+# speed (model_speed at --tp 1 and 2; one line per run of SPECS: model weights batches prefill
+# tp graph extra-env, "-" for none).
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-D=.device/nccl
+D=.device/tp
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-for f in $D/*.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; done
-chmod +x $D/generate $D/model_speed
+for f in $D/*.xz; do [ -e "${f%.xz}" ] || xz -T8 -dk "$f"; done
+chmod +x $D/generate $D/serve $D/model_speed $D/cuda_kernels_test
 source $D/device-env.sh > "$OUT/env.txt" 2>&1
 NCCL_LIB=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
 [ -z "$NCCL_LIB" ] && NCCL_LIB=$(dirname "$(find / -xdev -name 'libnccl.so.2' 2>/dev/null | head -1)")
 export LD_LIBRARY_PATH="$NCCL_LIB:$LD_LIBRARY_PATH"
-echo "nccl lib: $NCCL_LIB $(ls $NCCL_LIB 2>/dev/null | tr '\n' ' ')" | tee -a "$OUT/env.txt"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/env.txt"
-nvidia-smi topo -m >> "$OUT/env.txt" 2>&1
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
-el "tokens"
-timeout ${T_TOKENS:-100} python3 $D/tp_tokens.py $D/generate fixtures > "$OUT/tokens.jsonl" 2>&1; echo "tokens exit $?"
-tail -1 "$OUT/tokens.jsonl"; grep -c '"ok": true' "$OUT/tokens.jsonl"; grep '"ok": false' "$OUT/tokens.jsonl" | head -5 | cut -c1-400
-B="--weights bf16 --kv dense --steps 8 --rounds 3"
-for tp in 1 2; do
-  el "31b tp $tp"
-  timeout ${T_31B:-75} $D/model_speed --config fixtures/real-configs/31b-config.json --prefill 4096 --batch 1,8 --context 128 $B --tp $tp 2>>"$OUT/speed.err" | tee -a "$OUT/speed.jsonl" | cut -c1-330
+check1() {
+  export CUDA_VISIBLE_DEVICES=1
+  CUDA_KERNELS_REQUIRE_GPU=1 $D/cuda_kernels_test --test-threads=1 --nocapture > "$OUT/cuda-kernels-test.txt" 2>&1
+  echo "cuda kernel tests exit $?: $(grep -E '^test result' "$OUT/cuda-kernels-test.txt")"
+  python3 scripts/gpu_tokens_check.py $D/generate > "$OUT/tokens-f32.txt" 2>&1; echo "f32 goldens (1 GPU) exit $?: $(tail -1 "$OUT/tokens-f32.txt")"
+  python3 scripts/gpu_graph_batch_check.py $D/generate > "$OUT/graph-batch.txt" 2>&1; echo "graph batch exit $?: $(tail -1 "$OUT/graph-batch.txt")"
+  grep -v '"identical": true' "$OUT/graph-batch.txt" | head -4 | cut -c1-300
+  python3 scripts/gpu_graph_kvq_check.py $D/generate > "$OUT/graph-kvq.txt" 2>&1; echo "graph kvq exit $?: $(tail -1 "$OUT/graph-kvq.txt")"
+}
+for phase in "$@"; do
+  case $phase in
+  check1) el "check1 (GPU 1, background)"; check1 > "$OUT/check1.log" 2>&1 & C1=$! ;;
+  tp)
+    el "tp tokens"
+    timeout ${T_TOKENS:-240} python3 scripts/gpu_tp_check.py $D/generate fixtures > "$OUT/tp-tokens.jsonl" 2>&1; echo "tp tokens exit $?"
+    tail -1 "$OUT/tp-tokens.jsonl"; grep '"ok": false' "$OUT/tp-tokens.jsonl" | head -5 | cut -c1-300
+    grep -E '"check": "(kv|batch)' "$OUT/tp-tokens.jsonl" | cut -c1-200
+    el "tp serve"
+    timeout ${T_SERVE:-150} python3 scripts/gpu_tp_serve_check.py $D/serve fixtures > "$OUT/tp-serve.txt" 2>&1; echo "tp serve exit $?"
+    tail -4 "$OUT/tp-serve.txt"; grep '"ok": false' "$OUT/tp-serve.txt" | head -3
+    ;;
+  serve)
+    el "tp serve"
+    timeout ${T_SERVE:-150} python3 scripts/gpu_tp_serve_check.py $D/serve fixtures > "$OUT/tp-serve.txt" 2>&1; echo "tp serve exit $?"
+    tail -4 "$OUT/tp-serve.txt"; grep '"ok": false' "$OUT/tp-serve.txt" | head -3 | cut -c1-300
+    ;;
+  speed)
+    specs=${SPECS:-$OUT/specs.txt}
+    [ -n "${SPECS:-}" ] || cat > "$specs" <<'EOF2'
+26b-a4b bf16 1,8 0 1 1 -
+26b-a4b bf16 1,8 0 2 1 -
+26b-a4b bf16 1,8 0 2 1 CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES=0
+31b bf16 1,8 4096 1 1 -
+31b bf16 1,8 4096 2 1 -
+31b bf16 1,8 0 2 1 CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES=0
+EOF2
+    while read -r model w batch prefill tp g extra; do
+      [ "${extra:--}" = "-" ] && extra=""
+      el "$model $w b $batch prefill $prefill tp $tp graph $g $extra"
+      env $extra CANDLE_GEMMA_CUDA_GRAPH=$g timeout ${T_SPEED:-90} $D/model_speed --config fixtures/real-configs/$model-config.json --prefill $prefill \
+        --batch $batch --context 128 --weights $w --kv dense --steps 16 --rounds 3 --tp $tp 2>>"$OUT/speed.err" \
+        | sed "s/^{/{\"graph_env\":$g,\"extra\":\"$extra\",/" | tee -a "$OUT/speed.jsonl" | python3 -c '
+import json,sys
+for l in sys.stdin:
+    try: j=json.loads(l)
+    except Exception: continue
+    if j.get("op") in ("decode","prefill"): print(j["graph_env"], j["model"], j["weights"], "tp", j["tp"], j["op"], j.get("batch", j.get("tokens")), "%.1f tok/s" % j["tok_s"], "step %.2f host %.2f ms" % (j.get("step_ms",0), j.get("host_ms",0)), "ar/step", j.get("all_reduces_per_step", j.get("all_reduces")), "share", j.get("all_reduce_share"), str(j.get("cuda_graph",""))[:60])'
+    done < "$specs"
+    ;;
+  esac
 done
-for tp in 1 2; do
-  el "26b tp $tp"
-  timeout ${T_26B:-45} $D/model_speed --config fixtures/real-configs/26b-a4b-config.json --prefill 0 --batch 1 --context 128 $B --tp $tp 2>>"$OUT/speed.err" | tee -a "$OUT/speed.jsonl" | cut -c1-330
-done
-el "done"; tail -5 "$OUT/speed.err"
+[ -n "${C1:-}" ] && { wait $C1; el "check1 done"; cat "$OUT/check1.log"; }
+el done
