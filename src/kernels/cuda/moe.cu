@@ -135,25 +135,34 @@ template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
     const uint32_t* __restrict__ codes;
     const S* __restrict__ scales;
     const S* __restrict__ biases;
+    // The code, scale and bias rows of output rows o0.. of expert e; rows past the end repeat
+    // the last one (their sums are not stored).
+    __device__ __forceinline__ void row_ptrs(const GroupedMvParams& p, uint32_t e, int o0,
+                                             const uint32_t* (&wr)[R], const S* (&sr)[R],
+                                             const S* (&br)[R]) const {
+        const int words = (int)p.in_dim * BITS / 32, groups = (int)(p.in_dim / p.group_size);
+        const int last = (int)p.out_dim - 1;
+#pragma unroll
+        for (int m = 0; m < R; ++m) {
+            const size_t r = (size_t)e * p.out_dim + min(o0 + m, last);
+            wr[m] = codes + r * words;
+            sr[m] = scales + r * groups;
+            br[m] = biases + r * groups;
+        }
+    }
+
     __device__ __forceinline__ void dot(const GroupedMvParams& p, uint32_t e, int o0,
                                         const T* xrow, float (&acc)[R]) const {
         constexpr int EPC = 128 / BITS;
         constexpr uint32_t MASK = (1u << BITS) - 1;
         const int lane = threadIdx.x & 31;
-        const int words = (int)p.in_dim * BITS / 32, groups = (int)(p.in_dim / p.group_size);
-        const int last = (int)p.out_dim - 1;
+        const int words = (int)p.in_dim * BITS / 32;
         const uint32_t* wr[R];
         const S* sr[R];
         const S* br[R];
+        row_ptrs(p, e, o0, wr, sr, br);
 #pragma unroll
-        for (int m = 0; m < R; ++m) {
-            // Rows past the end repeat the last one (their sums are not stored).
-            const size_t r = (size_t)e * p.out_dim + min(o0 + m, last);
-            wr[m] = codes + r * words;
-            sr[m] = scales + r * groups;
-            br[m] = biases + r * groups;
-            acc[m] = 0.f;
-        }
+        for (int m = 0; m < R; ++m) acc[m] = 0.f;
 #pragma unroll 2
         for (int c = lane; c < words / 4; c += 32) {
             const int e0 = c * EPC;
@@ -206,20 +215,15 @@ template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
         constexpr int EPC = 128 / BITS;
         constexpr uint32_t MASK = (1u << BITS) - 1;
         const int lane = threadIdx.x & 31;
-        const int words = (int)p.in_dim * BITS / 32, groups = (int)(p.in_dim / p.group_size);
-        const int last = (int)p.out_dim - 1;
+        const int words = (int)p.in_dim * BITS / 32;
         const uint32_t* wr[R];
         const S* sr[R];
         const S* br[R];
+        row_ptrs(p, e, o0, wr, sr, br);
 #pragma unroll
-        for (int m = 0; m < R; ++m) {
-            const size_t r = (size_t)e * p.out_dim + min(o0 + m, last);
-            wr[m] = codes + r * words;
-            sr[m] = scales + r * groups;
-            br[m] = biases + r * groups;
+        for (int m = 0; m < R; ++m)
 #pragma unroll
             for (int j = 0; j < P; ++j) acc[m][j] = 0.f;
-        }
         for (int c = lane; c < words / 4; c += 32) {
             const int e0 = c * EPC;
             const int g = e0 / (int)p.group_size;
