@@ -7,6 +7,8 @@
 #
 #   cargo build --release --features cuda --example serve
 #   scripts/serve-load.sh target/release/examples/serve fixtures/real-configs
+# SERVE_FLAGS adds server flags (e.g. "--tp 2" with a `--features nccl` build); MODELS and
+# LEVELS pick models and concurrency levels.
 set -uo pipefail
 SERVE=${1:?the serve binary}
 CONFIGS=${2:?a folder with e4b-config.json, 26b-a4b-config.json, 31b-config.json}
@@ -18,7 +20,7 @@ LEVELS=${LEVELS:-1 8 32 64}
 mkdir -p "$OUT"
 start() { # config, extra flags
   "$SERVE" --random-weights "$CONFIGS/$1" --dtype bf16 --device cuda --port "$PORT" \
-    --max-batch 64 --max-queue 512 --kv-budget-mb 20000 --prefill-chunk 256 "${@:2}" \
+    --max-batch 64 --max-queue 512 --kv-budget-mb 20000 --prefill-chunk 256 ${SERVE_FLAGS:-} "${@:2}" \
     >"$OUT/server-${1%.json}.log" 2>&1 &
   SPID=$!
   for _ in $(seq 1 240); do curl -sf "localhost:$PORT/health" >/dev/null && return 0; sleep 0.5; done
