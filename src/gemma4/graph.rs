@@ -205,6 +205,11 @@ impl DecodeGraphs {
         let mut states = match self.state.try_lock() {
             Ok(s) => s,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            // A tensor-parallel rank must take the path its peers take, so it waits out
+            // another thread's brief look (`describe`) instead of running eagerly alone.
+            Err(TryLockError::WouldBlock) if model.collective().world() > 1 => {
+                self.state.lock().unwrap_or_else(|p| p.into_inner())
+            }
             Err(TryLockError::WouldBlock) => return Ok(None),
         };
         let state = states.of(seqs);
