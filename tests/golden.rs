@@ -2,7 +2,6 @@
 
 mod common;
 
-use candle_gemma::CacheConfig;
 use common::*;
 
 fn check_fixture(name: &str) {
@@ -14,13 +13,7 @@ fn check_fixture(name: &str) {
             "{name} case {i}: first-step log-probs differ by {max_diff}"
         );
 
-        let got = greedy(
-            &model,
-            &case.prompt,
-            case.greedy.len(),
-            CacheConfig::default(),
-            None,
-        );
+        let got = greedy_case(&model, case);
         let n = comparable_steps(&case.margins, 0.01);
         assert_matches_reference(&format!("{name} case {i}"), &got, case, 0.01);
         eprintln!(

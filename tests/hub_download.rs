@@ -34,13 +34,7 @@ fn build(server: &HubServer, cache: &TempCache) -> candle_gemma::Result<Model> {
 
 fn check_goldens(model: &Model) {
     for (i, case) in golden("dense-sharded").iter().enumerate() {
-        let got = greedy(
-            model,
-            &case.prompt,
-            case.greedy.len(),
-            CacheConfig::default(),
-            None,
-        );
+        let got = greedy_case(model, case);
         assert_matches_reference(&format!("hub dense-sharded case {i}"), &got, case, 0.01);
     }
 }

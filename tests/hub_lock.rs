@@ -39,6 +39,33 @@ fn shard(repo: &HubRepo) -> (Vec<u8>, String) {
     (bytes, sha)
 }
 
+/// What each lock test starts from: the sharded repo served, an empty cache named `name`, and
+/// the shard's bytes, hash and lock path.
+struct Setup {
+    repo: HubRepo,
+    bytes: Vec<u8>,
+    sha: String,
+    server: HubServer,
+    cache: TempCache,
+    lock: PathBuf,
+}
+
+fn setup(name: &str) -> Setup {
+    let repo = sharded();
+    let (bytes, sha) = shard(&repo);
+    let server = HubServer::start(vec![repo.clone()]);
+    let cache = TempCache::new(name);
+    let lock = lock_path(&cache, &sha);
+    Setup {
+        repo,
+        bytes,
+        sha,
+        server,
+        cache,
+        lock,
+    }
+}
+
 /// `.locks/models--org--name/<etag>.lock`, with its folder made.
 fn lock_path(cache: &TempCache, etag: &str) -> PathBuf {
     let path = cache
@@ -70,11 +97,14 @@ fn build(server: &HubServer, cache: &TempCache, timeout: Duration) -> candle_gem
 
 #[test]
 fn waiter_waits_while_the_holder_progresses_then_resumes_its_part() {
-    let repo = sharded();
-    let (bytes, sha) = shard(&repo);
-    let server = HubServer::start(vec![repo.clone()]);
-    let cache = TempCache::new("lock-progress");
-    let lock = lock_path(&cache, &sha);
+    let Setup {
+        repo,
+        bytes,
+        sha,
+        server,
+        cache,
+        lock,
+    } = setup("lock-progress");
     let blobs = cache.repo_dir(REPO).join("blobs");
     std::fs::create_dir_all(&blobs).expect("blobs");
     let part = blobs.join(format!("{sha}.incomplete"));
@@ -118,11 +148,14 @@ fn waiter_waits_while_the_holder_progresses_then_resumes_its_part() {
 
 #[test]
 fn held_lock_without_progress_ends_the_wait_with_a_typed_error() {
-    let repo = sharded();
-    let (_, sha) = shard(&repo);
-    let server = HubServer::start(vec![repo.clone()]);
-    let cache = TempCache::new("lock-stalled");
-    let lock = lock_path(&cache, &sha);
+    let Setup {
+        repo,
+        sha,
+        server,
+        cache,
+        lock,
+        ..
+    } = setup("lock-stalled");
     let held = open_lock(&lock);
     held.lock_exclusive().expect("lock");
 
@@ -183,11 +216,13 @@ fn held_lock_without_progress_ends_the_wait_with_a_typed_error() {
 
 #[test]
 fn lock_left_by_a_killed_process_blocks_no_one() {
-    let repo = sharded();
-    let (_, sha) = shard(&repo);
-    let server = HubServer::start(vec![repo.clone()]);
-    let cache = TempCache::new("lock-killed");
-    let lock = lock_path(&cache, &sha);
+    let Setup {
+        repo,
+        server,
+        cache,
+        lock,
+        ..
+    } = setup("lock-killed");
 
     // A child process (this test binary, running the helper test below) takes the lock.
     let exe = std::env::current_exe().expect("test binary");

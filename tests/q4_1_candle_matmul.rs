@@ -25,7 +25,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_gemma::kernels::metal::q4_1::{conversions, q4_1_blocks, BLOCK};
 use candle_gemma::kernels::policy::LaunchPolicy;
 use candle_gemma::kv::PackedAffine;
-use candle_gemma::{CacheConfig, Model};
+
 use common::packed::packed_matrices;
 use common::*;
 
@@ -280,11 +280,7 @@ fn fixture_goldens_through_candles_cpu_qmatmul() {
             }
         }
         let before = conversions();
-        let model = Model::builder()
-            .path(fixture(name))
-            .launch_policy(policy)
-            .build()
-            .expect("fixture loads");
+        let model = load_with(name, policy);
         let at_load = conversions() - before;
         assert_eq!(
             at_load, at_load_wanted,
@@ -299,13 +295,7 @@ fn fixture_goldens_through_candles_cpu_qmatmul() {
                 experts > 0,
                 "{name} case {i}: expert rows on Q4_1 exactly when the fixture has 4-bit experts"
             );
-            let got = greedy(
-                &model,
-                &case.prompt,
-                case.greedy.len(),
-                CacheConfig::default(),
-                None,
-            );
+            let got = greedy_case(&model, case);
             let n = comparable_steps(&case.margins, 0.01);
             let same = got
                 .iter()

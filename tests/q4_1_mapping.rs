@@ -18,7 +18,7 @@ mod common;
 use candle_core::{DType, Device, Tensor};
 use candle_gemma::kernels::metal::q4_1::{conversions, q4_1_blocks, Q41Weight};
 use candle_gemma::kernels::policy::LaunchPolicy;
-use candle_gemma::{CacheConfig, Model};
+
 use common::packed::packed_matrices;
 use common::*;
 
@@ -65,22 +65,12 @@ fn fixture_goldens_hold_through_the_q4_1_blocks_on_the_cpu() {
     policy.candle_q4_1_on_cpu = true;
     for name in ["e2b-q4", "moe-q4"] {
         let before = conversions();
-        let model = Model::builder()
-            .path(fixture(name))
-            .launch_policy(policy)
-            .build()
-            .expect("fixture loads");
+        let model = load_with(name, policy);
         let converted = conversions() - before;
         assert!(converted > 0, "{name}: no matrix took the Q4_1 path");
         for (i, case) in golden(name).iter().enumerate() {
             let max_diff = first_step_deviation(&model, case);
-            let got = greedy(
-                &model,
-                &case.prompt,
-                case.greedy.len(),
-                CacheConfig::default(),
-                None,
-            );
+            let got = greedy_case(&model, case);
             eprintln!(
                 "{name} case {i}: {converted} matrices on Q4_1, max |dlogprob| {max_diff:.2e}"
             );

@@ -8,6 +8,7 @@ pub mod packed;
 
 use std::path::PathBuf;
 
+use candle_gemma::kernels::policy::LaunchPolicy;
 use candle_gemma::kv::{CacheMode, ModelCache, QuantBits, QuantSpec};
 use candle_gemma::{CacheConfig, GenOptions, Model};
 use serde_json::Value;
@@ -37,6 +38,15 @@ pub fn fixture(name: &str) -> PathBuf {
 pub fn load(name: &str) -> Model {
     Model::builder()
         .path(fixture(name))
+        .build()
+        .unwrap_or_else(|e| panic!("fixture {name} loads: {e}"))
+}
+
+/// Fixture `name` built with `policy` in force.
+pub fn load_with(name: &str, policy: LaunchPolicy) -> Model {
+    Model::builder()
+        .path(fixture(name))
+        .launch_policy(policy)
         .build()
         .unwrap_or_else(|e| panic!("fixture {name} loads: {e}"))
 }
@@ -105,6 +115,17 @@ pub fn greedy(
         ..Default::default()
     });
     g.generate(prompt).expect("generation runs").tokens
+}
+
+/// Greedy ids of a golden case: its prompt, as many tokens as were recorded, the default cache.
+pub fn greedy_case(model: &Model, case: &Case) -> Vec<u32> {
+    greedy(
+        model,
+        &case.prompt,
+        case.greedy.len(),
+        CacheConfig::default(),
+        None,
+    )
 }
 
 /// Asserts `got` equals the reference up to its first near-tie (margin < `min_margin`).

@@ -135,6 +135,27 @@ template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
     const uint32_t* __restrict__ codes;
     const S* __restrict__ scales;
     const S* __restrict__ biases;
+    // Chunk c (16 bytes of codes) of each of the R rows, and the scale and bias of its group g.
+    __device__ __forceinline__ void load_chunk(int c, int g, const uint32_t* const (&wr)[R],
+                                               const S* const (&sr)[R], const S* const (&br)[R],
+                                               uint4 (&w4)[R], float (&sc)[R],
+                                               float (&bi)[R]) const {
+#pragma unroll
+        for (int m = 0; m < R; ++m) {
+            w4[m] = ld_stream4(wr[m] + c * 4);
+            sc[m] = to_f(sr[m][g]);
+            bi[m] = to_f(br[m][g]);
+        }
+    }
+
+    // Code i of a 16-byte chunk as a float, through its bit pattern (2^23 + code, minus 2^23).
+    static __device__ __forceinline__ float code_at(const uint4 w4, int i) {
+        constexpr uint32_t MASK = (1u << BITS) - 1;
+        const uint32_t w[4] = {w4.x, w4.y, w4.z, w4.w};
+        const uint32_t code = (w[(i * BITS) >> 5] >> ((i * BITS) & 31)) & MASK;
+        return __uint_as_float(0x4B000000u | code) - 8388608.f;
+    }
+
     // The code, scale and bias rows of output rows o0.. of expert e; rows past the end repeat
     // the last one (their sums are not stored).
     __device__ __forceinline__ void row_ptrs(const GroupedMvParams& p, uint32_t e, int o0,
@@ -154,7 +175,6 @@ template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
     __device__ __forceinline__ void dot(const GroupedMvParams& p, uint32_t e, int o0,
                                         const T* xrow, float (&acc)[R]) const {
         constexpr int EPC = 128 / BITS;
-        constexpr uint32_t MASK = (1u << BITS) - 1;
         const int lane = threadIdx.x & 31;
         const int words = (int)p.in_dim * BITS / 32;
         const uint32_t* wr[R];
@@ -169,12 +189,7 @@ template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
             const int g = e0 / (int)p.group_size;
             uint4 w4[R];
             float sc[R], bi[R];
-#pragma unroll
-            for (int m = 0; m < R; ++m) {
-                w4[m] = ld_stream4(wr[m] + c * 4);
-                sc[m] = to_f(sr[m][g]);
-                bi[m] = to_f(br[m][g]);
-            }
+            load_chunk(c, g, wr, sr, br, w4, sc, bi);
             float dot[R], xs = 0.f;
 #pragma unroll
             for (int m = 0; m < R; ++m) dot[m] = 0.f;
@@ -188,9 +203,7 @@ template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
                     xs += xv[k];
 #pragma unroll
                     for (int m = 0; m < R; ++m) {
-                        const uint32_t w[4] = {w4[m].x, w4[m].y, w4[m].z, w4[m].w};
-                        const uint32_t code = (w[(i * BITS) >> 5] >> ((i * BITS) & 31)) & MASK;
-                        const float cf = __uint_as_float(0x4B000000u | code) - 8388608.f;
+                        const float cf = code_at(w4[m], i);
                         dot[m] = fmaf(cf, xv[k], dot[m]);
                     }
                 }
@@ -213,7 +226,6 @@ template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
                                               const T* const (&xrow)[P],
                                               float (&acc)[R][P]) const {
         constexpr int EPC = 128 / BITS;
-        constexpr uint32_t MASK = (1u << BITS) - 1;
         const int lane = threadIdx.x & 31;
         const int words = (int)p.in_dim * BITS / 32;
         const uint32_t* wr[R];
@@ -229,12 +241,7 @@ template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
             const int g = e0 / (int)p.group_size;
             uint4 w4[R];
             float sc[R], bi[R];
-#pragma unroll
-            for (int m = 0; m < R; ++m) {
-                w4[m] = ld_stream4(wr[m] + c * 4);
-                sc[m] = to_f(sr[m][g]);
-                bi[m] = to_f(br[m][g]);
-            }
+            load_chunk(c, g, wr, sr, br, w4, sc, bi);
             float dot[R][P], xs[P];
 #pragma unroll
             for (int j = 0; j < P; ++j) {
@@ -254,9 +261,7 @@ template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
                     for (int j = 0; j < P; ++j) xs[j] += xv[j][k];
 #pragma unroll
                     for (int m = 0; m < R; ++m) {
-                        const uint32_t w[4] = {w4[m].x, w4[m].y, w4[m].z, w4[m].w};
-                        const uint32_t code = (w[(i * BITS) >> 5] >> ((i * BITS) & 31)) & MASK;
-                        const float cf = __uint_as_float(0x4B000000u | code) - 8388608.f;
+                        const float cf = code_at(w4[m], i);
 #pragma unroll
                         for (int j = 0; j < P; ++j) dot[m][j] = fmaf(cf, xv[j][k], dot[m][j]);
                     }
