@@ -191,15 +191,15 @@ impl DecoderLayer {
             let dense = self.mlp.forward(&normed)?;
             let experts = m.block.forward(&x, &normed_2)?;
             // Both branches are row-parallel partial sums: one all-reduce for the two.
-            let (dense, experts) = self.collective.sum_pair(&dense, &experts)?;
             if ple.is_none() {
-                let (x, next_normed) = norm::add_two_branch_norm(
+                let (x, next_normed) = norm::reduce_add_two_branch_norm(
                     &x,
                     (&dense, m.post_feedforward_layernorm_1.operand()),
                     (&experts, m.post_feedforward_layernorm_2.operand()),
                     self.post_feedforward_layernorm.operand(),
                     scalar,
                     next_norm.map(RmsNorm::operand),
+                    &self.collective,
                 )?;
                 return Ok(LayerOutput {
                     x,
@@ -207,6 +207,7 @@ impl DecoderLayer {
                     view,
                 });
             }
+            let (dense, experts) = self.collective.sum_pair(&dense, &experts)?;
             let ff = (m.post_feedforward_layernorm_1.forward(&dense)?
                 + m.post_feedforward_layernorm_2.forward(&experts)?)?;
             let (x, _) = norm::add_norm(

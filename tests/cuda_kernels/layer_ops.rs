@@ -295,11 +295,21 @@ fn argmax_rows_picks_the_first_maximum() -> Result<()> {
     let mut report = |name: &str, err: f32, limit: f32| {
         checks.close(format!("fused {name} dtype={dtype:?}"), err, limit);
     };
-    // Greedy pick over a vocabulary-sized row, with a planted tie (the lower index wins).
-    {
-        let mut rows = rnd(&[3, 262_144], DType::F32)?.to_vec2::<f32>()?;
-        rows[1][7] = 100.0;
-        rows[1][90_000] = 100.0;
+    // Greedy pick over a vocabulary-sized row, with a planted tie across chunks (the lower
+    // index wins); a width that leaves a short last chunk, with NaNs (never picked) and the
+    // maximum in that chunk; a row of NaNs (index 0).
+    for cols in [262_144, 4_099] {
+        let mut rows = rnd(&[3, cols], DType::F32)?.to_vec2::<f32>()?;
+        if cols == 262_144 {
+            rows[1][7] = 100.0;
+            rows[1][90_000] = 100.0;
+        } else {
+            rows[0][5] = f32::NAN;
+            rows[0][4_098] = 50.0;
+            rows[1][4_097] = 60.0;
+            rows[1][4_096] = f32::NAN;
+            rows[2].iter_mut().for_each(|v| *v = f32::NAN);
+        }
         let want: Vec<u32> = rows
             .iter()
             .map(|r| {
@@ -318,7 +328,7 @@ fn argmax_rows_picks_the_first_maximum() -> Result<()> {
         let x = Tensor::new(rows, &Device::Cpu)?;
         let got = argmax_rows(&g(&x)?)?.to_vec1::<u32>()?;
         report(
-            "argmax_rows",
+            &format!("argmax_rows cols={cols}"),
             if got == want { 0.0 } else { f32::INFINITY },
             0.0,
         );

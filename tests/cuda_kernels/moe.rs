@@ -1,12 +1,13 @@
 //! The mixture-of-experts kernels against the CPU: routing (top-k, softmax, per-expert scale),
 //! the grouped expert products over dense experts (per token, per pair, by slot, gated) with
-//! the mix, and over MLX-packed experts (plain and gated).
+//! the mix (pair order, or rows found through a slot table), the row gather of the prefill
+//! path, and the products over MLX-packed experts (plain and gated).
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_gemma::kernels::cuda::moe::{
-    grouped_matvec, grouped_matvec_gated, grouped_qmatvec, grouped_qmatvec_gated, moe_mix,
-    moe_route,
+    gather_rows, grouped_matvec, grouped_matvec_gated, grouped_qmatvec, grouped_qmatvec_gated,
+    moe_mix, moe_mix_rows, moe_route,
 };
 use candle_gemma::kernels::qmatmul::qmatmul;
 use candle_gemma::kernels::quantize;
@@ -17,15 +18,26 @@ use crate::common::close::{max_abs_diff, Checks};
 use crate::layer_ops::lim;
 use crate::support::{gpu, rnd, tol};
 
-/// Routing, then the grouped products over dense experts of the routed pairs, in `dtype`.
-fn check_dense_experts(checks: &mut Checks, dtype: DType, gpu: &Device) -> Result<()> {
+/// Routing, then the grouped products over dense experts of the routed pairs, in `dtype`, with
+/// `out` rows of `inp` inputs (and the down products `inp` rows of `out`): rows of up to 1024
+/// inputs go through the kernels that take 4 rows a warp, longer ones through one row a warp.
+fn check_dense_experts(
+    checks: &mut Checks,
+    dtype: DType,
+    gpu: &Device,
+    (out, inp): (usize, usize),
+) -> Result<()> {
     let g = |t: &Tensor| t.to_device(gpu);
     let mut report = |name: &str, err: f32, limit: f32| {
-        checks.close(format!("fused {name} dtype={dtype:?}"), err, limit);
+        checks.close(
+            format!("fused {name} dtype={dtype:?} {out}x{inp}"),
+            err,
+            limit,
+        );
     };
     let lim = lim(dtype);
     // Router: top-3 of 8 logits per token (ties to the lower expert), softmax, per-expert scale.
-    let (e, out, inp, tokens, k) = (8, 64, 128, 5, 3);
+    let (e, tokens, k) = (8, 5, 3);
     let logits = rnd(&[tokens, e], dtype)?;
     let scale = Tensor::rand(0.5f32, 1.5, e, &Device::Cpu)?;
     let (gidx, gmix) = moe_route(&g(&logits)?, &g(&scale)?, k)?;
@@ -90,6 +102,32 @@ fn check_dense_experts(checks: &mut Checks, dtype: DType, gpu: &Device) -> Resul
     let y = grouped_matvec(&g(&wd)?, &g(&idx_t)?, &g(&hmid)?, false)?;
     let got = moe_mix(&y, &g(&mix)?)?;
     report("grouped_matvec + moe_mix", max_abs_diff(&got, &want), lim);
+    // The same rows stored in reverse, found through a slot table: the same bits.
+    let pairs = tokens * k;
+    let reversed = g(&Tensor::from_vec(
+        (0..pairs as u32).rev().collect::<Vec<_>>(),
+        pairs,
+        &Device::Cpu,
+    )?)?;
+    let stored = y.index_select(&reversed, 0)?;
+    let rows_got = moe_mix_rows(&stored, &reversed, &g(&mix)?)?;
+    report(
+        "moe_mix_rows = moe_mix",
+        max_abs_diff(&rows_got, &got.to_device(&Device::Cpu)?),
+        0.0,
+    );
+    // Rows gathered 16 bytes at a time, repeats included, equal candle's index_select.
+    let picks = g(&Tensor::from_vec(
+        vec![4u32, 0, 4, 2, 1, 3, 0],
+        7,
+        &Device::Cpu,
+    )?)?;
+    let xg = g(&x)?;
+    let err = match gather_rows(&xg, &picks)? {
+        Some(t) => max_abs_diff(&t, &xg.index_select(&picks, 0)?.to_device(&Device::Cpu)?),
+        None => f32::INFINITY,
+    };
+    report("gather_rows", err, 0.0);
 
     // Fewer pairs than experts (the decode grid, one block column per pair slot), with experts
     // picked twice: each must still be computed once for both of its pairs.
@@ -145,7 +183,9 @@ fn routing_and_dense_expert_products_match_cpu() -> Result<()> {
     };
     let mut checks = Checks::new("moe dense experts");
     for dtype in [DType::F32, DType::BF16, DType::F16] {
-        check_dense_experts(&mut checks, dtype, &gpu.dev)?;
+        for shape in [(72, 128), (1032, 1040)] {
+            check_dense_experts(&mut checks, dtype, &gpu.dev, shape)?;
+        }
     }
     checks.finish();
     Ok(())

@@ -4,104 +4,14 @@
 // slots. Intermediate results are rounded to the activation type where the unfused chain rounds
 // them, so both paths agree to the last rounding step.
 //
-// Parameter structs must match `src/kernels/cuda/layer_ops.rs` and `kv_write.rs` field for
-// field (#[repr(C)]).
+// Parameter structs (and AddNormParams, in norm_tail.cuh) must match
+// `src/kernels/cuda/layer_ops.rs` and `kv_write.rs` field for field (#[repr(C)]).
 
 #include <stdint.h>
 
 #include "common.cuh"
 #include "gate.cuh"
 #include "norm_tail.cuh"
-
-// The residual add + norm runs one row per block at decode: more threads, shorter serial loops.
-constexpr int ADD_NORM_THREADS = 1024;
-// Widest row of the residual add + norm: its elements stay in registers (host: ADD_NORM_MAX_WIDTH).
-constexpr int ADD_NORM_PER_THREAD = 8;
-
-struct AddNormParams {
-    uint32_t rows, dim;
-    float eps;
-    // 1: multiply the sum by scalar[0]; 2: also write norm2(out) * w2 to out2; 4: also
-    // norm2(out) * w3 to out3 (with 2).
-    uint32_t flags;
-};
-
-// Widest row of the two-branch residual add + norm (moe_add_norm): it keeps more values per
-// element in registers, so fewer elements a thread.
-constexpr int MOE_ADD_NORM_PER_THREAD = 4;
-
-// out = (res + rms(y) * w) [* scalar]; out2 = rms(out) * w2 [; out3 = rms(out) * w3]. One block
-// per row of at most PT * ADD_NORM_THREADS elements, kept in registers: every load but w3's is
-// issued before the first reduction, so the kernel waits on memory once. With TWO the branch is
-// itself y = rms(a) * wa + rms(b) * wb (the 26B-A4B dense and expert outputs, each with its own
-// post-norm), every step rounded to T as the unfused ops round it.
-template <typename T, int THREADS, int PT, bool TWO>
-__device__ __forceinline__ void add_norm_body(const AddNormParams p, const T* __restrict__ res,
-                                              const T* __restrict__ y, const T* __restrict__ w,
-                                              const T* __restrict__ scalar,
-                                              const T* __restrict__ w2, T* __restrict__ out,
-                                              T* __restrict__ out2, const T* __restrict__ w3,
-                                              T* __restrict__ out3, const T* __restrict__ b,
-                                              const T* __restrict__ wa,
-                                              const T* __restrict__ wb) {
-    __shared__ float red[THREADS / 32];
-    const size_t base = (size_t)blockIdx.x * p.dim;
-    float yv[PT], rv[PT], wv[PT], w2v[PT];
-    float bv[TWO ? PT : 1], wav[TWO ? PT : 1], wbv[TWO ? PT : 1];
-    const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
-#pragma unroll
-    for (int k = 0; k < PT; ++k) {
-        const int i = threadIdx.x + k * THREADS;
-        const bool in = i < (int)p.dim;
-        yv[k] = in ? to_f(y[base + i]) : 0.f;
-        rv[k] = in ? to_f(res[base + i]) : 0.f;
-        wv[k] = in ? to_f(w[i]) : 0.f;
-        w2v[k] = in && (p.flags & 2) ? to_f(w2[i]) : 0.f;
-        if constexpr (TWO) {
-            bv[k] = in ? to_f(b[base + i]) : 0.f;
-            wav[k] = in ? to_f(wa[i]) : 0.f;
-            wbv[k] = in ? to_f(wb[i]) : 0.f;
-        }
-    }
-    if constexpr (TWO) {
-        float sa = 0.f, sb = 0.f;
-#pragma unroll
-        for (int k = 0; k < PT; ++k) {
-            sa += yv[k] * yv[k];
-            sb += bv[k] * bv[k];
-        }
-        const float ia = rsqrtf(block_sum<THREADS>(sa, red) / p.dim + p.eps);
-        const float ib = rsqrtf(block_sum<THREADS>(sb, red) / p.dim + p.eps);
-#pragma unroll
-        for (int k = 0; k < PT; ++k)
-            yv[k] = rnd<T>(rnd<T>(yv[k] * ia * wav[k]) + rnd<T>(bv[k] * ib * wbv[k]));
-    }
-    float ss = 0.f;
-#pragma unroll
-    for (int k = 0; k < PT; ++k) ss += yv[k] * yv[k];
-    const float inv = rsqrtf(block_sum<THREADS>(ss, red) / p.dim + p.eps);
-    float ss2 = 0.f;
-#pragma unroll
-    for (int k = 0; k < PT; ++k) {
-        const int i = threadIdx.x + k * THREADS;
-        if (i >= (int)p.dim) continue;
-        const float normed = rnd<T>(yv[k] * inv * wv[k]);
-        float o = rnd<T>(rv[k] + normed);
-        if (p.flags & 1) o = rnd<T>(o * s);
-        out[base + i] = from_f<T>(o);
-        yv[k] = o;
-        ss2 += o * o;
-    }
-    if (!(p.flags & 2)) return;
-    const float inv2 = rsqrtf(block_sum<THREADS>(ss2, red) / p.dim + p.eps);
-#pragma unroll
-    for (int k = 0; k < PT; ++k) {
-        const int i = threadIdx.x + k * THREADS;
-        if (i >= (int)p.dim) continue;
-        out2[base + i] = from_f<T>(yv[k] * inv2 * w2v[k]);
-        if (p.flags & 4) out3[base + i] = from_f<T>(yv[k] * inv2 * to_f(w3[i]));
-    }
-}
 
 struct GeluMulParams {
     uint32_t rows, width;
@@ -244,7 +154,7 @@ __device__ __forceinline__ void kv_scatter_body(const KvScatterParams p, const Q
                       const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3) {    \
         pdl_entry();                                                                            \
         add_norm_body<T, ADD_NORM_THREADS, ADD_NORM_PER_THREAD, false>(                         \
-            p, res, y, w, scalar, w2, out, out2, w3, out3, y, w, w);                            \
+            p, blockIdx.x, res, y, w, scalar, w2, out, out2, w3, out3, y, w, w);                            \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                              \
         moe_add_norm_##TN(const AddNormParams p, const T* res, const T* y, const T* w,          \
@@ -252,7 +162,7 @@ __device__ __forceinline__ void kv_scatter_body(const KvScatterParams p, const Q
                           const T* b, const T* wa, const T* wb) {                               \
         pdl_entry();                                                                            \
         add_norm_body<T, ADD_NORM_THREADS, MOE_ADD_NORM_PER_THREAD, true>(                      \
-            p, res, y, w, scalar, w2, out, out2, w3, out3, b, wa, wb);                          \
+            p, blockIdx.x, res, y, w, scalar, w2, out, out2, w3, out3, b, wa, wb);                          \
     }                                                                                           \
     extern "C" __global__ void gelu_mul_##TN(const GeluMulParams p, const T* a, const T* b,     \
                                              T* out) {                                          \

@@ -18,17 +18,17 @@ use super::kv_write::{fits_kv_slots, kv_destination};
 /// Threads of the norm kernels (`NORM_THREADS`).
 pub(super) const NORM_THREADS: u32 = 256;
 /// Threads of the residual add + norm kernel (`ADD_NORM_THREADS`).
-const ADD_NORM_THREADS: u32 = 1024;
+pub(super) const ADD_NORM_THREADS: u32 = 1024;
 /// Widest row [`add_norm`] takes (`ADD_NORM_PER_THREAD * ADD_NORM_THREADS`: each thread keeps its
 /// elements in registers); wider rows take the candle ops.
 pub const ADD_NORM_MAX_WIDTH: usize = 8 * ADD_NORM_THREADS as usize;
 
-/// `struct AddNormParams` in `layer_ops.cu`.
+/// `struct AddNormParams` in `norm_tail.cuh`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub(super) struct AddNormParams {
-    rows: u32,
-    dim: u32,
+    pub(super) rows: u32,
+    pub(super) dim: u32,
     eps: f32,
     flags: u32,
 }
@@ -105,19 +105,18 @@ pub struct AddNormExtra<'a> {
 /// Widest row of [`add_norm_ext`] with a second branch (`MOE_ADD_NORM_PER_THREAD * 1024`).
 pub const MOE_ADD_NORM_MAX_WIDTH: usize = 4 * ADD_NORM_THREADS as usize;
 
-/// [`add_norm`] with the extras of [`AddNormExtra`], in one launch. Returns the sum and the
-/// norms asked for.
+/// The checked parameters of [`add_norm_ext`] (also those of the peer sum that runs it as its
+/// epilogue).
 ///
 /// # Errors
-/// Shapes or dtypes that disagree, rows wider than the kernel takes, `next2` without `next`,
-/// CUDA errors.
-pub fn add_norm_ext(
+/// As [`add_norm_ext`].
+pub(super) fn add_norm_params(
     res: &Tensor,
     y: &Tensor,
     w: &Tensor,
     eps: f64,
     extra: &AddNormExtra<'_>,
-) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+) -> Result<AddNormParams> {
     let dtype = res.dtype();
     let dim = w.dim(0)?;
     let branch_ok = extra.second_branch.map_or(true, |(b, wa, wb)| {
@@ -151,19 +150,38 @@ pub fn add_norm_ext(
         candle_core::bail!("add_norm: width {dim} above {max}");
     }
     let rows = res.elem_count() / dim.max(1);
-    let dev = cuda_dev(res)?;
-    let (res, y, w) = (res.contiguous()?, y.contiguous()?, w.contiguous()?);
-    let branch = match extra.second_branch {
-        Some((b, wa, wb)) => Some((b.contiguous()?, wa.contiguous()?, wb.contiguous()?)),
-        None => None,
-    };
-    let params = AddNormParams {
+    Ok(AddNormParams {
         rows: u32_of(rows, "rows")?,
         dim: u32_of(dim, "width")?,
         eps: eps as f32,
         flags: u32::from(extra.scalar.is_some())
             | (u32::from(extra.next.is_some()) << 1)
             | (u32::from(extra.next2.is_some()) << 2),
+    })
+}
+
+/// [`add_norm`] with the extras of [`AddNormExtra`], in one launch. Returns the sum and the
+/// norms asked for.
+///
+/// # Errors
+/// Shapes or dtypes that disagree, rows wider than the kernel takes, `next2` without `next`,
+/// CUDA errors.
+pub fn add_norm_ext(
+    res: &Tensor,
+    y: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    extra: &AddNormExtra<'_>,
+) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+    let params = add_norm_params(res, y, w, eps, extra)?;
+    let dtype = res.dtype();
+    let dim = params.dim as usize;
+    let rows = res.elem_count() / dim.max(1);
+    let dev = cuda_dev(res)?;
+    let (res, y, w) = (res.contiguous()?, y.contiguous()?, w.contiguous()?);
+    let branch = match extra.second_branch {
+        Some((b, wa, wb)) => Some((b.contiguous()?, wa.contiguous()?, wb.contiguous()?)),
+        None => None,
     };
     let kernel = if branch.is_some() {
         "moe_add_norm"

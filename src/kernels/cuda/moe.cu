@@ -113,13 +113,53 @@ __device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __r
 //
 // GATED: the pair rows are gelu_tanh(x) * xb (rows strided by x_stride and b_stride), computed
 // by the block for its pairs into dynamic shared memory first.
-// Rows of dense experts: W [E, out, in]. One row a warp.
-template <typename T> struct DenseExpertRows {
-    static constexpr int R = 1;
+// Rows of dense experts: W [E, out, in]. ROWS rows a warp: one for long rows (warp_dot keeps
+// four loads a lane in flight), several for short ones (a down product's 352 or 704 inputs
+// leave warp_dot one to three loads a lane and a grid of many short blocks). Each row's sum
+// runs in warp_dot's order, so both give the same bits.
+template <typename T, int ROWS = 1> struct DenseExpertRows {
+    static constexpr int R = ROWS;
     const T* __restrict__ w;
     __device__ __forceinline__ void dot(const GroupedMvParams& p, uint32_t e, int o0,
                                         const T* xrow, float (&acc)[R]) const {
-        acc[0] = warp_dot(w + (size_t)e * p.expert_stride + (size_t)o0 * p.in_dim, xrow, p.in_dim);
+        const T* base = w + (size_t)e * p.expert_stride;
+        if constexpr (R == 1) {
+            acc[0] = warp_dot(base + (size_t)o0 * p.in_dim, xrow, p.in_dim);
+        } else {
+            constexpr int B = 2;
+            const int lane = threadIdx.x & 31, in_dim = (int)p.in_dim;
+            const T* wr[R];
+#pragma unroll
+            for (int m = 0; m < R; ++m) {
+                // Rows past the end repeat the last one (their sums are not stored).
+                wr[m] = base + (size_t)min(o0 + m, (int)p.out_dim - 1) * p.in_dim;
+                acc[m] = 0.f;
+            }
+            for (int e0 = lane * 8; e0 < in_dim; e0 += 32 * 8 * B) {
+                float wv[B][R][8];
+#pragma unroll
+                for (int b = 0; b < B; ++b)
+#pragma unroll
+                    for (int m = 0; m < R; ++m)
+                        load_x8<T>(wr[m] + min(e0 + 256 * b, in_dim - 8), wv[b][m]);
+#pragma unroll
+                for (int b = 0; b < B; ++b) {
+                    const int el = e0 + 256 * b;
+                    float xv[8];
+                    load_x8<T>(xrow + min(el, in_dim - 8), xv);
+                    const float keep = el < in_dim ? 1.f : 0.f;
+#pragma unroll
+                    for (int m = 0; m < R; ++m)
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) acc[m] = fmaf(wv[b][m][i] * keep, xv[i], acc[m]);
+                }
+            }
+#pragma unroll
+            for (int m = 0; m < R; ++m)
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1)
+                    acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
+        }
     }
 };
 
@@ -363,9 +403,11 @@ __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const R
     }
 }
 
-// out[t, o] = sum_j mix[t, j] * y[t * top_k + j, o]
+// out[t, o] = sum_j mix[t, j] * y[row(t * top_k + j), o], row(q) = slot[q] when `slot` is given
+// (the pairs' rows in an expert-sorted product), else q.
 template <typename T>
 __device__ __forceinline__ void moe_mix_body(const GroupedMvParams p, const T* __restrict__ y,
+                                             const uint32_t* __restrict__ slot,
                                              const float* __restrict__ mix, T* __restrict__ out) {
     const size_t tokens = p.pairs / p.top_k;
     const size_t n = tokens * p.out_dim;
@@ -373,11 +415,42 @@ __device__ __forceinline__ void moe_mix_body(const GroupedMvParams p, const T* _
          i += (size_t)gridDim.x * blockDim.x) {
         const size_t t = i / p.out_dim, o = i % p.out_dim;
         float acc = 0.f;
-        for (uint32_t j = 0; j < p.top_k; ++j)
-            acc = fmaf(mix[t * p.top_k + j], to_f(y[(t * p.top_k + j) * p.out_dim + o]), acc);
+        for (uint32_t j = 0; j < p.top_k; ++j) {
+            const size_t q = t * p.top_k + j;
+            const size_t row = slot ? slot[q] : q;
+            acc = fmaf(mix[q], to_f(y[row * p.out_dim + o]), acc);
+        }
         out[i] = from_f<T>(acc);
     }
 }
+
+// dst[r] = src[idx[r]] for rows of `units` 16-byte units (rows 16-byte aligned).
+__device__ __forceinline__ void gather_rows_body(const uint4* __restrict__ src,
+                                                 const uint32_t* __restrict__ idx,
+                                                 uint4* __restrict__ dst, uint32_t rows,
+                                                 uint32_t units) {
+    const size_t n = (size_t)rows * units;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / units, u = i % units;
+        dst[i] = src[(size_t)idx[r] * units + u];
+    }
+}
+
+// Dense experts, R rows a warp (suffix V names R > 1).
+#define GROUPED_MV_DENSE(TN, T, V, R)                                                          \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
+        grouped_mv_##TN##V(const GroupedMvParams p, const T* w, const uint32_t* idx,           \
+                           const T* x, T* y) {                                                 \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, false>(p, DenseExpertRows<T, R>{w}, idx, x, x, y);                  \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
+        grouped_mv_gated_##TN##V(const GroupedMvParams p, const T* w, const uint32_t* idx,     \
+                                 const T* x, const T* xb, T* y) {                              \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, true>(p, DenseExpertRows<T, R>{w}, idx, x, xb, y);                  \
+    }
 
 #define MOE_INST(TN, T)                                                                        \
     extern "C" __global__ void moe_route_##TN(const RouteParams p, const T* logits,            \
@@ -385,23 +458,25 @@ __device__ __forceinline__ void moe_mix_body(const GroupedMvParams p, const T* _
         pdl_entry();                                                                           \
         moe_route_body<T>(p, logits, scale, idx, mix);                                         \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
-        grouped_mv_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx, const T* x,  \
-                        T* y) {                                                                \
-        pdl_entry();                                                                           \
-        grouped_mv_body<T, false>(p, DenseExpertRows<T>{w}, idx, x, x, y);                     \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
-        grouped_mv_gated_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx,        \
-                              const T* x, const T* xb, T* y) {                                 \
-        pdl_entry();                                                                           \
-        grouped_mv_body<T, true>(p, DenseExpertRows<T>{w}, idx, x, xb, y);                     \
-    }                                                                                          \
+    GROUPED_MV_DENSE(TN, T, , 1)                                                               \
+    GROUPED_MV_DENSE(TN, T, _r4, 4)                                                            \
     extern "C" __global__ void moe_mix_##TN(const GroupedMvParams p, const T* y,               \
                                             const float* mix, T* out) {                        \
         pdl_entry();                                                                           \
-        moe_mix_body<T>(p, y, mix, out);                                                       \
+        moe_mix_body<T>(p, y, nullptr, mix, out);                                              \
+    }                                                                                          \
+    extern "C" __global__ void moe_mix_rows_##TN(const GroupedMvParams p, const T* y,          \
+                                                 const uint32_t* slot, const float* mix,       \
+                                                 T* out) {                                     \
+        pdl_entry();                                                                           \
+        moe_mix_body<T>(p, y, slot, mix, out);                                                 \
     }
+
+extern "C" __global__ void gather_rows_u4(const uint4* src, const uint32_t* idx, uint4* dst,
+                                          uint32_t rows, uint32_t units) {
+    pdl_entry();
+    gather_rows_body(src, idx, dst, rows, units);
+}
 
 MOE_INST(f32, float)
 MOE_INST(f16, __half)

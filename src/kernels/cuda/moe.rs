@@ -22,6 +22,12 @@ const GMV_PACKED_ROWS: usize = 4;
 /// picked experts then have several pairs, and decoding their codes once per pair would bound
 /// the kernel).
 const GMV_MULTI_ROWS: usize = 2;
+/// Output rows a warp of the dense grouped matvec computes for short rows (`_r4` kernels).
+const GMV_DENSE_SHORT_ROWS: usize = 4;
+/// Longest input row (elements) the dense `_r4` kernels take: up to it one row leaves a lane
+/// at most four 16-byte loads, too few to hide the memory latency (a down product of 26B-A4B
+/// reads 704 inputs, 352 on each of 2 GPUs). Longer rows keep one row a warp.
+const GMV_DENSE_SHORT_MAX_IN: usize = 1024;
 /// Experts per lane of the router kernel (`ROUTE_MAX_PER_LANE`): at most 512 experts.
 const ROUTE_MAX_PER_LANE: usize = 16;
 
@@ -178,10 +184,11 @@ enum ExpertStack<'a> {
 }
 
 impl ExpertStack<'_> {
-    /// Output rows one warp computes (`Rows::R` of the kernel's row reader); `multi`: the
-    /// packed kernel that takes several pairs at once.
-    fn rows_per_warp(&self, multi: bool) -> usize {
+    /// Output rows one warp computes (`Rows::R` of the kernel's row reader) for rows of
+    /// `in_dim` inputs; `multi`: the packed kernel that takes several pairs at once.
+    fn rows_per_warp(&self, multi: bool, in_dim: usize) -> usize {
         match self {
+            ExpertStack::Dense(_) if in_dim <= GMV_DENSE_SHORT_MAX_IN => GMV_DENSE_SHORT_ROWS,
             ExpertStack::Dense(_) => 1,
             ExpertStack::Packed(..) if multi => GMV_MULTI_ROWS,
             ExpertStack::Packed(..) => GMV_PACKED_ROWS,
@@ -201,13 +208,16 @@ impl ExpertStack<'_> {
         }
     }
 
-    /// The kernel's name for activations of `dtype` (`multi`: as in
+    /// The kernel's name for activations of `dtype` (`multi`, `in_dim`: as in
     /// [`ExpertStack::rows_per_warp`]).
-    fn kernel(&self, gated: bool, dtype: DType, multi: bool) -> Result<String> {
+    fn kernel(&self, gated: bool, dtype: DType, multi: bool, in_dim: usize) -> Result<String> {
         let g = if gated { "_gated" } else { "" };
         let t = tn(dtype)?;
         Ok(match *self {
-            ExpertStack::Dense(_) => format!("grouped_mv{g}_{t}"),
+            ExpertStack::Dense(_) => match self.rows_per_warp(multi, in_dim) {
+                1 => format!("grouped_mv{g}_{t}"),
+                r => format!("grouped_mv{g}_{t}_r{r}"),
+            },
             ExpertStack::Packed(w, _) => {
                 let s = tn(w.scales.dtype())?;
                 let v = if multi {
@@ -321,11 +331,15 @@ fn grouped_mv(
         pad2: 0,
     };
     let multi = !by_slot;
-    let func = load_kernel(&dev, &weights.kernel(gate.is_some(), dtype, multi)?, &MOE)?;
+    let func = load_kernel(
+        &dev,
+        &weights.kernel(gate.is_some(), dtype, multi, in_dim)?,
+        &MOE,
+    )?;
     let cfg = LaunchConfig {
         grid_dim: (
             u32_of(if by_slot { pairs } else { experts }, "experts")?,
-            out_dim.div_ceil(GMV_WARPS * weights.rows_per_warp(multi)) as u32,
+            out_dim.div_ceil(GMV_WARPS * weights.rows_per_warp(multi, in_dim)) as u32,
             1,
         ),
         block_dim: ((GMV_WARPS * 32) as u32, 1, 1),
@@ -399,12 +413,37 @@ fn grouped_mv(
 /// # Errors
 /// Shapes that disagree, CUDA errors.
 pub fn moe_mix(y: &Tensor, mix: &Tensor) -> Result<Tensor> {
+    mix_with(y, None, mix)
+}
+
+/// [`moe_mix`] over rows kept in another order: pair `q`'s row is `y[slot[q]]` (`slot` u32
+/// `[tokens * top_k]`, e.g. the pairs' rows in an expert-sorted product), so the rows need
+/// no gather back into pair order first.
+///
+/// # Errors
+/// Shapes that disagree, a slot past `y`'s rows is not checked on the device (callers build
+/// `slot` from the rows they wrote), CUDA errors.
+pub fn moe_mix_rows(y: &Tensor, slot: &Tensor, mix: &Tensor) -> Result<Tensor> {
+    mix_with(y, Some(slot), mix)
+}
+
+fn mix_with(y: &Tensor, slot: Option<&Tensor>, mix: &Tensor) -> Result<Tensor> {
     let dtype = y.dtype();
     check_dtype(&[y], dtype)?;
     let (tokens, top_k) = mix.dims2()?;
-    let (pairs, out_dim) = y.dims2()?;
-    if pairs != tokens * top_k {
-        candle_core::bail!("moe_mix: y {:?}, mix {:?}", y.dims(), mix.dims());
+    let (rows, out_dim) = y.dims2()?;
+    let pairs = tokens * top_k;
+    let shape_ok = match slot {
+        Some(s) => s.dims() == [pairs] && s.dtype() == DType::U32,
+        None => rows == pairs,
+    };
+    if !shape_ok {
+        candle_core::bail!(
+            "moe_mix: y {:?}, slot {:?}, mix {:?}",
+            y.dims(),
+            slot.map(|s| s.dims().to_vec()),
+            mix.dims()
+        );
     }
     let dev = cuda_dev(y)?;
     let (y, mix) = (y.contiguous()?, mix.to_dtype(DType::F32)?.contiguous()?);
@@ -424,8 +463,14 @@ pub fn moe_mix(y: &Tensor, mix: &Tensor) -> Result<Tensor> {
         pad2: 0,
     };
     let n = tokens * out_dim;
-    let func = load_kernel(&dev, &format!("moe_mix_{}", tn(dtype)?), &MOE)?;
+    let kernel = if slot.is_some() {
+        "moe_mix_rows"
+    } else {
+        "moe_mix"
+    };
+    let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), &MOE)?;
     let cfg = grid_stride(n);
+    let slot = slot.map(Tensor::contiguous).transpose()?;
     by_dtype!(dtype, E, {
         // SAFETY: grid-stride loop writes every element.
         let mut out = unsafe { dev.alloc::<E>(n.max(1))? };
@@ -435,11 +480,73 @@ pub fn moe_mix(y: &Tensor, mix: &Tensor) -> Result<Tensor> {
             let mut b = func.builder();
             b.arg(&params);
             b.arg(&yv);
-            b.arg(&mv);
-            b.arg(&mut out);
-            // SAFETY: arguments match the kernel's signature.
-            unsafe { b.launch(cfg) }.w()?;
+            match slot.as_ref() {
+                Some(sl) => {
+                    bind!(sv, sl, u32);
+                    b.arg(&sv);
+                    b.arg(&mv);
+                    b.arg(&mut out);
+                    // SAFETY: arguments match `moe_mix_rows`'s signature.
+                    unsafe { b.launch(cfg) }.w()?;
+                }
+                None => {
+                    b.arg(&mv);
+                    b.arg(&mut out);
+                    // SAFETY: arguments match `moe_mix`'s signature.
+                    unsafe { b.launch(cfg) }.w()?;
+                }
+            }
         }
         Ok(wrap(out, &dev, &[tokens, out_dim]))
+    })
+}
+
+/// `src`'s rows `idx` (u32 `[n]`) as a new `[n, width]` tensor, copied 16 bytes at a time;
+/// `None` when a row is not a whole number of 16-byte units or `src` does not start
+/// 16-byte aligned (the caller then takes candle's `index_select`, which walks elements one
+/// by one).
+///
+/// # Errors
+/// A non-2-D `src`, non-u32 `idx`, CUDA errors. Indices are not checked on the device: callers
+/// build them from `src`'s rows.
+pub fn gather_rows(src: &Tensor, idx: &Tensor) -> Result<Option<Tensor>> {
+    let (_, width) = src.dims2()?;
+    let bytes = width * src.dtype().size_in_bytes();
+    if idx.dtype() != DType::U32 || idx.rank() != 1 {
+        candle_core::bail!(
+            "gather_rows: u32 [n] indices expected, found {:?}",
+            idx.dims()
+        );
+    }
+    let src = src.contiguous()?;
+    let elem = src.dtype().size_in_bytes();
+    if bytes % 16 != 0 || (src.layout().start_offset() * elem) % 16 != 0 {
+        return Ok(None);
+    }
+    let n = idx.dim(0)?;
+    let units = bytes / 16;
+    let dev = cuda_dev(&src)?;
+    let idx = idx.contiguous()?;
+    let func = load_kernel(&dev, "gather_rows_u4", &MOE)?;
+    let cfg = grid_stride(n * units);
+    by_dtype!(src.dtype(), E, {
+        // SAFETY: the grid-stride loop writes every unit of every row.
+        let mut out = unsafe { dev.alloc::<E>((n * width).max(1))? };
+        if n > 0 {
+            bind!(sv, src, E);
+            bind!(iv, idx, u32);
+            let rows = u32_of(n, "rows")?;
+            let units = u32_of(units, "row units")?;
+            let mut b = func.builder();
+            b.arg(&sv);
+            b.arg(&iv);
+            b.arg(&mut out);
+            b.arg(&rows);
+            b.arg(&units);
+            // SAFETY: arguments match the kernel's signature; rows are `units` 16-byte units,
+            // `src` starts 16-byte aligned and pool allocations are.
+            unsafe { b.launch(cfg) }.w()?;
+        }
+        Ok(Some(wrap(out, &dev, &[n, width])))
     })
 }

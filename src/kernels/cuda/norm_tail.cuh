@@ -1,6 +1,8 @@
-// The residual add + norm that a product's last block computes (`last_block_add_norm`), and
-// the helpers it shares with the layer kernels: included by dense_matvec.cu (dense products),
-// matvec.cu (packed products), layer_ops.cu and reduce.cu.
+// The residual add + norm that a product's last block computes (`last_block_add_norm`), the
+// add_norm kernels' body (`add_norm_body`, also the epilogue of the fused peer sum), and the
+// helpers they share: included by dense_matvec.cu (dense products), matvec.cu (packed
+// products), layer_ops.cu, reduce.cu and peer_reduce.cu. AddNormParams must match
+// `src/kernels/cuda/layer_ops.rs` field for field (#[repr(C)]).
 #pragma once
 
 #include <stdint.h>
@@ -83,6 +85,25 @@ __device__ __forceinline__ void unpack8(const uint4 u, float (&v)[8]) {
     }
 }
 
+// Whether this block is the launch's last to get here, every other block's stores then visible
+// to it (a launch-wide counter, left at zero for the next launch). One thread fences for the
+// block, after the barrier (fences are cumulative: they order the block's stores the barrier
+// made visible to it); a fence in every thread costs microseconds a launch.
+__device__ __forceinline__ bool is_last_block(uint32_t* __restrict__ counter) {
+    __shared__ uint32_t is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
+        if (is_last) {
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            *counter = 0u;
+        }
+    }
+    __syncthreads();
+    return is_last;
+}
+
 // After every block has stored its outputs, the last block to finish (a launch-wide counter,
 // left at zero for the next launch) computes for each row out = (res + rms(y) * w) [* scalar]
 // and the norms of out asked for, rounded as the add_norm kernel rounds them.
@@ -94,21 +115,7 @@ __device__ __forceinline__ void last_block_add_norm(
     const T* __restrict__ w2, const T* __restrict__ w3, T* __restrict__ out, T* __restrict__ out2,
     T* __restrict__ out3, uint32_t* __restrict__ counter) {
     __shared__ float nred[THREADS / 32];
-    __shared__ uint32_t is_last;
-    // One thread fences for the block, after the barrier (fences are cumulative: they order
-    // the block's stores the barrier made visible to it); a fence in every thread costs
-    // microseconds a launch.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-        is_last = atomicAdd(counter, 1u) == gridDim.x - 1;
-        if (is_last) {
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");
-            *counter = 0u;
-        }
-    }
-    __syncthreads();
-    if (!is_last) return;
+    if (!is_last_block(counter)) return;
     const int dim = (int)p.out_dim;
     const float s = (n.flags & 1) ? to_f(scalar[0]) : 1.f;
     // Rows up to 4096 wide whose rows and weights are 16-byte aligned: each thread keeps its
@@ -214,3 +221,93 @@ __device__ __forceinline__ void last_block_add_norm(
     }
 }
 
+// The residual add + norm runs one row per block at decode: more threads, shorter serial loops.
+constexpr int ADD_NORM_THREADS = 1024;
+// Widest row of the residual add + norm: its elements stay in registers (host: ADD_NORM_MAX_WIDTH).
+constexpr int ADD_NORM_PER_THREAD = 8;
+
+struct AddNormParams {
+    uint32_t rows, dim;
+    float eps;
+    // 1: multiply the sum by scalar[0]; 2: also write norm2(out) * w2 to out2; 4: also
+    // norm2(out) * w3 to out3 (with 2).
+    uint32_t flags;
+};
+
+// Widest row of the two-branch residual add + norm (moe_add_norm): it keeps more values per
+// element in registers, so fewer elements a thread.
+constexpr int MOE_ADD_NORM_PER_THREAD = 4;
+
+// out = (res + rms(y) * w) [* scalar]; out2 = rms(out) * w2 [; out3 = rms(out) * w3], for row
+// `row` of at most PT * THREADS elements (the add_norm kernels: one block a row), kept in registers: every load but w3's is
+// issued before the first reduction, so the kernel waits on memory once. With TWO the branch is
+// itself y = rms(a) * wa + rms(b) * wb (the 26B-A4B dense and expert outputs, each with its own
+// post-norm), every step rounded to T as the unfused ops round it.
+template <typename T, int THREADS, int PT, bool TWO>
+__device__ __forceinline__ void add_norm_body(const AddNormParams p, const uint32_t row,
+                                              const T* __restrict__ res,
+                                              const T* __restrict__ y, const T* __restrict__ w,
+                                              const T* __restrict__ scalar,
+                                              const T* __restrict__ w2, T* __restrict__ out,
+                                              T* __restrict__ out2, const T* __restrict__ w3,
+                                              T* __restrict__ out3, const T* __restrict__ b,
+                                              const T* __restrict__ wa,
+                                              const T* __restrict__ wb) {
+    __shared__ float red[THREADS / 32];
+    const size_t base = (size_t)row * p.dim;
+    float yv[PT], rv[PT], wv[PT], w2v[PT];
+    float bv[TWO ? PT : 1], wav[TWO ? PT : 1], wbv[TWO ? PT : 1];
+    const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
+#pragma unroll
+    for (int k = 0; k < PT; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        const bool in = i < (int)p.dim;
+        yv[k] = in ? ld_cg(y + base + i) : 0.f;
+        rv[k] = in ? to_f(res[base + i]) : 0.f;
+        wv[k] = in ? to_f(w[i]) : 0.f;
+        w2v[k] = in && (p.flags & 2) ? to_f(w2[i]) : 0.f;
+        if constexpr (TWO) {
+            bv[k] = in ? ld_cg(b + base + i) : 0.f;
+            wav[k] = in ? to_f(wa[i]) : 0.f;
+            wbv[k] = in ? to_f(wb[i]) : 0.f;
+        }
+    }
+    if constexpr (TWO) {
+        float sa = 0.f, sb = 0.f;
+#pragma unroll
+        for (int k = 0; k < PT; ++k) {
+            sa += yv[k] * yv[k];
+            sb += bv[k] * bv[k];
+        }
+        const float ia = rsqrtf(block_sum<THREADS>(sa, red) / p.dim + p.eps);
+        const float ib = rsqrtf(block_sum<THREADS>(sb, red) / p.dim + p.eps);
+#pragma unroll
+        for (int k = 0; k < PT; ++k)
+            yv[k] = rnd<T>(rnd<T>(yv[k] * ia * wav[k]) + rnd<T>(bv[k] * ib * wbv[k]));
+    }
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < PT; ++k) ss += yv[k] * yv[k];
+    const float inv = rsqrtf(block_sum<THREADS>(ss, red) / p.dim + p.eps);
+    float ss2 = 0.f;
+#pragma unroll
+    for (int k = 0; k < PT; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        if (i >= (int)p.dim) continue;
+        const float normed = rnd<T>(yv[k] * inv * wv[k]);
+        float o = rnd<T>(rv[k] + normed);
+        if (p.flags & 1) o = rnd<T>(o * s);
+        out[base + i] = from_f<T>(o);
+        yv[k] = o;
+        ss2 += o * o;
+    }
+    if (!(p.flags & 2)) return;
+    const float inv2 = rsqrtf(block_sum<THREADS>(ss2, red) / p.dim + p.eps);
+#pragma unroll
+    for (int k = 0; k < PT; ++k) {
+        const int i = threadIdx.x + k * THREADS;
+        if (i >= (int)p.dim) continue;
+        out2[base + i] = from_f<T>(yv[k] * inv2 * w2v[k]);
+        if (p.flags & 4) out3[base + i] = from_f<T>(yv[k] * inv2 * to_f(w3[i]));
+    }
+}

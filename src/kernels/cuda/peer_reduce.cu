@@ -11,7 +11,13 @@
 // Receive buffers alternate between two halves by epoch parity: a rank writes into a half
 // again two calls later, once it has received every peer's words of the call in between,
 // which the peer sends only after its call that read the half has ended.
+//
+// The `_add_norm` kernels sum two tensors as one (the 26B-A4B dense and expert branches, or a
+// row-parallel product and nothing), then their last block runs the residual add + norms of
+// the add_norm kernels on the sums: one launch where the sum and the add_norm were two (plus
+// the copy that joined the two branches).
 #include "common.cuh"
+#include "norm_tail.cuh"
 
 #define PEER_MAX_RANKS 8
 #define PEER_MAX_BLOCKS 32
@@ -35,13 +41,33 @@ __device__ __forceinline__ unsigned long long load_word(const unsigned long long
     return v;
 }
 
-// Word w of x: one f32, or two 16-bit elements (the second 0 past the end).
+// Two tensors summed as one vector: a's na elements, then b's (na even for 16-bit types, so
+// no word straddles them); n elements in all. One tensor: b = a, na = n.
+template <typename T> struct Segments {
+    const T* a;
+    const T* b;
+    T* ya;
+    T* yb;
+    unsigned int na, n;
+    __device__ __forceinline__ const T* src(unsigned int i, unsigned int& at) const {
+        at = i < na ? i : i - na;
+        return i < na ? a : b;
+    }
+    __device__ __forceinline__ T* dst(unsigned int i, unsigned int& at) const {
+        at = i < na ? i : i - na;
+        return i < na ? ya : yb;
+    }
+};
+
+// Word w of the segments: one f32, or two 16-bit elements (the second 0 past the end).
 template <typename T>
-__device__ __forceinline__ unsigned int word_of(const T* x, unsigned int w, unsigned int n) {
-    if (sizeof(T) == 4) return reinterpret_cast<const unsigned int*>(x)[w];
-    const unsigned short* h = reinterpret_cast<const unsigned short*>(x);
-    const unsigned int lo = h[2 * w];
-    const unsigned int hi = 2 * w + 1 < n ? h[2 * w + 1] : 0u;
+__device__ __forceinline__ unsigned int word_of(const Segments<T>& x, unsigned int w) {
+    unsigned int at;
+    const T* s = x.src(sizeof(T) == 4 ? w : 2 * w, at);
+    if (sizeof(T) == 4) return reinterpret_cast<const unsigned int*>(s)[at];
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(s);
+    const unsigned int lo = h[at];
+    const unsigned int hi = 2 * w + 1 < x.n ? h[at + 1] : 0u;
     return lo | (hi << 16);
 }
 
@@ -57,20 +83,19 @@ __device__ __forceinline__ void add_word(float* s, unsigned int word) {
 }
 
 template <typename T>
-__device__ void peer_all_reduce(const PeerArgs a, const T* __restrict__ x, T* __restrict__ y,
-                                unsigned int* epochs) {
+__device__ void peer_all_reduce(const PeerArgs a, const Segments<T> x, unsigned int* epochs) {
     pdl_entry();
-    const unsigned int words = (unsigned int)(((unsigned long long)a.n * sizeof(T) + 3) / 4);
+    const unsigned int words = (unsigned int)(((unsigned long long)x.n * sizeof(T) + 3) / 4);
     const unsigned int per = (words + gridDim.x - 1) / gridDim.x;
     const unsigned int lo = min(words, blockIdx.x * per);
     const unsigned int hi = min(words, lo + per);
-    __shared__ unsigned int epoch_s;
-    if (threadIdx.x == 0) epoch_s = epochs[blockIdx.x] + 1;
-    __syncthreads();
-    const unsigned int epoch = epoch_s;
+    // Every thread reads the block's epoch itself (one broadcast load, in flight together with
+    // its first words) rather than after a barrier behind thread 0's load. The block's last
+    // store of it, below, follows a barrier every thread reaches after its read.
+    const unsigned int epoch = epochs[blockIdx.x] + 1;
     const size_t half = (size_t)(epoch & 1u) * a.world * a.cap;
     for (unsigned int w = lo + threadIdx.x; w < hi; w += blockDim.x) {
-        const unsigned long long v = ((unsigned long long)epoch << 32) | word_of(x, w, a.n);
+        const unsigned long long v = ((unsigned long long)epoch << 32) | word_of(x, w);
         for (unsigned int p = 0; p < a.world; ++p) {
             if (p == a.rank) continue;
             unsigned long long* theirs = reinterpret_cast<unsigned long long*>(a.recv[p]);
@@ -83,7 +108,7 @@ __device__ void peer_all_reduce(const PeerArgs a, const T* __restrict__ x, T* __
         for (unsigned int r = 0; r < a.world; ++r) {
             unsigned int word;
             if (r == a.rank) {
-                word = word_of(x, w, a.n);
+                word = word_of(x, w);
             } else {
                 const unsigned long long* at = mine + half + (size_t)r * a.cap + w;
                 unsigned long long v = load_word(at);
@@ -99,23 +124,59 @@ __device__ void peer_all_reduce(const PeerArgs a, const T* __restrict__ x, T* __
             }
             add_word<T>(s, word);
         }
+        unsigned int at;
         if (sizeof(T) == 4) {
-            y[w] = from_f<T>(s[0]);
+            x.dst(w, at)[at] = from_f<T>(s[0]);
         } else {
-            y[2 * w] = from_f<T>(s[0]);
-            if (2 * w + 1 < a.n) y[2 * w + 1] = from_f<T>(s[1]);
+            T* y = x.dst(2 * w, at);
+            y[at] = from_f<T>(s[0]);
+            if (2 * w + 1 < x.n) y[at + 1] = from_f<T>(s[1]);
         }
     }
     __syncthreads();
     if (threadIdx.x == 0) epochs[blockIdx.x] = epoch;
 }
 
-#define PEER_KERNEL(NAME, T)                                                                    \
-    extern "C" __global__ void NAME(const PeerArgs a, const T* __restrict__ x,                  \
-                                    T* __restrict__ y, unsigned int* epochs) {                  \
-        peer_all_reduce<T>(a, x, y, epochs);                                                    \
+// The fused kernels' residual add + norm (AddNormParams as in the add_norm kernels; `counter`
+// a launch-wide counter, zero between launches).
+template <typename T, int PT, bool TWO>
+__device__ void peer_add_norm(const PeerArgs a, const Segments<T> x, unsigned int* epochs,
+                              unsigned int* counter, const AddNormParams p,
+                              const T* __restrict__ res, const T* __restrict__ w,
+                              const T* __restrict__ scalar, const T* __restrict__ w2,
+                              T* __restrict__ out, T* __restrict__ out2, const T* __restrict__ w3,
+                              T* __restrict__ out3, const T* __restrict__ wa,
+                              const T* __restrict__ wb) {
+    peer_all_reduce<T>(a, x, epochs);
+    if (!is_last_block(counter)) return;
+    for (uint32_t r = 0; r < p.rows; ++r)
+        add_norm_body<T, ADD_NORM_THREADS, PT, TWO>(p, r, res, x.ya, w, scalar, w2, out, out2,
+                                                    w3, out3, x.yb, wa, wb);
+}
+
+#define PEER_KERNEL(TN, T)                                                                      \
+    extern "C" __global__ void peer_all_reduce_##TN(const PeerArgs a, const T* __restrict__ x,  \
+                                                    T* __restrict__ y, unsigned int* epochs) {  \
+        peer_all_reduce<T>(a, Segments<T>{x, x, y, y, a.n, a.n}, epochs);                       \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                              \
+        peer_add_norm_##TN(const PeerArgs a, const T* x, T* y, unsigned int* epochs,            \
+                           const AddNormParams p, const T* res, const T* w, const T* scalar,    \
+                           const T* w2, T* out, T* out2, const T* w3, T* out3) {                \
+        peer_add_norm<T, ADD_NORM_PER_THREAD, false>(a, Segments<T>{x, x, y, y, a.n, a.n},      \
+                                                     epochs, epochs + PEER_MAX_BLOCKS, p, res,  \
+                                                     w, scalar, w2, out, out2, w3, out3, w, w); \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS) peer_moe_add_norm_##TN(      \
+        const PeerArgs a, const T* x, const T* xb, T* y, T* yb, unsigned int* epochs,           \
+        const AddNormParams p, const T* res, const T* w, const T* scalar, const T* w2, T* out,  \
+        T* out2, const T* w3, T* out3, const T* wa, const T* wb) {                              \
+        const unsigned int na = a.n / 2;                                                        \
+        peer_add_norm<T, MOE_ADD_NORM_PER_THREAD, true>(                                        \
+            a, Segments<T>{x, xb, y, yb, na, a.n}, epochs, epochs + PEER_MAX_BLOCKS, p, res, w, \
+            scalar, w2, out, out2, w3, out3, wa, wb);                                           \
     }
 
-PEER_KERNEL(peer_all_reduce_f32, float)
-PEER_KERNEL(peer_all_reduce_bf16, __nv_bfloat16)
-PEER_KERNEL(peer_all_reduce_f16, __half)
+PEER_KERNEL(f32, float)
+PEER_KERNEL(bf16, __nv_bfloat16)
+PEER_KERNEL(f16, __half)

@@ -17,6 +17,7 @@ use candle_core::{DType, Result, Tensor};
 
 use super::device::{bind, by_dtype, cuda_dev, tn, u32_of, wrap};
 use super::kernel_cache::{load_kernel, Arg, LaunchArg, PEER_REDUCE};
+use super::layer_ops::{add_norm_params, AddNormExtra, ADD_NORM_THREADS};
 
 /// Most GPUs a group may have (`PEER_MAX_RANKS` in `peer_reduce.cu`).
 pub(crate) const MAX_RANKS: usize = 8;
@@ -167,7 +168,8 @@ pub(crate) fn peer_sums(devices: &[CudaDevice], max_bytes: usize) -> Result<Opti
     }
     let epochs = devices
         .iter()
-        .map(|d| Raw::zeroed(d.cuda_stream().context(), BLOCKS as usize * 4))
+        // Each block's epoch, then the fused kernels' last-block counter.
+        .map(|d| Raw::zeroed(d.cuda_stream().context(), (BLOCKS as usize + 1) * 4))
         .collect::<Result<Vec<_>>>()?;
     let epoch_ptrs: Vec<u64> = epochs.iter().map(|e| e.ptr).collect();
     buffers.extend(epochs);
@@ -237,4 +239,135 @@ impl PeerSum {
             Ok(Some(wrap(out, &dev, x.dims())))
         })
     }
+
+    /// `add_norm_ext(res, Σ y, w, eps, extra)`, with the second branch of `extra` summed as well,
+    /// in one launch: the sum, whose last block then runs the residual add and norms (the
+    /// sums and the add-norm were two launches, plus a copy joining the two branches). `None`
+    /// where the fused kernel does not serve (more than [`PEER_ADD_NORM_MAX_ROWS`] rows, which
+    /// one block would walk one after another; sums beyond the buffer; an odd 16-bit first
+    /// branch): the caller sums and adds apart. Every rank must call it as it calls
+    /// [`PeerSum::sum`].
+    ///
+    /// # Errors
+    /// As `add_norm_ext` and [`PeerSum::sum`].
+    pub(crate) fn sum_add_norm(
+        &self,
+        res: &Tensor,
+        y: &Tensor,
+        w: &Tensor,
+        eps: f64,
+        extra: &AddNormExtra<'_>,
+    ) -> Result<Option<super::norm_tail::AddNormOut>> {
+        let params = add_norm_params(res, y, w, eps, extra)?;
+        let dtype = res.dtype();
+        let elems = y.elem_count();
+        let parts = if extra.second_branch.is_some() { 2 } else { 1 };
+        if params.rows as usize > PEER_ADD_NORM_MAX_ROWS
+            || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+            || parts * elems * dtype.size_in_bytes() > self.max_bytes
+            || (dtype.size_in_bytes() == 2 && elems % 2 != 0)
+        {
+            return Ok(None);
+        }
+        let dev = cuda_dev(res)?;
+        if dev.id() != self.dev.id() {
+            candle_core::bail!("the peer all-reduce got a tensor of another device");
+        }
+        let (res, y, w) = (res.contiguous()?, y.contiguous()?, w.contiguous()?);
+        let branch = match extra.second_branch {
+            Some((b, wa, wb)) => Some((b.contiguous()?, wa.contiguous()?, wb.contiguous()?)),
+            None => None,
+        };
+        let mut args = self.args;
+        args.n = u32_of(parts * elems, "elements")?;
+        let kernel = if branch.is_some() {
+            "peer_moe_add_norm"
+        } else {
+            "peer_add_norm"
+        };
+        let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), &PEER_REDUCE)?;
+        let cfg = candle_core::cuda_backend::cudarc::driver::LaunchConfig {
+            grid_dim: (BLOCKS, 1, 1),
+            block_dim: (ADD_NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let shape = res.dims().to_vec();
+        by_dtype!(dtype, E, {
+            // SAFETY: the kernel writes every element of the sums and of each output asked for
+            // before any reader on this stream.
+            let mut sums = unsafe { dev.alloc::<E>(parts * elems)? };
+            let mut out = unsafe { dev.alloc::<E>(elems)? };
+            let mut out2 = match extra.next {
+                Some(_) => Some(unsafe { dev.alloc::<E>(elems)? }),
+                None => None,
+            };
+            let mut out3 = match extra.next2 {
+                Some(_) => Some(unsafe { dev.alloc::<E>(elems)? }),
+                None => None,
+            };
+            {
+                bind!(rv, res, E);
+                bind!(yv, y, E);
+                bind!(wv, w, E);
+                let sc = extra.scalar.unwrap_or(&w);
+                bind!(sv, sc, E);
+                let nx = extra.next.unwrap_or(&w);
+                bind!(nv, nx, E);
+                let nx2 = extra.next2.unwrap_or(&w);
+                bind!(n2v, nx2, E);
+                let (bt, wat, wbt) = match &branch {
+                    Some((bb, wa, wb)) => (bb, wa, wb),
+                    None => (&y, &w, &w),
+                };
+                bind!(bv, bt, E);
+                bind!(wav, wat, E);
+                bind!(wbv, wbt, E);
+                let (mut ya, mut yb) = sums.split_at_mut(elems);
+                let mut b = func.builder();
+                b.arg(&args);
+                b.arg(&yv);
+                if branch.is_some() {
+                    b.arg(&bv);
+                    b.arg(&mut ya);
+                    b.arg(&mut yb);
+                } else {
+                    b.arg(&mut ya);
+                }
+                b.arg(&self.epochs);
+                b.arg(&params);
+                b.arg(&rv);
+                b.arg(&wv);
+                b.arg(&sv);
+                b.arg(&nv);
+                b.arg(&mut out);
+                match out2.as_mut() {
+                    Some(o2) => b.arg(o2),
+                    None => b.arg(&rv),
+                };
+                b.arg(&n2v);
+                match out3.as_mut() {
+                    Some(o3) => b.arg(o3),
+                    None => b.arg(&rv),
+                };
+                if branch.is_some() {
+                    b.arg(&wav);
+                    b.arg(&wbv);
+                }
+                // SAFETY: arguments match the kernel's signature; the sums hold `parts * elems`
+                // elements (at most `cap` words), every output `elems`, every rank's receive
+                // buffer `2 * world * cap` words, and the epochs buffer its blocks' epochs and
+                // the counter after them.
+                unsafe { b.launch(cfg) }.w()?;
+            }
+            Ok(Some((
+                wrap(out, &dev, &shape),
+                out2.map(|o| wrap(o, &dev, &shape)),
+                out3.map(|o| wrap(o, &dev, &shape)),
+            )))
+        })
+    }
 }
+
+/// Most rows [`PeerSum::sum_add_norm`] takes: its epilogue runs in one block, one row after
+/// another, where the add-norm kernel runs a block a row.
+pub(crate) const PEER_ADD_NORM_MAX_ROWS: usize = 2;

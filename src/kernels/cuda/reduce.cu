@@ -65,16 +65,16 @@ __device__ __forceinline__ void masked_softmax_body(const SoftmaxParams p,
 }
 
 // Greedy pick: the index of the largest f32 of each row (ties: the lowest index; NaN never
-// wins). One block of 1024 threads per row.
-extern "C" __global__ void __launch_bounds__(1024)
-    argmax_rows_f32(const float* __restrict__ x, uint32_t cols, uint32_t* __restrict__ out) {
-    pdl_entry();
+// wins), in two launches: block (c, r) takes the best of chunk c of row r (ARGMAX_CHUNK
+// columns, eight loads a thread in flight), then one warp a row merges the chunks' bests. One
+// block a whole vocabulary row was bound by one multiprocessor's bandwidth (about 0.1 ms).
+constexpr int ARGMAX_THREADS = 256;
+constexpr int ARGMAX_CHUNK = 4096;
+
+// (value, index) argmax of a block, left in thread 0.
+__device__ __forceinline__ void block_argmax(float& bv, uint32_t& bi) {
     __shared__ float sv[32];
     __shared__ uint32_t si[32];
-    const float* r = x + (size_t)blockIdx.x * cols;
-    float bv = -INFINITY;
-    uint32_t bi = 0xffffffffu;
-    for (uint32_t j = threadIdx.x; j < cols; j += blockDim.x) argmax_step(bv, bi, r[j], j);
     warp_argmax(bv, bi);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) {
@@ -87,8 +87,51 @@ extern "C" __global__ void __launch_bounds__(1024)
         bv = lane < nw ? sv[lane] : -INFINITY;
         bi = lane < nw ? si[lane] : 0xffffffffu;
         warp_argmax(bv, bi);
-        if (lane == 0) out[blockIdx.x] = bi == 0xffffffffu ? 0u : bi;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_chunks_f32(const float* __restrict__ x, uint32_t cols, float* __restrict__ best_v,
+                      uint32_t* __restrict__ best_i) {
+    pdl_entry();
+    const float* r = x + (size_t)blockIdx.y * cols;
+    const uint32_t c0 = blockIdx.x * ARGMAX_CHUNK;
+    const uint32_t c1 = min(c0 + ARGMAX_CHUNK, cols);
+    float bv = -INFINITY;
+    uint32_t bi = 0xffffffffu;
+    constexpr int U = 8;
+    for (uint32_t j0 = c0 + threadIdx.x; j0 < c1; j0 += ARGMAX_THREADS * U) {
+        float v[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const uint32_t j = j0 + u * ARGMAX_THREADS;
+            v[u] = j < c1 ? r[j] : -INFINITY;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const uint32_t j = j0 + u * ARGMAX_THREADS;
+            if (j < c1) argmax_step(bv, bi, v[u], j);
+        }
+    }
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) {
+        const size_t o = (size_t)blockIdx.y * gridDim.x + blockIdx.x;
+        best_v[o] = bv;
+        best_i[o] = bi;
+    }
+}
+
+extern "C" __global__ void argmax_merge_f32(const float* __restrict__ best_v,
+                                            const uint32_t* __restrict__ best_i,
+                                            uint32_t chunks, uint32_t* __restrict__ out) {
+    pdl_entry();
+    const size_t row = blockIdx.x;
+    float bv = -INFINITY;
+    uint32_t bi = 0xffffffffu;
+    for (uint32_t c = threadIdx.x; c < chunks; c += 32)
+        argmax_step(bv, bi, best_v[row * chunks + c], best_i[row * chunks + c]);
+    warp_argmax(bv, bi);
+    if (threadIdx.x == 0) out[row] = bi == 0xffffffffu ? 0u : bi;
 }
 
 #define REDUCE_INST(TN, T)                                                                     \

@@ -101,6 +101,11 @@ pub fn masked_softmax(
     })
 }
 
+/// Columns of one block of the first argmax launch (`ARGMAX_CHUNK` in `reduce.cu`).
+const ARGMAX_CHUNK: usize = 4096;
+/// Threads of a block of the first argmax launch (`ARGMAX_THREADS` in `reduce.cu`).
+const ARGMAX_THREADS: u32 = 256;
+
 /// Index of the largest value of each row of f32 `[rows, cols]` (ties: lowest index), as u32
 /// `[rows]`: greedy decoding without copying the logits to the host.
 ///
@@ -113,22 +118,41 @@ pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
     }
     let dev = cuda_dev(x)?;
     let x = x.contiguous()?;
-    let func = load_kernel(&dev, "argmax_rows_f32", &REDUCE)?;
-    let cfg = LaunchConfig {
-        grid_dim: (u32_of(rows, "rows")?.max(1), 1, 1),
-        block_dim: (1024, 1, 1),
-        shared_mem_bytes: 0,
-    };
     let cols32 = u32_of(cols, "columns")?;
-    // SAFETY: one block per row writes its index.
+    let rows32 = u32_of(rows, "rows")?;
+    let chunks = cols.div_ceil(ARGMAX_CHUNK).max(1);
+    let chunks32 = u32_of(chunks, "column chunks")?;
+    // SAFETY: every (row, chunk) block writes its pair; one warp per row writes its index.
+    let mut best_v = unsafe { dev.alloc::<f32>((rows * chunks).max(1))? };
+    let mut best_i = unsafe { dev.alloc::<u32>((rows * chunks).max(1))? };
     let mut out = unsafe { dev.alloc::<u32>(rows.max(1))? };
     if rows > 0 {
         bind!(xv, x, f32);
+        let func = load_kernel(&dev, "argmax_chunks_f32", &REDUCE)?;
         let mut b = func.builder();
         b.arg(&xv);
         b.arg(&cols32);
+        b.arg(&mut best_v);
+        b.arg(&mut best_i);
+        let cfg = LaunchConfig {
+            grid_dim: (chunks32, rows32, 1),
+            block_dim: (ARGMAX_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match the kernel's signature; the scratch holds rows * chunks pairs.
+        unsafe { b.launch(cfg) }.w()?;
+        let func = load_kernel(&dev, "argmax_merge_f32", &REDUCE)?;
+        let mut b = func.builder();
+        b.arg(&best_v);
+        b.arg(&best_i);
+        b.arg(&chunks32);
         b.arg(&mut out);
-        // SAFETY: arguments match the kernel's signature.
+        let cfg = LaunchConfig {
+            grid_dim: (rows32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: as above; one warp per row.
         unsafe { b.launch(cfg) }.w()?;
     }
     Ok(wrap(out, &dev, &[rows]))

@@ -258,6 +258,51 @@ impl Collective {
         }
     }
 
+    /// `add_norm_ext(res, Σ y, w, eps, extra)` with the second branch of `extra` summed too, in
+    /// one launch where the group sums through peer memory; `None` in a group of one, on CPU
+    /// ranks, in groups without peer access and for shapes that kernel does not take (the
+    /// caller then sums and adds apart). Every rank must call it where it would call
+    /// [`Collective::sum`].
+    ///
+    /// # Errors
+    /// As [`Collective::sum`].
+    #[cfg(feature = "nccl")]
+    pub(crate) fn sum_add_norm(
+        &self,
+        res: &Tensor,
+        y: &Tensor,
+        w: &Tensor,
+        eps: f64,
+        extra: &crate::kernels::cuda::layer_ops::AddNormExtra<'_>,
+    ) -> Result<Option<crate::kernels::cuda::norm_tail::AddNormOut>> {
+        let Some(r) = &self.0 else {
+            return Ok(None);
+        };
+        let rows = y.elem_count() / w.elem_count().max(1);
+        if rows > crate::kernels::cuda::peer_reduce::PEER_ADD_NORM_MAX_ROWS {
+            return Ok(None);
+        }
+        if r.group.failed.load(Ordering::Acquire) {
+            return Err(peer_failed(r.rank));
+        }
+        let guard = r.comm.lock().map_err(|_| peer_failed(r.rank))?;
+        let Some(comm) = guard.as_ref() else {
+            return Err(peer_failed(r.rank));
+        };
+        let Backend::Nccl(c) = comm else {
+            return Ok(None);
+        };
+        // Whether the fused kernel serves depends only on shapes every rank shares, so every
+        // rank takes the same way.
+        r.group.meet(r.rank, r.world)?;
+        let out = crate::kernels::cuda::nccl::sum_add_norm(c, res, y, w, eps, extra)?;
+        r.group.meet(r.rank, r.world)?;
+        if out.is_some() {
+            r.calls.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(out)
+    }
+
     /// `x` `[.., n]` of every rank joined along the last axis in rank order: `[.., world * n]`
     /// (the vocabulary-parallel head's logits). `x` itself in a group of one.
     ///

@@ -328,11 +328,20 @@ fn on_device(
 /// per layer). Dense experts: one `[experts, longest group, hidden]` block padded with row 0,
 /// and both expert products as one batched tensor-core matmul each (padding rows are computed
 /// and dropped). Packed experts: one product per picked expert over its rows (each dequantizes
-/// that expert for the GEMM).
+/// that expert for the GEMM). The weighted sum reads each pair's output row where the
+/// products left it.
 #[cfg(feature = "cuda")]
 fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Result<Tensor> {
-    use crate::kernels::cuda::moe::moe_mix;
+    use crate::kernels::cuda::moe::{gather_rows, moe_mix_rows};
     use crate::kernels::KernelError;
+    // Row gathers 16 bytes at a time where rows allow (candle's `index_select` copies element
+    // by element: it was a quarter of a 26B-A4B prefill).
+    let gather = |src: &Tensor, rows: Tensor| -> Result<Tensor> {
+        match gather_rows(src, &rows)? {
+            Some(t) => Ok(t),
+            None => Ok(src.index_select(&rows, 0)?),
+        }
+    };
     let (_, k) = idx.dims2()?;
     let picks = idx.flatten_all()?.to_vec1::<u32>()?;
     let n_experts = experts.gate_up.count()?;
@@ -371,9 +380,7 @@ fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Resu
                 }
             }
             let n_slots = rows.len();
-            let x_pad = x
-                .index_select(&u32s(rows)?, 0)?
-                .reshape((n_experts, longest, h))?;
+            let x_pad = gather(x, u32s(rows)?)?.reshape((n_experts, longest, h))?;
             let gu = x_pad.matmul(&gate_up.transpose(1, 2)?)?; // [E, L, 2I]
             let y_pad = gelu_halves(&gu, 2)?.matmul(&down.transpose(1, 2)?)?; // [E, L, H]
             y_pad.reshape((n_slots, h))?
@@ -383,7 +390,7 @@ fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Resu
             let mut slot = 0u32;
             for (e, g) in groups.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
                 let rows: Vec<u32> = g.iter().map(|&p| p / k as u32).collect();
-                let xe = x.index_select(&u32s(rows)?, 0)?;
+                let xe = gather(x, u32s(rows)?)?;
                 let gu = experts.gate_up.product(e, &xe)?;
                 ys.push(experts.down.product(e, &gelu_halves(&gu, 1)?)?);
                 for &p in g {
@@ -394,8 +401,8 @@ fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Resu
             Tensor::cat(&ys, 0)?
         }
     };
-    let y = stacked.index_select(&u32s(slot_of)?, 0)?;
-    Ok(moe_mix(&y, mix)?)
+    // The mix reads each pair's row where the products left it.
+    Ok(moe_mix_rows(&stacked.contiguous()?, &u32s(slot_of)?, mix)?)
 }
 
 #[cfg(test)]

@@ -192,7 +192,59 @@ pub(crate) fn product_reduce_add_norm(
         Some(g) => matvec::matmul_gated(x, g, w)?,
         None => matvec::matmul(x, w)?,
     };
+    #[cfg(feature = "nccl")]
+    if cuda_add_norm_applies(
+        a.res,
+        a.norm,
+        crate::kernels::cuda::layer_ops::ADD_NORM_MAX_WIDTH,
+    ) && (a.next.is_some() || a.next2.is_none())
+    {
+        let extra = crate::kernels::cuda::layer_ops::AddNormExtra {
+            scalar: a.scalar,
+            next: a.next.map(|n| n.weight),
+            next2: a.next2.map(|n| n.weight),
+            second_branch: None,
+        };
+        if let Some(out) = sum.sum_add_norm(a.res, &y, a.norm.weight, a.norm.eps, &extra)? {
+            return Ok(out);
+        }
+    }
     add_norms(&sum.sum(&y)?, a)
+}
+
+/// [`add_two_branch_norm`] of the two branches' sums over `sum`'s group (row-parallel partial
+/// sums, e.g. 26B-A4B's dense and expert outputs): the sums and the add in one launch where
+/// the group sums through peer memory, else one sum of both and the add.
+///
+/// # Errors
+/// Shape mismatch; [`crate::kernels::KernelError::Collective`].
+pub(crate) fn reduce_add_two_branch_norm(
+    res: &Tensor,
+    (a, norm_a): (&Tensor, Norm<'_>),
+    (b, norm_b): (&Tensor, Norm<'_>),
+    norm: Norm<'_>,
+    scalar: Option<&Tensor>,
+    next: Option<Norm<'_>>,
+    sum: &super::collective::Collective,
+) -> Result<(Tensor, Option<Tensor>)> {
+    #[cfg(feature = "nccl")]
+    if cuda_add_norm_applies(
+        res,
+        norm,
+        crate::kernels::cuda::layer_ops::MOE_ADD_NORM_MAX_WIDTH,
+    ) {
+        let extra = crate::kernels::cuda::layer_ops::AddNormExtra {
+            scalar,
+            next: next.map(|n| n.weight),
+            next2: None,
+            second_branch: Some((b, norm_a.weight, norm_b.weight)),
+        };
+        if let Some((x, n1, _)) = sum.sum_add_norm(res, a, norm.weight, norm.eps, &extra)? {
+            return Ok((x, n1));
+        }
+    }
+    let (a, b) = sum.sum_pair(a, b)?;
+    add_two_branch_norm(res, (&a, norm_a), (&b, norm_b), norm, scalar, next)
 }
 
 /// `a.res + a.norm(y)` (times the scalar) and the norms of the sum `a` asks for.
