@@ -1,6 +1,6 @@
 //! The fused decoder-layer kernels against the candle op chains they replace (run on the
 //! CPU): residual add + RMS norm (with the layer scalar, one or two next norms, a second
-//! branch), GeGLU, q/k/v norms with RoPE and the K/V write, and the greedy argmax.
+//! branch), GeGLU, q/k/v norms with RoPE and the K/V write, the greedy argmax and the masked softmax.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -8,7 +8,7 @@ use candle_gemma::kernels::cuda::layer_ops::{
     add_norm, add_norm_ext, gelu_mul, qkv_prep, qkv_prep_into, AddNormExtra, QkvSources,
     ADD_NORM_MAX_WIDTH,
 };
-use candle_gemma::kernels::cuda::reduce::argmax_rows;
+use candle_gemma::kernels::cuda::reduce::{argmax_rows, masked_softmax};
 use candle_nn::ops::rms_norm;
 
 use crate::common::close::{max_abs_diff, Checks};
@@ -149,10 +149,12 @@ fn check_add_norm(checks: &mut Checks, dtype: DType, gpu: &Device) -> Result<()>
 
 /// GeGLU over the halves of a stacked product, and q/k/v prep (norms, RoPE, layout; then
 /// written into cache slots).
-fn check_geglu_and_qkv(checks: &mut Checks, dtype: DType, gpu: &Device) -> Result<()> {
+/// GeGLU, and the q/k/v preparation at head dim `hd` (256 and 512 take a warp a head, others a
+/// block).
+fn check_geglu_and_qkv(checks: &mut Checks, dtype: DType, gpu: &Device, hd: usize) -> Result<()> {
     let g = |t: &Tensor| t.to_device(gpu);
     let mut report = |name: &str, err: f32, limit: f32| {
-        checks.close(format!("fused {name} dtype={dtype:?}"), err, limit);
+        checks.close(format!("fused {name} dtype={dtype:?} hd={hd}"), err, limit);
     };
     let lim = lim(dtype);
     let eps = 1e-6;
@@ -163,8 +165,8 @@ fn check_geglu_and_qkv(checks: &mut Checks, dtype: DType, gpu: &Device) -> Resul
     let got = gelu_mul(&gug.narrow(1, 0, 704)?, &gug.narrow(1, 704, 704)?)?;
     report("gelu_mul", max_abs_diff(&got, &want), lim);
 
-    // q/k/v norms, RoPE and layout: batch 2, 3 tokens, 4 query heads, 2 KV heads, head dim 256.
-    let (b, sl, nh, kvh, hd) = (2, 3, 4, 2, 256);
+    // q/k/v norms, RoPE and layout: batch 2, 3 tokens, 4 query heads, 2 KV heads.
+    let (b, sl, nh, kvh) = (2, 3, 4, 2);
     let qkv = rnd(&[b * sl, (nh + 2 * kvh) * hd], dtype)?;
     let (qw, kw) = (rnd(&[hd], dtype)?, rnd(&[hd], dtype)?);
     let angles = (Tensor::rand(0f32, 6.0, (b, sl, hd / 2), &Device::Cpu)?).to_dtype(DType::F32)?;
@@ -278,7 +280,9 @@ fn geglu_and_qkv_prep_match_candle() -> Result<()> {
     };
     let mut checks = Checks::new("gelu_mul, qkv_prep");
     for dtype in [DType::F32, DType::BF16, DType::F16] {
-        check_geglu_and_qkv(&mut checks, dtype, &gpu.dev)?;
+        for hd in [256, 512, 128] {
+            check_geglu_and_qkv(&mut checks, dtype, &gpu.dev, hd)?;
+        }
     }
     checks.finish();
     Ok(())
@@ -331,6 +335,64 @@ fn argmax_rows_picks_the_first_maximum() -> Result<()> {
             &format!("argmax_rows cols={cols}"),
             if got == want { 0.0 } else { f32::INFINITY },
             0.0,
+        );
+    }
+    checks.finish();
+    Ok(())
+}
+
+#[test]
+fn masked_softmax_matches_the_host() -> Result<()> {
+    let Some(gpu) = gpu("masked_softmax") else {
+        return Ok(());
+    };
+    let mut checks = Checks::new("masked_softmax");
+    // Rows held in registers (16 and 32 keys a thread) and rows read three times (longer), with
+    // a causal and a sliding mask; keys at positions 0.., queries at the end of the keys.
+    for (keys, window) in [
+        (100, None),
+        (1000, Some(64)),
+        (5000, None),
+        (9000, Some(4096)),
+    ] {
+        let (heads, q_len, scale) = (2, 3, 0.125f32);
+        let scores = rnd(&[heads * q_len, keys], DType::F32)?;
+        let positions: Vec<usize> = (0..keys).collect();
+        let q_offset = keys - q_len;
+        let got = masked_softmax(
+            &scores.to_device(&gpu.dev)?,
+            &positions,
+            q_offset,
+            q_len,
+            window,
+            f64::from(scale),
+        )?;
+        let rows = scores.to_vec2::<f32>()?;
+        let mut want = Vec::with_capacity(rows.len());
+        for (r, row) in rows.iter().enumerate() {
+            let qpos = q_offset + r % q_len;
+            let visible = |j: usize| j <= qpos && window.map_or(true, |w| j + w > qpos);
+            let m = (0..keys)
+                .filter(|&j| visible(j))
+                .map(|j| row[j] * scale)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = (0..keys)
+                .map(|j| {
+                    if visible(j) {
+                        (row[j] * scale - m).exp()
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let sum: f32 = e.iter().sum();
+            want.push(e.iter().map(|x| x / sum).collect::<Vec<_>>());
+        }
+        let want = Tensor::new(want, &Device::Cpu)?;
+        checks.close(
+            format!("keys={keys} window={window:?}"),
+            max_abs_diff(&got, &want),
+            1e-5,
         );
     }
     checks.finish();

@@ -103,6 +103,107 @@ __device__ __forceinline__ void qkv_prep_body(const QkvPrepParams p, const T* __
     }
 }
 
+// Eight elements from f32 to T, stored 16 (16-bit T) or 32 bytes at once.
+template <typename T>
+__device__ __forceinline__ void store_x8(T* p, const float (&v)[8]) {
+    if constexpr (sizeof(T) == 2) {
+        *reinterpret_cast<uint4*>(p) = pack8<T>(v);
+    } else {
+        reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+}
+
+// qkv_prep_body with one warp per (token, head slot) instead of a block, for head_dim 32 * EPL
+// (EPL 8 or 16: the 256- and 512-wide heads): each lane keeps EPL consecutive elements in
+// registers, the norm is a warp reduction, and RoPE's partner of element i (i + half) sits in
+// lane ^ 16. No shared memory and no barrier: a block of 256 threads prepares 8 heads. Every
+// element is rounded where the block version rounds it; only the order of the sum of squares
+// differs.
+template <typename T, int EPL>
+__device__ __forceinline__ void qkv_prep_warp_body(const QkvPrepParams p,
+                                                   const T* __restrict__ qs,
+                                                   const T* __restrict__ ks,
+                                                   const T* __restrict__ vs,
+                                                   const T* __restrict__ qw,
+                                                   const T* __restrict__ kw,
+                                                   const T* __restrict__ cos,
+                                                   const T* __restrict__ sin, T* __restrict__ q,
+                                                   T* __restrict__ k, T* __restrict__ v) {
+    const int lane = threadIdx.x & 31;
+    const int slots = (int)(p.n_heads + 2 * p.kv_heads);
+    const int wid = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int tokens = (int)(p.batch * p.seq_len);
+    if (wid >= tokens * slots) return;  // uniform across the warp
+    const int token = wid / slots, slot = wid % slots;
+    const int hd = 32 * EPL, half = hd / 2;
+    const int b = token / p.seq_len, s = token % p.seq_len;
+    const T* src;
+    const T* w;
+    T* dst;
+    bool rope = true;
+    if (slot < (int)p.n_heads) {
+        src = qs + (size_t)token * p.q_stride + (size_t)slot * hd;
+        w = qw;
+        dst = q + (((size_t)b * p.n_heads + slot) * p.seq_len + s) * hd;
+    } else if (slot < (int)(p.n_heads + p.kv_heads)) {
+        const int h = slot - p.n_heads;
+        src = ks + (size_t)token * p.k_stride + (size_t)h * hd;
+        w = kw;
+        dst = k + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd;
+    } else {
+        const int h = slot - p.n_heads - p.kv_heads;
+        src = vs + (size_t)token * p.v_stride + (size_t)h * hd;
+        w = nullptr;
+        rope = false;
+        dst = v + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd;
+    }
+    const int e0 = lane * EPL;
+    float x[EPL];
+#pragma unroll
+    for (int c = 0; c < EPL / 8; ++c) load_x8<T>(src + e0 + 8 * c, x + 8 * c);
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) ss += x[i] * x[i];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float inv = rsqrtf(ss / hd + p.eps);
+    float wv[EPL];
+    if (w) {
+#pragma unroll
+        for (int c = 0; c < EPL / 8; ++c) load_x8<T>(w + e0 + 8 * c, wv + 8 * c);
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) x[i] = rnd<T>(x[i] * inv * (w ? wv[i] : 1.f));
+    float o[EPL];
+    if (!rope) {
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) o[i] = x[i];
+    } else {
+        // Lanes 0-15 hold x1 = x[i], lanes 16-31 x2 = x[i + half], for i = (lane & 15) * EPL + e.
+        const int c0 = (lane & 15) * EPL;
+        float cc[EPL], sn[EPL];
+#pragma unroll
+        for (int c = 0; c < EPL / 8; ++c) {
+            load_x8<T>(cos + (size_t)token * half + c0 + 8 * c, cc + 8 * c);
+            load_x8<T>(sin + (size_t)token * half + c0 + 8 * c, sn + 8 * c);
+        }
+        const bool first = lane < 16;
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+            const float other = __shfl_xor_sync(0xffffffffu, x[i], 16);
+            o[i] = first ? x[i] * cc[i] - other * sn[i] : x[i] * cc[i] + other * sn[i];
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < EPL / 8; ++c) {
+        float chunk[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) chunk[i] = o[8 * c + i];
+        store_x8<T>(dst + e0 + 8 * c, chunk);
+    }
+}
+
 // Where a captured decode step writes its K and V: read from device memory at run time, so
 // one CUDA graph serves every step (the cache slot moves, the graph does not change).
 struct QkvDst {
@@ -135,6 +236,26 @@ __device__ __forceinline__ void kv_scatter_body(const KvScatterParams p, const Q
         out[(i / head) * d.kv_head_stride + i % head] = src[i];
     }
 }
+
+// The warp-per-head qkv_prep kernels (`_w{EPL}`), plain and with recorded K/V destinations.
+#define QKV_PREP_WARP(TN, T, EPL)                                                               \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                  \
+        qkv_prep_w##EPL##_##TN(const QkvPrepParams p, const T* qs, const T* ks, const T* vs,    \
+                               const T* qw, const T* kw, const T* cos, const T* sin, T* q,      \
+                               T* k, T* v) {                                                    \
+        pdl_entry();                                                                            \
+        qkv_prep_warp_body<T, EPL>(p, qs, ks, vs, qw, kw, cos, sin, q, k, v);                   \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                  \
+        qkv_prep_dyn_w##EPL##_##TN(const QkvPrepParams p, const QkvDst* dst, const T* qs,       \
+                                   const T* ks, const T* vs, const T* qw, const T* kw,          \
+                                   const T* cos, const T* sin, T* q) {                          \
+        pdl_entry();                                                                            \
+        QkvPrepParams pd = p;                                                                   \
+        pd.kv_head_stride = dst->kv_head_stride;                                                \
+        qkv_prep_warp_body<T, EPL>(pd, qs, ks, vs, qw, kw, cos, sin, q,                         \
+                                   reinterpret_cast<T*>(dst->k), reinterpret_cast<T*>(dst->v)); \
+    }
 
 #define LAYER_OPS_INST(TN, T)                                                                   \
     extern "C" __global__ void kv_scatter_batch_##TN(const KvScatterParams p,                   \
@@ -184,7 +305,9 @@ __device__ __forceinline__ void kv_scatter_body(const KvScatterParams p, const Q
         pd.kv_head_stride = dst->kv_head_stride;                                                \
         qkv_prep_body<T>(pd, qs, ks, vs, qw, kw, cos, sin, q, reinterpret_cast<T*>(dst->k),     \
                          reinterpret_cast<T*>(dst->v));                                         \
-    }
+    }                                                                                           \
+    QKV_PREP_WARP(TN, T, 8)                                                                     \
+    QKV_PREP_WARP(TN, T, 16)
 
 LAYER_OPS_INST(f32, float)
 LAYER_OPS_INST(f16, __half)

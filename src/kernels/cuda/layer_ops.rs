@@ -424,19 +424,38 @@ pub fn qkv_prep_into(
         )?,
         None => None,
     };
+    // 256- and 512-wide heads whose rows start 16 bytes aligned take a warp a head.
+    let aligned = |t: &Tensor| t.layout().start_offset() % 8 == 0;
+    let warp = matches!(head_dim, 256 | 512)
+        && [qs, ks, vs, params.kv_head_stride as usize]
+            .iter()
+            .all(|st| st % 8 == 0)
+        && [&q, &k, &v, &qw, &kw, &cos, &sin].into_iter().all(aligned)
+        && kv_dst.map_or(true, |(kd, vd)| aligned(kd) && aligned(vd));
+    let variant = if warp {
+        format!("_w{}", head_dim / 32)
+    } else {
+        String::new()
+    };
     let name = match recorded {
-        Some(_) => format!("qkv_prep_dyn_{}", tn(dtype)?),
-        None => format!("qkv_prep_{}", tn(dtype)?),
+        Some(_) => format!("qkv_prep_dyn{variant}_{}", tn(dtype)?),
+        None => format!("qkv_prep{variant}_{}", tn(dtype)?),
     };
     let func = load_kernel(&dev, &name, &LAYER_OPS)?;
-    let cfg = LaunchConfig {
-        grid_dim: (
-            params.batch * params.seq_len,
-            params.n_heads + 2 * params.kv_heads,
-            1,
-        ),
-        block_dim: (NORM_THREADS, 1, 1),
-        shared_mem_bytes: (head_dim * 4) as u32,
+    let slots = params.n_heads + 2 * params.kv_heads;
+    let cfg = if warp {
+        let heads = u32_of(tokens, "tokens")?.saturating_mul(slots);
+        LaunchConfig {
+            grid_dim: (heads.div_ceil(NORM_THREADS / 32).max(1), 1, 1),
+            block_dim: (NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    } else {
+        LaunchConfig {
+            grid_dim: (params.batch * params.seq_len, slots, 1),
+            block_dim: (NORM_THREADS, 1, 1),
+            shared_mem_bytes: (head_dim * 4) as u32,
+        }
     };
     let q_len = tokens * n_heads * head_dim;
     let kv_len = (tokens * kv_heads * head_dim).max(1);

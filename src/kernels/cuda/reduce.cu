@@ -64,6 +64,60 @@ __device__ __forceinline__ void masked_softmax_body(const SoftmaxParams p,
         orow[j] = from_f<T>(visible(j) ? __expf(to_f(sr[j]) * p.scale - m) * inv : 0.f);
 }
 
+// masked_softmax_body for rows of at most KPT * NORM_THREADS keys: each thread reads its keys
+// once into registers (the body above reads each score three times). Same visible set, same
+// per-thread order of the sums, same block reductions: the same bits.
+template <typename T, int KPT>
+__device__ __forceinline__ void masked_softmax_reg_body(const SoftmaxParams p,
+                                                        const T* __restrict__ scores,
+                                                        const uint32_t* __restrict__ positions,
+                                                        T* __restrict__ out) {
+    __shared__ float red[NORM_THREADS / 32];
+    const size_t row = blockIdx.x;
+    const uint32_t qpos = p.q_offset + (uint32_t)(row % p.q_len);
+    const T* sr = scores + row * p.keys;
+    T* orow = out + row * p.keys;
+    float v[KPT];
+    bool vis[KPT];
+    float m = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < KPT; ++k) {
+        const uint32_t j = threadIdx.x + k * NORM_THREADS;
+        vis[k] = false;
+        v[k] = 0.f;
+        if (j < p.keys) {
+            const uint32_t kp = softmax_key_pos(p, positions, j);
+            vis[k] = kp <= qpos && (p.window == 0 || kp + p.window > qpos);
+            v[k] = to_f(sr[j]) * p.scale;
+            if (vis[k]) m = fmaxf(m, v[k]);
+        }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        __syncthreads();
+        if (lane == 0) red[warp] = m;
+        __syncthreads();
+        m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < NORM_THREADS / 32; ++w) m = fmaxf(m, red[w]);
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < KPT; ++k) {
+        v[k] = vis[k] ? __expf(v[k] - m) : 0.f;
+        sum += v[k];
+    }
+    sum = block_sum(sum, red);
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+#pragma unroll
+    for (int k = 0; k < KPT; ++k) {
+        const uint32_t j = threadIdx.x + k * NORM_THREADS;
+        if (j < p.keys) orow[j] = from_f<T>(v[k] * inv);
+    }
+}
+
 // Greedy pick: the index of the largest f32 of each row (ties: the lowest index; NaN never
 // wins), in two launches: block (c, r) takes the best of chunk c of row r (ARGMAX_CHUNK
 // columns, eight loads a thread in flight), then one warp a row merges the chunks' bests. One
@@ -140,6 +194,18 @@ extern "C" __global__ void argmax_merge_f32(const float* __restrict__ best_v,
                             T* out) {                                                          \
         pdl_entry();                                                                           \
         masked_softmax_body<T>(p, scores, positions, out);                                     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
+        masked_softmax_r16_##TN(const SoftmaxParams p, const T* scores,                        \
+                                const uint32_t* positions, T* out) {                           \
+        pdl_entry();                                                                           \
+        masked_softmax_reg_body<T, 16>(p, scores, positions, out);                             \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
+        masked_softmax_r32_##TN(const SoftmaxParams p, const T* scores,                        \
+                                const uint32_t* positions, T* out) {                           \
+        pdl_entry();                                                                           \
+        masked_softmax_reg_body<T, 32>(p, scores, positions, out);                             \
     }
 
 REDUCE_INST(f32, float)

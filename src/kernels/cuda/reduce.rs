@@ -74,7 +74,17 @@ pub fn masked_softmax(
         Some(t) => Some(dev.clone_htod(&t)?),
         None => None,
     };
-    let func = load_kernel(&dev, &format!("masked_softmax_{}", tn(dtype)?), &REDUCE)?;
+    // Rows of up to 16 or 32 keys a thread stay in registers (one read of the scores).
+    let variant = match keys.div_ceil(NORM_THREADS as usize) {
+        0..=16 => "_r16",
+        17..=32 => "_r32",
+        _ => "",
+    };
+    let func = load_kernel(
+        &dev,
+        &format!("masked_softmax{variant}_{}", tn(dtype)?),
+        &REDUCE,
+    )?;
     let cfg = LaunchConfig {
         grid_dim: (params.rows.max(1), 1, 1),
         block_dim: (NORM_THREADS, 1, 1),
