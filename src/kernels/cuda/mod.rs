@@ -12,10 +12,11 @@
 //! | `norm_tail` | the residual add + norm folded into a product's last block |
 //! | `layer_ops` | residual add + RMS norm, GeGLU, q/k/v norm + RoPE + layout (`layer_ops.cu`) |
 //! | `kv_write` | writing new K/V into cache slots, dense or quantized |
-//! | `moe` | router top-k, grouped expert products, the weighted mix (`moe.cu`) |
+//! | `moe` | router top-k, grouped expert products, the weighted mix, the row gather (`moe.cu`) |
 //! | `reduce` | masked softmax, row argmax (`reduce.cu`) |
 //! | `quantize` | affine quantization and dequantization (`quantize.cu`) |
 //! | `nccl` | the NCCL all-reduce of tensor-parallel groups (`nccl` feature) |
+//! | `peer_reduce` | the one-shot all-reduce over peer memory, alone or with the add + norms after it (`nccl` feature) |
 //! | `pool` | the device memory pool and event tracking |
 //! | `scratch`, `graph` | per-thread scratch buffers; CUDA graph capture of decode steps |
 //! | `diagnostics` | bench helpers: copy bandwidth reference, GPU spin, host-cost probe (`diagnostics.cu`) |
