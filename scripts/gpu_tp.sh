@@ -10,13 +10,15 @@
 # Phases: check1 (one-GPU kernel tests, goldens and graph checks on GPU 1, in the background),
 # tp (scripts/gpu_tp_check.py and scripts/gpu_tp_serve_check.py), serve (the latter alone),
 # speed (model_speed at --tp 1 and 2; one line per run of SPECS: model weights batches prefill
-# tp graph extra-env, "-" for none).
+# tp graph extra-env, "-" for none), ab (two builds one after the other: put the earlier
+# build's model_speed in as e.g. model_speed_old.xz; one line per run of SPECS: binary model
+# weights batches tp prefill). CHECK_GPU picks check1's GPU (1; 0 on a one-GPU machine).
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 D=.device/tp
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 for f in $D/*.xz; do [ -e "${f%.xz}" ] || xz -T8 -dk "$f"; done
-chmod +x $D/generate $D/serve $D/model_speed $D/cuda_kernels_test
+for f in $D/*.xz; do chmod +x "${f%.xz}"; done
 source $D/device-env.sh > "$OUT/env.txt" 2>&1
 NCCL_LIB=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
 [ -z "$NCCL_LIB" ] && NCCL_LIB=$(dirname "$(find / -xdev -name 'libnccl.so.2' 2>/dev/null | head -1)")
@@ -24,10 +26,12 @@ export LD_LIBRARY_PATH="$NCCL_LIB:$LD_LIBRARY_PATH"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$OUT/env.txt"
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 check1() {
-  export CUDA_VISIBLE_DEVICES=1
+  export CUDA_VISIBLE_DEVICES=${CHECK_GPU:-1}
   CUDA_KERNELS_REQUIRE_GPU=1 $D/cuda_kernels_test --test-threads=1 --nocapture > "$OUT/cuda-kernels-test.txt" 2>&1
   echo "cuda kernel tests exit $?: $(grep -E '^test result' "$OUT/cuda-kernels-test.txt")"
   python3 scripts/gpu_tokens_check.py $D/generate > "$OUT/tokens-f32.txt" 2>&1; echo "f32 goldens (1 GPU) exit $?: $(tail -1 "$OUT/tokens-f32.txt")"
+  CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=0 python3 scripts/gpu_tokens_check.py $D/generate > "$OUT/tokens-f32-sorted.txt" 2>&1
+  echo "f32 goldens, MoE sorted path (1 GPU) exit $?: $(tail -1 "$OUT/tokens-f32-sorted.txt")"
   python3 scripts/gpu_graph_batch_check.py $D/generate > "$OUT/graph-batch.txt" 2>&1; echo "graph batch exit $?: $(tail -1 "$OUT/graph-batch.txt")"
   grep -v '"identical": true' "$OUT/graph-batch.txt" | head -4 | cut -c1-300
   python3 scripts/gpu_graph_kvq_check.py $D/generate > "$OUT/graph-kvq.txt" 2>&1; echo "graph kvq exit $?: $(tail -1 "$OUT/graph-kvq.txt")"
@@ -48,6 +52,20 @@ for phase in "$@"; do
     el "tp serve"
     timeout ${T_SERVE:-150} python3 scripts/gpu_tp_serve_check.py $D/serve fixtures > "$OUT/tp-serve.txt" 2>&1; echo "tp serve exit $?"
     tail -4 "$OUT/tp-serve.txt"; grep '"ok": false' "$OUT/tp-serve.txt" | head -3 | cut -c1-300
+    ;;
+  ab)
+    [ -n "${C1:-}" ] && { wait $C1; el "check1 done"; cat "$OUT/check1.log"; C1=""; }
+    while read -r bin model w batch tp prefill; do
+      el "$bin $model $w b $batch tp $tp prefill ${prefill:-0}"
+      timeout ${T_SPEED:-90} $D/$bin --config fixtures/real-configs/$model-config.json --prefill ${prefill:-0} \
+        --batch $batch --context 128 --weights $w --kv dense --steps 16 --rounds 3 --tp $tp 2>>"$OUT/ab.err" \
+        | sed "s/^{/{\"bin\":\"$bin\",/" >> "$OUT/ab.jsonl"
+    done < "$SPECS"
+    python3 -c '
+import json,sys
+for l in open(sys.argv[1]):
+    j=json.loads(l) if l.startswith("{") else {}
+    if j.get("op") in ("decode","prefill"): print(j["bin"], j["model"], j["weights"], "tp", j["tp"], j["op"], j.get("batch", j.get("tokens")), "%.1f tok/s" % j["tok_s"])' "$OUT/ab.jsonl"
     ;;
   speed)
     specs=${SPECS:-$OUT/specs.txt}

@@ -42,6 +42,34 @@ struct QkvPrepParams {
     uint32_t kv_head_stride;
 };
 
+// Where head slot `slot` of token `token` reads and writes: slots are the n_heads query heads
+// (norm weight qw, RoPE), then kv_heads key heads (kw, RoPE), then kv_heads value heads (no
+// weight, no RoPE); q is written [batch, heads, seq_len, head_dim], k and v kv_head_stride apart.
+template <typename T> struct QkvHead {
+    const T* src;
+    const T* w;
+    T* dst;
+    bool rope;
+};
+
+template <typename T>
+__device__ __forceinline__ QkvHead<T> qkv_head(const QkvPrepParams& p, int token, int slot, int hd,
+                                               const T* qs, const T* ks, const T* vs,
+                                               const T* qw, const T* kw, T* q, T* k, T* v) {
+    const int b = token / p.seq_len, s = token % p.seq_len;
+    if (slot < (int)p.n_heads)
+        return {qs + (size_t)token * p.q_stride + (size_t)slot * hd, qw,
+                q + (((size_t)b * p.n_heads + slot) * p.seq_len + s) * hd, true};
+    if (slot < (int)(p.n_heads + p.kv_heads)) {
+        const int h = slot - p.n_heads;
+        return {ks + (size_t)token * p.k_stride + (size_t)h * hd, kw,
+                k + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd, true};
+    }
+    const int h = slot - p.n_heads - p.kv_heads;
+    return {vs + (size_t)token * p.v_stride + (size_t)h * hd, nullptr,
+            v + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd, false};
+}
+
 // Per head of one token: RMS norm (q and k with their weights, v without), rotate-half RoPE
 // on q and k from the step's cos/sin tables ([batch * seq_len, head_dim / 2]), and the write to
 // [batch, heads, seq_len, head_dim] (k and v heads kv_head_stride apart). One block per (token, head slot): slots are the n_heads
@@ -57,27 +85,11 @@ __device__ __forceinline__ void qkv_prep_body(const QkvPrepParams p, const T* __
     __shared__ float red[NORM_THREADS / 32];
     const int token = blockIdx.x, slot = blockIdx.y;
     const int hd = p.head_dim, half = hd / 2;
-    const int b = token / p.seq_len, s = token % p.seq_len;
-    const T* src;
-    const T* w;
-    T* dst;
-    bool rope = true;
-    if (slot < (int)p.n_heads) {
-        src = qs + (size_t)token * p.q_stride + (size_t)slot * hd;
-        w = qw;
-        dst = q + (((size_t)b * p.n_heads + slot) * p.seq_len + s) * hd;
-    } else if (slot < (int)(p.n_heads + p.kv_heads)) {
-        const int h = slot - p.n_heads;
-        src = ks + (size_t)token * p.k_stride + (size_t)h * hd;
-        w = kw;
-        dst = k + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd;
-    } else {
-        const int h = slot - p.n_heads - p.kv_heads;
-        src = vs + (size_t)token * p.v_stride + (size_t)h * hd;
-        w = nullptr;
-        rope = false;
-        dst = v + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd;
-    }
+    const QkvHead<T> head = qkv_head(p, token, slot, hd, qs, ks, vs, qw, kw, q, k, v);
+    const T* src = head.src;
+    const T* w = head.w;
+    T* dst = head.dst;
+    const bool rope = head.rope;
     float ss = 0.f;
     for (int i = threadIdx.x; i < hd; i += NORM_THREADS) {
         const float val = to_f(src[i]);
@@ -137,27 +149,11 @@ __device__ __forceinline__ void qkv_prep_warp_body(const QkvPrepParams p,
     if (wid >= tokens * slots) return;  // uniform across the warp
     const int token = wid / slots, slot = wid % slots;
     const int hd = 32 * EPL, half = hd / 2;
-    const int b = token / p.seq_len, s = token % p.seq_len;
-    const T* src;
-    const T* w;
-    T* dst;
-    bool rope = true;
-    if (slot < (int)p.n_heads) {
-        src = qs + (size_t)token * p.q_stride + (size_t)slot * hd;
-        w = qw;
-        dst = q + (((size_t)b * p.n_heads + slot) * p.seq_len + s) * hd;
-    } else if (slot < (int)(p.n_heads + p.kv_heads)) {
-        const int h = slot - p.n_heads;
-        src = ks + (size_t)token * p.k_stride + (size_t)h * hd;
-        w = kw;
-        dst = k + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd;
-    } else {
-        const int h = slot - p.n_heads - p.kv_heads;
-        src = vs + (size_t)token * p.v_stride + (size_t)h * hd;
-        w = nullptr;
-        rope = false;
-        dst = v + ((size_t)b * p.kv_heads + h) * p.kv_head_stride + (size_t)s * hd;
-    }
+    const QkvHead<T> head = qkv_head(p, token, slot, hd, qs, ks, vs, qw, kw, q, k, v);
+    const T* src = head.src;
+    const T* w = head.w;
+    T* dst = head.dst;
+    const bool rope = head.rope;
     const int e0 = lane * EPL;
     float x[EPL];
 #pragma unroll

@@ -24,6 +24,20 @@ __device__ __forceinline__ uint32_t softmax_key_pos(const SoftmaxParams& p,
     return pos[j];
 }
 
+// Max over the block (NORM_THREADS threads); `red` holds NORM_THREADS / 32 floats.
+__device__ __forceinline__ float block_max(float m, float* red) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NORM_THREADS / 32; ++w) m = fmaxf(m, red[w]);
+    return m;
+}
+
 // Softmax over each score row with the causal / sliding mask computed from key positions (no
 // mask tensor), in f32, written in T. One block per row; a row with no visible key gets zeros.
 template <typename T>
@@ -43,18 +57,7 @@ __device__ __forceinline__ void masked_softmax_body(const SoftmaxParams p,
     float m = -INFINITY;
     for (uint32_t j = threadIdx.x; j < p.keys; j += NORM_THREADS)
         if (visible(j)) m = fmaxf(m, to_f(sr[j]) * p.scale);
-    // Block max.
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        __syncthreads();
-        if (lane == 0) red[warp] = m;
-        __syncthreads();
-        m = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < NORM_THREADS / 32; ++w) m = fmaxf(m, red[w]);
-    }
+    m = block_max(m, red);
     float sum = 0.f;
     for (uint32_t j = threadIdx.x; j < p.keys; j += NORM_THREADS)
         if (visible(j)) sum += __expf(to_f(sr[j]) * p.scale - m);
@@ -92,17 +95,7 @@ __device__ __forceinline__ void masked_softmax_reg_body(const SoftmaxParams p,
             if (vis[k]) m = fmaxf(m, v[k]);
         }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    {
-        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-        __syncthreads();
-        if (lane == 0) red[warp] = m;
-        __syncthreads();
-        m = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < NORM_THREADS / 32; ++w) m = fmaxf(m, red[w]);
-    }
+    m = block_max(m, red);
     float sum = 0.f;
 #pragma unroll
     for (int k = 0; k < KPT; ++k) {
