@@ -259,9 +259,10 @@ impl Collective {
     }
 
     /// `add_norm_ext(res, Σ y, w, eps, extra)` with the second branch of `extra` summed too, in
-    /// one launch where the group sums through peer memory; `None` in a group of one, on CPU
-    /// ranks, in groups without peer access and for shapes that kernel does not take (the
-    /// caller then sums and adds apart). Every rank must call it where it would call
+    /// one launch where the group sums through peer memory and a decode graph is being
+    /// captured; `None` in a group of one, on CPU ranks, in groups without peer access, in
+    /// eager steps and for shapes that kernel does not take (the caller then sums and adds
+    /// apart). Every rank must call it where it would call
     /// [`Collective::sum`].
     ///
     /// # Errors
@@ -279,7 +280,13 @@ impl Collective {
             return Ok(None);
         };
         let rows = y.elem_count() / w.elem_count().max(1);
-        if rows > crate::kernels::cuda::peer_reduce::PEER_ADD_NORM_MAX_ROWS {
+        // Only inside a decode graph's capture (every rank captures the same step, so every
+        // rank decides alike). Eager steps keep the sum and the add-norm apart: at `--tp 2`,
+        // bf16 ids were seen to vary between runs in eager steps under load, and graph
+        // replays did not (docs/performance.md, tensor parallel).
+        if rows > crate::kernels::cuda::peer_reduce::PEER_ADD_NORM_MAX_ROWS
+            || !crate::kernels::cuda::graph::recording()
+        {
             return Ok(None);
         }
         if r.group.failed.load(Ordering::Acquire) {
