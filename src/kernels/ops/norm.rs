@@ -112,23 +112,36 @@ pub(crate) fn add_two_branch_norm(
     next: Option<Norm<'_>>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     #[cfg(feature = "cuda")]
-    if cuda_add_norm_applies(
-        res,
-        norm,
-        crate::kernels::cuda::layer_ops::MOE_ADD_NORM_MAX_WIDTH,
-    ) {
-        let extra = crate::kernels::cuda::layer_ops::AddNormExtra {
-            scalar,
-            next: next.map(|n| n.weight),
-            second_branch: Some((b, norm_a.weight, norm_b.weight)),
-            ..Default::default()
-        };
+    if let Some(extra) = two_branch_extra(res, (b, norm_a, norm_b), norm, scalar, next) {
         let (x, n1, _) =
             crate::kernels::cuda::layer_ops::add_norm_ext(res, a, norm.weight, norm.eps, &extra)?;
         return Ok((x, n1));
     }
     let y = (rms_norm(a, norm_a)? + rms_norm(b, norm_b)?)?;
     add_norm(res, &y, norm, scalar, next)
+}
+
+/// The extras of the CUDA two-branch add-norm (`b` with both branches' norms), when its kernel
+/// takes `res` and `norm`; `None` where the candle ops run instead.
+#[cfg(feature = "cuda")]
+fn two_branch_extra<'a>(
+    res: &Tensor,
+    (b, norm_a, norm_b): (&'a Tensor, Norm<'a>, Norm<'a>),
+    norm: Norm<'_>,
+    scalar: Option<&'a Tensor>,
+    next: Option<Norm<'a>>,
+) -> Option<crate::kernels::cuda::layer_ops::AddNormExtra<'a>> {
+    cuda_add_norm_applies(
+        res,
+        norm,
+        crate::kernels::cuda::layer_ops::MOE_ADD_NORM_MAX_WIDTH,
+    )
+    .then(|| crate::kernels::cuda::layer_ops::AddNormExtra {
+        scalar,
+        next: next.map(|n| n.weight),
+        next2: None,
+        second_branch: Some((b, norm_a.weight, norm_b.weight)),
+    })
 }
 
 /// What [`product_add_norm`] adds and normalises.
@@ -228,17 +241,7 @@ pub(crate) fn reduce_add_two_branch_norm(
     sum: &super::collective::Collective,
 ) -> Result<(Tensor, Option<Tensor>)> {
     #[cfg(feature = "nccl")]
-    if cuda_add_norm_applies(
-        res,
-        norm,
-        crate::kernels::cuda::layer_ops::MOE_ADD_NORM_MAX_WIDTH,
-    ) {
-        let extra = crate::kernels::cuda::layer_ops::AddNormExtra {
-            scalar,
-            next: next.map(|n| n.weight),
-            next2: None,
-            second_branch: Some((b, norm_a.weight, norm_b.weight)),
-        };
+    if let Some(extra) = two_branch_extra(res, (b, norm_a, norm_b), norm, scalar, next) {
         if let Some((x, n1, _)) = sum.sum_add_norm(res, a, norm.weight, norm.eps, &extra)? {
             return Ok((x, n1));
         }
