@@ -24,6 +24,14 @@ __device__ __forceinline__ uint32_t softmax_key_pos(const SoftmaxParams& p,
     return pos[j];
 }
 
+// Whether key j is visible to the query at position qpos: causal, and inside the sliding
+// window when there is one.
+__device__ __forceinline__ bool softmax_visible(const SoftmaxParams& p, const uint32_t* pos,
+                                                uint32_t j, uint32_t qpos) {
+    const uint32_t k = softmax_key_pos(p, pos, j);
+    return k <= qpos && (p.window == 0 || k + p.window > qpos);
+}
+
 // Max over the block (NORM_THREADS threads); `red` holds NORM_THREADS / 32 floats.
 __device__ __forceinline__ float block_max(float m, float* red) {
 #pragma unroll
@@ -50,10 +58,7 @@ __device__ __forceinline__ void masked_softmax_body(const SoftmaxParams p,
     const uint32_t qpos = p.q_offset + (uint32_t)(row % p.q_len);
     const T* sr = scores + row * p.keys;
     T* orow = out + row * p.keys;
-    auto visible = [&](uint32_t j) {
-        const uint32_t k = softmax_key_pos(p, positions, j);
-        return k <= qpos && (p.window == 0 || k + p.window > qpos);
-    };
+    auto visible = [&](uint32_t j) { return softmax_visible(p, positions, j, qpos); };
     float m = -INFINITY;
     for (uint32_t j = threadIdx.x; j < p.keys; j += NORM_THREADS)
         if (visible(j)) m = fmaxf(m, to_f(sr[j]) * p.scale);
@@ -89,8 +94,7 @@ __device__ __forceinline__ void masked_softmax_reg_body(const SoftmaxParams p,
         vis[k] = false;
         v[k] = 0.f;
         if (j < p.keys) {
-            const uint32_t kp = softmax_key_pos(p, positions, j);
-            vis[k] = kp <= qpos && (p.window == 0 || kp + p.window > qpos);
+            vis[k] = softmax_visible(p, positions, j, qpos);
             v[k] = to_f(sr[j]) * p.scale;
             if (vis[k]) m = fmaxf(m, v[k]);
         }
