@@ -11,12 +11,14 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use candle_core::cuda_backend::cudarc::driver::{result, sys, CudaContext, CudaStream, DeviceRepr};
+use candle_core::cuda_backend::cudarc::driver::{
+    result, sys, CudaContext, CudaStream, DeviceRepr, LaunchConfig,
+};
 use candle_core::cuda_backend::{CudaDevice, WrapErr};
 use candle_core::{DType, Result, Tensor};
 
 use super::device::{bind, by_dtype, cuda_dev, tn, u32_of, wrap};
-use super::kernel_cache::{load_kernel, Arg, LaunchArg, PEER_REDUCE};
+use super::kernel_cache::{load_kernel, Arg, Kernel, LaunchArg, PEER_REDUCE};
 use super::layer_ops::{add_norm_params, AddNormExtra, ADD_NORM_THREADS};
 
 /// Most GPUs a group may have (`PEER_MAX_RANKS` in `peer_reduce.cu`).
@@ -91,6 +93,14 @@ impl Drop for Raw {
             let _ = unsafe { result::free_sync(self.ptr) };
         }
     }
+}
+
+/// A sum's device, arguments, kernel and launch shape ([`PeerSum::prepare`]).
+struct Prepared {
+    dev: CudaDevice,
+    args: PeerArgs,
+    func: Kernel,
+    cfg: LaunchConfig,
 }
 
 /// One rank's side of the peer-memory all-reduce.
@@ -191,6 +201,43 @@ pub(crate) fn peer_sums(devices: &[CudaDevice], max_bytes: usize) -> Result<Opti
 }
 
 impl PeerSum {
+    /// What both sums check and set up for `elements` elements of `t`'s dtype on `t`'s device:
+    /// the call's arguments and `kernel`'s launch of `threads` a block. `None` when the
+    /// elements exceed the receive buffer.
+    fn prepare(
+        &self,
+        t: &Tensor,
+        elements: usize,
+        kernel: &str,
+        threads: u32,
+    ) -> Result<Option<Prepared>> {
+        let dtype = t.dtype();
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            candle_core::bail!("the peer all-reduce does not take {dtype:?}");
+        }
+        if elements * dtype.size_in_bytes() > self.max_bytes {
+            return Ok(None);
+        }
+        let dev = cuda_dev(t)?;
+        if dev.id() != self.dev.id() {
+            candle_core::bail!("the peer all-reduce got a tensor of another device");
+        }
+        let mut args = self.args;
+        args.n = u32_of(elements, "elements")?;
+        let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), &PEER_REDUCE)?;
+        let cfg = LaunchConfig {
+            grid_dim: (BLOCKS, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        Ok(Some(Prepared {
+            dev,
+            args,
+            func,
+            cfg,
+        }))
+    }
+
     /// The sum of `x` over every rank, in a new tensor; `None` when `x` is larger than the
     /// receive buffer (the caller then sums through NCCL). Every rank must call it with a tensor of
     /// the same shape and dtype, in the same order as its other sums.
@@ -200,30 +247,16 @@ impl PeerSum {
     /// errors.
     pub(crate) fn sum(&self, x: &Tensor) -> Result<Option<Tensor>> {
         let dtype = x.dtype();
-        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-            candle_core::bail!("the peer all-reduce does not take {dtype:?}");
-        }
-        let bytes = x.elem_count() * dtype.size_in_bytes();
-        if bytes > self.max_bytes {
+        let Some(Prepared {
+            dev,
+            args,
+            func,
+            cfg,
+        }) = self.prepare(x, x.elem_count(), "peer_all_reduce", THREADS)?
+        else {
             return Ok(None);
-        }
-        let dev = cuda_dev(x)?;
-        if dev.id() != self.dev.id() {
-            candle_core::bail!("the peer all-reduce got a tensor of another device");
-        }
-        let x = x.contiguous()?;
-        let mut args = self.args;
-        args.n = u32_of(x.elem_count(), "elements")?;
-        let func = load_kernel(
-            &dev,
-            &format!("peer_all_reduce_{}", tn(dtype)?),
-            &PEER_REDUCE,
-        )?;
-        let cfg = candle_core::cuda_backend::cudarc::driver::LaunchConfig {
-            grid_dim: (BLOCKS, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
         };
+        let x = x.contiguous()?;
         by_dtype!(dtype, E, {
             // SAFETY: the kernel writes every element before any reader on this stream.
             let mut out = unsafe { dev.alloc::<E>(x.elem_count().max(1))? };
@@ -263,33 +296,28 @@ impl PeerSum {
         let elems = y.elem_count();
         let parts = if extra.second_branch.is_some() { 2 } else { 1 };
         if params.rows as usize > PEER_ADD_NORM_MAX_ROWS
-            || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
-            || parts * elems * dtype.size_in_bytes() > self.max_bytes
             || (dtype.size_in_bytes() == 2 && elems % 2 != 0)
         {
             return Ok(None);
         }
-        let dev = cuda_dev(res)?;
-        if dev.id() != self.dev.id() {
-            candle_core::bail!("the peer all-reduce got a tensor of another device");
-        }
-        let (res, y, w) = (res.contiguous()?, y.contiguous()?, w.contiguous()?);
-        let branch = match extra.second_branch {
-            Some((b, wa, wb)) => Some((b.contiguous()?, wa.contiguous()?, wb.contiguous()?)),
-            None => None,
-        };
-        let mut args = self.args;
-        args.n = u32_of(parts * elems, "elements")?;
-        let kernel = if branch.is_some() {
+        let kernel = if extra.second_branch.is_some() {
             "peer_moe_add_norm"
         } else {
             "peer_add_norm"
         };
-        let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), &PEER_REDUCE)?;
-        let cfg = candle_core::cuda_backend::cudarc::driver::LaunchConfig {
-            grid_dim: (BLOCKS, 1, 1),
-            block_dim: (ADD_NORM_THREADS, 1, 1),
-            shared_mem_bytes: 0,
+        let Some(Prepared {
+            dev,
+            args,
+            func,
+            cfg,
+        }) = self.prepare(res, parts * elems, kernel, ADD_NORM_THREADS)?
+        else {
+            return Ok(None);
+        };
+        let (res, y, w) = (res.contiguous()?, y.contiguous()?, w.contiguous()?);
+        let branch = match extra.second_branch {
+            Some((b, wa, wb)) => Some((b.contiguous()?, wa.contiguous()?, wb.contiguous()?)),
+            None => None,
         };
         let shape = res.dims().to_vec();
         by_dtype!(dtype, E, {
