@@ -108,6 +108,20 @@ __device__ __forceinline__ uint4 ld_stream4(const uint32_t* p) {
     return r;
 }
 
+// A 16-byte load of data an earlier kernel may still be writing, for kernels that issue loads
+// before their `pdl_wait`: a coherent load in volatile asm stays after the wait. Reads of
+// `const __restrict__` pointers compile to the read-only path (LDG.CONSTANT), which nvcc and
+// ptxas treat as unchanging for the whole launch and moved above the wait (seen in the SASS
+// of the early `qmv_row4` kernels: stale activations under load).
+__device__ __forceinline__ uint4 ld_after_wait4(const uint4* p) {
+    uint4 r;
+    asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                 : "l"(p)
+                 : "memory");
+    return r;
+}
+
 // c += A (16x16) * B (16x8), f32 accumulate.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float* c, const uint32_t* a, const uint32_t* b) {

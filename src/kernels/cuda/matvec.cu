@@ -547,8 +547,7 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
                                               const T* __restrict__ scales,
                                               const T* __restrict__ biases,
                                               T* __restrict__ y) {
-    // The next kernel may launch at once (it waits for this one before reading what this one
-    // writes); its settled weights' loads then overlap this kernel's tail.
+    // The next kernel may launch at once (it waits for this one before reading its output).
     if constexpr (EARLY && TRIGGER_FIRST) pdl_trigger();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int part = threadIdx.y, parts = blockDim.y;
@@ -580,10 +579,12 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
         const uint4* xs;
         bool ok;
     };
+    // x is written by the kernel ahead: the early forms keep its loads after the wait.
+    auto load_xv = [](const uint4* q) { return EARLY ? ld_after_wait4(q) : *q; };
     auto load_x = [&](Step& t) {
         if constexpr (!LATE_X) {
 #pragma unroll
-            for (int j = 0; j < 4; ++j) t.xv[j] = t.ok ? t.xs[j] : make_uint4(0u, 0u, 0u, 0u);
+            for (int j = 0; j < 4; ++j) t.xv[j] = t.ok ? load_xv(t.xs + j) : uint4{};
         }
     };
     // Loads one step's weights (`ok` false: zeros, nothing read) and advances the pointers, and
@@ -631,7 +632,7 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
         for (int j = 0; j < 4; ++j) {
             uint4 r;
             if constexpr (LATE_X) {
-                r = t.ok ? t.xs[j] : make_uint4(0u, 0u, 0u, 0u);
+                r = t.ok ? load_xv(t.xs + j) : uint4{};
             } else {
                 r = t.xv[j];
             }
