@@ -12,6 +12,14 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target-cuda}
 # --release: reuses the build-script outputs (candle's PTX, ours) of the release build below.
 cargo check --release --features cuda --all-targets
 cargo build --release --features cuda --example generate
+# No kernel may read global memory before its dependent-launch wait (needs cuobjdump and
+# nvdisasm: pip install nvidia-cuda-cuobjdump-cu13 nvidia-cuda-nvdisasm-cu13, on PATH).
+out=$(dirname "$(ls -t "$CARGO_TARGET_DIR"/release/build/candle-gemma-*/out/matvec.fatbin | head -1)")
+if command -v cuobjdump >/dev/null && command -v nvdisasm >/dev/null; then
+  python3 scripts/check_pdl_order.py "$out"
+else
+  echo "cuobjdump/nvdisasm not found: skipping scripts/check_pdl_order.py $out"
+fi
 mkdir -p .device
 xz -6 -T2 -c "$CARGO_TARGET_DIR/release/examples/generate" > .device/generate.xz
 # Test and bench binaries carry a hash in their names: ask cargo where it put them.
