@@ -10,7 +10,11 @@
 //! kernel's blocks may be scheduled while the previous kernel on the stream still runs, and wait
 //! for it (`griddepcontrol.wait`, `pdl_entry` in `common.cuh`) before touching memory. Every
 //! kernel launched here starts with that wait, so the order of effects is the stream's; what is
-//! saved is the launch latency and the block-scheduling ramp between kernels.
+//! saved is the launch latency and the block-scheduling ramp between kernels. A kernel that
+//! issues loads before its wait (settled weights or keys) must read everything else through
+//! loads the compilers keep after it: reads of `const __restrict__` pointers become read-only
+//! loads that they may move above the wait (`ld_after_wait4` in `common.cuh`).
+//! `scripts/check_pdl_order.py` checks a build's machine code for this.
 //! [`LaunchPolicy::dependent_launch`](crate::kernels::policy::LaunchPolicy::dependent_launch)
 //! off launches plainly.
 
