@@ -12,7 +12,10 @@
 # speed (model_speed at --tp 1 and 2; one line per run of SPECS: model weights batches prefill
 # tp graph extra-env, "-" for none), ab (two builds one after the other: put the earlier
 # build's model_speed in as e.g. model_speed_old.xz; one line per run of SPECS: binary model
-# weights batches tp prefill). CHECK_GPU picks check1's GPU (1; 0 on a one-GPU machine).
+# weights batches tp prefill), loaded (e2b-q4 bf16 ids while a PyTorch matmul loop keeps GPU 1
+# busy: --tp 1 on GPU 1 and --tp 2 with graphs off and on, LOADED_RUNS each, against a quiet
+# --tp 1 run; "stalled" is no output within 40 s). CHECK_GPU picks check1's GPU (1; 0 on a
+# one-GPU machine).
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 D=.device/tp
@@ -47,6 +50,32 @@ for phase in "$@"; do
     el "tp serve"
     timeout ${T_SERVE:-150} python3 scripts/gpu_tp_serve_check.py $D/serve fixtures > "$OUT/tp-serve.txt" 2>&1; echo "tp serve exit $?"
     tail -4 "$OUT/tp-serve.txt"; grep '"ok": false' "$OUT/tp-serve.txt" | head -3
+    ;;
+  loaded)
+    [ -n "${C1:-}" ] && { wait $C1; el "check1 done"; cat "$OUT/check1.log"; C1=""; }
+    ids() { # TP ENV...: the first 6 greedy ids of e2b-q4 in bf16, or "stalled"
+      local tp=$1; shift
+      timeout 40 env "$@" $D/generate --model fixtures/e2b-q4 --max-tokens 6 --ignore-eos --json \
+        --dtype bf16 --tp "$tp" --prompt-ids 2,503,502,507,262,178,481 2>>"$OUT/loaded.err" | tail -1 |
+        python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["sequences"][0]["ids"])' 2>/dev/null ||
+        echo stalled
+    }
+    quiet=$(ids 1 CUDA_VISIBLE_DEVICES=0)
+    el "loaded (quiet --tp 1: $quiet)"
+    CUDA_VISIBLE_DEVICES=1 timeout 600 python3 -c '
+import torch
+a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.empty_like(a)
+while True: torch.matmul(a, a, out=b)' & LOAD=$!
+    sleep 5
+    for run in "1 CUDA_VISIBLE_DEVICES=1" "2 CANDLE_GEMMA_CUDA_GRAPH=0" "2 CANDLE_GEMMA_CUDA_GRAPH=1"; do
+      set -- $run; right=0; wrong=0; stalled=0
+      for i in $(seq ${LOADED_RUNS:-4}); do
+        got=$(ids "$@")
+        if [ "$got" = "$quiet" ]; then right=$((right+1)); elif [ "$got" = stalled ]; then stalled=$((stalled+1)); else wrong=$((wrong+1)); fi
+      done
+      echo "loaded --tp $1 ($2): $right right, $wrong wrong, $stalled stalled"
+    done
+    kill $LOAD
     ;;
   serve)
     el "tp serve"
