@@ -281,9 +281,9 @@ impl Collective {
         };
         let rows = y.elem_count() / w.elem_count().max(1);
         // Only inside a decode graph's capture (every rank captures the same step, so every
-        // rank decides alike). Eager steps keep the sum and the add-norm apart: at `--tp 2`,
-        // bf16 ids were seen to vary between runs in eager steps under load, and graph
-        // replays did not (docs/performance.md, tensor parallel).
+        // rank decides alike). Eager steps, which graphs leave to the first step at a batch
+        // size, keep the sum and the add-norm apart: the fused launch saves microseconds that
+        // only replays repeat.
         if rows > crate::kernels::cuda::peer_reduce::PEER_ADD_NORM_MAX_ROWS
             || !crate::kernels::cuda::graph::recording()
         {
