@@ -14,8 +14,8 @@
 # build's model_speed in as e.g. model_speed_old.xz; one line per run of SPECS: binary model
 # weights batches tp prefill), loaded (e2b-q4 bf16 ids while a PyTorch matmul loop keeps GPU 1
 # busy: --tp 1 on GPU 1 and --tp 2 with graphs off and on, LOADED_RUNS each, against a quiet
-# --tp 1 run; "stalled" is no output within 40 s). CHECK_GPU picks check1's GPU (1; 0 on a
-# one-GPU machine).
+# --tp 1 run; "stalled": no ids within LOADED_TIMEOUT s; loaded.err has each run's seconds).
+# CHECK_GPU picks check1's GPU (1; 0 on a one-GPU machine).
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 D=.device/tp
@@ -53,12 +53,16 @@ for phase in "$@"; do
     ;;
   loaded)
     [ -n "${C1:-}" ] && { wait $C1; el "check1 done"; cat "$OUT/check1.log"; C1=""; }
-    ids() { # TP ENV...: the first 6 greedy ids of e2b-q4 in bf16, or "stalled"
-      local tp=$1; shift
-      timeout 40 env "$@" $D/generate --model fixtures/e2b-q4 --max-tokens 6 --ignore-eos --json \
-        --dtype bf16 --tp "$tp" --prompt-ids 2,503,502,507,262,178,481 2>>"$OUT/loaded.err" | tail -1 |
+    ids() { # TP ENV...: the first 6 greedy ids of e2b-q4 in bf16, or "stalled" (no ids within
+      # LOADED_TIMEOUT s, 90 by default; the seconds and stderr's last line go to loaded.err, to
+      # tell a run that crawls or ends in an error from one that hangs)
+      local tp=$1 t=$SECONDS; shift
+      timeout ${LOADED_TIMEOUT:-90} env "$@" $D/generate --model fixtures/e2b-q4 --max-tokens 6 \
+        --ignore-eos --json --dtype bf16 --tp "$tp" --prompt-ids 2,503,502,507,262,178,481 \
+        2>/tmp/loaded-run.err | tail -1 |
         python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["sequences"][0]["ids"])' 2>/dev/null ||
         echo stalled
+      echo "tp $tp $*: $((SECONDS - t)) s, $(tail -c 300 /tmp/loaded-run.err | tail -1)" >> "$OUT/loaded.err"
     }
     quiet=$(ids 1 CUDA_VISIBLE_DEVICES=0)
     el "loaded (quiet --tp 1: $quiet)"
