@@ -116,7 +116,11 @@ impl TextModel {
             self.config.vocab_size,
         );
         self.head_part = if world > 1 && self.lm_head.is_none() && v % world == 0 {
-            Some(self.embed_tokens.rows(rank * v / world, v / world)?)
+            let part = self.embed_tokens.rows(rank * v / world, v / world)?;
+            // The copy keeps the table's settled mark: it must be complete before any product
+            // may load it ahead of its dependent-launch wait.
+            self.device.synchronize()?;
+            Some(part)
         } else {
             None
         };
