@@ -13,8 +13,9 @@
 # tp graph extra-env, "-" for none), ab (two builds one after the other: put the earlier
 # build's model_speed in as e.g. model_speed_old.xz; one line per run of SPECS: binary model
 # weights batches tp prefill), loaded (e2b-q4 bf16 ids while a PyTorch matmul loop keeps GPU 1
-# busy: --tp 1 on GPU 1 and --tp 2 with graphs off and on, LOADED_RUNS each, against a quiet
-# --tp 1 run; "stalled": no ids within LOADED_TIMEOUT s; loaded.err has each run's seconds).
+# busy: --tp 1 on GPU 1, --tp 2 with graphs off and on, and graphs off with the driver's eager
+# module loading, LOADED_RUNS each, against a quiet --tp 1 run; "stalled": no ids within
+# LOADED_TIMEOUT s; loaded.err has each run's seconds).
 # CHECK_GPU picks check1's GPU (1; 0 on a one-GPU machine).
 set -u
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -71,13 +72,14 @@ import torch
 a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.empty_like(a)
 while True: torch.matmul(a, a, out=b)' & LOAD=$!
     sleep 5
-    for run in "1 CUDA_VISIBLE_DEVICES=1" "2 CANDLE_GEMMA_CUDA_GRAPH=0" "2 CANDLE_GEMMA_CUDA_GRAPH=1"; do
+    for run in "1 CUDA_VISIBLE_DEVICES=1" "2 CANDLE_GEMMA_CUDA_GRAPH=0" "2 CANDLE_GEMMA_CUDA_GRAPH=1" \
+      "2 CANDLE_GEMMA_CUDA_GRAPH=0 CUDA_MODULE_LOADING=EAGER"; do
       set -- $run; right=0; wrong=0; stalled=0
       for i in $(seq ${LOADED_RUNS:-4}); do
         got=$(ids "$@")
         if [ "$got" = "$quiet" ]; then right=$((right+1)); elif [ "$got" = stalled ]; then stalled=$((stalled+1)); else wrong=$((wrong+1)); fi
       done
-      echo "loaded --tp $1 ($2): $right right, $wrong wrong, $stalled stalled"
+      echo "loaded --tp $1 (${*:2}): $right right, $wrong wrong, $stalled stalled"
     done
     kill $LOAD
     ;;
