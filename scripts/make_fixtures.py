@@ -14,7 +14,6 @@ cross-check: transformers 5.23 (CPU, float32, eager attention).
 import copy
 import json
 import math
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -22,18 +21,14 @@ from pathlib import Path
 import numpy as np
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-ROOT = Path(__file__).resolve().parent.parent
-FIX = ROOT / "fixtures"
-CONFIGS = Path("/work/shared/gemma4/configs")
+from fixture_common import (CONFIGS, EMB_STD, FIX, N_NEW, POST_NORM, PROMPT_LENS, QK_NORM,
+                            REFERENCE, SEEDS, VOCAB, WINDOW, first_shared, geometry, min_margin,
+                            sig)
+from fixture_report import crosscheck_all, write_readme
+from fixture_tokenizer import build_tokenizer, write_tokenizer_files
 
-VOCAB = 512
-WINDOW = 8
-N_NEW = 24
-PROMPT_LENS = (7, 19, 33)
-REFERENCE = "mlx-lm 0.32.2 / mlx 0.32.4 CPU float32"
 
 mx.set_default_device(mx.cpu)
 
@@ -189,48 +184,6 @@ def cfg_dense():
     return multimodal_config(tc, "31b-config.json", "float32")
 
 
-def full_head_dim(tc, i):
-    if tc["layer_types"][i] != "full_attention":
-        return tc["head_dim"]
-    plc = tc.get("per_layer_config")
-    if plc is not None:
-        for k, v in plc.items():
-            if int(k) == i and "head_dim" in v:
-                return v["head_dim"]
-        return tc["head_dim"]
-    return tc.get("global_head_dim") or tc["head_dim"]
-
-
-def geometry(tc, i):
-    """(head_dim, kv_heads, has_v) of layer i."""
-    full = tc["layer_types"][i] == "full_attention"
-    hd = full_head_dim(tc, i)
-    k_eq_v = tc["attention_k_eq_v"] and full
-    kvh = tc["num_key_value_heads"]
-    if k_eq_v and tc.get("num_global_key_value_heads") is not None:
-        kvh = tc["num_global_key_value_heads"]
-    return hd, kvh, not k_eq_v
-
-
-def first_shared(tc):
-    return tc["num_hidden_layers"] - tc["num_kv_shared_layers"]
-
-
-def layer_plan(tc):
-    L = tc["num_hidden_layers"]
-    F = first_shared(tc)
-    lt = tc["layer_types"]
-    prod = {}
-    for i in range(F):
-        prod[lt[i]] = i
-    consumers = {j: prod[lt[j]] for j in range(F, L)} if tc["num_kv_shared_layers"] else {}
-    return {
-        "sliding": [i for i in range(L) if lt[i] == "sliding_attention"],
-        "full": [i for i in range(L) if lt[i] == "full_attention"],
-        "consumers": consumers,
-    }
-
-
 # ----------------------------------------------------------------------------
 # random weights (HF text-only names, i.e. relative to `model.` of Gemma4ForCausalLM)
 # ----------------------------------------------------------------------------
@@ -345,132 +298,6 @@ def round_bf16_np(w):
 
 
 # ----------------------------------------------------------------------------
-# tokenizer
-# ----------------------------------------------------------------------------
-
-SPECIAL = {
-    0: "<pad>", 1: "<eos>", 2: "<bos>", 3: "<unk>", 4: "<mask>",
-    46: "<|tool>", 47: "<tool|>", 48: "<|tool_call>", 49: "<tool_call|>",
-    50: "<|tool_response>", 51: "<tool_response|>", 52: '<|"|>',
-    98: "<|think|>", 100: "<|channel>", 101: "<channel|>",
-    105: "<|turn>", 106: "<turn|>",
-}
-NEWLINE_ID = 107
-BYTE_START = 108  # <0x00>..<0xFF> at 108..363
-
-CORPUS = (
-    "the quick brown fox jumps over the lazy dog . hello world , this is a tiny "
-    "tokenizer for testing the gemma model in rust . we want to encode and decode "
-    "text in the same way as the real one , with spaces as the special marker and "
-    "byte fallback for everything else . there is another thing that is here and "
-    "there ; it is what it is . the model was trained on some of the text and then "
-    "tested with other text , which is the point of this test ."
-)
-
-
-def build_tokenizer():
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, processors
-    from tokenizers.models import BPE
-
-    vocab = {}
-    for i in range(BYTE_START):
-        if i in SPECIAL:
-            vocab[SPECIAL[i]] = i
-        elif i == NEWLINE_ID:
-            vocab["\n"] = i
-        else:
-            vocab[f"<unused{i}>"] = i
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = BYTE_START + b
-    nid = BYTE_START + 256
-    alphabet = ["▁"] + [chr(c) for c in range(ord("a"), ord("z") + 1)] + \
-        [chr(c) for c in range(ord("A"), ord("Z") + 1)] + list("0123456789.,;")
-    for ch in alphabet:
-        vocab[ch] = nid
-        nid += 1
-    # greedy BPE merges learned from CORPUS (sentencepiece-style: "▁" glued to words)
-    words = {}
-    for wd in CORPUS.split(" "):
-        t = tuple("▁" + wd)
-        words[t] = words.get(t, 0) + 1
-    merges = []
-    while nid < VOCAB:
-        pairs = {}
-        for wd, c in words.items():
-            for a, b in zip(wd, wd[1:]):
-                pairs[(a, b)] = pairs.get((a, b), 0) + c
-        if not pairs:
-            break
-        best = max(sorted(pairs), key=lambda p: pairs[p])
-        new = best[0] + best[1]
-        merges.append(best)
-        vocab[new] = nid
-        nid += 1
-        nw = {}
-        for wd, c in words.items():
-            out, i = [], 0
-            while i < len(wd):
-                if i + 1 < len(wd) and (wd[i], wd[i + 1]) == best:
-                    out.append(new)
-                    i += 2
-                else:
-                    out.append(wd[i])
-                    i += 1
-            nw[tuple(out)] = nw.get(tuple(out), 0) + c
-        words = nw
-    assert nid == VOCAB, nid
-
-    tok = Tokenizer(BPE(vocab=vocab, merges=merges, unk_token="<unk>",
-                        byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizers.Replace(" ", "▁")
-    tok.pre_tokenizer = None
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    added = [SPECIAL[i] for i in sorted(SPECIAL)] + \
-        [f"<unused{i}>" for i in range(BYTE_START) if i not in SPECIAL and i != NEWLINE_ID]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 2)])
-    # checks
-    for i, t in SPECIAL.items():
-        assert tok.token_to_id(t) == i, (t, i)
-    assert tok.token_to_id("\n") == NEWLINE_ID
-    assert tok.get_vocab_size() == VOCAB
-    for s in ["Hello world, the quick brown fox!\nLine two: 42 ~`{}|", "naïve café — 日本 🙂"]:
-        ids = tok.encode(s).ids
-        assert ids[0] == 2 and max(ids) < VOCAB
-        assert tok.decode(ids) == s, (tok.decode(ids), s)
-    e = tok.encode("<|turn>user\nhi<turn|>", add_special_tokens=False).ids
-    assert e[0] == 105 and e[-1] == 106 and NEWLINE_ID in e, e
-    return tok
-
-
-def write_tokenizer_files(d, tok):
-    tok.save(str(d / "tokenizer.json"))
-    json.dump({
-        "add_bos_token": True,
-        "add_eos_token": False,
-        "bos_token": "<bos>",
-        "eos_token": "<eos>",
-        "pad_token": "<pad>",
-        "unk_token": "<unk>",
-        "mask_token": "<mask>",
-        "padding_side": "left",
-        "model_max_length": 4096,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }, open(d / "tokenizer_config.json", "w"), indent=2)
-    json.dump({
-        "bos_token_id": 2,
-        "do_sample": True,
-        "eos_token_id": [1, 106, 50],
-        "pad_token_id": 0,
-        "temperature": 1.0,
-        "top_k": 64,
-        "top_p": 0.95,
-    }, open(d / "generation_config.json", "w"), indent=2)
-
-
-# ----------------------------------------------------------------------------
 # goldens (mlx-lm)
 # ----------------------------------------------------------------------------
 
@@ -478,10 +305,6 @@ def write_tokenizer_files(d, tok):
 def prompts():
     rng = np.random.default_rng(1234)
     return [[2] + [int(x) for x in rng.integers(110, VOCAB, size=n - 1)] for n in PROMPT_LENS]
-
-
-def sig(x, n=6):
-    return float(f"{float(x):.{n}g}")
 
 
 def load_mlx(d, override=None):
@@ -541,10 +364,6 @@ def make_golden(d, name, covers, override=None):
 # fixture builders
 # ----------------------------------------------------------------------------
 
-EMB_STD = 1.5
-POST_NORM = (3.0, 9.0)
-QK_NORM = (0.25, 0.75)  # q_norm/k_norm weights (attention scale is 1.0: keep scores moderate)  # range of the post_* norm weights (residual-branch gain)
-SEEDS = {"e2b": 115, "e4b": 210, "moe": 301, "dense": 413}  # picked with --search (largest min top-2 margin found)
 
 # mlx-lm's gemma4.ModelArgs overwrites text_config.vocab_size with a TOP-LEVEL
 # `vocab_size` (default 262144) -> tiny multimodal checkpoints need this override.
@@ -760,270 +579,6 @@ def build_moe_q4(tok):
               "dense MLP down_proj left float (in-dim 48 not a multiple of 32)",
               "attention_k_eq_v", "bf16 scales/biases"]
     return make_golden(d, name, covers, MM_OVERRIDE)
-
-
-# ----------------------------------------------------------------------------
-# transformers cross-check
-# ----------------------------------------------------------------------------
-
-
-def hf_crosscheck(d, text_cfg, state, golden):
-    import torch
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    torch.manual_seed(0)
-    tcfg = {k: v for k, v in text_cfg.items() if k not in ("architectures",)}
-    cfg = Gemma4TextConfig(**tcfg)
-    cfg._attn_implementation = "eager"
-    cfg._experts_implementation = "eager"
-    model = Gemma4ForCausalLM(cfg).eval().to(torch.float32)
-    sd = {"model." + k: torch.tensor(np.asarray(v, dtype=np.float32)) for k, v in state.items()}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [m for m in missing if m != "lm_head.weight"]
-    F = first_shared(text_cfg)
-    bad_unexp = [u for u in unexpected if not any(
-        s in u for s in ("k_proj", "v_proj", "k_norm")) or int(u.split(".")[2]) < F]
-    assert not missing and not bad_unexp, (missing, bad_unexp)
-    model.tie_weights()
-    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
-    import copy as _copy
-    model64 = _copy.deepcopy(model).to(torch.float64)
-    res = []
-    for case in golden["cases"]:
-        pr, gids, margins = case["prompt_ids"], case["greedy_ids"], case["margins"]
-        seq = torch.tensor([pr + gids[:-1]])
-        with torch.no_grad():
-            logits = model(seq, use_cache=False).logits[0].to(torch.float64)
-        lp = torch.log_softmax(logits, -1).numpy()
-        first = lp[len(pr) - 1]
-        diff = float(np.max(np.abs(first - np.array(case["first_logprobs"]))))
-        with torch.no_grad():
-            lg64 = model64(torch.tensor([pr]), use_cache=False).logits[0, -1]
-        first64 = torch.log_softmax(lg64, -1).numpy()
-        d_hf32_64 = float(np.max(np.abs(first - first64)))
-        d_mlx_64 = float(np.max(np.abs(np.array(case["first_logprobs"]) - first64)))
-        # teacher-forced argmax vs mlx greedy ids, up to first low-margin step
-        agree = 0
-        for s in range(len(gids)):
-            if int(np.argmax(lp[len(pr) - 1 + s])) != gids[s]:
-                break
-            agree += 1
-            if margins[s] < 0.01:
-                break
-        lim = next((s for s, m in enumerate(margins) if m < 0.01), len(gids))
-        # HF generate with its own cache (greedy)
-        with torch.no_grad():
-            out = model.generate(torch.tensor([pr]), max_new_tokens=len(gids), do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        gen = out[0, len(pr):].tolist()
-        gen_agree = 0
-        for a, b in zip(gen, gids):
-            if a != b:
-                break
-            gen_agree += 1
-        res.append({"prompt_len": len(pr), "first_logprobs_max_abs_diff": sig(diff),
-                    "hf_f64_vs_hf_f32": sig(d_hf32_64), "hf_f64_vs_mlx_f32": sig(d_mlx_64),
-                    "teacher_forced_agree_steps": agree, "hf_generate_agree_steps": gen_agree,
-                    "steps_before_low_margin": lim, "n_steps": len(gids)})
-    return res
-
-
-def crosscheck_all():
-    out = {"reference": REFERENCE, "other": "transformers 5.23 Gemma4ForCausalLM CPU float32 eager",
-           "method": "same weights (f32) loaded into Gemma4ForCausalLM built from text_config; "
-                     "first_logprobs compared; mlx greedy ids checked by a teacher-forced full "
-                     "forward (no cache) and by HF greedy generate (HF cache)",
-           "fixtures": {}}
-    for name in ("e2b-hf", "e4b-text", "moe-mlx", "dense-sharded"):
-        d = FIX / name
-        if not (d / "golden.json").exists():
-            continue
-        golden = json.load(open(d / "golden.json"))
-        cfg = json.load(open(d / "config.json"))
-        tc = cfg.get("text_config", cfg)
-        st = {}
-        for f in sorted(d.glob("model*.safetensors")):
-            st.update(mx.load(str(f)))
-        state = {}
-        for k, v in st.items():
-            if any(t in k for t in ("vision_tower", "audio_tower", "embed_vision", "embed_audio")):
-                continue
-            for pre in ("model.language_model.", "language_model.model.", "model."):
-                if k.startswith(pre):
-                    state[k[len(pre):]] = np.array(v.astype(mx.float32))
-                    break
-        # MLX split experts -> HF fused
-        for k in list(state):
-            if k.endswith(".experts.switch_glu.gate_proj.weight"):
-                base = k[: -len(".switch_glu.gate_proj.weight")]
-                g = state.pop(k)
-                u = state.pop(base + ".switch_glu.up_proj.weight")
-                state[base + ".gate_up_proj"] = np.concatenate([g, u], axis=1)
-                state[base + ".down_proj"] = state.pop(base + ".switch_glu.down_proj.weight")
-        res = hf_crosscheck(d, tc, state, golden)
-        out["fixtures"][name] = res
-        print(f"[crosscheck {name}] {res}")
-    json.dump(out, open(FIX / "crosscheck.json", "w"), indent=2)
-    return out
-
-
-# ----------------------------------------------------------------------------
-
-
-FIXTURE_DOC = {
-    # name: (shape/variant, key layout, dtype, quantization, covers)
-    "e2b-hf": ("E2B-shaped; multimodal config (`gemma4` + `text_config`, `global_head_dim`)",
-               "HF multimodal `model.language_model.*`", "bf16", "none",
-               "PLE, KV sharing, double-wide MLP on consumers, consumers SHIP unused k_proj/v_proj/k_norm "
-               "(loader must ignore), tower tensors `model.vision_tower.*`/`model.audio_tower.*`/"
-               "`model.embed_vision.*` to skip, layer_scalar, proportional RoPE, window 8"),
-    "e4b-text": ("E4B-shaped; BARE `gemma4_text` config, full-layer geometry via `per_layer_config` "
-                 "(`{\"05\":{\"head_dim\":64},\"11\":{\"head_dim\":64}}`, no `global_head_dim`)",
-                 "HF text-only `model.*`", "f32", "none",
-                 "per_layer_config parsing, PLE, KV sharing with 2 KV heads, QAT-style pruning "
-                 "(consumer k_proj/v_proj/k_norm ABSENT)"),
-    "moe-mlx": ("26B-A4B-shaped; multimodal config", "MLX `language_model.model.*`, experts split as "
-                "`experts.switch_glu.{gate,up,down}_proj.weight`", "f32", "none",
-                "MoE (8 experts, top-2, moe_intermediate 32) beside dense MLP (48), router.scale/"
-                "per_expert_scale, attention_k_eq_v (full layer 5 has no v_proj), num_global_key_value_heads 1, "
-                "no PLE, MLX tower key `vision_tower.dummy.weight` to skip"),
-    "dense-sharded": ("31B-shaped dense k_eq_v; multimodal config", "HF multimodal `model.language_model.*`, "
-                      "3 shards + `model.safetensors.index.json`", "f32", "none",
-                      "sharded loading via index, attention_k_eq_v, num_global_key_value_heads 1, no PLE/MoE/"
-                      "KV sharing, tower tensor to skip"),
-    "e2b-q4": ("same architecture and (bf16-rounded) float weights as e2b-hf", "MLX `language_model.model.*`",
-               "uint32 packed + bf16 scales/biases; norms/layer_scalar bf16",
-               "affine 4-bit g32; overrides `embed_tokens_per_layer` and `per_layer_model_projection` 8-bit g64",
-               "MLX affine dequant, per-module overrides, quantized tied embedding as LM head, QAT-style "
-               "pruned consumer k/v/k_norm, PLE, KV sharing, double-wide"),
-    "e2b-q8": ("same as e2b-q4", "MLX `language_model.model.*`",
-               "uint32 packed + bf16 scales/biases; unquantized linears bf16",
-               "affine 8-bit g64; override `embed_tokens_per_layer` 4-bit g64; linears with in-dim % 64 != 0 "
-               "stay float and are NOT listed in the config (detect by absent `.scales`)",
-               "mixed float/quantized modules, per-module override, QAT pruning, PLE, KV sharing"),
-    "moe-q4": ("same architecture and (bf16-rounded) float weights as moe-mlx", "MLX `language_model.model.*`",
-               "uint32 packed + bf16 scales/biases; unquantized linears bf16",
-               "affine 4-bit g32; expert `down_proj` 8-bit g32, `router.proj` 8-bit g64; dense MLP "
-               "`down_proj` (in-dim 48) stays float",
-               "packed MoE expert stacks (3-D codes/scales/biases), mixed bit widths across expert "
-               "stacks, quantized router and tied embedding"),
-    "e2b-kvq": ("E2B-shaped like e2b-hf, gentle residual gains (post norms U[0.8, 1.6])",
-                "HF multimodal `model.language_model.*`", "f32", "none",
-                "the quantized-KV agreement test (8/4-bit caches vs the dense reference); PLE, KV sharing, "
-                "double-wide"),
-}
-
-
-def layer_plan_text(tc):
-    pl = layer_plan(tc)
-    s = f"{tc['num_hidden_layers']} layers; full: {pl['full']}; sliding: others"
-    if pl["consumers"]:
-        by = {}
-        for c, p in pl["consumers"].items():
-            by.setdefault(p, []).append(c)
-        s += "; consumers " + ", ".join(f"{v}->{k}" for k, v in sorted(by.items()))
-    return s
-
-
-def write_readme():
-    rows, margins = [], []
-    for name, (shape, layout, dtype, quant, covers) in FIXTURE_DOC.items():
-        d = FIX / name
-        if not (d / "golden.json").exists():
-            continue
-        cfg = json.load(open(d / "config.json"))
-        tc = cfg.get("text_config", cfg)
-        g = json.load(open(d / "golden.json"))
-        mm = [m for c in g["cases"] for m in c["margins"]]
-        size = sum(f.stat().st_size for f in d.iterdir())
-        rows.append(f"| `{name}` | {shape} | {layout} | {dtype} | {quant} | {covers} | "
-                    f"{layer_plan_text(tc)} | {min(mm):.4f} / {float(np.median(mm)):.3f} | "
-                    f"{size / 1e6:.2f} MB |")
-    cc = json.load(open(FIX / "crosscheck.json")) if (FIX / "crosscheck.json").exists() else None
-    cc_lines = []
-    if cc:
-        for name, res in cc["fixtures"].items():
-            d = max(r["first_logprobs_max_abs_diff"] for r in res)
-            d64 = max(r["hf_f64_vs_mlx_f32"] for r in res)
-            h64 = max(r["hf_f64_vs_hf_f32"] for r in res)
-            tf = "/".join(str(r["teacher_forced_agree_steps"]) for r in res)
-            ge = "/".join(str(r["hf_generate_agree_steps"]) for r in res)
-            cc_lines.append(f"| `{name}` | {d:.2e} | {d64:.2e} | {h64:.2e} | {tf} | {ge} |")
-    text = f"""# Test fixtures (tiny random-weight Gemma 4 checkpoints + mlx-lm goldens)
-
-Generated by `scripts/make_fixtures.py` — regenerate everything with
-
-    python3 scripts/make_fixtures.py            # all fixtures + crosscheck + this README
-    python3 scripts/make_fixtures.py e2b-hf     # a single fixture (names as below, or `crosscheck`)
-
-Deterministic (fixed seeds; rerunning gives byte-identical files). Reference:
-**{REFERENCE}**; cross-check: transformers 5.23 (CPU, f32 and f64, eager attention + eager experts).
-
-Common to all: vocab 512, hidden 64, 4 query heads, head_dim 32 (sliding) / 64 (full),
-sliding_window 8 (prompts are longer), rms_norm_eps 1e-6, final_logit_softcapping 30,
-rope: sliding default θ=1e4, full proportional θ=1e6 prf 0.25, max_position_embeddings 4096,
-tied embeddings. Every folder has `config.json`, weights, `tokenizer.json`,
-`tokenizer_config.json`, `generation_config.json` (eos `[1,106,50]`, bos 2, pad 0) and `golden.json`.
-(`real-configs/` is not produced by this script.)
-
-| fixture | shape / variant | key layout | dtype | quantization | covers | layer plan | top-2 margin min / median | size |
-|---|---|---|---|---|---|---|---|---|
-""" + "\n".join(rows) + f"""
-
-Random weights: linears N(0, 1/in); embedding N(0, {EMB_STD}²); PLE table N(0,1). All norm
-weights are plain scales (no `1+`): input/pre-ffw/final/PLE-projection norms U[0.5,1.5], q_norm/k_norm U{list(QK_NORM)} (attention scale is 1.0; larger values made the model
-ill-conditioned, ~30x f32 error growth per layer), post_* norms U{list(POST_NORM)} (otherwise the
-scaled input embedding dominates the residual and the model repeats its input token),
-layer_scalar U[0.3,1.0], router.scale U[0.5,1.5], router.per_expert_scale U[0.5,2.0], router.proj gain 3.
-Seeds {SEEDS} were picked with `--search` for the largest minimum top-2 margin.
-e2b-q4/q8 quantize the bf16 e2b-hf weights (minus pruned consumer k/v/k_norm) with mlx-lm's
-`quantize_model` (MLX's own packing), so their float parts equal e2b-hf's.
-
-## golden.json
-
-```
-{{"reference": "{REFERENCE}", "fixture": NAME, "covers": [str, ...],
- "mlx_lm_config_override": {{...}},   # what mlx-lm needed on top of config.json (see below)
- "cases": [{{"prompt_ids": [2, ...],    # BOS + ids in [110,512); lengths 7, 19, 33
-            "greedy_ids": [24 ints],    # greedy, dense cache (make_cache(): KVCache / RotatingKVCache(8))
-            "margins": [24 floats],     # top1 - top2 log-prob at each generated step
-            "first_logprobs": [512 floats]}}]}}   # log-softmax of the logits giving greedy_ids[0]
-```
-Floats rounded to 6 significant digits (first_logprobs resolution ≈ 5e-5 at magnitude ~50).
-The run: load from disk with `mlx_lm.utils.load_model` (sanitize + quantized loading), cast
-floating params to f32 (packed weights stay uint32, scales/biases → f32), prefill the whole
-prompt, then one token at a time. mlx-lm needed two config overrides, not stored in config.json:
-`vocab_size: 512` for the multimodal configs (mlx-lm's `gemma4.ModelArgs` overwrites
-`text_config.vocab_size` with a top-level `vocab_size`, default 262144), and
-`global_head_dim: 64` for e4b-text (mlx-lm ignores `per_layer_config`).
-
-Suggested tolerances for an f32 port: first_logprobs max abs diff ≲ 2e-3 (measured
-mlx-f32 vs HF-f64 ≤ {max((max(r['hf_f64_vs_mlx_f32'] for r in v) for v in cc['fixtures'].values()), default=0) if cc else 0:.1e});
-greedy ids should match exactly up to the first step whose golden margin is < 0.01
-(every fixture's margins are ≥ 0.05).
-
-## Cross-check against transformers
-
-Same weights loaded into `Gemma4ForCausalLM` (text config as saved — HF parsed e4b-text's
-`per_layer_config` itself; consumer k/v/k_norm ignored; experts re-fused to `gate_up_proj`).
-Columns: max |first_logprobs(HF f32) − golden|, max |golden − HF f64|, max |HF f32 − HF f64|,
-greedy steps agreeing (per prompt 7/19/33) for HF teacher-forced full forward (no cache) and
-HF `generate` greedy (HF cache).
-
-| fixture | HF f32 vs mlx | mlx vs HF f64 | HF f32 vs HF f64 | teacher-forced agree | HF generate agree |
-|---|---|---|---|---|---|
-""" + "\n".join(cc_lines) + """
-
-All four float fixtures agree with transformers on all 24 greedy tokens of every prompt, and the
-first-step log-probs differ by ~1e-4 (the same size as HF's own f32-vs-f64 difference), so the
-goldens are not an mlx-lm quirk. The quantized fixtures have no transformers counterpart.
-Details: `crosscheck.json`.
-"""
-    open(FIX / "README.md", "w").write(text)
-
-
-def min_margin(g):
-    return min(m for c in g["cases"] for m in c["margins"])
 
 
 def search_seeds(tok, n=16, thresh=0.05):
