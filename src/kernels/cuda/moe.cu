@@ -78,19 +78,22 @@ struct GroupedMvParams {
 constexpr int GMV_WARPS = 8;
 constexpr int GMV_MAX_PAIRS = 4096;
 
-// dot(W row, x) over in_dim (a multiple of 8) by one warp, 16-byte loads.
-template <typename T>
-__device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __restrict__ xr,
-                                          int in_dim) {
-    // Four weight loads a lane in flight: unconditional (clamped, zeroed after) so that the
-    // compiler issues them together instead of each right before its use.
-    constexpr int B = 4;
+// dot(W row m, x) for R rows wr[m] over in_dim (a multiple of 8) by one warp, 16-byte loads,
+// into acc[m]. B loads a row per lane in flight: unconditional (clamped, zeroed after) so that
+// the compiler issues them together instead of each right before its use.
+template <typename T, int R, int B>
+__device__ __forceinline__ void warp_dot_rows(const T* __restrict__ const (&wr)[R],
+                                              const T* __restrict__ xr, int in_dim,
+                                              float (&acc)[R]) {
     const int lane = threadIdx.x & 31;
-    float acc = 0.f;
-    for (int e0 = lane * 8; e0 < in_dim; e0 += 32 * 8 * B) {
-        float wv[B][8];
 #pragma unroll
-        for (int b = 0; b < B; ++b) load_x8<T>(wr + min(e0 + 256 * b, in_dim - 8), wv[b]);
+    for (int m = 0; m < R; ++m) acc[m] = 0.f;
+    for (int e0 = lane * 8; e0 < in_dim; e0 += 32 * 8 * B) {
+        float wv[B][R][8];
+#pragma unroll
+        for (int b = 0; b < B; ++b)
+#pragma unroll
+            for (int m = 0; m < R; ++m) load_x8<T>(wr[m] + min(e0 + 256 * b, in_dim - 8), wv[b][m]);
 #pragma unroll
         for (int b = 0; b < B; ++b) {
             const int e = e0 + 256 * b;
@@ -98,12 +101,15 @@ __device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __r
             load_x8<T>(xr + min(e, in_dim - 8), xv);
             const float keep = e < in_dim ? 1.f : 0.f;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc = fmaf(wv[b][i] * keep, xv[i], acc);
+            for (int m = 0; m < R; ++m)
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[m] = fmaf(wv[b][m][i] * keep, xv[i], acc[m]);
         }
     }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    return acc;
+    for (int m = 0; m < R; ++m)
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
 }
 
 // Routed expert products grouped by expert: block (e, tile) finds the pairs routed to expert
@@ -113,53 +119,23 @@ __device__ __forceinline__ float warp_dot(const T* __restrict__ wr, const T* __r
 //
 // GATED: the pair rows are gelu_tanh(x) * xb (rows strided by x_stride and b_stride), computed
 // by the block for its pairs into dynamic shared memory first.
-// Rows of dense experts: W [E, out, in]. ROWS rows a warp: one for long rows (warp_dot keeps
-// four loads a lane in flight), several for short ones (a down product's 352 or 704 inputs
-// leave warp_dot one to three loads a lane and a grid of many short blocks). Each row's sum
-// runs in warp_dot's order, so both give the same bits.
+// Rows of dense experts: W [E, out, in]. ROWS rows a warp: one for long rows (four loads a
+// lane in flight), several for short ones (a down product's 352 or 704 inputs leave one row
+// one to three loads a lane and a grid of many short blocks). Each row's sum runs in the same
+// order either way, so both give the same bits.
 template <typename T, int ROWS = 1> struct DenseExpertRows {
     static constexpr int R = ROWS;
     const T* __restrict__ w;
     __device__ __forceinline__ void dot(const GroupedMvParams& p, uint32_t e, int o0,
                                         const T* xrow, float (&acc)[R]) const {
         const T* base = w + (size_t)e * p.expert_stride;
-        if constexpr (R == 1) {
-            acc[0] = warp_dot(base + (size_t)o0 * p.in_dim, xrow, p.in_dim);
-        } else {
-            constexpr int B = 2;
-            const int lane = threadIdx.x & 31, in_dim = (int)p.in_dim;
-            const T* wr[R];
+        // Rows past the end repeat the last one (their sums are not stored).
+        const T* __restrict__ wr[R];
 #pragma unroll
-            for (int m = 0; m < R; ++m) {
-                // Rows past the end repeat the last one (their sums are not stored).
-                wr[m] = base + (size_t)min(o0 + m, (int)p.out_dim - 1) * p.in_dim;
-                acc[m] = 0.f;
-            }
-            for (int e0 = lane * 8; e0 < in_dim; e0 += 32 * 8 * B) {
-                float wv[B][R][8];
-#pragma unroll
-                for (int b = 0; b < B; ++b)
-#pragma unroll
-                    for (int m = 0; m < R; ++m)
-                        load_x8<T>(wr[m] + min(e0 + 256 * b, in_dim - 8), wv[b][m]);
-#pragma unroll
-                for (int b = 0; b < B; ++b) {
-                    const int el = e0 + 256 * b;
-                    float xv[8];
-                    load_x8<T>(xrow + min(el, in_dim - 8), xv);
-                    const float keep = el < in_dim ? 1.f : 0.f;
-#pragma unroll
-                    for (int m = 0; m < R; ++m)
-#pragma unroll
-                        for (int i = 0; i < 8; ++i) acc[m] = fmaf(wv[b][m][i] * keep, xv[i], acc[m]);
-                }
-            }
-#pragma unroll
-            for (int m = 0; m < R; ++m)
-#pragma unroll
-                for (int off = 16; off > 0; off >>= 1)
-                    acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
-        }
+        for (int m = 0; m < R; ++m)
+            wr[m] = base + (size_t)(R == 1 ? o0 : min(o0 + m, (int)p.out_dim - 1)) * p.in_dim;
+        // One row: four loads a lane in flight; several: two a row.
+        warp_dot_rows<T, R, R == 1 ? 4 : 2>(wr, xrow, (int)p.in_dim, acc);
     }
 };
 
