@@ -14,7 +14,8 @@
 # build's model_speed in as e.g. model_speed_old.xz; one line per run of SPECS: binary model
 # weights batches tp prefill), loaded (e2b-q4 bf16 ids while a PyTorch matmul loop keeps GPU 1
 # busy: --tp 1 on GPU 1, --tp 2 with graphs off and on, and graphs off with the driver's eager
-# module loading, LOADED_RUNS each, against a quiet --tp 1 run; "stalled": no ids within
+# module loading, LOADED_RUNS each (LOADED_CASES: "TP ENV...;TP ENV..." instead), against a
+# quiet --tp 1 run; "stalled": no ids within
 # LOADED_TIMEOUT s; loaded.err has each run's seconds).
 # CHECK_GPU picks check1's GPU (1; 0 on a one-GPU machine).
 set -u
@@ -61,19 +62,23 @@ for phase in "$@"; do
       timeout ${LOADED_TIMEOUT:-90} env "$@" $D/generate --model fixtures/e2b-q4 --max-tokens 6 \
         --ignore-eos --json --dtype bf16 --tp "$tp" --prompt-ids 2,503,502,507,262,178,481 \
         2>/tmp/loaded-run.err | tail -1 |
-        python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["sequences"][0]["ids"])' 2>/dev/null ||
-        echo stalled
-      echo "tp $tp $*: $((SECONDS - t)) s, $(tail -c 300 /tmp/loaded-run.err | tail -1)" >> "$OUT/loaded.err"
+        python3 -c 'import json,sys; print(json.loads(sys.stdin.read())["sequences"][0]["ids"])' \
+        2>/dev/null > /tmp/loaded-ids || echo stalled > /tmp/loaded-ids
+      cat /tmp/loaded-ids
+      echo "tp $tp $*: $(cat /tmp/loaded-ids), $((SECONDS - t)) s, $(tail -c 300 /tmp/loaded-run.err | tail -1)" \
+        >> "$OUT/loaded.err"
     }
     quiet=$(ids 1 CUDA_VISIBLE_DEVICES=0)
-    el "loaded (quiet --tp 1: $quiet)"
+    el "loaded (quiet --tp 1: $quiet; quiet --tp 1 on GPU 1: $(ids 1 CUDA_VISIBLE_DEVICES=1);" \
+      "quiet --tp 2: $(ids 2 CANDLE_GEMMA_CUDA_GRAPH=0))"
     CUDA_VISIBLE_DEVICES=1 timeout 600 python3 -c '
 import torch
 a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.empty_like(a)
 while True: torch.matmul(a, a, out=b)' & LOAD=$!
     sleep 5
-    for run in "1 CUDA_VISIBLE_DEVICES=1" "2 CANDLE_GEMMA_CUDA_GRAPH=0" "2 CANDLE_GEMMA_CUDA_GRAPH=1" \
-      "2 CANDLE_GEMMA_CUDA_GRAPH=0 CUDA_MODULE_LOADING=EAGER"; do
+    cases=${LOADED_CASES:-"1 CUDA_VISIBLE_DEVICES=1;2 CANDLE_GEMMA_CUDA_GRAPH=0;2 CANDLE_GEMMA_CUDA_GRAPH=1;2 CANDLE_GEMMA_CUDA_GRAPH=0 CUDA_MODULE_LOADING=EAGER;1 CUDA_VISIBLE_DEVICES=1 CANDLE_GEMMA_PDL=0;1 CUDA_VISIBLE_DEVICES=1 CUDA_LAUNCH_BLOCKING=1"}
+    IFS=';' read -ra runs <<< "$cases"
+    for run in "${runs[@]}"; do
       set -- $run; right=0; wrong=0; stalled=0
       for i in $(seq ${LOADED_RUNS:-4}); do
         got=$(ids "$@")

@@ -14,8 +14,8 @@ use super::kernel_cache::{load_kernel, MATVEC};
 use super::layer_ops::AddNormExtra;
 pub(crate) use super::matvec_plan::qmatvec_max_rows;
 use super::matvec_plan::{
-    choose, dequantizes_before_mma, row_matvec_variant, takes_row_matvec, MatvecKernel,
-    QMATVEC_ROWS, QMATVEC_ROW_WARPS, QMATVEC_TC4X_ROWS,
+    choose, dequantizes_before_mma, loads_early, row_matvec_variant, takes_row_matvec,
+    MatvecKernel, QMATVEC_ROWS, QMATVEC_ROW_WARPS, QMATVEC_TC4X_ROWS,
 };
 use super::norm_tail::{
     launch_with_norm_tail, with_norm_counter, AddNormOut, NormFuse, NormOutputs,
@@ -84,7 +84,7 @@ pub(crate) fn qmatvec(
         in_dim,
         bits,
         group_size,
-        settled,
+        loads_early(settled),
         (tn, sn),
     )?;
     let func = load_kernel(&dev, &name, &MATVEC)?;
@@ -196,7 +196,7 @@ pub fn packed_matvec_add_norm(
             "qmv_row4_norm_{}{}",
             tn(dtype)?,
             // At most PACKED_FOLD_MAX_WIDTH rows: less than a wave of `_u2` warps.
-            row_matvec_variant(1, in_dim, w.is_settled(), false)
+            row_matvec_variant(1, in_dim, loads_early(w.is_settled()), false)
         ),
         &MATVEC,
     )?;

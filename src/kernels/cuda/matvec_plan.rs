@@ -187,6 +187,12 @@ pub(crate) fn row_matvec_split_for(out_dim: usize, in_dim: usize, sms: usize) ->
     split
 }
 
+/// Whether weights marked settled may take the early forms: the mark, unless the launch policy
+/// turns early loads off ([`LaunchPolicy::early_loads`](crate::kernels::policy::LaunchPolicy::early_loads)).
+pub(super) fn loads_early(settled: bool) -> bool {
+    settled && crate::kernels::policy::current().early_loads
+}
+
 /// Kernel-name suffix of the `qmv_row4` variant for a launch over rows of `in_dim` codes with
 /// `split` warps a row pair: `_u1` issues one step's loads before its math, `_u2` two; an `e`
 /// after it issues the first weight loads before the PDL wait, for weights marked

@@ -518,6 +518,9 @@ pub(super) fn plan_seq(
 ///
 /// Packed register-tile kernels also ask L2 for the split's second tile there.
 fn settled_arg(positions: &KeyPositions, keys: usize) -> u64 {
+    if !crate::kernels::policy::current().early_loads {
+        return 0;
+    }
     let r = positions.settled_keys();
     match (u32::try_from(r.start), u32::try_from(r.end.min(keys))) {
         (Ok(lo), Ok(hi)) if lo < hi => u64::from(lo) | (u64::from(hi) << 32),
