@@ -14,10 +14,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The kernel files, one module each (`Module` constants in `kernel_cache.rs`).
-const MODULES: [&str; 10] = [
+const MODULES: [&str; 11] = [
     "attention",
     "attention_tc",
     "matvec",
+    "matvec_batch",
     "quantize",
     "layer_ops",
     "moe",

@@ -144,6 +144,14 @@ fn packed_matmul_at_model_shapes_matches_cpu() -> Result<()> {
     check_qmatmul(8192 / 8, 5376, 4, 64, bf16, bf16, 1, dev, &mut checks)?;
     // A batch of 32 through a 31B projection (`qmv_tc4x`).
     check_qmatmul(8192 / 8, 5376, 4, 64, bf16, bf16, 32, dev, &mut checks)?;
+    // Outputs wide enough for two and four tiles a warp on an H100 (`qmv_tc4x2`, `qmv_tc4x4`:
+    // `batch_tiles_per_warp`), each ending in a partial block, with 20 and 32 rows and an
+    // input whose last chunk is partial.
+    for out_dim in [2544, 8464] {
+        for rows in [20, 32] {
+            check_qmatmul(out_dim, 1088, 4, 64, bf16, bf16, rows, dev, &mut checks)?;
+        }
+    }
     check_qmatmul(5376 / 8, 21504, 8, 64, bf16, bf16, 1, dev, &mut checks)?;
     for dtype in [DType::BF16, DType::F16] {
         for group in [64, 128] {

@@ -111,6 +111,8 @@ modules! {
     ATTENTION_TC = "attention_tc";
     /// Packed-weight matrix-vector products.
     MATVEC = "matvec";
+    /// Packed 4-bit products of 9..=32 activation rows.
+    MATVEC_BATCH = "matvec_batch";
     /// Affine quantization, dequantization and quantized K/V writes.
     QUANTIZE = "quantize";
     /// Add-norm, GeGLU, q/k/v prep and the dense K/V write.

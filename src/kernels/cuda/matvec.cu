@@ -2,6 +2,7 @@
 // 4/8-bit W [out, in] (codes [out, in*BITS/32], scales/biases [out, in/G]): the SIMT kernel,
 // the tensor-core kernel over exact codes, the tensor-core kernel over dequantized 4-bit codes,
 // and the row-contiguous 4-bit kernel for one row, with its residual add + norm folded form.
+// 9..32 rows of 4-bit codes: matvec_batch.cu.
 
 #include <stdint.h>
 
@@ -385,130 +386,6 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
     }
 QTC4_INST(f16, __half, 4, 2)
 QTC4_INST(bf16, __nv_bfloat16, 4, 2)
-
-// ---------------------------------------------------------------------------------------------
-// qmv_tc4 for 9..32 activation rows (batched decode, the tokens of one expert): the weight
-// fragments of a chunk are dequantized once and multiplied into QTC_NTILES tiles of 8
-// activation rows each, so W is read once for all rows instead of being dequantized to a dense
-// copy for a GEMM. Same chunking, fragment layout and rounding as qmv_tc4; one chunk a step
-// (the tiles' activations take the registers a second chunk in flight would).
-// ---------------------------------------------------------------------------------------------
-
-constexpr int QTC_NTILES = 4;
-
-template <typename T>
-__device__ __forceinline__ void qmv_tc4x_body(const QmatParams p, const T* __restrict__ x,
-                                              const uint32_t* __restrict__ codes,
-                                              const T* __restrict__ scales,
-                                              const T* __restrict__ biases, T* __restrict__ y) {
-    __shared__ float red[QMMA_WARPS][32][4 * QTC_NTILES];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int gq = lane >> 2, q = lane & 3;
-    const int tile0 = blockIdx.x * 16;
-    const int last = (int)p.out_dim - 1;
-    const int in_dim = (int)p.in_dim;
-    const int words = in_dim / 8;
-    const int groups = in_dim / (int)p.group_size;
-    const int chunks = (in_dim + 127) / 128;
-    const int per = (chunks + QMMA_WARPS - 1) / QMMA_WARPS;
-    const int c0 = warp * per, c1 = min(chunks, c0 + per);
-    int row[2];
-    const uint32_t* wr[2];
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-        row[m] = min(tile0 + gq + 8 * m, last);
-        wr[m] = codes + (size_t)row[m] * words + 4 * q;
-    }
-    // Activation row 8 n + gq of tile n (row 0 where past the last, zeroed after the load).
-    const T* xr[QTC_NTILES];
-    bool xok[QTC_NTILES];
-#pragma unroll
-    for (int n = 0; n < QTC_NTILES; ++n) {
-        xok[n] = 8 * n + gq < (int)p.rows;
-        xr[n] = x + (size_t)(xok[n] ? 8 * n + gq : 0) * in_dim + 32 * q;
-    }
-    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    float acc[QTC_NTILES][4];
-#pragma unroll
-    for (int n = 0; n < QTC_NTILES; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-    for (int c = c0; c < c1; ++c) {
-        const int k = c * 128 + 32 * q;
-        const bool ok = k < in_dim;
-        const int g = ok ? k / (int)p.group_size : 0;
-        const int cc = ok ? c : 0;
-        uint4 W[2], X[QTC_NTILES][4];
-        uint32_t sc[2], bi[2];
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-            const uint4 wv = ld_stream4(wr[m] + cc * 16);
-            W[m] = ok ? wv : zero;
-            sc[m] = splat(scales[(size_t)row[m] * groups + g]);
-            bi[m] = splat(biases[(size_t)row[m] * groups + g]);
-        }
-#pragma unroll
-        for (int n = 0; n < QTC_NTILES; ++n) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const uint4 xv = *reinterpret_cast<const uint4*>(xr[n] + cc * 128 + 8 * j);
-                X[n][j] = ok && xok[n] ? xv : zero;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            uint32_t d[2][4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const uint4 w4 = W[h];
-                const uint32_t wj = j == 0 ? w4.x : j == 1 ? w4.y : j == 2 ? w4.z : w4.w;
-#pragma unroll
-                for (int pp = 0; pp < 4; ++pp)
-                    d[h][pp] = dequant_pair<T>(qt_nibbles<T>(wj >> (4 * pp)), sc[h], bi[h]);
-            }
-            const uint32_t f0[4] = {d[0][0], d[1][0], d[0][1], d[1][1]};
-            const uint32_t f1[4] = {d[0][2], d[1][2], d[0][3], d[1][3]};
-#pragma unroll
-            for (int n = 0; n < QTC_NTILES; ++n) {
-                const uint4 r = X[n][j];
-                // (x_p, x_{p+4}) for p = 0..3: the order the code pairs come in.
-                const uint32_t b0[2] = {__byte_perm(r.x, r.z, 0x5410), __byte_perm(r.x, r.z, 0x7632)};
-                const uint32_t b1[2] = {__byte_perm(r.y, r.w, 0x5410), __byte_perm(r.y, r.w, 0x7632)};
-                mma_16816<T>(acc[n], f0, b0);
-                mma_16816<T>(acc[n], f1, b1);
-            }
-        }
-    }
-    // Sum the warps' partial tiles: warp n reduces activation tile n and writes its 8 rows.
-#pragma unroll
-    for (int n = 0; n < QTC_NTILES; ++n) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp][lane][4 * n + i] = acc[n][i];
-    }
-    __syncthreads();
-    if (warp >= QTC_NTILES) return;
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int w = 0; w < QMMA_WARPS; ++w) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[i] += red[w][lane][4 * warp + i];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int out = tile0 + gq + (i >= 2 ? 8 : 0);
-        const int col = 8 * warp + 2 * q + (i & 1);
-        if (out <= last && col < (int)p.rows) y[(size_t)col * p.out_dim + out] = from_f<T>(s[i]);
-    }
-}
-
-// qmv_tc4x_{T}: registers capped for 2 resident blocks a multiprocessor (128 registers).
-#define QTC4X_INST(TN, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(QMMA_WARPS * 32, 2)                            \
-        qmv_tc4x_##TN(const QmatParams p, const T* x, const uint32_t* c, const T* s, const T* b, \
-                      T* y) {                                                                  \
-        pdl_entry();                                                                           \
-        qmv_tc4x_body<T>(p, x, c, s, b, y);                                                    \
-    }
-QTC4X_INST(f16, __half)
-QTC4X_INST(bf16, __nv_bfloat16)
 
 // ---------------------------------------------------------------------------------------------
 // 4-bit matrix-vector product for one activation row (decode at batch 1), read row-contiguous.

@@ -71,6 +71,7 @@ pub(crate) fn qmatvec(
     };
     let MatvecKernel {
         name,
+        module,
         rows_per_block,
         warps,
         split,
@@ -87,7 +88,7 @@ pub(crate) fn qmatvec(
         loads_early(settled),
         (tn, sn),
     )?;
-    let func = load_kernel(&dev, &name, &MATVEC)?;
+    let func = load_kernel(&dev, &name, module)?;
     let cfg = LaunchConfig {
         grid_dim: (out_dim.div_ceil(rows_per_block) as u32, 1, 1),
         block_dim: ((warps * 32) as u32, split as u32, 1),
