@@ -242,20 +242,25 @@ impl TextModel {
     ///
     /// Prompts longer than [`PREFILL_CHUNK`] tokens run as consecutive chunks of that size:
     /// sliding layers then score each query against at most `window + chunk` keys instead of
-    /// the whole prompt, and the score matrices stay small. The whole batch is validated before
-    /// the first chunk runs.
+    /// the whole prompt, and the score matrices stay small. Every chunk but the last only fills
+    /// the cache: it stops before the KV-shared layers (which write none) and computes no
+    /// logits, which nothing would read. The whole batch is validated before the first chunk
+    /// runs.
     pub fn forward(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
         let seq_len = self.validate(batch, &cache.offsets())?;
         if seq_len <= PREFILL_CHUNK {
             return self.forward_chunk(batch, cache);
         }
-        let mut logits = None;
-        for start in (0..seq_len).step_by(PREFILL_CHUNK) {
+        let piece = |start: usize| -> Vec<Vec<u32>> {
             let end = (start + PREFILL_CHUNK).min(seq_len);
-            let piece: Vec<Vec<u32>> = batch.iter().map(|s| s[start..end].to_vec()).collect();
-            logits = Some(self.forward_chunk(&piece, cache)?);
+            batch.iter().map(|s| s[start..end].to_vec()).collect()
+        };
+        let last = (seq_len - 1) / PREFILL_CHUNK * PREFILL_CHUNK;
+        for start in (0..last).step_by(PREFILL_CHUNK) {
+            let (ids, step) = self.upload(&piece(start), cache.offsets())?;
+            self.run_layers(&ids, step, cache, self.config.first_kv_shared_layer)?;
         }
-        logits.ok_or_else(|| Error::Input("empty input".to_string()))
+        self.forward_chunk(&piece(last), cache)
     }
 
     /// One chunk of [`TextModel::forward`].
@@ -275,6 +280,13 @@ impl TextModel {
         offsets: Vec<usize>,
         cache: &mut ModelCache,
     ) -> Result<Tensor> {
+        let (ids, step) = self.upload(batch, offsets)?;
+        self.run(&ids, step, cache)
+    }
+
+    /// `batch`'s ids `[batch, seq_len]` on the device, and the step of its positions
+    /// (`offsets`: each sequence's first).
+    fn upload(&self, batch: &[Vec<u32>], offsets: Vec<usize>) -> Result<(Tensor, Step)> {
         let seq_len = batch.first().map_or(0, Vec::len);
         let b = batch.len();
         let flat: Vec<u32> = batch.iter().flatten().copied().collect();
@@ -287,16 +299,25 @@ impl TextModel {
             self.dtype,
             &self.device,
         )?;
-        self.run(&ids, step, cache)
+        Ok((ids, step))
     }
 
     /// Runs token ids `[batch, seq_len]` at `step`'s positions through the stack, appending to
     /// `cache`; returns the f32 logits of each sequence's last position.
-    pub(super) fn run(
+    pub(super) fn run(&self, ids: &Tensor, step: Step, cache: &mut ModelCache) -> Result<Tensor> {
+        let x = self.run_layers(ids, step, cache, self.layers.len())?;
+        self.logits(&x)
+    }
+
+    /// Runs token ids `[batch, seq_len]` through the layers before `end`, appending to `cache`;
+    /// returns the residual stream after them (only the last position from the first KV-shared
+    /// layer on).
+    fn run_layers(
         &self,
         ids: &Tensor,
         mut step: Step,
         cache: &mut ModelCache,
+        end: usize,
     ) -> Result<Tensor> {
         let (b, seq_len) = ids.dims2()?;
         // Ids were checked against the vocabulary by `validate`.
@@ -322,7 +343,7 @@ impl TextModel {
                 self.layers.len()
             )));
         }
-        for (i, layer) in self.layers.iter().enumerate() {
+        for (i, layer) in self.layers.iter().enumerate().take(end) {
             if i == self.config.first_kv_shared_layer && step.seq_len > 1 {
                 // KV-shared layers write no cache, so only the last position matters from here.
                 let last = step.seq_len - 1;
@@ -336,13 +357,22 @@ impl TextModel {
                 .as_ref()
                 .map(|p| ple::layer_slice(p, i))
                 .transpose()?;
-            let next_norm = self.layers.get(i + 1).map(DecoderLayer::input_norm);
+            let next_norm = self
+                .layers
+                .get(i + 1)
+                .filter(|_| i + 1 < end)
+                .map(DecoderLayer::input_norm);
             let out =
                 layer.forward_chained(&x, normed.as_ref(), &step, ple_l.as_ref(), kv, next_norm)?;
             routing.produced(i, out.view);
             x = out.x;
             normed = out.next_normed;
         }
+        Ok(x)
+    }
+
+    /// The f32 logits of each sequence's last position of the residual stream `x`.
+    fn logits(&self, x: &Tensor) -> Result<Tensor> {
         let last = x.dim(1)? - 1;
         let x = self.norm.forward(&x.narrow(1, last, 1)?.squeeze(1)?)?;
         let logits = match (&self.lm_head, &self.head_part) {
