@@ -145,26 +145,19 @@ __device__ __forceinline__ void qmv_tc4x_body(const QmatParams p, const T* __res
     }
 }
 
-// qmv_tc4x_{T}: one tile a warp, registers capped for 2 resident blocks a multiprocessor (128
-// registers); qmv_tc4x2_{T} and qmv_tc4x4_{T}: two and four tiles a warp, one block.
-#define QTC4X_INST(TN, T)                                                                      \
-    extern "C" __global__ void __launch_bounds__(QTC_WARPS * 32, 2)                             \
-        qmv_tc4x_##TN(const QmatParams p, const T* x, const uint32_t* c, const T* s, const T* b, \
-                      T* y) {                                                                  \
+// qmv_tc4x{SUFFIX}_{T}: MT tiles a warp, registers capped for MINB resident blocks a
+// multiprocessor: qmv_tc4x_ one tile (2 blocks, 128 registers), qmv_tc4x2_ and qmv_tc4x4_ two
+// and four (one block).
+#define QTC4X_ONE(TN, T, SUFFIX, MT, MINB)                                                     \
+    extern "C" __global__ void __launch_bounds__(QTC_WARPS * 32, MINB)                          \
+        qmv_tc4x##SUFFIX##_##TN(const QmatParams p, const T* x, const uint32_t* c, const T* s,  \
+                                const T* b, T* y) {                                            \
         pdl_entry();                                                                           \
-        qmv_tc4x_body<T, 1>(p, x, c, s, b, y);                                                 \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(QTC_WARPS * 32, 1)                             \
-        qmv_tc4x2_##TN(const QmatParams p, const T* x, const uint32_t* c, const T* s,           \
-                       const T* b, T* y) {                                                     \
-        pdl_entry();                                                                           \
-        qmv_tc4x_body<T, 2>(p, x, c, s, b, y);                                                 \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(QTC_WARPS * 32, 1)                             \
-        qmv_tc4x4_##TN(const QmatParams p, const T* x, const uint32_t* c, const T* s,           \
-                       const T* b, T* y) {                                                     \
-        pdl_entry();                                                                           \
-        qmv_tc4x_body<T, 4>(p, x, c, s, b, y);                                                 \
+        qmv_tc4x_body<T, MT>(p, x, c, s, b, y);                                                \
     }
+#define QTC4X_INST(TN, T)          \
+    QTC4X_ONE(TN, T, , 1, 2)       \
+    QTC4X_ONE(TN, T, 2, 2, 1)      \
+    QTC4X_ONE(TN, T, 4, 4, 1)
 QTC4X_INST(f16, __half)
 QTC4X_INST(bf16, __nv_bfloat16)
