@@ -15,6 +15,16 @@ cargo build --release --features cuda --example generate
 # No kernel may read global memory before its dependent-launch wait (needs cuobjdump and
 # nvdisasm: pip install nvidia-cuda-cuobjdump-cu13 nvidia-cuda-nvdisasm-cu13, on PATH).
 out=$(dirname "$(ls -t "$CARGO_TARGET_DIR"/release/build/candle-gemma-*/out/matvec.fatbin | head -1)")
+# The fatbins must be newer than every kernel source. Cargo keys a build script's run by the
+# package, not its folder: a build folder shared with another checkout of the crate can keep
+# that checkout's kernels (it happened: a stale build measured as the current one).
+oldest=$(ls -tr "$out"/*.fatbin | head -1)
+stale=$(find src/kernels/cuda \( -name '*.cu' -o -name '*.cuh' \) -newer "$oldest" | head -3)
+if [ -n "$stale" ]; then
+  echo "kernel sources newer than the build's fatbins ($out): $stale" >&2
+  echo "touch build.rs and rebuild, or use a CARGO_TARGET_DIR of this checkout's own" >&2
+  exit 1
+fi
 if command -v cuobjdump >/dev/null && command -v nvdisasm >/dev/null; then
   python3 scripts/check_pdl_order.py "$out"
 else
