@@ -18,8 +18,13 @@ out=$(dirname "$(ls -t "$CARGO_TARGET_DIR"/release/build/candle-gemma-*/out/matv
 # The fatbins must be newer than every kernel source. Cargo keys a build script's run by the
 # package, not its folder: a build folder shared with another checkout of the crate can keep
 # that checkout's kernels (it happened: a stale build measured as the current one).
-oldest=$(ls -tr "$out"/*.fatbin | head -1)
-stale=$(find src/kernels/cuda \( -name '*.cu' -o -name '*.cuh' \) -newer "$oldest" | head -3)
+stale=""
+for cu in src/kernels/cuda/*.cu; do
+  fb="$out/$(basename "${cu%.cu}").fatbin"
+  if [ ! -e "$fb" ] || [ -n "$( (find "$cu" -newer "$fb"; find src/kernels/cuda -name '*.cuh' -newer "$fb") | head -1)" ]; then
+    stale="$stale $cu"
+  fi
+done
 if [ -n "$stale" ]; then
   echo "kernel sources newer than the build's fatbins ($out): $stale" >&2
   echo "touch build.rs and rebuild, or use a CARGO_TARGET_DIR of this checkout's own" >&2
