@@ -182,3 +182,32 @@ fn every_cache_kind_and_batched_decode_run_on_the_ranks_as_on_the_whole_model() 
         assert_eq!(got[1], want, "batched, rank 1, {mode:?}");
     }
 }
+
+#[test]
+fn a_prompt_of_several_chunks_runs_on_the_ranks_as_on_the_whole_model() {
+    // Earlier chunks only fill the cache (no KV-shared layers, no head and so no all-gather):
+    // every rank takes that path alike.
+    let name = "e2b-hf";
+    let sm = sharded(name, 2);
+    let whole = Model::builder().path(fixture(name)).build().unwrap();
+    let prompt: Vec<u32> = (0..2 * crate::PREFILL_CHUNK as u32 + 6)
+        .map(|i| (i * 37 + 11) % 500 + 3)
+        .collect();
+    let got = sm.run(|m| forward(m, &prompt)).unwrap();
+    let reference = forward(&whole, &prompt).unwrap();
+    for (rank, logits) in got.iter().enumerate() {
+        let diff = max_abs_diff(logits, &reference);
+        assert!(diff < 2e-3, "rank {rank}: logits differ by {diff}");
+    }
+    let opts = GenOptions {
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let want = whole.generator(opts.clone()).generate(&prompt).unwrap();
+    let outs = sm
+        .run(|m| m.generator(opts.clone()).generate(&prompt))
+        .unwrap();
+    assert_eq!(outs[0].tokens, want.tokens);
+    assert_eq!(outs[1].tokens, want.tokens);
+}
