@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The kernel files, one module each (`Module` constants in `kernel_cache.rs`).
-const MODULES: [&str; 11] = [
+const MODULES: [&str; 12] = [
     "attention",
     "attention_tc",
     "matvec",
@@ -23,6 +23,7 @@ const MODULES: [&str; 11] = [
     "layer_ops",
     "moe",
     "reduce",
+    "prefill_attention",
     "dense_matvec",
     "diagnostics",
     "peer_reduce",

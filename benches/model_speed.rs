@@ -155,6 +155,20 @@ fn greedy(logits: &Tensor) -> Result<Vec<u32>> {
     Ok(logits.argmax(1)?.to_vec1::<u32>()?)
 }
 
+/// The `n` largest logits of the first row of `[B, V]` logits, as `(id, logit)` from the
+/// largest: builds that must compute alike print the same ids, with logits that differ by
+/// rounding only (random weights leave near-ties that rounding may reorder).
+fn top_logits(logits: &Tensor, n: usize) -> Result<Vec<(u32, f32)>> {
+    let row = logits.get(0)?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    let mut ids: Vec<u32> = (0..row.len() as u32).collect();
+    ids.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+    Ok(ids
+        .into_iter()
+        .take(n)
+        .map(|i| (i, row[i as usize]))
+        .collect())
+}
+
 fn cache_config(kv: &str) -> Result<CacheConfig> {
     let mode = match kv {
         "dense" => CacheMode::Rotating,
@@ -173,14 +187,21 @@ fn cache_config(kv: &str) -> Result<CacheConfig> {
     Ok(CacheConfig { mode })
 }
 
-fn prefill(model: &Model, cc: &CacheConfig, len: usize, seed: u32) -> Result<(ModelCache, f64)> {
+/// One prefill of `len` tokens from a fresh cache: the cache, the seconds, and the last
+/// position's logits.
+fn prefill(
+    model: &Model,
+    cc: &CacheConfig,
+    len: usize,
+    seed: u32,
+) -> Result<(ModelCache, f64, Tensor)> {
     let mut cache = model.new_cache(cc)?;
     let vocab = model.config().vocab_size as u32;
     let prompt: Vec<u32> = (0..len as u32).map(|i| (i * 7919 + seed) % vocab).collect();
     let t = Instant::now();
     let logits = model.forward(&[prompt], &mut cache)?;
     let _ = greedy(&logits)?;
-    Ok((cache, t.elapsed().as_secs_f64()))
+    Ok((cache, t.elapsed().as_secs_f64(), logits))
 }
 
 fn main() -> Result<()> {
@@ -290,7 +311,8 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
         for &len in args.prefill.iter().filter(|&&l| l > 0) {
             // Warm-up at the timed length (first uses of kernels and cuBLAS plans
             // for these shapes), then the median of three.
-            let (_, _) = prefill(model, &cc, len, 0)?;
+            let (_, _, logits) = prefill(model, &cc, len, 0)?;
+            let top = top_logits(&logits, 5)?;
             let calls0 = model.all_reduces();
             let mut times = (1..=3)
                 .map(|seed| prefill(model, &cc, len, seed).map(|r| r.1))
@@ -305,7 +327,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                 println!(
                     "{}",
                     json!({"model": name, "weights": weights, "kv": kv, "fused": fused, "tp": tp,
-                        "op": "prefill", "tokens": len, "tok_s": len as f64 / secs,
+                        "op": "prefill", "tokens": len, "tok_s": len as f64 / secs, "top": top,
                         "all_reduces": ar_calls, "all_reduce_ms": ar_ms, "all_reduce_share": ar_share})
                 );
             }

@@ -5,6 +5,7 @@
 //!   dispatcher) over head dims, bits, group sizes, GQA, decode/prefill, causal and sliding
 //!   masks, key-position encodings and query dtypes; dense attention through the dispatcher;
 //!   settled-key marks (bit-identical); batched attention against each sequence alone.
+//! * `prefill`: the flash prefill attention kernel over dense K/V, against the CPU in f32.
 //! * `caches`: K/V quantization and quantized/dense cache updates, bit-exact against the CPU.
 //! * `layer_ops`: the fused decoder-layer kernels (add + norm, GeGLU, q/k/v prep, argmax)
 //!   against the candle op chains they replace.
@@ -48,6 +49,8 @@ mod dense_matvec;
 mod layer_ops;
 #[path = "cuda_kernels/moe.rs"]
 mod moe;
+#[path = "cuda_kernels/prefill.rs"]
+mod prefill;
 #[path = "cuda_kernels/qmatmul.rs"]
 mod qmatmul;
 #[path = "cuda_kernels/support.rs"]

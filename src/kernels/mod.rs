@@ -173,6 +173,10 @@ fn attend_one(
             {
                 return cuda::attention::launch::attend_dense_fused(q, k, v, positions, plan);
             }
+            #[cfg(feature = "cuda")]
+            if q.device().is_cuda() && flash_prefill(q, k, v) {
+                return cuda::attention::prefill::attend_prefill(q, k, v, positions, plan);
+            }
             dense::attend_dense(q, k, v, &positions.to_vec(), plan)
         }
         KvData::Packed { k, v } => match q.device() {
@@ -194,6 +198,17 @@ fn attend_one(
             }
         },
     }
+}
+
+/// Whether a query block over dense K/V on CUDA takes the flash prefill kernel: longer than the
+/// fused decode kernel's blocks, a dtype and head dimension it is built for, and
+/// [`policy::LaunchPolicy::flash_prefill`] on.
+#[cfg(feature = "cuda")]
+pub(crate) fn flash_prefill(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
+    q.dim(2)
+        .is_ok_and(|n| n > cuda::attention::launch::FUSED_MAX_Q_LEN)
+        && policy::current().flash_prefill
+        && cuda::attention::prefill::supports(q, k, v)
 }
 
 /// Checks one sequence's view against queries of `n_heads` heads of `head_dim`: K/V

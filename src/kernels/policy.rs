@@ -12,6 +12,7 @@
 //! | `CANDLE_GEMMA_CUDA_GRAPH=0` | [`LaunchPolicy::cuda_graph`] | no CUDA graph replay for decode |
 //! | `CANDLE_GEMMA_PDL=0` | [`LaunchPolicy::dependent_launch`] | plain launches (no programmatic dependent launch) |
 //! | `CANDLE_GEMMA_EARLY_LOADS=0` | [`LaunchPolicy::early_loads`] | no loads of settled weights or keys before the dependent-launch wait |
+//! | `CANDLE_GEMMA_FLASH_PREFILL=0` | [`LaunchPolicy::flash_prefill`] | prefill attention through the score matrix (cuBLAS products and a masked softmax) |
 //! | `CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=N` | [`LaunchPolicy::moe_grouped_max_tokens`] | token count up to which MoE runs the grouped matvec |
 //! | `CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES=N` | [`LaunchPolicy::peer_all_reduce_max_bytes`] | largest tensor-parallel sum that runs the crate's peer-memory kernel (0: NCCL for every sum) |
 //! | `CANDLE_GEMMA_METAL_KERNELS=0` | [`LaunchPolicy::metal_kernels`] | no crate Metal kernels (the host fallback) |
@@ -39,6 +40,10 @@ pub struct LaunchPolicy {
     /// (data no running kernel writes) before waiting for the kernel ahead (on by default). Off,
     /// every load waits; a check of that ordering.
     pub early_loads: bool,
+    /// Run long query blocks (prefill) over f16/bf16 K/V through the crate's flash-attention
+    /// kernel on CUDA (on by default). Off, they take the cuBLAS score matrix and the masked
+    /// softmax, which the kernel is tested against.
+    pub flash_prefill: bool,
     /// Up to this many tokens an MoE layer runs the grouped matrix-vector kernel; above it, the
     /// sorted tensor-core path (0 sends every forward through the sorted path).
     pub moe_grouped_max_tokens: usize,
@@ -75,6 +80,7 @@ impl Default for LaunchPolicy {
             cuda_graph_max_batch: 64,
             dependent_launch: true,
             early_loads: true,
+            flash_prefill: true,
             moe_grouped_max_tokens: 64,
             peer_all_reduce_max_bytes: 1 << 20,
             metal_kernels: true,
@@ -107,6 +113,9 @@ impl LaunchPolicy {
         }
         if let Ok(v) = std::env::var("CANDLE_GEMMA_EARLY_LOADS") {
             p.early_loads = v != "0";
+        }
+        if let Ok(v) = std::env::var("CANDLE_GEMMA_FLASH_PREFILL") {
+            p.flash_prefill = v != "0";
         }
         if let Ok(v) = std::env::var("CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS") {
             if let Ok(n) = v.parse() {

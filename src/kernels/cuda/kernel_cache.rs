@@ -121,6 +121,8 @@ modules! {
     MOE = "moe";
     /// Masked softmax and row argmax.
     REDUCE = "reduce";
+    /// Flash attention over long query blocks (prefill).
+    PREFILL_ATTENTION = "prefill_attention";
     /// Dense-weight decode products.
     DENSE_MATVEC = "dense_matvec";
     /// Bench helpers: the copy kernel and the GPU spin.
@@ -245,6 +247,7 @@ value_args!(
     super::dense_matvec::DenseMvParams,
     super::moe::GroupedMvParams,
     super::reduce::SoftmaxParams,
+    super::attention::prefill::PrefillParams,
     super::norm_tail::MvNormParams,
 );
 

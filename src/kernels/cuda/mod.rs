@@ -6,7 +6,7 @@
 //!
 //! | module | kernels |
 //! |---|---|
-//! | `attention` | fused attention over packed or dense K/V: planning, one-sequence and batched launches (`attention.cu`, `attention_tc.cu`) |
+//! | `attention` | fused attention over packed or dense K/V: planning, one-sequence and batched launches (`attention.cu`, `attention_tc.cu`); flash attention for prefill (`prefill_attention.cu`) |
 //! | `matvec`, `matvec_plan` | the packed-weight matrix-vector products and their kernel choice (`matvec.cu`) |
 //! | `dense_matvec` | dense-weight decode products, gated and normed forms (`dense_matvec.cu`) |
 //! | `norm_tail` | the residual add + norm folded into a product's last block |
@@ -63,3 +63,5 @@ pub(crate) mod scratch;
 pub(crate) use attention::batched;
 #[cfg(feature = "cuda")]
 pub use attention::launch::{attend_packed_cuda, QsdpaPath};
+#[cfg(feature = "cuda")]
+pub use attention::prefill::{attend_prefill_cuda, PREFILL_HEAD_DIMS};

@@ -90,6 +90,9 @@ pub(crate) fn attend_packed(
     } else {
         let kd = dequantize_kv(k, q.dtype())?;
         let vd = dequantize_kv(v, q.dtype())?;
+        if crate::kernels::flash_prefill(q, &kd, &vd) {
+            return super::prefill::attend_prefill(q, &kd, &vd, positions, plan);
+        }
         Ok(dense::attend_dense(q, &kd, &vd, &positions.to_vec(), plan)?)
     }
 }

@@ -1,0 +1,369 @@
+// Prefill attention on the tensor cores: a block of 64 query rows of one KV head walks the key
+// tiles with an online softmax (flash attention), so the score matrix is never written. Tiles
+// no query of the block can see are skipped, and the output is written as
+// [queries, heads, head_dim], the layout the output projection reads.
+//
+// Rows: row r of a KV head is query r / group of query head kv * group + r % group, so a block
+// spans 64 / group queries and its causal and window bounds stay tight.
+//
+// Warps: 4 row groups of 16 rows. At head dim 512 two warps share a row group, each with half
+// the dimensions: each computes the scores over its half, the halves are summed through shared
+// memory, and each multiplies the probabilities into its half of the output (the output's
+// accumulators of 16 rows x 512 dimensions would not fit one warp's registers).
+//
+// Pipeline: Q, K and V tiles in shared memory (16-byte chunks XOR-swizzled by row, so the
+// 8-row matrix loads are free of bank conflicts), filled by cp.async; the next tile's keys load
+// while this tile's values multiply, the next values while the next scores are computed.
+//
+// PrefillParams must match `PrefillParams` in `src/kernels/cuda/attention/prefill.rs`.
+
+#include <stdint.h>
+
+#include "async_copy.cuh"
+#include "common.cuh"
+
+struct PrefillParams {
+    // Element strides of Q along heads and queries, of K and V along heads and keys.
+    uint64_t q_sh, q_sq, k_sh, k_sk, v_sh, v_sk;
+    uint32_t n_heads, kv_heads, q_len, keys;
+    // window 0: causal only. Key positions as in QsdpaParams (mode 0 linear, 1 two runs, 2 table).
+    uint32_t window, q_offset, pos_mode, pos_base, pos_split, pos_base2;
+    float scale_log2;  // the score scale times log2(e)
+    uint32_t pad_;
+};
+
+constexpr int PF_ROW_GROUPS = 4;
+constexpr int PF_ROWS = 16 * PF_ROW_GROUPS;
+
+__device__ __forceinline__ uint32_t pf_key_pos(const PrefillParams& p, const uint32_t* pos, int j) {
+    if (p.pos_mode == 0) return p.pos_base + (uint32_t)j;
+    if (p.pos_mode == 1)
+        return (uint32_t)j < p.pos_split ? p.pos_base + (uint32_t)j
+                                          : p.pos_base2 + ((uint32_t)j - p.pos_split);
+    return pos[j];
+}
+
+__device__ __forceinline__ bool pf_visible(const PrefillParams& p, uint32_t key, uint32_t query) {
+    return key <= query && (p.window == 0 || key + p.window > query);
+}
+
+// 16-byte async copy, zero-filled when `valid` is false (the source is then not read).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(smem);
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(gmem), "r"(n));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t* r, const void* p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t* r, const void* p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+template <typename T> __device__ __forceinline__ uint32_t pack2(float a, float b);
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Element (row, col) of a swizzled tile of rows of HD elements; col a multiple of 8.
+template <int HD> __device__ __forceinline__ int pf_swz(int row, int col) {
+    return row * HD + ((((col >> 3) ^ (row & 7))) << 3);
+}
+
+// Which keys of tile [j0, j1) the block's queries [q_lo, q_hi] (positions) may see:
+// 0 none, 1 some (mask each score), 2 all (no mask). Uniform over the block; the table mode
+// votes with block barriers.
+template <int BN>
+__device__ __forceinline__ int pf_tile_class(const PrefillParams& p, const uint32_t* pos, int j0,
+                                             uint32_t q_lo, uint32_t q_hi) {
+    const int j1 = min(j0 + BN, (int)p.keys);
+    // A run of keys at positions [a, b]: any visible / all visible from every query.
+    auto any_of = [&](uint32_t a, uint32_t b) {
+        return a <= q_hi && (p.window == 0 || b + p.window > q_lo);
+    };
+    auto all_of = [&](uint32_t a, uint32_t b) {
+        return b <= q_lo && (p.window == 0 || a + p.window > q_hi);
+    };
+    if (p.pos_mode == 2) {
+        const int j = j0 + (int)threadIdx.x;
+        bool any = false, all = true;
+        if ((int)threadIdx.x < BN) {
+            if (j < j1) {
+                const uint32_t k = pos[j];
+                any = any_of(k, k);
+                all = all_of(k, k);
+            } else {
+                all = false;
+            }
+        }
+        any = __syncthreads_or(any);
+        all = __syncthreads_and(all);
+        return all ? 2 : (any ? 1 : 0);
+    }
+    const bool full = j1 - j0 == BN;
+    // Mode 0, or mode 1 as its two runs (tile parts below and from the split).
+    int cut = j1;
+    if (p.pos_mode == 1) cut = max(j0, min(j1, (int)p.pos_split));
+    bool any = false, all = full;
+    if (cut > j0) {
+        const uint32_t a = pf_key_pos(p, pos, j0), b = pf_key_pos(p, pos, cut - 1);
+        any |= any_of(a, b);
+        all = all && all_of(a, b);
+    }
+    if (j1 > cut) {
+        const uint32_t a = pf_key_pos(p, pos, cut), b = pf_key_pos(p, pos, j1 - 1);
+        any |= any_of(a, b);
+        all = all && all_of(a, b);
+    }
+    return all ? 2 : (any ? 1 : 0);
+}
+
+template <typename T, int HD, int BN>
+__device__ __forceinline__ void prefill_attention(const PrefillParams& p, const T* __restrict__ q,
+                                                  const T* __restrict__ k, const T* __restrict__ v,
+                                                  const uint32_t* __restrict__ pos, T* __restrict__ out) {
+    constexpr int WPR = HD > 256 ? HD / 256 : 1;  // warps sharing a row group
+    constexpr int DW = HD / WPR;                  // dimensions of a warp
+    constexpr int NW = PF_ROW_GROUPS * WPR;
+    constexpr int THREADS = NW * 32;
+    constexpr int CH = HD / 8;  // 16-byte chunks of a row
+    constexpr int NT = BN / 8;  // score tiles of 8 keys
+    constexpr int DT = DW / 8;  // output tiles of 8 dimensions
+    static_assert(BN <= THREADS, "one thread a key for the table vote");
+
+    extern __shared__ __align__(16) unsigned char pf_smem[];
+    T* qs = reinterpret_cast<T*>(pf_smem);
+    T* ks = qs + PF_ROWS * HD;
+    T* vs = ks + BN * HD;
+    float* xs = reinterpret_cast<float*>(vs + BN * HD);  // WPR > 1: [NW][NT * 4][32]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gq = lane >> 2, tq = lane & 3;
+    const int rg = warp % PF_ROW_GROUPS, part = warp / PF_ROW_GROUPS;
+    const int kvh = blockIdx.y;
+    const int group = p.n_heads / p.kv_heads;
+    const int rows = group * p.q_len;
+    // Blocks of later queries see more keys: they start first.
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * PF_ROWS;
+    const uint32_t q_lo = p.q_offset + row0 / group;
+    const uint32_t q_hi = p.q_offset + (min(row0 + PF_ROWS, rows) - 1) / group;
+    const int n_tiles = ((int)p.keys + BN - 1) / BN;
+
+    pdl_entry();
+
+    auto load_q = [&] {
+        for (int i = tid; i < PF_ROWS * CH; i += THREADS) {
+            const int row = i / CH, c = i % CH, r = row0 + row;
+            const bool ok = r < rows;
+            const int qi = ok ? r / group : 0, head = kvh * group + (ok ? r % group : 0);
+            cp_async16_zfill(qs + pf_swz<HD>(row, c * 8),
+                             q + head * p.q_sh + (size_t)qi * p.q_sq + c * 8, ok);
+        }
+    };
+    auto load_kv = [&](T* dst, const T* src, uint64_t sh, uint64_t sk, int j0) {
+        for (int i = tid; i < BN * CH; i += THREADS) {
+            const int row = i / CH, c = i % CH, j = j0 + row;
+            const bool ok = j < (int)p.keys;
+            cp_async16_zfill(dst + pf_swz<HD>(row, c * 8),
+                             src + kvh * sh + (size_t)(ok ? j : 0) * sk + c * 8, ok);
+        }
+    };
+    auto next_tile = [&](int t, int& cls) {
+        for (; t < n_tiles; ++t) {
+            cls = pf_tile_class<BN>(p, pos, t * BN, q_lo, q_hi);
+            if (cls) break;
+        }
+        return t;
+    };
+
+    // This lane's two rows (gq, gq + 8 of its row group): their query positions.
+    uint32_t qpos[2];
+    bool row_ok[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row0 + rg * 16 + gq + 8 * h;
+        row_ok[h] = r < rows;
+        qpos[h] = p.q_offset + (row_ok[h] ? r / group : 0);
+    }
+
+    float o[DT][4];
+#pragma unroll
+    for (int d = 0; d < DT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    int cls = 0;
+    int t = next_tile(0, cls);
+    if (t < n_tiles) {
+        load_q();
+        cp_async_commit();
+        load_kv(ks, k, p.k_sh, p.k_sk, t * BN);
+        cp_async_commit();
+        load_kv(vs, v, p.v_sh, p.v_sk, t * BN);
+        cp_async_commit();
+    }
+    while (t < n_tiles) {
+        int next_cls = 0;
+        const int next = next_tile(t + 1, next_cls);
+        cp_async_wait<1>();
+        __syncthreads();  // Q and this tile's keys are in
+
+        float s[NT][4];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll 4
+        for (int kk = 0; kk < DW / 16; ++kk) {
+            const int col = part * DW + kk * 16;
+            uint32_t a[4];
+            ldsm_x4(a, qs + pf_swz<HD>(rg * 16 + (lane & 15), col + (lane >> 4) * 8));
+#pragma unroll
+            for (int n2 = 0; n2 < NT / 2; ++n2) {
+                uint32_t b[4];
+                ldsm_x4(b, ks + pf_swz<HD>(n2 * 16 + (lane >> 4) * 8 + (lane & 7),
+                                           col + ((lane >> 3) & 1) * 8));
+                mma_16816<T>(s[2 * n2], a, b);
+                mma_16816<T>(s[2 * n2 + 1], a, b + 2);
+            }
+        }
+        if constexpr (WPR > 1) {
+#pragma unroll
+            for (int n = 0; n < NT; ++n)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) xs[(warp * NT * 4 + n * 4 + i) * 32 + lane] = s[n][i];
+        }
+        __syncthreads();  // every warp is done with the keys (and has posted its partial scores)
+        if (next < n_tiles) {
+            load_kv(ks, k, p.k_sh, p.k_sk, next * BN);
+            cp_async_commit();
+        }
+        if constexpr (WPR > 1) {
+#pragma unroll
+            for (int w = 0; w < WPR; ++w) {
+                if (w == part) continue;
+                const int other = w * PF_ROW_GROUPS + rg;
+#pragma unroll
+                for (int n = 0; n < NT; ++n)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) s[n][i] += xs[(other * NT * 4 + n * 4 + i) * 32 + lane];
+            }
+        }
+
+        // Scale into the base-2 domain, mask, and fold the tile into the running softmax.
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float x = s[n][i] * p.scale_log2;
+                if (cls == 1) {
+                    const int j = t * BN + n * 8 + 2 * tq + (i & 1);
+                    const bool vis =
+                        j < (int)p.keys && pf_visible(p, pf_key_pos(p, pos, j), qpos[i >> 1]);
+                    x = vis ? x : -INFINITY;
+                }
+                s[n][i] = x;
+                mx[i >> 1] = fmaxf(mx[i >> 1], x);
+            }
+        }
+        float ref[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            const float mn = fmaxf(m[h], mx[h]);
+            ref[h] = mn == -INFINITY ? 0.f : mn;
+            const float alpha = fast_exp2(m[h] - ref[h]);
+            m[h] = mn;
+            l[h] *= alpha;
+#pragma unroll
+            for (int d = 0; d < DT; ++d) {
+                o[d][2 * h] *= alpha;
+                o[d][2 * h + 1] *= alpha;
+            }
+        }
+        uint32_t pa[NT][2];  // probabilities as A-fragment halves: (row gq, row gq + 8) a tile
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            const float p0 = fast_exp2(s[n][0] - ref[0]), p1 = fast_exp2(s[n][1] - ref[0]);
+            const float p2 = fast_exp2(s[n][2] - ref[1]), p3 = fast_exp2(s[n][3] - ref[1]);
+            l[0] += p0 + p1;
+            l[1] += p2 + p3;
+            pa[n][0] = pack2<T>(p0, p1);
+            pa[n][1] = pack2<T>(p2, p3);
+        }
+
+        if (next < n_tiles) {
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();  // this tile's values are in
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const uint32_t a[4] = {pa[2 * kk][0], pa[2 * kk][1], pa[2 * kk + 1][0],
+                                   pa[2 * kk + 1][1]};
+#pragma unroll
+            for (int d2 = 0; d2 < DT / 2; ++d2) {
+                uint32_t b[4];
+                ldsm_x4_trans(b, vs + pf_swz<HD>(kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7),
+                                                 part * DW + d2 * 16 + (lane >> 4) * 8));
+                mma_16816<T>(o[2 * d2], a, b);
+                mma_16816<T>(o[2 * d2 + 1], a, b + 2);
+            }
+        }
+        __syncthreads();  // every warp is done with the values
+        if (next < n_tiles) {
+            load_kv(vs, v, p.v_sh, p.v_sk, next * BN);
+            cp_async_commit();
+        }
+        t = next;
+        cls = next_cls;
+    }
+
+    // Each row's sum over its quad of lanes; rows that saw no key write zeros.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+        if (!row_ok[h]) continue;
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        const int r = row0 + rg * 16 + gq + 8 * h;
+        const int qi = r / group, head = kvh * group + r % group;
+        T* dst = out + ((size_t)qi * p.n_heads + head) * HD + part * DW + 2 * tq;
+#pragma unroll
+        for (int d = 0; d < DT; ++d)
+            *reinterpret_cast<uint32_t*>(dst + d * 8) =
+                pack2<T>(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
+    }
+}
+
+// Shared memory of one block: Q, K and V tiles, and the partial scores when warps split the
+// head (host: `prefill_smem`).
+#define PF_KERNEL(TN, T, HD, BN, MINB)                                                          \
+    extern "C" __global__ void __launch_bounds__(PF_ROW_GROUPS * (HD > 256 ? HD / 256 : 1) * 32, \
+                                                 MINB)                                          \
+        prefill_attn_##HD##_##TN(const PrefillParams p, const T* __restrict__ q,                 \
+                                 const T* __restrict__ k, const T* __restrict__ v,               \
+                                 const uint32_t* __restrict__ pos, T* __restrict__ out) {        \
+        prefill_attention<T, HD, BN>(p, q, k, v, pos, out);                                     \
+    }
+
+#define PF_KERNELS(TN, T)          \
+    PF_KERNEL(TN, T, 128, 64, 2)   \
+    PF_KERNEL(TN, T, 256, 64, 2)   \
+    PF_KERNEL(TN, T, 512, 32, 1)
+
+PF_KERNELS(bf16, __nv_bfloat16)
+PF_KERNELS(f16, __half)
