@@ -27,7 +27,8 @@ fn sum_lim(dtype: DType, want: &Tensor) -> Result<f32> {
 }
 
 /// Residual add + norm: the layer scalar and the next norm, a 31B-wide row, the refusal of
-/// rows too wide, two next norms, and the two-branch end of a 26B-A4B layer.
+/// rows too wide, a prefill chunk's rows, two next norms, and the two-branch end of a 26B-A4B
+/// layer.
 fn check_add_norm(checks: &mut Checks, dtype: DType, gpu: &Device) -> Result<()> {
     let g = |t: &Tensor| t.to_device(gpu);
     let mut report = |name: &str, err: f32, limit: f32| {
@@ -96,6 +97,38 @@ fn check_add_norm(checks: &mut Checks, dtype: DType, gpu: &Device) -> Result<()>
         max_abs_diff(&got2.expect("requested"), &want2),
         2.0 * lim,
     );
+
+    // A prefill chunk's rows (the many-row form, a warp a row), E4B- and 31B-wide, with the
+    // scalar and two next norms; 100 rows leave the last block part-filled.
+    for hp in [2560, 5376] {
+        let (rp, yp, wp, w2p, w3p) = (
+            rnd(&[100, hp], dtype)?,
+            rnd(&[100, hp], dtype)?,
+            rnd(&[hp], dtype)?,
+            rnd(&[hp], dtype)?,
+            rnd(&[hp], dtype)?,
+        );
+        let want = (&rp + rms_norm(&yp, &wp, eps as f32)?)?.broadcast_mul(&s)?;
+        let extra = AddNormExtra {
+            scalar: Some(&g(&s)?),
+            next: Some(&g(&w2p)?),
+            next2: Some(&g(&w3p)?),
+            ..Default::default()
+        };
+        let (got, n1, n2) = add_norm_ext(&g(&rp)?, &g(&yp)?, &g(&wp)?, eps, &extra)?;
+        report(
+            &format!("add_norm 100 rows of {hp}: sum"),
+            max_abs_diff(&got, &want),
+            sum_lim(&want)?,
+        );
+        for (name, n, wn) in [("first", n1, &w2p), ("second", n2, &w3p)] {
+            report(
+                &format!("add_norm 100 rows of {hp}: {name} next"),
+                max_abs_diff(&n.expect("requested"), &rms_norm(&want, wn, eps as f32)?),
+                2.0 * lim,
+            );
+        }
+    }
 
     // Two norms of the sum (26B-A4B: both feed-forward inputs), no scalar.
     let w3 = rnd(&[h], dtype)?;

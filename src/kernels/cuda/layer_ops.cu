@@ -253,6 +253,85 @@ __device__ __forceinline__ void kv_scatter_body(const KvScatterParams p, const Q
                                    reinterpret_cast<T*>(dst->k), reinterpret_cast<T*>(dst->v)); \
     }
 
+// Warps a block of the many-row residual add + norm (host: ADD_NORM_ROWS_WARPS).
+constexpr int ADD_NORM_ROWS_WARPS = 8;
+
+// The residual add + norm of `add_norm_body` (same steps, same roundings) for many rows at once
+// (prefill): one warp a row, 16-byte loads, warp-only reductions, and nothing held in registers
+// across the passes (the row's second and third reads hit the cache). A block of 1024 threads
+// a row spends most of a short row's time in its barriers; this form runs a 1024-token chunk in
+// one wave. Rows of a multiple of 8 elements, 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ void add_norm_rows_body(const AddNormParams p, const T* __restrict__ res,
+                                                   const T* __restrict__ y,
+                                                   const T* __restrict__ w,
+                                                   const T* __restrict__ scalar,
+                                                   const T* __restrict__ w2, T* __restrict__ out,
+                                                   T* __restrict__ out2,
+                                                   const T* __restrict__ w3,
+                                                   T* __restrict__ out3) {
+    const int lane = threadIdx.x & 31;
+    const uint32_t row = blockIdx.x * ADD_NORM_ROWS_WARPS + (threadIdx.x >> 5);
+    if (row >= p.rows) return;
+    const int nv = (int)p.dim / 8;
+    const size_t base = (size_t)row * p.dim;
+    const uint4* yr = reinterpret_cast<const uint4*>(y + base);
+    const uint4* rr = reinterpret_cast<const uint4*>(res + base);
+    const uint4* wr = reinterpret_cast<const uint4*>(w);
+    uint4* outr = reinterpret_cast<uint4*>(out + base);
+    const float s = (p.flags & 1) ? to_f(scalar[0]) : 1.f;
+    auto warp_sum = [](float v) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        return v;
+    };
+    float ss = 0.f;
+#pragma unroll 4
+    for (int i = lane; i < nv; i += 32) {
+        float v[8];
+        unpack8<T>(yr[i], v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += v[j] * v[j];
+    }
+    const float inv = rsqrtf(warp_sum(ss) / p.dim + p.eps);
+    float ss2 = 0.f;
+#pragma unroll 4
+    for (int i = lane; i < nv; i += 32) {
+        float v[8], r[8], wf[8], o[8];
+        unpack8<T>(yr[i], v);
+        unpack8<T>(rr[i], r);
+        unpack8<T>(wr[i], wf);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            o[j] = rnd<T>(r[j] + rnd<T>(v[j] * inv * wf[j]));
+            if (p.flags & 1) o[j] = rnd<T>(o[j] * s);
+            ss2 += o[j] * o[j];
+        }
+        outr[i] = pack8<T>(o);
+    }
+    if (!(p.flags & 2)) return;
+    const float inv2 = rsqrtf(warp_sum(ss2) / p.dim + p.eps);
+    const uint4* w2r = reinterpret_cast<const uint4*>(w2);
+    const uint4* w3r = reinterpret_cast<const uint4*>(w3);
+    uint4* out2r = reinterpret_cast<uint4*>(out2 + base);
+    uint4* out3r = reinterpret_cast<uint4*>(out3 + base);
+#pragma unroll 4
+    for (int i = lane; i < nv; i += 32) {
+        float o[8], a[8], b[8];
+        unpack8<T>(outr[i], o);  // this lane's own store
+        unpack8<T>(w2r[i], a);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) b[j] = o[j] * inv2 * a[j];
+        out2r[i] = pack8<T>(b);
+        if (p.flags & 4) {
+            unpack8<T>(w3r[i], a);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) b[j] = o[j] * inv2 * a[j];
+            out3r[i] = pack8<T>(b);
+        }
+    }
+}
+
 #define LAYER_OPS_INST(TN, T)                                                                   \
     extern "C" __global__ void kv_scatter_batch_##TN(const KvScatterParams p,                   \
                                                      const KvBatchDst dst, const T* k,          \
@@ -308,3 +387,16 @@ __device__ __forceinline__ void kv_scatter_body(const KvScatterParams p, const Q
 LAYER_OPS_INST(f32, float)
 LAYER_OPS_INST(f16, __half)
 LAYER_OPS_INST(bf16, __nv_bfloat16)
+
+// The many-row add + norm, for the 2-byte types its 8-element chunks are written for.
+#define ADD_NORM_ROWS_INST(TN, T)                                                               \
+    extern "C" __global__ void __launch_bounds__(ADD_NORM_ROWS_WARPS * 32)                      \
+        add_norm_rows_##TN(const AddNormParams p, const T* res, const T* y, const T* w,         \
+                           const T* scalar, const T* w2, T* out, T* out2, const T* w3,          \
+                           T* out3) {                                                           \
+        pdl_entry();                                                                            \
+        add_norm_rows_body<T>(p, res, y, w, scalar, w2, out, out2, w3, out3);                   \
+    }
+
+ADD_NORM_ROWS_INST(bf16, __nv_bfloat16)
+ADD_NORM_ROWS_INST(f16, __half)

@@ -5,7 +5,7 @@
 
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 
 use super::device::{
     as_rows, bind, by_dtype, check_dtype, cuda_dev, cuda_storage, grid_stride, tn, u32_of, view,
@@ -160,6 +160,23 @@ pub(super) fn add_norm_params(
     })
 }
 
+/// Rows a block of the many-row add + norm (`ADD_NORM_ROWS_WARPS`, one warp a row).
+const ADD_NORM_ROWS_WARPS: u32 = 8;
+/// Rows from which the add + norm runs a warp a row instead of a block a row.
+const ADD_NORM_ROWS_MIN: usize = 64;
+
+/// Whether the add + norm of `rows` rows of `dim` takes the many-row form: enough rows, a
+/// 2-byte dtype, rows of whole 16-byte chunks, every operand starting on a 16-byte boundary.
+fn rows_form(rows: usize, dim: usize, dtype: DType, ts: [Option<&Tensor>; 5]) -> bool {
+    rows >= ADD_NORM_ROWS_MIN
+        && matches!(dtype, DType::BF16 | DType::F16)
+        && dim % 8 == 0
+        && ts
+            .iter()
+            .flatten()
+            .all(|t| t.layout().start_offset() % 8 == 0)
+}
+
 /// [`add_norm`] with the extras of [`AddNormExtra`], in one launch. Returns the sum and the
 /// norms asked for.
 ///
@@ -185,14 +202,29 @@ pub fn add_norm_ext(
     };
     let kernel = if branch.is_some() {
         "moe_add_norm"
+    } else if rows_form(
+        rows,
+        dim,
+        dtype,
+        [Some(&res), Some(&y), Some(&w), extra.next, extra.next2],
+    ) {
+        "add_norm_rows"
     } else {
         "add_norm"
     };
     let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), &LAYER_OPS)?;
-    let cfg = LaunchConfig {
-        grid_dim: (params.rows, 1, 1),
-        block_dim: (ADD_NORM_THREADS, 1, 1),
-        shared_mem_bytes: 0,
+    let cfg = if kernel == "add_norm_rows" {
+        LaunchConfig {
+            grid_dim: (params.rows.div_ceil(ADD_NORM_ROWS_WARPS), 1, 1),
+            block_dim: (ADD_NORM_ROWS_WARPS * 32, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    } else {
+        LaunchConfig {
+            grid_dim: (params.rows, 1, 1),
+            block_dim: (ADD_NORM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
     };
     let shape = res.dims().to_vec();
     by_dtype!(dtype, E, {
