@@ -187,21 +187,32 @@ fn cache_config(kv: &str) -> Result<CacheConfig> {
     Ok(CacheConfig { mode })
 }
 
-/// One prefill of `len` tokens from a fresh cache: the cache, the seconds, and the last
-/// position's logits.
-fn prefill(
-    model: &Model,
-    cc: &CacheConfig,
-    len: usize,
-    seed: u32,
-) -> Result<(ModelCache, f64, Tensor)> {
+/// One prefill of `len` tokens from a fresh cache.
+struct Prefill {
+    cache: ModelCache,
+    /// Seconds until the greedy id is on the host.
+    secs: f64,
+    /// Seconds until `forward` returned (the host's share; near `secs` when the host is the
+    /// limit or the forward waits on the device).
+    host_secs: f64,
+    /// The last position's logits.
+    logits: Tensor,
+}
+
+fn prefill(model: &Model, cc: &CacheConfig, len: usize, seed: u32) -> Result<Prefill> {
     let mut cache = model.new_cache(cc)?;
     let vocab = model.config().vocab_size as u32;
     let prompt: Vec<u32> = (0..len as u32).map(|i| (i * 7919 + seed) % vocab).collect();
     let t = Instant::now();
     let logits = model.forward(&[prompt], &mut cache)?;
+    let host_secs = t.elapsed().as_secs_f64();
     let _ = greedy(&logits)?;
-    Ok((cache, t.elapsed().as_secs_f64(), logits))
+    Ok(Prefill {
+        cache,
+        secs: t.elapsed().as_secs_f64(),
+        host_secs,
+        logits,
+    })
 }
 
 fn main() -> Result<()> {
@@ -311,15 +322,14 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
         for &len in args.prefill.iter().filter(|&&l| l > 0) {
             // Warm-up at the timed length (first uses of kernels and cuBLAS plans
             // for these shapes), then the median of three.
-            let (_, _, logits) = prefill(model, &cc, len, 0)?;
-            let top = top_logits(&logits, 5)?;
+            let top = top_logits(&prefill(model, &cc, len, 0)?.logits, 5)?;
             let calls0 = model.all_reduces();
             let mut times = (1..=3)
-                .map(|seed| prefill(model, &cc, len, seed).map(|r| r.1))
-                .collect::<Result<Vec<f64>>>()?;
+                .map(|seed| prefill(model, &cc, len, seed).map(|r| (r.secs, r.host_secs)))
+                .collect::<Result<Vec<(f64, f64)>>>()?;
             let calls = (model.all_reduces() - calls0) as f64 / 3.0;
-            times.sort_by(f64::total_cmp);
-            let secs = times[1];
+            times.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let (secs, host_secs) = times[1];
             profiled(args.profile, &dev, || prefill(model, &cc, len, 2))?;
             let rows = len.min(candle_gemma::PREFILL_CHUNK);
             let (ar_calls, ar_ms, ar_share) = all_reduce_share(model, calls, rows, secs)?;
@@ -328,6 +338,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                     "{}",
                     json!({"model": name, "weights": weights, "kv": kv, "fused": fused, "tp": tp,
                         "op": "prefill", "tokens": len, "tok_s": len as f64 / secs, "top": top,
+                        "ms": secs * 1e3, "host_ms": host_secs * 1e3,
                         "all_reduces": ar_calls, "all_reduce_ms": ar_ms, "all_reduce_share": ar_share})
                 );
             }
@@ -335,7 +346,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
         for &ctx in &args.context {
             for &b in args.batch.iter().filter(|&&b| b > 0) {
                 let seqs = (0..b)
-                    .map(|i| prefill(model, &cc, ctx, i as u32).map(|c| c.0))
+                    .map(|i| prefill(model, &cc, ctx, i as u32).map(|c| c.cache))
                     .collect::<Result<Vec<_>>>()?;
                 let mut cache = ModelCache::batch(seqs)?;
                 let kv_bytes = cache.memory_bytes();

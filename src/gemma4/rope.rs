@@ -87,25 +87,61 @@ impl Rope {
     }
 
     /// Every cos, then every sin, in f32 (`[2, batch, seq_len, head_dim / 2]` order).
+    ///
+    /// A prefill chunk's tables are hundreds of thousands of angles (E4B: 1024 positions x 384
+    /// pairs), several milliseconds of one core's time a chunk: above [`PARALLEL_MIN_ANGLES`]
+    /// the rows are split over up to [`MAX_TABLE_THREADS`] threads. Each value is computed
+    /// alike either way.
     fn values(&self, offsets: &[usize], seq_len: usize) -> Vec<f32> {
         let half = self.inv_freq.len();
-        let n = offsets.len() * seq_len * half;
-        let (mut cos, mut sin) = (Vec::with_capacity(2 * n), Vec::with_capacity(n));
-        for &start in offsets {
-            for s in 0..seq_len {
+        let rows: Vec<f32> = offsets
+            .iter()
+            .flat_map(|&start| (0..seq_len).map(move |s| (start + s) as f32))
+            .collect();
+        let n = rows.len() * half;
+        let mut out = vec![0f32; 2 * n];
+        if half == 0 {
+            return out;
+        }
+        let (cos, sin) = out.split_at_mut(n);
+        let fill = |positions: &[f32], cos: &mut [f32], sin: &mut [f32]| {
+            for (i, &pos) in positions.iter().enumerate() {
                 // Like the references: f32 inverse frequencies times an exact f32 position.
-                let pos = (start + s) as f32;
-                for &f in &self.inv_freq {
+                for (j, &f) in self.inv_freq.iter().enumerate() {
                     let angle = pos * f as f32;
-                    cos.push(angle.cos());
-                    sin.push(angle.sin());
+                    cos[i * half + j] = angle.cos();
+                    sin[i * half + j] = angle.sin();
                 }
             }
+        };
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |t| t.get())
+            .min(MAX_TABLE_THREADS)
+            .min(n.div_ceil(PARALLEL_MIN_ANGLES / 2));
+        if threads <= 1 {
+            fill(&rows, cos, sin);
+            return out;
         }
-        cos.extend_from_slice(&sin);
-        cos
+        let per = rows.len().div_ceil(threads);
+        std::thread::scope(|scope| {
+            for ((positions, cos), sin) in rows
+                .chunks(per)
+                .zip(cos.chunks_mut(per * half))
+                .zip(sin.chunks_mut(per * half))
+            {
+                scope.spawn(move || fill(positions, cos, sin));
+            }
+        });
+        out
     }
 }
+
+/// Angles from which [`Rope`] tables are computed on several threads (below, a thread's start
+/// costs more than it saves).
+const PARALLEL_MIN_ANGLES: usize = 32 * 1024;
+
+/// Most threads one table is computed on.
+const MAX_TABLE_THREADS: usize = 8;
 
 /// `values` (f32) as a tensor of `dtype` on `device`, converted on the host.
 fn upload_in_dtype(
@@ -169,6 +205,36 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    #[test]
+    fn a_chunk_table_split_over_threads_equals_one_computed_in_order() {
+        let p = RopeParams {
+            theta: 1_000_000.0,
+            partial_rotary_factor: 0.25,
+            factor: 1.0,
+        };
+        let r = Rope::new(&p, 512);
+        let (offsets, seq_len) = ([5usize, 3000], 1021);
+        assert!(offsets.len() * seq_len * 256 >= 2 * PARALLEL_MIN_ANGLES);
+        let mut cos = Vec::new();
+        let mut sin = Vec::new();
+        for &start in &offsets {
+            for s in 0..seq_len {
+                for &f in &r.inv_freq {
+                    let angle = (start + s) as f32 * f as f32;
+                    cos.push(angle.cos().to_bits());
+                    sin.push(angle.sin().to_bits());
+                }
+            }
+        }
+        cos.extend(sin);
+        let got: Vec<u32> = r
+            .values(&offsets, seq_len)
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert_eq!(got, cos);
     }
 
     #[test]
