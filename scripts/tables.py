@@ -170,8 +170,36 @@ def ncu_summary(a):
         gap = a.wall_ms - total
         print(f"   wall {a.wall_ms:.3f} ms: GPU busy {100 * total / a.wall_ms:.1f}%, "
               f"host-side gap {gap:.3f} ms ({gap * 1e3 / max(n, 1):.1f} µs a launch)")
+    if a.kinds:
+        kinds = collections.defaultdict(float)
+        for k, (_, t) in by.items():
+            kinds[kernel_kind(k)] += t
+        for kind, t in sorted(kinds.items(), key=lambda kv: -kv[1]):
+            print(f"   {t:9.3f} ms {100 * t / max(total, 1e-9):5.1f}%  {kind}")
+        return
     for k, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1])[: a.top]:
         print(f"   {t:9.3f} ms {100 * t / max(total, 1e-9):5.1f}%  x{c:<5d} {k}")
+
+
+# Kernel-name patterns of the kinds in performance tables, first match wins.
+KINDS = [
+    (r"nvjet|gemm|cutlass", "cuBLAS GEMMs"),
+    (r"prefill_attn", "flash prefill attention"),
+    (r"masked_softmax", "masked softmax over the materialised scores"),
+    (r"ucopy|copy2d|cast_|to_dtype", "copies and casts"),
+    (r"add_norm", "add + norm"),
+    (r"gelu", "GeGLU"),
+    (r"dense_mv|qmv", "one-row products"),
+    (r"moe|gather", "MoE routing, gather and mix"),
+    (r"qkv|kv_", "q/k/v prep and K/V writes"),
+]
+
+
+def kernel_kind(name):
+    for pattern, kind in KINDS:
+        if re.search(pattern, name):
+            return kind
+    return "other"
 
 
 def main():
@@ -197,6 +225,7 @@ def main():
     p.add_argument("--wall-ms", type=float)
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--label", default="")
+    p.add_argument("--kinds", action="store_true", help="group kernels by kind")
     p.set_defaults(run=ncu_summary)
     a = ap.parse_args()
     if a.table == "model" and a.peers:
