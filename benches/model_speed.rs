@@ -64,6 +64,12 @@ struct Args {
     /// every point; rank 0 prints, with the all-reduces' share of the time.
     #[arg(long, default_value_t = 1)]
     tp: usize,
+    /// MoE models: replace the router's picks with picks spread evenly over the experts
+    /// (`LaunchPolicy::bench_spread_routing`). Random weights route most tokens to a few
+    /// experts; a trained router spreads them, which this stands in for. Speed only: the
+    /// printed ids and logits are not the model's.
+    #[arg(long)]
+    spread_routing: bool,
     /// Passed by `cargo bench` to every bench; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -221,6 +227,13 @@ fn main() -> Result<()> {
         eprintln!("model_speed: no --config given, nothing to measure (see --help)");
         return Ok(());
     }
+    if args.spread_routing {
+        let mut policy = candle_gemma::kernels::policy::LaunchPolicy::from_env();
+        policy.bench_spread_routing = true;
+        if !policy.install() {
+            anyhow::bail!("model_speed: another launch policy was installed first");
+        }
+    }
     let dev = candle_gemma::best_device(args.cpu)?;
     let bw = copy_bandwidth(&dev)?;
     println!(
@@ -337,6 +350,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                 println!(
                     "{}",
                     json!({"model": name, "weights": weights, "kv": kv, "fused": fused, "tp": tp,
+                        "spread_routing": args.spread_routing,
                         "op": "prefill", "tokens": len, "tok_s": len as f64 / secs, "top": top,
                         "ms": secs * 1e3, "host_ms": host_secs * 1e3,
                         "all_reduces": ar_calls, "all_reduce_ms": ar_ms, "all_reduce_share": ar_share})
@@ -396,6 +410,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                         "{}",
                         json!({
                             "model": name, "weights": weights, "kv": kv, "fused": fused, "tp": tp,
+                            "spread_routing": args.spread_routing,
                             "op": "decode", "batch": b, "context": ctx, "cuda_graph": graph,
                             "tok_s": b as f64 / secs, "step_ms": secs * 1e3, "host_ms": host_ms,
                             "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,

@@ -70,6 +70,12 @@ pub struct LaunchPolicy {
     /// (`tests/q4_1_candle_matmul.rs`).
     #[doc(hidden)]
     pub candle_qmatmul_on_cpu: bool,
+    /// A benchmark switch, never for inference: on CUDA, replace every MoE layer's picks with
+    /// picks spread evenly over the experts (the mix weights stay the router's). Random-weight
+    /// models route most tokens to a few experts; this measures the expert products under the
+    /// load of a spread routing, as a trained router gives. The output is not the model's.
+    #[doc(hidden)]
+    pub bench_spread_routing: bool,
 }
 
 impl Default for LaunchPolicy {
@@ -86,6 +92,7 @@ impl Default for LaunchPolicy {
             metal_kernels: true,
             candle_q4_1_on_cpu: false,
             candle_qmatmul_on_cpu: false,
+            bench_spread_routing: false,
         }
     }
 }

@@ -291,6 +291,7 @@ fn on_device(
     let tokens = logits.dim(0)?;
     if tokens > crate::kernels::policy::current().moe_grouped_max_tokens {
         let (idx, mix) = moe_route(&logits, r.per_expert_scale_dev, r.top_k)?;
+        let idx = spread_for_bench(idx, experts.gate_up.count()?)?;
         return sorted(x, &idx, &mix, experts);
     }
     let slice = (GROUPED_MAX_PAIRS / r.top_k).max(1);
@@ -303,6 +304,7 @@ fn on_device(
             r.per_expert_scale_dev,
             r.top_k,
         )?;
+        let idx = spread_for_bench(idx, experts.gate_up.count()?)?;
         let gu = experts
             .gate_up
             .grouped(&idx, &x.narrow(0, start, n)?, true)?;
@@ -322,6 +324,27 @@ fn on_device(
     } else {
         Tensor::cat(&outs, 0)?
     })
+}
+
+/// With [`crate::kernels::policy::LaunchPolicy::bench_spread_routing`] (a benchmark switch),
+/// the router's picks `idx` `[tokens, top_k]` replaced by picks spread over all `experts`: token
+/// `t` takes `(h(t) + j * experts / top_k) % experts` for `j < top_k`, `h` a hash. Random
+/// weights route most tokens to a few experts, which real routers do not; this gives the
+/// products the load of a spread routing. Otherwise `idx` itself.
+#[cfg(feature = "cuda")]
+fn spread_for_bench(idx: Tensor, experts: usize) -> Result<Tensor> {
+    if !crate::kernels::policy::current().bench_spread_routing {
+        return Ok(idx);
+    }
+    let (tokens, k) = idx.dims2()?;
+    let step = (experts / k.max(1)).max(1);
+    let picks: Vec<u32> = (0..tokens)
+        .flat_map(|t| {
+            let h = (t as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+            (0..k).map(move |j| ((h as usize + j * step) % experts) as u32)
+        })
+        .collect();
+    Ok(Tensor::from_vec(picks, (tokens, k), idx.device())?)
 }
 
 /// Many tokens (prefill): the picks are grouped by expert on the host (one copy of the routing
