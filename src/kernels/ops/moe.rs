@@ -350,7 +350,10 @@ fn spread_for_bench(idx: Tensor, experts: usize) -> Result<Tensor> {
 /// Many tokens (prefill): the picks are grouped by expert on the host (one copy of the routing
 /// per layer). Dense experts: one `[experts, longest group, hidden]` block padded with row 0,
 /// and both expert products as one batched tensor-core matmul each (padding rows are computed
-/// and dropped). Packed experts: one product per picked expert over its rows (each dequantizes
+/// and dropped). Packed experts of which at least half are picked (a trained router's prefill
+/// chunk picks nearly all): dequantized whole (two launches; 26B-A4B: about 1.5 GB of bf16 a
+/// layer, which the device's memory pool keeps for the next layer), then as dense experts.
+/// Fewer picked: one product per picked expert over its rows (each dequantizes
 /// that expert for the GEMM). The weighted sum reads each pair's output row where the
 /// products left it.
 #[cfg(feature = "cuda")]
@@ -391,7 +394,29 @@ fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Resu
     };
     // Output rows in some slot order, and the slot of each pair for the way back.
     let mut slot_of = vec![0u32; picks.len()];
-    let stacked = match (experts.gate_up, experts.down) {
+    // Packed stacks of which at least half the experts are picked are dequantized whole, two
+    // launches, and take the dense experts' padded products: the product per picked expert
+    // costs about eight launches an expert, which leaves a prefill bound by the host.
+    let picked = groups.iter().filter(|g| !g.is_empty()).count();
+    let whole = |w: &ExpertWeights| -> Result<Option<Tensor>> {
+        match w {
+            ExpertWeights::Packed { weight, experts: e } if 2 * picked >= n_experts => {
+                let out = weight.out_dim() / e;
+                let dense = weight.dequantize(x.dtype())?;
+                Ok(Some(dense.reshape((*e, out, weight.in_dim()))?))
+            }
+            _ => Ok(None),
+        }
+    };
+    let dequantized = match (whole(experts.gate_up)?, whole(experts.down)?) {
+        (Some(g), Some(d)) => Some((ExpertWeights::Dense(g), ExpertWeights::Dense(d))),
+        _ => None,
+    };
+    let (gate_up_w, down_w) = match &dequantized {
+        Some((g, d)) => (g, d),
+        None => (experts.gate_up, experts.down),
+    };
+    let stacked = match (gate_up_w, down_w) {
         (ExpertWeights::Dense(gate_up), ExpertWeights::Dense(down)) => {
             let longest = groups.iter().map(Vec::len).max().unwrap_or(0).max(1);
             // Row of each padded slot (token of the pair, or 0 for padding).
@@ -414,8 +439,8 @@ fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Resu
             for (e, g) in groups.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
                 let rows: Vec<u32> = g.iter().map(|&p| p / k as u32).collect();
                 let xe = gather(x, u32s(rows)?)?;
-                let gu = experts.gate_up.product(e, &xe)?;
-                ys.push(experts.down.product(e, &gelu_halves(&gu, 1)?)?);
+                let gu = gate_up_w.product(e, &xe)?;
+                ys.push(down_w.product(e, &gelu_halves(&gu, 1)?)?);
                 for &p in g {
                     slot_of[p as usize] = slot;
                     slot += 1;
