@@ -5,10 +5,10 @@
 //! the dispatcher's result for the same call, bit for bit.
 
 use anyhow::Result;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use candle_gemma::kernels::attend;
 use candle_gemma::kernels::cuda::attend_prefill_cuda;
-use candle_gemma::kv::{KvData, KvView};
+use candle_gemma::kv::{KeyPositions, KvData, KvView};
 
 use crate::common::close::{max_abs_diff, Checks};
 use crate::support::{gpu, positions, rnd, tol, Pos};
@@ -34,6 +34,63 @@ const CASES: [Case; 9] = [
     (2, 1, 256, 33, 300, Some(20), Pos::Shuffled),
 ];
 
+/// One case's random inputs in `dtype` and their key positions (the last `q_len` of `keys`).
+struct Inputs {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pos: KeyPositions,
+    q_offset: usize,
+}
+
+impl Inputs {
+    fn new(case: &Case, dtype: DType, seed: u64) -> Result<Self> {
+        let &(n_heads, kv_heads, hd, q_len, keys, _, layout) = case;
+        Ok(Self {
+            q: rnd(&[1, n_heads, q_len, hd], dtype)?,
+            k: rnd(&[1, kv_heads, keys, hd], dtype)?,
+            v: rnd(&[1, kv_heads, keys, hd], dtype)?,
+            pos: positions(keys, layout, seed),
+            q_offset: keys - q_len,
+        })
+    }
+
+    fn view(&self, k: &Tensor, v: &Tensor) -> KvView {
+        KvView::Single {
+            data: KvData::Dense {
+                k: k.clone(),
+                v: v.clone(),
+            },
+            positions: self.pos.clone(),
+        }
+    }
+
+    /// The dispatcher on these inputs converted to `dtype` (the CPU reference in f32).
+    fn attend_as(&self, dtype: DType, window: Option<usize>, scale: f64) -> Result<Tensor> {
+        let (q, k, v) = (
+            self.q.to_dtype(dtype)?,
+            self.k.to_dtype(dtype)?,
+            self.v.to_dtype(dtype)?,
+        );
+        Ok(attend(
+            &q,
+            &self.view(&k, &v),
+            &[self.q_offset],
+            window,
+            scale,
+        )?)
+    }
+
+    /// The inputs on `dev`.
+    fn on(&self, dev: &Device) -> Result<(Tensor, Tensor, Tensor)> {
+        Ok((
+            self.q.to_device(dev)?,
+            self.k.to_device(dev)?,
+            self.v.to_device(dev)?,
+        ))
+    }
+}
+
 #[test]
 fn prefill_attention_matches_cpu() -> Result<()> {
     let Some(gpu) = gpu("prefill attention") else {
@@ -41,43 +98,22 @@ fn prefill_attention_matches_cpu() -> Result<()> {
     };
     let mut checks = Checks::new("prefill attention");
     for dtype in [DType::BF16, DType::F16] {
-        for &(n_heads, kv_heads, hd, q_len, keys, window, pos) in &CASES {
-            let q = rnd(&[1, n_heads, q_len, hd], dtype)?;
-            let k = rnd(&[1, kv_heads, keys, hd], dtype)?;
-            let v = rnd(&[1, kv_heads, keys, hd], dtype)?;
-            let pos = positions(keys, pos, keys as u64 * 7 + hd as u64);
-            let q_offset = keys - q_len;
+        for case in &CASES {
+            let &(n_heads, kv_heads, hd, q_len, keys, window, layout) = case;
+            let inp = Inputs::new(case, dtype, keys as u64 * 7 + hd as u64)?;
             let scale = 1.0 / (hd as f64).sqrt();
-            let view = |k: &Tensor, v: &Tensor| KvView::Single {
-                data: KvData::Dense {
-                    k: k.clone(),
-                    v: v.clone(),
-                },
-                positions: pos.clone(),
-            };
-            let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
-            let want = attend(
-                &f32_of(&q)?,
-                &view(&f32_of(&k)?, &f32_of(&v)?),
-                &[q_offset],
-                window,
-                scale,
-            )?;
-            let (qg, kg, vg) = (
-                q.to_device(&gpu.dev)?,
-                k.to_device(&gpu.dev)?,
-                v.to_device(&gpu.dev)?,
-            );
-            let got = attend_prefill_cuda(&qg, &kg, &vg, &pos, q_offset, window, scale)?;
+            let want = inp.attend_as(DType::F32, window, scale)?;
+            let (qg, kg, vg) = inp.on(&gpu.dev)?;
+            let got = attend_prefill_cuda(&qg, &kg, &vg, &inp.pos, inp.q_offset, window, scale)?;
             let name = format!(
-                "dtype={dtype:?} heads={n_heads}/{kv_heads} hd={hd} q_len={q_len} keys={keys} window={window:?} pos={pos:?}"
+                "dtype={dtype:?} heads={n_heads}/{kv_heads} hd={hd} q_len={q_len} keys={keys} window={window:?} pos={layout:?}"
             );
             checks.close(
                 format!("prefill {name}"),
                 max_abs_diff(&got, &want),
                 tol(dtype),
             );
-            let routed = attend(&qg, &view(&kg, &vg), &[q_offset], window, scale)?;
+            let routed = attend(&qg, &inp.view(&kg, &vg), &[inp.q_offset], window, scale)?;
             checks.exact(
                 format!("prefill-dispatch {name}"),
                 max_abs_diff(&routed, &got) == 0.0,
@@ -99,37 +135,17 @@ fn prefill_attention_at_gemma_scale_is_no_worse_than_the_score_matrix() -> Resul
     };
     let mut checks = Checks::new("prefill attention at Gemma scale");
     let dtype = DType::BF16;
-    for &(n_heads, kv_heads, hd, q_len, keys, window, pos) in &[
+    let cases: [Case; 2] = [
         (8, 2, 256, 256, 768, Some(512), Pos::Ring),
         (8, 2, 512, 256, 768, None, Pos::Linear),
-    ] {
-        let q = rnd(&[1, n_heads, q_len, hd], dtype)?;
-        let k = rnd(&[1, kv_heads, keys, hd], dtype)?;
-        let v = rnd(&[1, kv_heads, keys, hd], dtype)?;
-        let pos = positions(keys, pos, 3);
-        let q_offset = keys - q_len;
-        let view = |k: &Tensor, v: &Tensor| KvView::Single {
-            data: KvData::Dense {
-                k: k.clone(),
-                v: v.clone(),
-            },
-            positions: pos.clone(),
-        };
-        let f32_of = |t: &Tensor| t.to_dtype(DType::F32);
-        let want = attend(
-            &f32_of(&q)?,
-            &view(&f32_of(&k)?, &f32_of(&v)?),
-            &[q_offset],
-            window,
-            1.0,
-        )?;
-        let matrix = attend(&q, &view(&k, &v), &[q_offset], window, 1.0)?;
-        let (qg, kg, vg) = (
-            q.to_device(&gpu.dev)?,
-            k.to_device(&gpu.dev)?,
-            v.to_device(&gpu.dev)?,
-        );
-        let got = attend_prefill_cuda(&qg, &kg, &vg, &pos, q_offset, window, 1.0)?;
+    ];
+    for case in &cases {
+        let &(_, _, hd, q_len, keys, window, _) = case;
+        let inp = Inputs::new(case, dtype, 3)?;
+        let want = inp.attend_as(DType::F32, window, 1.0)?;
+        let matrix = inp.attend_as(dtype, window, 1.0)?;
+        let (qg, kg, vg) = inp.on(&gpu.dev)?;
+        let got = attend_prefill_cuda(&qg, &kg, &vg, &inp.pos, inp.q_offset, window, 1.0)?;
         let (e_kernel, e_matrix) = (max_abs_diff(&got, &want), max_abs_diff(&matrix, &want));
         let name = format!("hd={hd} q_len={q_len} keys={keys} window={window:?}");
         println!("gemma-scale {name}: kernel {e_kernel:.3e}, score matrix {e_matrix:.3e}");

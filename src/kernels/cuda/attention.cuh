@@ -62,7 +62,10 @@ __device__ __forceinline__ float kv_elem(const uint32_t* w, int i, int shift) {
     }
 }
 
-__device__ __forceinline__ uint32_t key_pos(const QsdpaParams& p, const uint32_t* pos, int j) {
+// Position of key j under the position fields (pos_mode, pos_base, pos_split, pos_base2) of a
+// launch's parameters (QsdpaParams, PrefillParams).
+template <typename P>
+__device__ __forceinline__ uint32_t key_pos(const P& p, const uint32_t* pos, int j) {
     if (p.pos_mode == 0) return p.pos_base + (uint32_t)j;
     if (p.pos_mode == 1)
         return (uint32_t)j < p.pos_split ? p.pos_base + (uint32_t)j

@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "async_copy.cuh"
+#include "attention.cuh"
 #include "common.cuh"
 
 struct PrefillParams {
@@ -34,14 +35,6 @@ struct PrefillParams {
 
 constexpr int PF_ROW_GROUPS = 4;
 constexpr int PF_ROWS = 16 * PF_ROW_GROUPS;
-
-__device__ __forceinline__ uint32_t pf_key_pos(const PrefillParams& p, const uint32_t* pos, int j) {
-    if (p.pos_mode == 0) return p.pos_base + (uint32_t)j;
-    if (p.pos_mode == 1)
-        return (uint32_t)j < p.pos_split ? p.pos_base + (uint32_t)j
-                                          : p.pos_base2 + ((uint32_t)j - p.pos_split);
-    return pos[j];
-}
 
 __device__ __forceinline__ bool pf_visible(const PrefillParams& p, uint32_t key, uint32_t query) {
     return key <= query && (p.window == 0 || key + p.window > query);
@@ -119,12 +112,12 @@ __device__ __forceinline__ int pf_tile_class(const PrefillParams& p, const uint3
     if (p.pos_mode == 1) cut = max(j0, min(j1, (int)p.pos_split));
     bool any = false, all = full;
     if (cut > j0) {
-        const uint32_t a = pf_key_pos(p, pos, j0), b = pf_key_pos(p, pos, cut - 1);
+        const uint32_t a = key_pos(p, pos, j0), b = key_pos(p, pos, cut - 1);
         any |= any_of(a, b);
         all = all && all_of(a, b);
     }
     if (j1 > cut) {
-        const uint32_t a = pf_key_pos(p, pos, cut), b = pf_key_pos(p, pos, j1 - 1);
+        const uint32_t a = key_pos(p, pos, cut), b = key_pos(p, pos, j1 - 1);
         any |= any_of(a, b);
         all = all && all_of(a, b);
     }
@@ -270,7 +263,7 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
                 if (cls == 1) {
                     const int j = t * BN + n * 8 + 2 * tq + (i & 1);
                     const bool vis =
-                        j < (int)p.keys && pf_visible(p, pf_key_pos(p, pos, j), qpos[i >> 1]);
+                        j < (int)p.keys && pf_visible(p, key_pos(p, pos, j), qpos[i >> 1]);
                     x = vis ? x : -INFINITY;
                 }
                 s[n][i] = x;
