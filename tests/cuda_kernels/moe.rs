@@ -193,7 +193,7 @@ fn routing_and_dense_expert_products_match_cpu() -> Result<()> {
 
 /// The routed expert products over MLX-packed experts (`grouped_qmatvec`, plain and gated)
 /// against the CPU reference product of each picked expert: few pairs (one block per pair slot,
-/// experts picked twice) and many (one block per expert).
+/// experts picked twice) and many (one block per expert, up to 40 pairs an expert).
 fn check_grouped_packed(
     xdtype: DType,
     sdtype: DType,
@@ -228,6 +228,21 @@ fn check_grouped_packed(
             2,
             (0..20u32)
                 .flat_map(|t| [(t * 3) % 8, (t * 3 + 5) % 8])
+                .collect(),
+        ),
+        // More pairs an expert: about 10, then 40 (every token picks every expert).
+        (
+            40,
+            2,
+            (0..40u32)
+                .flat_map(|t| [(t * 3) % 8, (t * 3 + 5) % 8])
+                .collect(),
+        ),
+        (
+            40,
+            8,
+            (0..40u32)
+                .flat_map(|t| (0..8).map(move |j| (t + j) % 8))
                 .collect(),
         ),
     ] {
