@@ -17,6 +17,20 @@ pub(crate) fn last_dim_contiguous(t: &Tensor) -> candle_core::Result<(Tensor, u6
     Ok((t.clone(), st[1] as u64, st[2] as u64))
 }
 
+/// [`last_dim_contiguous`] for kernels that copy 16 bytes at a time: copied into a fresh
+/// (aligned) buffer unless the start and both strides are whole 16-byte chunks.
+#[cfg(feature = "cuda")]
+pub(crate) fn last_dim_contiguous_aligned16(t: &Tensor) -> candle_core::Result<(Tensor, u64, u64)> {
+    let (t, s1, s2) = last_dim_contiguous(t)?;
+    let chunk = (16 / t.dtype().size_in_bytes()).max(1);
+    let ok = |x: usize| x % chunk == 0;
+    if ok(t.layout().start_offset()) && ok(s1 as usize) && ok(s2 as usize) {
+        Ok((t, s1, s2))
+    } else {
+        last_dim_contiguous(&t.force_contiguous()?)
+    }
+}
+
 /// The scales and biases of packed K or V in `dtype`, with the one (head, key) stride pair the
 /// kernels read both with: both made contiguous when their layouts differ.
 pub(crate) fn scales_and_biases(

@@ -9,7 +9,9 @@ use candle_core::{DType, Tensor};
 
 use crate::kernels::cuda::device::{kname, sm_count};
 use crate::kernels::cuda::kernel_cache::{load_kernel, Module, ATTENTION, ATTENTION_TC};
-use crate::kernels::layout::{last_dim_contiguous, scales_and_biases};
+use crate::kernels::layout::{
+    last_dim_contiguous, last_dim_contiguous_aligned16, scales_and_biases,
+};
 use crate::kernels::plan::{
     balanced_split, split_bound, split_keys, split_min_keys_for, AttentionGeometry, KeySplit,
     QsdpaParams, SideStrides, QSDPA_HEAD_DIMS, QSDPA_WARPS,
@@ -156,16 +158,9 @@ pub(super) fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Res
             })
         }
         KvOperand::Dense(t) => {
-            // Lanes load 16-byte chunks: the start and both strides must be multiples of 16
-            // bytes, else the view is copied (a fresh buffer is aligned).
+            // Lanes load 16-byte chunks.
             let per_word = 4 / dtype.size_in_bytes();
-            let aligned = |x: usize| x % (4 * per_word) == 0;
-            let t = cast(t)?;
-            let (mut w, mut sh, mut sk) = last_dim_contiguous(&t)?;
-            if !(aligned(w.layout().start_offset()) && aligned(sh as usize) && aligned(sk as usize))
-            {
-                (w, sh, sk) = last_dim_contiguous(&w.force_contiguous()?)?;
-            }
+            let (w, sh, sk) = last_dim_contiguous_aligned16(&cast(t)?)?;
             Ok(KernelSide {
                 scales: w.clone(),
                 biases: w.clone(),

@@ -9,7 +9,7 @@ use candle_core::{DType, Tensor};
 
 use crate::kernels::cuda::device::{bind, by_dtype, cuda_dev, kname, wrap};
 use crate::kernels::cuda::kernel_cache::{load_kernel, PREFILL_ATTENTION};
-use crate::kernels::layout::last_dim_contiguous;
+use crate::kernels::layout::last_dim_contiguous_aligned16;
 use crate::kernels::plan::{PositionCode, QsdpaParams};
 use crate::kernels::{KernelError, KeyPositions, QueryPlan};
 
@@ -68,19 +68,6 @@ pub(crate) fn supports(q: &Tensor, k: &Tensor, v: &Tensor) -> bool {
         && q.dims()
             .last()
             .is_some_and(|d| PREFILL_HEAD_DIMS.contains(d))
-}
-
-/// `t` with a dense last axis and its two middle strides (elements), copied when a stride or
-/// the start is not a whole number of 16-byte chunks (the kernel copies 16 bytes at a time).
-fn aligned_rows(t: &Tensor) -> candle_core::Result<(Tensor, u64, u64)> {
-    let (t, s1, s2) = last_dim_contiguous(t)?;
-    let chunk = 16 / t.dtype().size_in_bytes();
-    let ok = |x: usize| x % chunk == 0;
-    if ok(t.layout().start_offset()) && ok(s1 as usize) && ok(s2 as usize) {
-        Ok((t, s1, s2))
-    } else {
-        last_dim_contiguous(&t.force_contiguous()?)
-    }
 }
 
 /// Flash attention of one sequence's query block on a CUDA device, the kernel the dispatcher
@@ -161,9 +148,9 @@ pub(crate) fn attend_prefill(
     let mut pos = QsdpaParams::default();
     let table = code.apply(&mut pos).map(<[u32]>::to_vec);
     let dev = cuda_dev(q)?;
-    let (q, q_sh, q_sq) = aligned_rows(q)?;
-    let (k, k_sh, k_sk) = aligned_rows(k)?;
-    let (v, v_sh, v_sk) = aligned_rows(v)?;
+    let (q, q_sh, q_sq) = last_dim_contiguous_aligned16(q)?;
+    let (k, k_sh, k_sk) = last_dim_contiguous_aligned16(k)?;
+    let (v, v_sh, v_sk) = last_dim_contiguous_aligned16(v)?;
     let params = PrefillParams {
         q_sh,
         q_sq,
