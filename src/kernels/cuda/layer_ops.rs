@@ -200,20 +200,20 @@ pub fn add_norm_ext(
         Some((b, wa, wb)) => Some((b.contiguous()?, wa.contiguous()?, wb.contiguous()?)),
         None => None,
     };
-    let kernel = if branch.is_some() {
-        "moe_add_norm"
-    } else if rows_form(
-        rows,
-        dim,
-        dtype,
-        [Some(&res), Some(&y), Some(&w), extra.next, extra.next2],
-    ) {
-        "add_norm_rows"
-    } else {
-        "add_norm"
+    let warp_rows = branch.is_none()
+        && rows_form(
+            rows,
+            dim,
+            dtype,
+            [Some(&res), Some(&y), Some(&w), extra.next, extra.next2],
+        );
+    let kernel = match (branch.is_some(), warp_rows) {
+        (true, _) => "moe_add_norm",
+        (false, true) => "add_norm_rows",
+        (false, false) => "add_norm",
     };
     let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), &LAYER_OPS)?;
-    let cfg = if kernel == "add_norm_rows" {
+    let cfg = if warp_rows {
         LaunchConfig {
             grid_dim: (params.rows.div_ceil(ADD_NORM_ROWS_WARPS), 1, 1),
             block_dim: (ADD_NORM_ROWS_WARPS * 32, 1, 1),
