@@ -51,8 +51,15 @@ fn main() {
     }
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=NVCC");
+    println!("cargo:rerun-if-env-changed=CUDARC_CUDA_VERSION");
+    println!("cargo:rustc-check-cfg=cfg(cublas_grouped_gemm)");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
+    }
+    // cuBLAS's grouped products (`cublasGemmGroupedBatchedEx`) came with CUDA 12.5; cudarc
+    // declares them only when it was built for such a toolkit, which it finds the same way.
+    if cuda_release().is_some_and(|v| v >= (12, 5)) {
+        println!("cargo:rustc-cfg=cublas_grouped_gemm");
     }
     let out_dir = PathBuf::from(std::env::var("OUT_DIR").unwrap_or_else(|_| ".".into()));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
@@ -85,6 +92,23 @@ fn main() {
             panic!("{msg}");
         }
     }
+}
+
+/// The CUDA toolkit's `(major, minor)` as cudarc reads it: `CUDARC_CUDA_VERSION` (`12050`),
+/// else the `release X.Y` of `nvcc --version`.
+fn cuda_release() -> Option<(u32, u32)> {
+    if let Ok(v) = std::env::var("CUDARC_CUDA_VERSION") {
+        let n: u32 = v.trim().parse().ok()?;
+        return Some((n / 1000, n % 1000 / 10));
+    }
+    let out = Command::new("nvcc").arg("--version").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let release = text.split("release ").nth(1)?;
+    let number = release
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .next()?;
+    let (major, minor) = number.split_once('.')?;
+    Some((major.parse().ok()?, minor.parse().ok()?))
 }
 
 /// Compiles `src/kernels/cuda/{name}.cu` into `{out_dir}/{name}.fatbin`: machine code for

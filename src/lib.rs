@@ -82,7 +82,7 @@ pub mod shard;
 pub(crate) mod weights;
 
 pub use error::{Error, HubError, Result};
-pub use gemma4::model::PREFILL_CHUNK;
+pub use gemma4::model::{PREFILL_CHUNK, PREFILL_CHUNK_FLASH};
 pub use generate::{FinishReason, GenOptions, Generator, Output, StepOutput};
 pub use kernels::policy::LaunchPolicy;
 pub use kv::{CacheConfig, KvCache};

@@ -531,8 +531,8 @@ impl Model {
     /// # Errors
     /// [`Error::TokenOutOfVocab`], [`Error::ContextTooLong`], [`Error::Input`], cache errors.
     ///
-    /// Prompts longer than [`crate::PREFILL_CHUNK`] tokens run as consecutive chunks of that
-    /// size; the whole batch is validated before the first chunk runs.
+    /// Prompts longer than [`TextModel::prefill_chunk`] tokens run as consecutive chunks of
+    /// that size; the whole batch is validated before the first chunk runs.
     pub fn forward(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
         self.text.forward(batch, cache)
     }

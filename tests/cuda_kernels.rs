@@ -9,6 +9,7 @@
 //! * `caches`: K/V quantization and quantized/dense cache updates, bit-exact against the CPU.
 //! * `layer_ops`: the fused decoder-layer kernels (add + norm, GeGLU, q/k/v prep, argmax)
 //!   against the candle op chains they replace.
+//! * `grouped_gemm`: row blocks each times its own weight in one cuBLAS grouped product.
 //! * `moe`: expert routing and the grouped expert products, dense and packed.
 //! * `qmatmul`: the packed matmul (matvec and GEMM paths) and embedding lookup.
 //! * `dense_matvec`: the tensor-core dense matvec family and the packed product with the
@@ -45,6 +46,8 @@ mod attention;
 mod caches;
 #[path = "cuda_kernels/dense_matvec.rs"]
 mod dense_matvec;
+#[path = "cuda_kernels/grouped_gemm.rs"]
+mod grouped_gemm;
 #[path = "cuda_kernels/layer_ops.rs"]
 mod layer_ops;
 #[path = "cuda_kernels/moe.rs"]

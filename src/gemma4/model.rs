@@ -16,8 +16,15 @@ use crate::kernels::ops::collective::Collective;
 use crate::kv::{LayerCacheSpec, ModelCache};
 use crate::weights::WeightStore;
 
-/// Longest run of new tokens one forward pass takes at once; longer prompts are split.
+/// Longest run of new tokens one forward pass takes at once where prefill attention builds
+/// score matrices (CPU, Metal, f32, or the flash kernel switched off); longer prompts are split.
 pub const PREFILL_CHUNK: usize = 1024;
+
+/// Longest run of new tokens one forward pass takes at once where prefill attention takes the
+/// CUDA flash kernel (f16/bf16), which builds no score matrix. Each chunk reads every weight
+/// once, and an MoE layer's chunk of 1024 tokens reads nearly every expert: four times fewer
+/// chunks read them four times less.
+pub const PREFILL_CHUNK_FLASH: usize = 4096;
 
 /// The decoder stack of a Gemma 4 checkpoint.
 #[derive(Debug, Clone)]
@@ -240,27 +247,45 @@ impl TextModel {
     /// # Errors
     /// [`Error::TokenOutOfVocab`], [`Error::ContextTooLong`], [`Error::Input`], cache errors.
     ///
-    /// Prompts longer than [`PREFILL_CHUNK`] tokens run as consecutive chunks of that size:
-    /// sliding layers then score each query against at most `window + chunk` keys instead of
-    /// the whole prompt, and the score matrices stay small. Every chunk but the last only fills
+    /// Prompts longer than [`TextModel::prefill_chunk`] tokens run as consecutive chunks of that
+    /// size: sliding layers then score each query against at most `window + chunk` keys instead
+    /// of the whole prompt, and score matrices stay bounded. Every chunk but the last only fills
     /// the cache: it stops before the KV-shared layers (which write none) and computes no
     /// logits, which nothing would read. The whole batch is validated before the first chunk
     /// runs.
     pub fn forward(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
         let seq_len = self.validate(batch, &cache.offsets())?;
-        if seq_len <= PREFILL_CHUNK {
+        let chunk = self.prefill_chunk();
+        if seq_len <= chunk {
             return self.forward_chunk(batch, cache);
         }
         let piece = |start: usize| -> Vec<Vec<u32>> {
-            let end = (start + PREFILL_CHUNK).min(seq_len);
+            let end = (start + chunk).min(seq_len);
             batch.iter().map(|s| s[start..end].to_vec()).collect()
         };
-        let last = (seq_len - 1) / PREFILL_CHUNK * PREFILL_CHUNK;
-        for start in (0..last).step_by(PREFILL_CHUNK) {
+        let last = (seq_len - 1) / chunk * chunk;
+        for start in (0..last).step_by(chunk) {
             let (ids, step) = self.upload(&piece(start), cache.offsets())?;
             self.run_layers(&ids, step, cache, self.config.first_kv_shared_layer)?;
         }
         self.forward_chunk(&piece(last), cache)
+    }
+
+    /// Longest run of new tokens one [`TextModel::forward`] pass takes at once:
+    /// [`crate::kernels::policy::LaunchPolicy::prefill_chunk`] where set, else
+    /// [`PREFILL_CHUNK_FLASH`] on CUDA in f16/bf16 with the flash prefill kernel on, else
+    /// [`PREFILL_CHUNK`].
+    pub fn prefill_chunk(&self) -> usize {
+        let policy = crate::kernels::policy::current();
+        if policy.prefill_chunk > 0 {
+            return policy.prefill_chunk;
+        }
+        let half = matches!(self.dtype, DType::BF16 | DType::F16);
+        if self.device.is_cuda() && half && policy.flash_prefill {
+            PREFILL_CHUNK_FLASH
+        } else {
+            PREFILL_CHUNK
+        }
     }
 
     /// One chunk of [`TextModel::forward`].

@@ -13,6 +13,7 @@
 //! | `CANDLE_GEMMA_PDL=0` | [`LaunchPolicy::dependent_launch`] | plain launches (no programmatic dependent launch) |
 //! | `CANDLE_GEMMA_EARLY_LOADS=0` | [`LaunchPolicy::early_loads`] | no loads of settled weights or keys before the dependent-launch wait |
 //! | `CANDLE_GEMMA_FLASH_PREFILL=0` | [`LaunchPolicy::flash_prefill`] | prefill attention through the score matrix (cuBLAS products and a masked softmax) |
+//! | `CANDLE_GEMMA_PREFILL_CHUNK=N` | [`LaunchPolicy::prefill_chunk`] | longest run of prompt tokens one forward pass takes at once (0: by device) |
 //! | `CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=N` | [`LaunchPolicy::moe_grouped_max_tokens`] | token count up to which MoE runs the grouped matvec |
 //! | `CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES=N` | [`LaunchPolicy::peer_all_reduce_max_bytes`] | largest tensor-parallel sum that runs the crate's peer-memory kernel (0: NCCL for every sum) |
 //! | `CANDLE_GEMMA_METAL_KERNELS=0` | [`LaunchPolicy::metal_kernels`] | no crate Metal kernels (the host fallback) |
@@ -44,6 +45,12 @@ pub struct LaunchPolicy {
     /// kernel on CUDA (on by default). Off, they take the cuBLAS score matrix and the masked
     /// softmax, which the kernel is tested against.
     pub flash_prefill: bool,
+    /// Longest run of prompt tokens one forward pass takes at once; longer prompts run as
+    /// consecutive chunks. 0 (the default) picks by device: [`crate::PREFILL_CHUNK_FLASH`] where
+    /// prefill attention takes the flash kernel (CUDA, f16/bf16, [`Self::flash_prefill`] on),
+    /// else [`crate::PREFILL_CHUNK`]. Longer chunks read every weight fewer times per prompt
+    /// (an MoE layer's experts above all); shorter ones keep score matrices small.
+    pub prefill_chunk: usize,
     /// Up to this many tokens an MoE layer runs the grouped matrix-vector kernel; above it, the
     /// sorted tensor-core path (0 sends every forward through the sorted path).
     pub moe_grouped_max_tokens: usize,
@@ -87,6 +94,7 @@ impl Default for LaunchPolicy {
             dependent_launch: true,
             early_loads: true,
             flash_prefill: true,
+            prefill_chunk: 0,
             moe_grouped_max_tokens: 64,
             peer_all_reduce_max_bytes: 1 << 20,
             metal_kernels: true,
@@ -123,6 +131,11 @@ impl LaunchPolicy {
         }
         if let Ok(v) = std::env::var("CANDLE_GEMMA_FLASH_PREFILL") {
             p.flash_prefill = v != "0";
+        }
+        if let Ok(v) = std::env::var("CANDLE_GEMMA_PREFILL_CHUNK") {
+            if let Ok(n) = v.parse() {
+                p.prefill_chunk = n;
+            }
         }
         if let Ok(v) = std::env::var("CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS") {
             if let Ok(n) = v.parse() {

@@ -12,6 +12,7 @@
 //! | `norm_tail` | the residual add + norm folded into a product's last block |
 //! | `layer_ops` | residual add + RMS norm, GeGLU, q/k/v norm + RoPE + layout (`layer_ops.cu`) |
 //! | `kv_write` | writing new K/V into cache slots, dense or quantized |
+//! | `grouped_gemm` | row blocks of one matrix, each times its own weight, as one cuBLAS grouped product (MoE prefill) |
 //! | `moe` | router top-k, grouped expert products, the weighted mix, the row gather (`moe.cu`) |
 //! | `reduce` | masked softmax, row argmax (`reduce.cu`) |
 //! | `quantize` | affine quantization and dequantization (`quantize.cu`) |
@@ -31,6 +32,8 @@ mod device;
 pub mod diagnostics;
 #[cfg(feature = "cuda")]
 pub(crate) mod graph;
+#[cfg(feature = "cuda")]
+pub mod grouped_gemm;
 #[cfg(feature = "cuda")]
 mod kernel_cache;
 #[cfg(feature = "cuda")]

@@ -69,6 +69,19 @@ impl ExpertWeights {
         }
     }
 
+    /// Expert `e`'s matrix `[out, in]` in `dtype`: a view into a dense stack, or packed rows
+    /// dequantized.
+    #[cfg(feature = "cuda")]
+    fn matrix(&self, e: usize, dtype: DType) -> Result<Tensor> {
+        match self {
+            ExpertWeights::Dense(t) => Ok(t.get(e)?),
+            ExpertWeights::Packed { weight, experts } => {
+                let out = weight.out_dim() / experts;
+                Ok(weight.narrow_rows(e * out, out)?.dequantize(dtype)?)
+            }
+        }
+    }
+
     /// The routed products on the device (see `grouped_matvec`).
     #[cfg(feature = "cuda")]
     fn grouped(&self, idx: &Tensor, x: &Tensor, x_per_token: bool) -> Result<Tensor> {
@@ -348,16 +361,23 @@ fn spread_for_bench(idx: Tensor, experts: usize) -> Result<Tensor> {
 }
 
 /// Many tokens (prefill): the picks are grouped by expert on the host (one copy of the routing
-/// per layer). Dense experts: one `[experts, longest group, hidden]` block padded with row 0,
-/// and both expert products as one batched tensor-core matmul each (padding rows are computed
-/// and dropped). Packed experts of which at least half are picked (a trained router's prefill
-/// chunk picks nearly all): dequantized whole (two launches; 26B-A4B: about 1.5 GB of bf16 a
-/// layer, which the device's memory pool keeps for the next layer), then as dense experts.
-/// Fewer picked: one product per picked expert over its rows (each dequantizes
-/// that expert for the GEMM). The weighted sum reads each pair's output row where the
-/// products left it.
+/// per layer), and each pair's token row is gathered into expert order.
+///
+/// - Packed experts of which at least half are picked (a trained router's prefill chunk picks
+///   nearly all) are dequantized whole (two launches; 26B-A4B: about 1.5 GB of bf16 a layer,
+///   which the device's memory pool keeps for the next layer); fewer picked, each picked
+///   expert is dequantized alone.
+/// - Where cuBLAS has grouped products ([`crate::kernels::cuda::grouped_gemm`]), gate/up and
+///   down each run as one grouped product over the picked experts, every expert at its own row
+///   count.
+/// - Else dense experts run as one `[experts, longest group, hidden]` block padded with row 0,
+///   both products as one batched matmul each (padding rows are computed and dropped), and
+///   packed experts of which fewer than half are picked run one product per picked expert.
+///
+/// The weighted sum reads each pair's output row where the products left it.
 #[cfg(feature = "cuda")]
 fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Result<Tensor> {
+    use crate::kernels::cuda::grouped_gemm::{grouped_matmul, RowBlock};
     use crate::kernels::cuda::moe::{gather_rows, moe_mix_rows};
     use crate::kernels::KernelError;
     // Row gathers 16 bytes at a time where rows allow (candle's `index_select` copies element
@@ -416,6 +436,30 @@ fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Resu
         Some((g, d)) => (g, d),
         None => (experts.gate_up, experts.down),
     };
+    if crate::kernels::cuda::grouped_gemm::available() {
+        let mut rows = Vec::with_capacity(picks.len());
+        let (mut gate_up_blocks, mut down_blocks) = (Vec::new(), Vec::new());
+        for (e, g) in groups.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
+            for &p in g {
+                slot_of[p as usize] = rows.len() as u32;
+                rows.push(p / k as u32);
+            }
+            gate_up_blocks.push(RowBlock {
+                rows: g.len(),
+                weight: gate_up_w.matrix(e, x.dtype())?,
+            });
+            down_blocks.push(RowBlock {
+                rows: g.len(),
+                weight: down_w.matrix(e, x.dtype())?,
+            });
+        }
+        let xs = gather(x, u32s(rows)?)?;
+        if let Some(gu) = grouped_matmul(&xs, &gate_up_blocks)? {
+            if let Some(y) = grouped_matmul(&gelu_halves(&gu, 1)?, &down_blocks)? {
+                return Ok(moe_mix_rows(&y, &u32s(slot_of)?, mix)?);
+            }
+        }
+    }
     let stacked = match (gate_up_w, down_w) {
         (ExpertWeights::Dense(gate_up), ExpertWeights::Dense(down)) => {
             let longest = groups.iter().map(Vec::len).max().unwrap_or(0).max(1);
