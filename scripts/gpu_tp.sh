@@ -37,6 +37,8 @@ check1() {
   python3 scripts/gpu_tokens_check.py $D/generate > "$OUT/tokens-f32.txt" 2>&1; echo "f32 goldens (1 GPU) exit $?: $(tail -1 "$OUT/tokens-f32.txt")"
   CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=0 python3 scripts/gpu_tokens_check.py $D/generate > "$OUT/tokens-f32-sorted.txt" 2>&1
   echo "f32 goldens, MoE sorted path (1 GPU) exit $?: $(tail -1 "$OUT/tokens-f32-sorted.txt")"
+  CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=0 CANDLE_GEMMA_MOE_PADDED_MAX_PCT=100000 python3 scripts/gpu_tokens_check.py $D/generate > "$OUT/tokens-f32-padded.txt" 2>&1
+  echo "f32 goldens, MoE sorted path padded (1 GPU) exit $?: $(tail -1 "$OUT/tokens-f32-padded.txt")"
   python3 scripts/gpu_graph_batch_check.py $D/generate > "$OUT/graph-batch.txt" 2>&1; echo "graph batch exit $?: $(tail -1 "$OUT/graph-batch.txt")"
   grep -v '"identical": true' "$OUT/graph-batch.txt" | head -4 | cut -c1-300
   python3 scripts/gpu_graph_kvq_check.py $D/generate > "$OUT/graph-kvq.txt" 2>&1; echo "graph kvq exit $?: $(tail -1 "$OUT/graph-kvq.txt")"

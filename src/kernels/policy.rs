@@ -14,6 +14,7 @@
 //! | `CANDLE_GEMMA_EARLY_LOADS=0` | [`LaunchPolicy::early_loads`] | no loads of settled weights or keys before the dependent-launch wait |
 //! | `CANDLE_GEMMA_FLASH_PREFILL=0` | [`LaunchPolicy::flash_prefill`] | prefill attention through the score matrix (cuBLAS products and a masked softmax) |
 //! | `CANDLE_GEMMA_PREFILL_CHUNK=N` | [`LaunchPolicy::prefill_chunk`] | longest run of prompt tokens one forward pass takes at once (0: by device) |
+//! | `CANDLE_GEMMA_MOE_PADDED_MAX_PCT=N` | [`LaunchPolicy::moe_padded_max_pct`] | MoE prefill: largest padded size, in percent of the routed pairs, that still runs as one padded batched product |
 //! | `CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=N` | [`LaunchPolicy::moe_grouped_max_tokens`] | token count up to which MoE runs the grouped matvec |
 //! | `CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES=N` | [`LaunchPolicy::peer_all_reduce_max_bytes`] | largest tensor-parallel sum that runs the crate's peer-memory kernel (0: NCCL for every sum) |
 //! | `CANDLE_GEMMA_METAL_KERNELS=0` | [`LaunchPolicy::metal_kernels`] | no crate Metal kernels (the host fallback) |
@@ -54,6 +55,12 @@ pub struct LaunchPolicy {
     /// Up to this many tokens an MoE layer runs the grouped matrix-vector kernel; above it, the
     /// sorted tensor-core path (0 sends every forward through the sorted path).
     pub moe_grouped_max_tokens: usize,
+    /// MoE prefill over dense (or wholly dequantized) experts: where every expert's group of
+    /// rows padded to the longest group comes to at most this percent of the routed pairs, both
+    /// expert products run as one padded batched product (cuBLAS's strided batched GEMM, faster
+    /// per row); above it, as grouped products with no padding where cuBLAS has them (CUDA
+    /// 12.5+). 0 sends every prefill through the grouped products.
+    pub moe_padded_max_pct: usize,
     /// Tensor-parallel sums (all-reduces) of up to this many bytes run the crate's one-shot
     /// kernel over peer memory (NVLink) instead of NCCL, where every pair of the group's GPUs
     /// can reach each other's memory: a decode step's sums are small, and NCCL's latency is
@@ -96,6 +103,7 @@ impl Default for LaunchPolicy {
             flash_prefill: true,
             prefill_chunk: 0,
             moe_grouped_max_tokens: 64,
+            moe_padded_max_pct: 150,
             peer_all_reduce_max_bytes: 1 << 20,
             metal_kernels: true,
             candle_q4_1_on_cpu: false,
@@ -140,6 +148,11 @@ impl LaunchPolicy {
         if let Ok(v) = std::env::var("CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS") {
             if let Ok(n) = v.parse() {
                 p.moe_grouped_max_tokens = n;
+            }
+        }
+        if let Ok(v) = std::env::var("CANDLE_GEMMA_MOE_PADDED_MAX_PCT") {
+            if let Ok(n) = v.parse() {
+                p.moe_padded_max_pct = n;
             }
         }
         if let Ok(v) = std::env::var("CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES") {

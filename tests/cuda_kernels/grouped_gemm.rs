@@ -5,7 +5,7 @@
 
 use anyhow::Result;
 use candle_core::{DType, Device, IndexOp, Tensor};
-use candle_gemma::kernels::cuda::grouped_gemm::{available, grouped_matmul, RowBlock};
+use candle_gemma::kernels::cuda::grouped_gemm::{available, grouped_matmul, BlockWeights};
 
 use crate::common::close::{max_abs_diff, Checks};
 use crate::layer_ops::lim;
@@ -29,21 +29,22 @@ fn check(
         .map(|g| Ok(stack.i(g)?.contiguous()?))
         .collect::<Result<_>>()?;
     let stack_dev = stack.to_device(dev)?;
-    let blocks = rows
+    let each = weights
         .iter()
-        .enumerate()
-        .map(|(g, &rows)| {
-            let weight = if stacked {
-                stack_dev.i(g)?
-            } else {
-                weights[g].to_device(dev)?
-            };
-            Ok(RowBlock { rows, weight })
-        })
+        .map(|w| Ok(w.to_device(dev)?))
         .collect::<Result<Vec<_>>>()?;
+    let order: Vec<usize> = (0..rows.len()).collect();
+    let blocks = if stacked {
+        BlockWeights::Stack {
+            stack: &stack_dev,
+            experts: &order,
+        }
+    } else {
+        BlockWeights::Each(&each)
+    };
     let case = format!("grouped_matmul {dtype:?} rows {rows:?} n {n} k {k} stacked {stacked}");
     let aligned = (n * dtype.size_in_bytes()) % 16 == 0 && (k * dtype.size_in_bytes()) % 16 == 0;
-    let Some(got) = grouped_matmul(&x.to_device(dev)?, &blocks)? else {
+    let Some(got) = grouped_matmul(&x.to_device(dev)?, rows, blocks)? else {
         checks.exact(
             format!("{case}: declined (rows not 16-byte multiples)"),
             !aligned,

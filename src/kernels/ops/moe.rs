@@ -367,17 +367,20 @@ fn spread_for_bench(idx: Tensor, experts: usize) -> Result<Tensor> {
 ///   nearly all) are dequantized whole (two launches; 26B-A4B: about 1.5 GB of bf16 a layer,
 ///   which the device's memory pool keeps for the next layer); fewer picked, each picked
 ///   expert is dequantized alone.
-/// - Where cuBLAS has grouped products ([`crate::kernels::cuda::grouped_gemm`]), gate/up and
-///   down each run as one grouped product over the picked experts, every expert at its own row
-///   count.
-/// - Else dense experts run as one `[experts, longest group, hidden]` block padded with row 0,
-///   both products as one batched matmul each (padding rows are computed and dropped), and
-///   packed experts of which fewer than half are picked run one product per picked expert.
+/// - Dense (or wholly dequantized) experts whose groups padded to the longest come to at most
+///   [`crate::kernels::policy::LaunchPolicy::moe_padded_max_pct`] percent of the pairs run as
+///   one `[experts, longest group, hidden]` block padded with row 0, both products as one
+///   batched matmul each (padding rows are computed and dropped).
+/// - Else, where cuBLAS has grouped products ([`crate::kernels::cuda::grouped_gemm`]), gate/up
+///   and down each run as one grouped product over the picked experts, every expert at its own
+///   row count.
+/// - Else dense experts run padded, and packed experts of which fewer than half are picked run
+///   one product per picked expert.
 ///
 /// The weighted sum reads each pair's output row where the products left it.
 #[cfg(feature = "cuda")]
 fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Result<Tensor> {
-    use crate::kernels::cuda::grouped_gemm::{grouped_matmul, RowBlock};
+    use crate::kernels::cuda::grouped_gemm::{grouped_matmul, BlockWeights};
     use crate::kernels::cuda::moe::{gather_rows, moe_mix_rows};
     use crate::kernels::KernelError;
     // Row gathers 16 bytes at a time where rows allow (candle's `index_select` copies element
@@ -436,33 +439,53 @@ fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Resu
         Some((g, d)) => (g, d),
         None => (experts.gate_up, experts.down),
     };
-    if crate::kernels::cuda::grouped_gemm::available() {
+    // Dense stacks whose padding to the longest group stays small run padded: cuBLAS's strided
+    // batched product is faster per row than its grouped one.
+    let longest = groups.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let dense = matches!(
+        (gate_up_w, down_w),
+        (ExpertWeights::Dense(_), ExpertWeights::Dense(_))
+    );
+    let pad_pct = crate::kernels::policy::current().moe_padded_max_pct;
+    let padded = dense && n_experts * longest * 100 <= pad_pct * picks.len().max(1);
+    if !padded && crate::kernels::cuda::grouped_gemm::available() {
         let mut rows = Vec::with_capacity(picks.len());
-        let (mut gate_up_blocks, mut down_blocks) = (Vec::new(), Vec::new());
+        let (mut sizes, mut picked_experts) = (Vec::new(), Vec::new());
         for (e, g) in groups.iter().enumerate().filter(|(_, g)| !g.is_empty()) {
             for &p in g {
                 slot_of[p as usize] = rows.len() as u32;
                 rows.push(p / k as u32);
             }
-            gate_up_blocks.push(RowBlock {
-                rows: g.len(),
-                weight: gate_up_w.matrix(e, x.dtype())?,
-            });
-            down_blocks.push(RowBlock {
-                rows: g.len(),
-                weight: down_w.matrix(e, x.dtype())?,
-            });
+            sizes.push(g.len());
+            picked_experts.push(e);
         }
         let xs = gather(x, u32s(rows)?)?;
-        if let Some(gu) = grouped_matmul(&xs, &gate_up_blocks)? {
-            if let Some(y) = grouped_matmul(&gelu_halves(&gu, 1)?, &down_blocks)? {
+        let product = |x: &Tensor, w: &ExpertWeights| -> Result<Option<Tensor>> {
+            Ok(match w {
+                ExpertWeights::Dense(stack) => {
+                    let weights = BlockWeights::Stack {
+                        stack,
+                        experts: &picked_experts,
+                    };
+                    grouped_matmul(x, &sizes, weights)?
+                }
+                ExpertWeights::Packed { .. } => {
+                    let each = picked_experts
+                        .iter()
+                        .map(|&e| w.matrix(e, x.dtype()))
+                        .collect::<Result<Vec<_>>>()?;
+                    grouped_matmul(x, &sizes, BlockWeights::Each(&each))?
+                }
+            })
+        };
+        if let Some(gu) = product(&xs, gate_up_w)? {
+            if let Some(y) = product(&gelu_halves(&gu, 1)?, down_w)? {
                 return Ok(moe_mix_rows(&y, &u32s(slot_of)?, mix)?);
             }
         }
     }
     let stacked = match (gate_up_w, down_w) {
         (ExpertWeights::Dense(gate_up), ExpertWeights::Dense(down)) => {
-            let longest = groups.iter().map(Vec::len).max().unwrap_or(0).max(1);
             // Row of each padded slot (token of the pair, or 0 for padding).
             let mut rows = vec![0u32; n_experts * longest];
             for (e, g) in groups.iter().enumerate() {
