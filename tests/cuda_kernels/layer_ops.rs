@@ -121,11 +121,14 @@ fn check_add_norm(checks: &mut Checks, dtype: DType, gpu: &Device) -> Result<()>
             max_abs_diff(&got, &want),
             sum_lim(&want)?,
         );
+        // Normed rows times unit-normal weights reach ~30 over half a million elements, where
+        // one bf16 step is 0.25: the tolerance scales with the largest expected value.
         for (name, n, wn) in [("first", n1, &w2p), ("second", n2, &w3p)] {
+            let reference = rms_norm(&want, wn, eps as f32)?;
             report(
                 &format!("add_norm 100 rows of {hp}: {name} next"),
-                max_abs_diff(&n.expect("requested"), &rms_norm(&want, wn, eps as f32)?),
-                2.0 * lim,
+                max_abs_diff(&n.expect("requested"), &reference),
+                sum_lim(&reference)?.max(2.0 * lim),
             );
         }
     }
