@@ -344,7 +344,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
             times.sort_by(|a, b| a.0.total_cmp(&b.0));
             let (secs, host_secs) = times[1];
             profiled(args.profile, &dev, || prefill(model, &cc, len, 2))?;
-            let rows = len.min(model.text_model().prefill_chunk());
+            let rows = len.min(model.prefill_chunk());
             let (ar_calls, ar_ms, ar_share) = all_reduce_share(model, calls, rows, secs)?;
             if print {
                 println!(

@@ -448,6 +448,14 @@ impl Model {
         self.text.config()
     }
 
+    /// Longest run of new tokens one [`Model::forward`] pass takes at once:
+    /// [`crate::LaunchPolicy::prefill_chunk`] where set, else [`crate::PREFILL_CHUNK_FLASH`]
+    /// (4096) on CUDA in f16/bf16 with the flash prefill kernel on, else
+    /// [`crate::PREFILL_CHUNK`] (1024).
+    pub fn prefill_chunk(&self) -> usize {
+        self.text.prefill_chunk()
+    }
+
     /// The decoder stack.
     pub fn text_model(&self) -> &TextModel {
         &self.text
@@ -531,8 +539,8 @@ impl Model {
     /// # Errors
     /// [`Error::TokenOutOfVocab`], [`Error::ContextTooLong`], [`Error::Input`], cache errors.
     ///
-    /// Prompts longer than [`TextModel::prefill_chunk`] tokens run as consecutive chunks of
-    /// that size; the whole batch is validated before the first chunk runs.
+    /// Prompts longer than [`Model::prefill_chunk`] tokens run as consecutive chunks of that
+    /// size; the whole batch is validated before the first chunk runs.
     pub fn forward(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
         self.text.forward(batch, cache)
     }

@@ -203,8 +203,9 @@ fn check_grouped_packed(
     checks: &mut Checks,
 ) -> Result<()> {
     let cpu = Device::Cpu;
-    // 40 rows an expert: not a multiple of the 8 rows of a block.
-    let (experts, out_dim, in_dim) = (8, 40, 256);
+    // 40 rows an expert: not a multiple of the 8 rows of a block. The cases pick among the
+    // first 8 experts, except one that spreads 24 pairs over 32 experts.
+    let (experts, out_dim, in_dim) = (32, 40, 256);
     let w = Tensor::randn(0f32, 0.05, (experts * out_dim, in_dim), &cpu)?.to_dtype(sdtype)?;
     let p = quantize(&w, QuantBits::from_bits(bits)?, group)?;
     let wc = PackedAffine::new(p.codes, p.scales, p.biases, experts * out_dim, in_dim)?;
@@ -230,7 +231,16 @@ fn check_grouped_packed(
                 .flat_map(|t| [(t * 3) % 8, (t * 3 + 5) % 8])
                 .collect(),
         ),
-        // More pairs an expert: about 10, then 40 (every token picks every expert).
+        // Fewer pairs than experts, but enough for the several-pairs kernel: lone pairs (each
+        // decoded alone in it) beside experts picked three times.
+        (
+            12,
+            2,
+            (0..12u32)
+                .flat_map(|t| [(t * 5) % 32, 31 - t % 4])
+                .collect(),
+        ),
+        // More pairs an expert: about 10, then 40 (every token picks each of experts 0-7).
         (
             40,
             2,

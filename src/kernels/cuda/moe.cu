@@ -337,7 +337,8 @@ __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const R
     constexpr int R = Rows::R;
     const int o0 = (blockIdx.y * GMV_WARPS + warp) * R;
     if (o0 >= (int)p.out_dim) return;
-    if constexpr (P == 1) {
+    // One pair at a time: each code decoded once a pair.
+    auto one_by_one = [&]() {
         for (uint32_t i = 0; i < n; ++i) {
             const uint32_t q = mine[i];
             const uint32_t row = p.x_per_token ? q / p.top_k : q;
@@ -351,6 +352,13 @@ __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const R
                         y[(size_t)q * p.out_dim + o0 + m] = from_f<T>(acc[m]);
             }
         }
+    };
+    if constexpr (P == 1) {
+        one_by_one();
+    } else if (n == 1) {
+        // A lone pair (spread picks at small batches): P rows of it would decode each code for
+        // P copies of the same row.
+        one_by_one();
     } else {
         for (uint32_t i0 = 0; i0 < n; i0 += P) {
             // Past the last pair, rows repeat it (their sums are not stored).

@@ -18,10 +18,12 @@ const GMV_WARPS: usize = 8;
 /// Output rows a warp of the packed grouped matvec computes (`R` in `GROUPED_QMV_INST`).
 const GMV_PACKED_ROWS: usize = 4;
 /// Output rows one warp computes in the packed kernels that take several pairs at once
-/// (`r2p4`: 2 rows, 4 pairs), used once a call has at least as many pairs as experts (most
-/// picked experts then have several pairs, and decoding their codes once per pair would bound
-/// the kernel).
+/// (`r2p4`: 2 rows, 4 pairs), used from [`GMV_MULTI_MIN_PAIRS`] pairs and two tokens on (picked
+/// experts then often have several pairs, and decoding their codes once per pair would bound
+/// the kernel; a block whose expert has one pair decodes it alone).
 const GMV_MULTI_ROWS: usize = 2;
+/// Fewest pairs of a call that take the several-pairs kernels.
+const GMV_MULTI_MIN_PAIRS: usize = 16;
 /// Output rows a warp of the dense grouped matvec computes for short rows (`_r4` kernels).
 const GMV_DENSE_SHORT_ROWS: usize = 4;
 /// Longest input row (elements) the dense `_r4` kernels take: up to it one row leaves a lane
@@ -330,7 +332,9 @@ fn grouped_mv(
         pad1: 0,
         pad2: 0,
     };
-    let multi = !by_slot;
+    // Several pairs at once from two tokens on: a batch's tokens often share experts, and a
+    // block whose expert has a lone pair takes it one row at a time inside the same kernel.
+    let multi = !by_slot || pairs >= GMV_MULTI_MIN_PAIRS.max(2 * top_k);
     let func = load_kernel(
         &dev,
         &weights.kernel(gate.is_some(), dtype, multi, in_dim)?,
