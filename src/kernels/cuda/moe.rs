@@ -17,15 +17,11 @@ use crate::kernels::PackedAffine;
 const GMV_WARPS: usize = 8;
 /// Output rows a warp of the packed grouped matvec computes (`R` in `GROUPED_QMV_INST`).
 const GMV_PACKED_ROWS: usize = 4;
-/// Output rows one warp computes in the packed kernels that take several pairs at once
-/// (`r2p4`: 2 rows, 4 pairs), used once a call has at least as many pairs as experts (most
-/// picked experts then have several pairs, and decoding their codes once per pair would bound
-/// the kernel). With fewer pairs than experts but at least [`GMV_MULTI_MIN_PAIRS`] from two
-/// tokens on, the grid has a block column per pair slot and takes `r4p4` (4 rows, 4 pairs):
-/// a batch's tokens often share experts. In both, a block whose expert has a lone pair decodes
-/// it alone.
-const GMV_MULTI_ROWS: usize = 2;
-/// Fewest pairs of a call with fewer pairs than experts that take the several-pairs kernel.
+/// Fewest pairs of a call with fewer pairs than experts that take the packed kernels decoding
+/// each code once for up to 4 pairs (`r4p4`); from as many pairs as experts they always do
+/// (most picked experts then have several pairs, and decoding their codes once per pair would
+/// bound the kernel). Below, from two tokens on, a batch's tokens often share experts. A block
+/// whose expert has a lone pair decodes it alone.
 const GMV_MULTI_MIN_PAIRS: usize = 16;
 /// Output rows a warp of the dense grouped matvec computes for short rows (`_r4` kernels).
 const GMV_DENSE_SHORT_ROWS: usize = 4;
@@ -190,14 +186,11 @@ enum ExpertStack<'a> {
 
 impl ExpertStack<'_> {
     /// Output rows one warp computes (`Rows::R` of the kernel's row reader) for rows of
-    /// `in_dim` inputs; `multi`: the packed kernel that takes several pairs at once, over a
-    /// grid of pair slots when `by_slot`.
-    fn rows_per_warp(&self, multi: bool, by_slot: bool, in_dim: usize) -> usize {
+    /// `in_dim` inputs.
+    fn rows_per_warp(&self, in_dim: usize) -> usize {
         match self {
             ExpertStack::Dense(_) if in_dim <= GMV_DENSE_SHORT_MAX_IN => GMV_DENSE_SHORT_ROWS,
             ExpertStack::Dense(_) => 1,
-            ExpertStack::Packed(..) if multi && by_slot => GMV_PACKED_ROWS,
-            ExpertStack::Packed(..) if multi => GMV_MULTI_ROWS,
             ExpertStack::Packed(..) => GMV_PACKED_ROWS,
         }
     }
@@ -217,25 +210,18 @@ impl ExpertStack<'_> {
 
     /// The kernel's name for activations of `dtype` (`multi`, `in_dim`: as in
     /// [`ExpertStack::rows_per_warp`]).
-    fn kernel(
-        &self,
-        gated: bool,
-        dtype: DType,
-        multi: bool,
-        by_slot: bool,
-        in_dim: usize,
-    ) -> Result<String> {
+    fn kernel(&self, gated: bool, dtype: DType, multi: bool, in_dim: usize) -> Result<String> {
         let g = if gated { "_gated" } else { "" };
         let t = tn(dtype)?;
         Ok(match *self {
-            ExpertStack::Dense(_) => match self.rows_per_warp(multi, by_slot, in_dim) {
+            ExpertStack::Dense(_) => match self.rows_per_warp(in_dim) {
                 1 => format!("grouped_mv{g}_{t}"),
                 r => format!("grouped_mv{g}_{t}_r{r}"),
             },
             ExpertStack::Packed(w, _) => {
                 let s = tn(w.scales.dtype())?;
                 let v = if multi {
-                    format!("r{}p4", self.rows_per_warp(multi, by_slot, in_dim))
+                    format!("r{GMV_PACKED_ROWS}p4")
                 } else {
                     format!("r{GMV_PACKED_ROWS}")
                 };
@@ -346,17 +332,17 @@ fn grouped_mv(
     };
     // Several pairs at once from two tokens and `GMV_MULTI_MIN_PAIRS` on (26B-A4B, 4-bit
     // experts, one H100: batch 8 1.39x under the random router's shared picks, 0.97x with
-    // every pick a different expert).
+    // every pick a different expert; see docs/performance.md).
     let multi = !by_slot || pairs >= GMV_MULTI_MIN_PAIRS.max(2 * top_k);
     let func = load_kernel(
         &dev,
-        &weights.kernel(gate.is_some(), dtype, multi, by_slot, in_dim)?,
+        &weights.kernel(gate.is_some(), dtype, multi, in_dim)?,
         &MOE,
     )?;
     let cfg = LaunchConfig {
         grid_dim: (
             u32_of(if by_slot { pairs } else { experts }, "experts")?,
-            out_dim.div_ceil(GMV_WARPS * weights.rows_per_warp(multi, by_slot, in_dim)) as u32,
+            out_dim.div_ceil(GMV_WARPS * weights.rows_per_warp(in_dim)) as u32,
             1,
         ),
         block_dim: ((GMV_WARPS * 32) as u32, 1, 1),
