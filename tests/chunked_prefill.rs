@@ -12,6 +12,8 @@ use common::*;
 fn long_prompt_in_one_forward_equals_chunk_by_chunk() {
     for name in ["e2b-hf", "dense-sharded"] {
         let model = load(name);
+        // The CPU's chunk, with no policy set.
+        assert_eq!(model.prefill_chunk(), PREFILL_CHUNK, "{name}");
         // Two whole chunks and a few tokens, ids spread over the 512-token vocabulary.
         let prompt: Vec<u32> = (0..2 * PREFILL_CHUNK as u32 + 6)
             .map(|i| (i * 37 + 11) % 500 + 3)
