@@ -124,6 +124,8 @@ impl LaunchPolicy {
     /// The defaults with the environment overrides in the module table applied. Values that do
     /// not parse leave the default in place.
     pub fn from_env() -> Self {
+        // A count from the environment, where set and parsable.
+        let count = |name: &str| std::env::var(name).ok()?.parse::<usize>().ok();
         let mut p = Self::default();
         if let Ok(v) = std::env::var("CANDLE_GEMMA_UNFUSED") {
             p.fused = v.is_empty() || v == "0";
@@ -140,26 +142,13 @@ impl LaunchPolicy {
         if let Ok(v) = std::env::var("CANDLE_GEMMA_FLASH_PREFILL") {
             p.flash_prefill = v != "0";
         }
-        if let Ok(v) = std::env::var("CANDLE_GEMMA_PREFILL_CHUNK") {
-            if let Ok(n) = v.parse() {
-                p.prefill_chunk = n;
-            }
-        }
-        if let Ok(v) = std::env::var("CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS") {
-            if let Ok(n) = v.parse() {
-                p.moe_grouped_max_tokens = n;
-            }
-        }
-        if let Ok(v) = std::env::var("CANDLE_GEMMA_MOE_PADDED_MAX_PCT") {
-            if let Ok(n) = v.parse() {
-                p.moe_padded_max_pct = n;
-            }
-        }
-        if let Ok(v) = std::env::var("CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES") {
-            if let Ok(n) = v.parse() {
-                p.peer_all_reduce_max_bytes = n;
-            }
-        }
+        p.prefill_chunk = count("CANDLE_GEMMA_PREFILL_CHUNK").unwrap_or(p.prefill_chunk);
+        p.moe_grouped_max_tokens =
+            count("CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS").unwrap_or(p.moe_grouped_max_tokens);
+        p.moe_padded_max_pct =
+            count("CANDLE_GEMMA_MOE_PADDED_MAX_PCT").unwrap_or(p.moe_padded_max_pct);
+        p.peer_all_reduce_max_bytes =
+            count("CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES").unwrap_or(p.peer_all_reduce_max_bytes);
         if let Ok(v) = std::env::var("CANDLE_GEMMA_METAL_KERNELS") {
             p.metal_kernels = v != "0";
         }

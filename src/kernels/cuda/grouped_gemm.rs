@@ -102,7 +102,10 @@ pub fn grouped_matmul(
                 ok.0 &= ws[g].is_contiguous();
                 ok.1 &= ws[g].device().same_device(x.device());
             }
-            let offsets = ws.iter().map(|w| w.layout().start_offset()).collect();
+            let offsets = (0..ws.len())
+                .filter(live)
+                .map(|g| ws[g].layout().start_offset())
+                .collect();
             (n, ws[first].dtype(), ok.0, ok.1, offsets)
         }
     };

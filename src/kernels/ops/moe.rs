@@ -48,8 +48,7 @@ impl ExpertWeights {
         match self {
             ExpertWeights::Dense(t) => Ok(x.matmul(&t.get(e)?.t()?)?),
             ExpertWeights::Packed { weight, experts } => {
-                let out = weight.out_dim() / experts;
-                let w = weight.narrow_rows(e * out, out)?;
+                let w = expert_rows(weight, *experts, e)?;
                 // One expert's prefill rows on CUDA: past `MATVEC_MAX_ROWS`, dequantize-then-GEMM
                 // even where `qmatmul` would take `qmv_tc4x` (up to 32 rows), which ran these
                 // small products slower (26B-A4B, 4-bit experts, 512-token prefill).
@@ -65,19 +64,6 @@ impl ExpertWeights {
                     w
                 };
                 Ok(qmatmul(x, &w)?)
-            }
-        }
-    }
-
-    /// Expert `e`'s matrix `[out, in]` in `dtype`: a view into a dense stack, or packed rows
-    /// dequantized.
-    #[cfg(feature = "cuda")]
-    fn matrix(&self, e: usize, dtype: DType) -> Result<Tensor> {
-        match self {
-            ExpertWeights::Dense(t) => Ok(t.get(e)?),
-            ExpertWeights::Packed { weight, experts } => {
-                let out = weight.out_dim() / experts;
-                Ok(weight.narrow_rows(e * out, out)?.dequantize(dtype)?)
             }
         }
     }
@@ -113,6 +99,12 @@ impl ExpertWeights {
             ExpertWeights::Packed { weight, .. } => weight.packed_bytes(),
         }
     }
+}
+
+/// Expert `e`'s rows of a packed stack of `experts` (`[E * out, in]`).
+fn expert_rows(weight: &PackedAffine, experts: usize, e: usize) -> Result<PackedAffine> {
+    let out = weight.out_dim() / experts;
+    weight.narrow_rows(e * out, out)
 }
 
 /// The router: `softmax` over the top-k logits of `norm(x) · projᵀ`, times `per_expert_scale`
@@ -469,10 +461,10 @@ fn sorted(x: &Tensor, idx: &Tensor, mix: &Tensor, experts: &Experts<'_>) -> Resu
                     };
                     grouped_matmul(x, &sizes, weights)?
                 }
-                ExpertWeights::Packed { .. } => {
+                ExpertWeights::Packed { weight, experts } => {
                     let each = picked_experts
                         .iter()
-                        .map(|&e| w.matrix(e, x.dtype()))
+                        .map(|&e| expert_rows(weight, *experts, e)?.dequantize(x.dtype()))
                         .collect::<Result<Vec<_>>>()?;
                     grouped_matmul(x, &sizes, BlockWeights::Each(&each))?
                 }
