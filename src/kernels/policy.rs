@@ -15,6 +15,8 @@
 //! | `CANDLE_GEMMA_FLASH_PREFILL=0` | [`LaunchPolicy::flash_prefill`] | prefill attention through the score matrix (cuBLAS products and a masked softmax) |
 //! | `CANDLE_GEMMA_PREFILL_CHUNK=N` | [`LaunchPolicy::prefill_chunk`] | longest run of prompt tokens one forward pass takes at once (0: by device) |
 //! | `CANDLE_GEMMA_MOE_PADDED_MAX_PCT=N` | [`LaunchPolicy::moe_padded_max_pct`] | MoE prefill: largest padded size, in percent of the routed pairs, that still runs as one padded batched product |
+//! | `CANDLE_GEMMA_MOE_TC_MIN_PAIRS=N` | [`LaunchPolicy::moe_tc_min_pairs`] | MoE decode, 4-bit experts: fewest routed pairs from which the expert products run on the tensor cores (0: never) |
+//! | `CANDLE_GEMMA_MOE_TC_MIN_PAIRS_DENSE=N` | [`LaunchPolicy::moe_tc_min_pairs_dense`] | the same for dense experts |
 //! | `CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS=N` | [`LaunchPolicy::moe_grouped_max_tokens`] | token count up to which MoE runs the grouped matvec |
 //! | `CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES=N` | [`LaunchPolicy::peer_all_reduce_max_bytes`] | largest tensor-parallel sum that runs the crate's peer-memory kernel (0: NCCL for every sum) |
 //! | `CANDLE_GEMMA_METAL_KERNELS=0` | [`LaunchPolicy::metal_kernels`] | no crate Metal kernels (the host fallback) |
@@ -61,6 +63,19 @@ pub struct LaunchPolicy {
     /// per row); above it, as grouped products with no padding where cuBLAS has them (CUDA
     /// 12.5+). 0 sends every prefill through the grouped products.
     pub moe_padded_max_pct: usize,
+    /// MoE decode over 4-bit experts with 16-bit activations: from this many routed (token,
+    /// pick) pairs a call (default 64: batch 8 of a model picking 8), the grouped expert
+    /// products dequantize each code to a 16-bit fragment once for up to 32 of its expert's
+    /// pairs and multiply on the tensor cores; below, the CUDA cores decode each code once for
+    /// up to four pairs (once a pair for the fewest). At batch 2-4 with every pick a different
+    /// expert the tensor-core form measured 0.94-0.95x (26B-A4B, one H100), from batch 8 on
+    /// 1.06-1.85x. 0 keeps every call on the CUDA cores.
+    pub moe_tc_min_pairs: usize,
+    /// As [`Self::moe_tc_min_pairs`] for dense (16-bit) experts, whose CUDA-core product reads
+    /// each weight once a pair; default 256 (batch 32 of a model picking 8): below it the
+    /// tensor-core form measured slower (26B-A4B bf16, one H100: 0.85-0.93x at batch 2-16,
+    /// 1.02-1.07x at 32, 1.34-1.39x at 64).
+    pub moe_tc_min_pairs_dense: usize,
     /// Tensor-parallel sums (all-reduces) of up to this many bytes run the crate's one-shot
     /// kernel over peer memory (NVLink) instead of NCCL, where every pair of the group's GPUs
     /// can reach each other's memory: a decode step's sums are small, and NCCL's latency is
@@ -104,6 +119,8 @@ impl Default for LaunchPolicy {
             prefill_chunk: 0,
             moe_grouped_max_tokens: 64,
             moe_padded_max_pct: 150,
+            moe_tc_min_pairs: 64,
+            moe_tc_min_pairs_dense: 256,
             peer_all_reduce_max_bytes: 1 << 20,
             metal_kernels: true,
             candle_q4_1_on_cpu: false,
@@ -147,6 +164,9 @@ impl LaunchPolicy {
             count("CANDLE_GEMMA_MOE_GROUPED_MAX_TOKENS").unwrap_or(p.moe_grouped_max_tokens);
         p.moe_padded_max_pct =
             count("CANDLE_GEMMA_MOE_PADDED_MAX_PCT").unwrap_or(p.moe_padded_max_pct);
+        p.moe_tc_min_pairs = count("CANDLE_GEMMA_MOE_TC_MIN_PAIRS").unwrap_or(p.moe_tc_min_pairs);
+        p.moe_tc_min_pairs_dense =
+            count("CANDLE_GEMMA_MOE_TC_MIN_PAIRS_DENSE").unwrap_or(p.moe_tc_min_pairs_dense);
         p.peer_all_reduce_max_bytes =
             count("CANDLE_GEMMA_PEER_ALL_REDUCE_MAX_BYTES").unwrap_or(p.peer_all_reduce_max_bytes);
         if let Ok(v) = std::env::var("CANDLE_GEMMA_METAL_KERNELS") {

@@ -176,6 +176,64 @@ fn check_dense_experts(
     Ok(())
 }
 
+/// Dense expert products with many pairs an expert: about 4 an expert, 10, then (16-bit
+/// activations on the tensor cores from 256 pairs) 33 and 40 (past the 32 pairs of one pass,
+/// into a part or a whole of an 8-pair tile), plain and gated, against the f32 product of each
+/// pair. 40 rows an
+/// expert (not a multiple of a tile's 16); 1056 and 224 inputs end part-way into a 128-input
+/// chunk.
+fn check_dense_many_pairs(checks: &mut Checks, dtype: DType, gpu: &Device) -> Result<()> {
+    let g = |t: &Tensor| t.to_device(gpu);
+    let (e, rows, wide, narrow) = (8usize, 40, 1056, 224);
+    let wts = (rnd(&[e, rows, wide], dtype)? * 0.1)?;
+    let wd = (rnd(&[e, rows, narrow], dtype)? * 0.1)?;
+    let product = |x: &Tensor, w: &Tensor, ex: u32| -> Result<Tensor> {
+        Ok(x.unsqueeze(0)?
+            .to_dtype(DType::F32)?
+            .matmul(&w.get(ex as usize)?.to_dtype(DType::F32)?.t()?)?)
+    };
+    let mut report = |name: String, err: f32| {
+        checks.close(format!("{name} dtype={dtype:?}"), err, lim(dtype));
+    };
+    for (tokens, k) in [(12usize, 3usize), (40, 2), (33, 8), (40, 8)] {
+        let idx: Vec<u32> = (0..tokens * k)
+            .map(|p| ((p / k) * 3 + (p % k) * 5) as u32 % e as u32)
+            .collect();
+        let idx_t = g(&Tensor::from_vec(idx.clone(), (tokens, k), &Device::Cpu)?)?;
+        let x = rnd(&[tokens, wide], dtype)?;
+        let mut want = Vec::new();
+        for (p, &ex) in idx.iter().enumerate() {
+            want.push(product(&x.get(p / k)?, &wts, ex)?);
+        }
+        let got = grouped_matvec(&g(&wts)?, &idx_t, &g(&x)?, true)?;
+        report(
+            format!("grouped_matvec pairs={}", tokens * k),
+            max_abs_diff(&got, &Tensor::cat(&want, 0)?),
+        );
+        // Gated: pair rows gelu_tanh(a) * b (16-bit only; f32 is declined).
+        let gu = rnd(&[tokens * k, 2 * narrow], dtype)?;
+        let hidden = (gu.narrow(1, 0, narrow)?.gelu()? * gu.narrow(1, narrow, narrow)?)?;
+        let gug = g(&gu)?;
+        let got = grouped_matvec_gated(
+            &g(&wd)?,
+            &idx_t,
+            &gug.narrow(1, 0, narrow)?,
+            &gug.narrow(1, narrow, narrow)?,
+        )?;
+        let mut want = Vec::new();
+        for (p, &ex) in idx.iter().enumerate() {
+            want.push(product(&hidden.get(p)?, &wd, ex)?);
+        }
+        let err = match (got, dtype) {
+            (Some(got), DType::BF16 | DType::F16) => max_abs_diff(&got, &Tensor::cat(&want, 0)?),
+            (None, DType::F32) => 0.0,
+            _ => f32::INFINITY,
+        };
+        report(format!("grouped_matvec gated pairs={}", tokens * k), err);
+    }
+    Ok(())
+}
+
 #[test]
 fn routing_and_dense_expert_products_match_cpu() -> Result<()> {
     let Some(gpu) = gpu("moe dense experts") else {
@@ -186,6 +244,7 @@ fn routing_and_dense_expert_products_match_cpu() -> Result<()> {
         for shape in [(72, 128), (1032, 1040)] {
             check_dense_experts(&mut checks, dtype, &gpu.dev, shape)?;
         }
+        check_dense_many_pairs(&mut checks, dtype, &gpu.dev)?;
     }
     checks.finish();
     Ok(())
@@ -193,19 +252,22 @@ fn routing_and_dense_expert_products_match_cpu() -> Result<()> {
 
 /// The routed expert products over MLX-packed experts (`grouped_qmatvec`, plain and gated)
 /// against the CPU reference product of each picked expert: few pairs (one block per pair slot,
-/// experts picked twice) and many (one block per expert, up to 40 pairs an expert).
+/// experts picked twice) and many (one block per expert, up to 40 pairs an expert). 16-bit
+/// activations with 4-bit codes and scales of their type take the tensor-core kernels from 16
+/// pairs; `in_dim` not a multiple of 128 leaves their last 128-input chunk part empty.
 fn check_grouped_packed(
-    xdtype: DType,
-    sdtype: DType,
+    (xdtype, sdtype): (DType, DType),
     bits: usize,
     group: usize,
+    in_dim: usize,
     gpu: &Device,
     checks: &mut Checks,
 ) -> Result<()> {
     let cpu = Device::Cpu;
-    // 40 rows an expert: not a multiple of the 8 rows of a block. The cases pick among the
-    // first 8 experts, except one that spreads 24 pairs over 32 experts.
-    let (experts, out_dim, in_dim) = (32, 40, 256);
+    // 40 rows an expert: not a multiple of the 8 rows of a block, nor of a tensor-core tile's
+    // 16. The cases pick among the first 8 experts, except one that spreads 24 pairs over 32
+    // experts.
+    let (experts, out_dim) = (32, 40);
     let w = Tensor::randn(0f32, 0.05, (experts * out_dim, in_dim), &cpu)?.to_dtype(sdtype)?;
     let p = quantize(&w, QuantBits::from_bits(bits)?, group)?;
     let wc = PackedAffine::new(p.codes, p.scales, p.biases, experts * out_dim, in_dim)?;
@@ -219,7 +281,8 @@ fn check_grouped_packed(
     let expert = |e: u32| wc.narrow_rows(e as usize * out_dim, out_dim);
     let lim = tol(xdtype) * ((in_dim as f32).sqrt() * 0.05).max(1.0) * 2.0;
     let mut report = |name: String, err: f32| {
-        let case = format!("{name} x={xdtype:?} scales={sdtype:?} bits={bits} group={group}");
+        let case =
+            format!("{name} x={xdtype:?} scales={sdtype:?} bits={bits} group={group} in={in_dim}");
         checks.close(case, err, lim);
     };
     for (tokens, k, idx) in [
@@ -310,10 +373,15 @@ fn packed_expert_products_match_cpu() -> Result<()> {
         for sdtype in [DType::BF16, DType::F16, DType::F32] {
             for bits in [4, 8] {
                 for group in [32, 64, 128] {
-                    check_grouped_packed(xdtype, sdtype, bits, group, &gpu.dev, &mut checks)?;
+                    let dtypes = (xdtype, sdtype);
+                    check_grouped_packed(dtypes, bits, group, 256, &gpu.dev, &mut checks)?;
                 }
             }
         }
+    }
+    // Inputs ending half-way through a tensor-core chunk of 128.
+    for (dtype, group) in [(DType::BF16, 64), (DType::F16, 32)] {
+        check_grouped_packed((dtype, dtype), 4, group, 192, &gpu.dev, &mut checks)?;
     }
     checks.finish();
     Ok(())

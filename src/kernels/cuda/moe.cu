@@ -9,6 +9,7 @@
 #include "common.cuh"
 #include "gate.cuh"
 #include "norm_tail.cuh"
+#include "packed.cuh"
 
 // Router top-k: per token, the top_k largest logits (ties: lower expert first), a softmax over
 // them, times per_expert_scale of each pick. One warp per token; experts <= 32 * ROUTE_MAX_PER_LANE.
@@ -125,6 +126,7 @@ __device__ __forceinline__ void warp_dot_rows(const T* __restrict__ const (&wr)[
 // order either way, so both give the same bits.
 template <typename T, int ROWS = 1> struct DenseExpertRows {
     static constexpr int R = ROWS;
+    static constexpr bool TC = false;
     const T* __restrict__ w;
     __device__ __forceinline__ void dot(const GroupedMvParams& p, uint32_t e, int o0,
                                         const T* xrow, float (&acc)[R]) const {
@@ -148,6 +150,7 @@ template <typename T, int ROWS = 1> struct DenseExpertRows {
 // float conversion, whose low throughput bounded the kernel.
 template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
     static constexpr int R = ROWS;
+    static constexpr bool TC = false;
     const uint32_t* __restrict__ codes;
     const S* __restrict__ scales;
     const S* __restrict__ biases;
@@ -299,6 +302,8 @@ template <typename T, typename S, int BITS, int ROWS> struct PackedExpertRows {
     }
 };
 
+#include "moe_tc.cuh"
+
 // P > 1 (packed rows only): the pairs of the expert go through `dot_multi` P at a time.
 template <typename T, bool GATED, typename Rows, int P = 1>
 __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const Rows rows,
@@ -337,50 +342,55 @@ __device__ __forceinline__ void grouped_mv_body(const GroupedMvParams p, const R
     constexpr int R = Rows::R;
     const int o0 = (blockIdx.y * GMV_WARPS + warp) * R;
     if (o0 >= (int)p.out_dim) return;
-    // One pair at a time: each code decoded once a pair.
-    auto one_by_one = [&]() {
-        for (uint32_t i = 0; i < n; ++i) {
-            const uint32_t q = mine[i];
-            const uint32_t row = p.x_per_token ? q / p.top_k : q;
-            const T* xrow = GATED ? sx + (size_t)i * p.in_dim : x + (size_t)row * p.in_dim;
-            float acc[R];
-            rows.dot(p, e, o0, xrow, acc);
-            if (lane == 0) {
-#pragma unroll
-                for (int m = 0; m < R; ++m)
-                    if (o0 + m < (int)p.out_dim)
-                        y[(size_t)q * p.out_dim + o0 + m] = from_f<T>(acc[m]);
-            }
-        }
-    };
-    if constexpr (P == 1) {
-        one_by_one();
-    } else if (n == 1) {
-        // A lone pair (spread picks at small batches): P rows of it would decode each code for
-        // P copies of the same row.
-        one_by_one();
+    if constexpr (Rows::TC) {
+        rows.template run<GATED>(p, e, o0, n, mine, x, sx, y);
+        return;
     } else {
-        for (uint32_t i0 = 0; i0 < n; i0 += P) {
-            // Past the last pair, rows repeat it (their sums are not stored).
-            const T* xr[P];
-            uint32_t qs[P];
-#pragma unroll
-            for (int j = 0; j < P; ++j) {
-                const uint32_t i = min(i0 + j, n - 1);
-                qs[j] = mine[i];
-                const uint32_t row = p.x_per_token ? qs[j] / p.top_k : qs[j];
-                xr[j] = GATED ? sx + (size_t)i * p.in_dim : x + (size_t)row * p.in_dim;
-            }
-            float acc[R][P];
-            rows.template dot_multi<P>(p, e, o0, xr, acc);
-            if (lane == 0) {
-#pragma unroll
-                for (int j = 0; j < P; ++j) {
-                    if (i0 + j >= n) break;
+        // One pair at a time: each code decoded once a pair.
+        auto one_by_one = [&]() {
+            for (uint32_t i = 0; i < n; ++i) {
+                const uint32_t q = mine[i];
+                const uint32_t row = p.x_per_token ? q / p.top_k : q;
+                const T* xrow = GATED ? sx + (size_t)i * p.in_dim : x + (size_t)row * p.in_dim;
+                float acc[R];
+                rows.dot(p, e, o0, xrow, acc);
+                if (lane == 0) {
 #pragma unroll
                     for (int m = 0; m < R; ++m)
                         if (o0 + m < (int)p.out_dim)
-                            y[(size_t)qs[j] * p.out_dim + o0 + m] = from_f<T>(acc[m][j]);
+                            y[(size_t)q * p.out_dim + o0 + m] = from_f<T>(acc[m]);
+                }
+            }
+        };
+        if constexpr (P == 1) {
+            one_by_one();
+        } else if (n == 1) {
+            // A lone pair (spread picks at small batches): P rows of it would decode each code for
+            // P copies of the same row.
+            one_by_one();
+        } else {
+            for (uint32_t i0 = 0; i0 < n; i0 += P) {
+                // Past the last pair, rows repeat it (their sums are not stored).
+                const T* xr[P];
+                uint32_t qs[P];
+#pragma unroll
+                for (int j = 0; j < P; ++j) {
+                    const uint32_t i = min(i0 + j, n - 1);
+                    qs[j] = mine[i];
+                    const uint32_t row = p.x_per_token ? qs[j] / p.top_k : qs[j];
+                    xr[j] = GATED ? sx + (size_t)i * p.in_dim : x + (size_t)row * p.in_dim;
+                }
+                float acc[R][P];
+                rows.template dot_multi<P>(p, e, o0, xr, acc);
+                if (lane == 0) {
+#pragma unroll
+                    for (int j = 0; j < P; ++j) {
+                        if (i0 + j >= n) break;
+#pragma unroll
+                        for (int m = 0; m < R; ++m)
+                            if (o0 + m < (int)p.out_dim)
+                                y[(size_t)qs[j] * p.out_dim + o0 + m] = from_f<T>(acc[m][j]);
+                    }
                 }
             }
         }
@@ -505,3 +515,35 @@ MOE_INST(bf16, __nv_bfloat16)
 GROUPED_QMV_SCALES(GROUPED_QMV_INST, f32, float)
 GROUPED_QMV_SCALES(GROUPED_QMV_GATED_INST, f16, __half)
 GROUPED_QMV_SCALES(GROUPED_QMV_GATED_INST, bf16, __nv_bfloat16)
+
+// Grouped products on the tensor cores (moe_tc.cuh): grouped_qmv_tc[_gated]_{T} over 4-bit
+// packed experts (scales and biases of the activations' type), grouped_mv_tc[_gated]_{T} over
+// dense experts.
+#define GROUPED_TC_INST(TN, T)                                                                 \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
+        grouped_qmv_tc_##TN(const GroupedMvParams p, const uint32_t* c, const T* s, const T* b, \
+                            const uint32_t* idx, const T* x, T* y) {                           \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, false>(p, TcRows<T, PackedTcSource<T>>{{c, s, b}}, idx, x, x, y);   \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
+        grouped_qmv_tc_gated_##TN(const GroupedMvParams p, const uint32_t* c, const T* s,      \
+                                  const T* b, const uint32_t* idx, const T* x, const T* xb,    \
+                                  T* y) {                                                      \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, true>(p, TcRows<T, PackedTcSource<T>>{{c, s, b}}, idx, x, xb, y);   \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
+        grouped_mv_tc_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx,           \
+                           const T* x, T* y) {                                                 \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, false>(p, TcRows<T, DenseTcSource<T>>{{w}}, idx, x, x, y);          \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(GMV_WARPS * 32, 2)                            \
+        grouped_mv_tc_gated_##TN(const GroupedMvParams p, const T* w, const uint32_t* idx,     \
+                                 const T* x, const T* xb, T* y) {                              \
+        pdl_entry();                                                                           \
+        grouped_mv_body<T, true>(p, TcRows<T, DenseTcSource<T>>{{w}}, idx, x, xb, y);          \
+    }
+GROUPED_TC_INST(bf16, __nv_bfloat16)
+GROUPED_TC_INST(f16, __half)

@@ -23,6 +23,8 @@ const GMV_PACKED_ROWS: usize = 4;
 /// bound the kernel). Below, from two tokens on, a batch's tokens often share experts. A block
 /// whose expert has a lone pair decodes it alone.
 const GMV_MULTI_MIN_PAIRS: usize = 16;
+/// Output rows a warp of the tensor-core kernels computes (one m16n8 tile's 16).
+const GMV_TC_ROWS: usize = 16;
 /// Output rows a warp of the dense grouped matvec computes for short rows (`_r4` kernels).
 const GMV_DENSE_SHORT_ROWS: usize = 4;
 /// Longest input row (elements) the dense `_r4` kernels take: up to it one row leaves a lane
@@ -184,14 +186,44 @@ enum ExpertStack<'a> {
     Packed(&'a PackedAffine, usize),
 }
 
+/// How a grouped product reads its weights.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Decode {
+    /// On CUDA cores, once a pair (packed: `r4`; dense experts always).
+    EachPair,
+    /// Packed, on CUDA cores: each code decoded once for up to four pairs of an expert (`r4p4`).
+    FourPairs,
+    /// On the tensor cores: each weight read (and for packed experts dequantized to a 16-bit
+    /// fragment) once for up to 32 pairs of an expert (`moe_tc.cuh`).
+    TensorCores,
+}
+
 impl ExpertStack<'_> {
     /// Output rows one warp computes (`Rows::R` of the kernel's row reader) for rows of
     /// `in_dim` inputs.
-    fn rows_per_warp(&self, in_dim: usize) -> usize {
+    fn rows_per_warp(&self, in_dim: usize, decode: Decode) -> usize {
         match self {
+            _ if decode == Decode::TensorCores => GMV_TC_ROWS,
             ExpertStack::Dense(_) if in_dim <= GMV_DENSE_SHORT_MAX_IN => GMV_DENSE_SHORT_ROWS,
             ExpertStack::Dense(_) => 1,
             ExpertStack::Packed(..) => GMV_PACKED_ROWS,
+        }
+    }
+
+    /// Whether the tensor-core kernels take these weights for activations of `dtype`: 16-bit
+    /// activations, and dense rows of a multiple of 32 inputs, or 4-bit codes whose groups
+    /// tile 32-input slices with scales and biases of the activations' type.
+    fn tensor_cores_take(&self, dtype: DType, in_dim: usize) -> bool {
+        match *self {
+            ExpertStack::Dense(_) => matches!(dtype, DType::BF16 | DType::F16) && in_dim % 32 == 0,
+            ExpertStack::Packed(w, _) => super::matvec_plan::dequantizes_before_mma(
+                dtype,
+                w.scales.dtype(),
+                w.biases.dtype(),
+                w.bits.bits(),
+                w.group_size,
+                in_dim,
+            ),
         }
     }
 
@@ -208,22 +240,27 @@ impl ExpertStack<'_> {
         }
     }
 
-    /// The kernel's name for activations of `dtype` (`multi`, `in_dim`: as in
+    /// The kernel's name for activations of `dtype` (`decode`, `in_dim`: as in
     /// [`ExpertStack::rows_per_warp`]).
-    fn kernel(&self, gated: bool, dtype: DType, multi: bool, in_dim: usize) -> Result<String> {
+    fn kernel(&self, gated: bool, dtype: DType, decode: Decode, in_dim: usize) -> Result<String> {
         let g = if gated { "_gated" } else { "" };
         let t = tn(dtype)?;
         Ok(match *self {
-            ExpertStack::Dense(_) => match self.rows_per_warp(in_dim) {
+            ExpertStack::Dense(_) if decode == Decode::TensorCores => {
+                format!("grouped_mv_tc{g}_{t}")
+            }
+            ExpertStack::Dense(_) => match self.rows_per_warp(in_dim, decode) {
                 1 => format!("grouped_mv{g}_{t}"),
                 r => format!("grouped_mv{g}_{t}_r{r}"),
             },
             ExpertStack::Packed(w, _) => {
                 let s = tn(w.scales.dtype())?;
-                let v = if multi {
-                    format!("r{GMV_PACKED_ROWS}p4")
-                } else {
-                    format!("r{GMV_PACKED_ROWS}")
+                let v = match decode {
+                    Decode::TensorCores => {
+                        return Ok(format!("grouped_qmv_tc{g}_{t}"));
+                    }
+                    Decode::FourPairs => format!("r{GMV_PACKED_ROWS}p4"),
+                    Decode::EachPair => format!("r{GMV_PACKED_ROWS}"),
                 };
                 format!("grouped_qmv{g}_{t}_{s}_{}_{v}", w.bits.bits())
             }
@@ -332,17 +369,30 @@ fn grouped_mv(
     };
     // Several pairs at once from two tokens and `GMV_MULTI_MIN_PAIRS` on (26B-A4B, 4-bit
     // experts, one H100: batch 8 1.39x under the random router's shared picks, 0.97x with
-    // every pick a different expert; see docs/performance.md).
+    // every pick a different expert; see docs/moe-decode.md).
     let multi = !by_slot || pairs >= GMV_MULTI_MIN_PAIRS.max(2 * top_k);
+    let policy = crate::kernels::policy::current();
+    let tc_min = match weights {
+        ExpertStack::Dense(_) => policy.moe_tc_min_pairs_dense,
+        ExpertStack::Packed(..) => policy.moe_tc_min_pairs,
+    };
+    let decode =
+        if multi && tc_min > 0 && pairs >= tc_min && weights.tensor_cores_take(dtype, in_dim) {
+            Decode::TensorCores
+        } else if multi {
+            Decode::FourPairs
+        } else {
+            Decode::EachPair
+        };
     let func = load_kernel(
         &dev,
-        &weights.kernel(gate.is_some(), dtype, multi, in_dim)?,
+        &weights.kernel(gate.is_some(), dtype, decode, in_dim)?,
         &MOE,
     )?;
     let cfg = LaunchConfig {
         grid_dim: (
             u32_of(if by_slot { pairs } else { experts }, "experts")?,
-            out_dim.div_ceil(GMV_WARPS * weights.rows_per_warp(in_dim)) as u32,
+            out_dim.div_ceil(GMV_WARPS * weights.rows_per_warp(in_dim, decode)) as u32,
             1,
         ),
         block_dim: ((GMV_WARPS * 32) as u32, 1, 1),
