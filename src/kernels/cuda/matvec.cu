@@ -347,24 +347,13 @@ __device__ __forceinline__ void qmv_tc4_body(const QmatParams p, const T* __rest
         for (int i = 0; i < QTC_UNROLL; ++i) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                const uint4 r = X[i][j];
-                // (x_p, x_{p+4}) for p = 0..3: the order the code pairs come in.
-                const uint32_t b0[2] = {__byte_perm(r.x, r.z, 0x5410), __byte_perm(r.x, r.z, 0x7632)};
-                const uint32_t b1[2] = {__byte_perm(r.y, r.w, 0x5410), __byte_perm(r.y, r.w, 0x7632)};
+                uint32_t b0[2], b1[2];
+                qt_act_frags(X[i][j], b0, b1);
 #pragma unroll
                 for (int t = 0; t < QTC_TILES; ++t) {
-                    uint32_t d[2][4];
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const uint4 w4 = W[i][2 * t + h];
-                        const uint32_t wj = j == 0 ? w4.x : j == 1 ? w4.y : j == 2 ? w4.z : w4.w;
-#pragma unroll
-                        for (int pp = 0; pp < 4; ++pp)
-                            d[h][pp] = dequant_pair<T>(qt_nibbles<T>(wj >> (4 * pp)),
-                                                       sc[i][2 * t + h], bi[i][2 * t + h]);
-                    }
-                    const uint32_t f0[4] = {d[0][0], d[1][0], d[0][1], d[1][1]};
-                    const uint32_t f1[4] = {d[0][2], d[1][2], d[0][3], d[1][3]};
+                    uint32_t f0[4], f1[4];
+                    qt_code_frags<T>(W[i][2 * t], W[i][2 * t + 1], j, sc[i][2 * t], bi[i][2 * t],
+                                     sc[i][2 * t + 1], bi[i][2 * t + 1], f0, f1);
                     mma_16816<T>(acc[t], f0, b0);
                     mma_16816<T>(acc[t], f1, b1);
                 }
@@ -513,20 +502,9 @@ __device__ __forceinline__ void qmv_row4_body(const QmatParams p, const T* __res
             } else {
                 r = t.xv[j];
             }
-            // (x_p, x_{p+4}) for p = 0..3: the order the code pairs come in.
-            const uint32_t b0[2] = {__byte_perm(r.x, r.z, 0x5410), __byte_perm(r.x, r.z, 0x7632)};
-            const uint32_t b1[2] = {__byte_perm(r.y, r.w, 0x5410), __byte_perm(r.y, r.w, 0x7632)};
-            uint32_t d[2][4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const uint4 w = t.w[h];
-                const uint32_t wj = j == 0 ? w.x : j == 1 ? w.y : j == 2 ? w.z : w.w;
-#pragma unroll
-                for (int pp = 0; pp < 4; ++pp)
-                    d[h][pp] = dequant_pair<T>(qt_nibbles<T>(wj >> (4 * pp)), t.sc[h], t.bi[h]);
-            }
-            const uint32_t f0[4] = {d[0][0], d[1][0], d[0][1], d[1][1]};
-            const uint32_t f1[4] = {d[0][2], d[1][2], d[0][3], d[1][3]};
+            uint32_t b0[2], b1[2], f0[4], f1[4];
+            qt_act_frags(r, b0, b1);
+            qt_code_frags<T>(t.w[0], t.w[1], j, t.sc[0], t.bi[0], t.sc[1], t.bi[1], f0, f1);
             mma_16816<T>(acc, f0, b0);
             mma_16816<T>(acc, f1, b1);
         }

@@ -90,25 +90,13 @@ __device__ __forceinline__ void qmv_tc4x_body(const QmatParams p, const T* __res
         for (int j = 0; j < 4; ++j) {
             uint32_t f0[MT][4], f1[MT][4];
 #pragma unroll
-            for (int t = 0; t < MT; ++t) {
-                uint32_t d[2][4];
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const uint4 w4 = W[t][h];
-                    const uint32_t wj = j == 0 ? w4.x : j == 1 ? w4.y : j == 2 ? w4.z : w4.w;
-#pragma unroll
-                    for (int pp = 0; pp < 4; ++pp)
-                        d[h][pp] = dequant_pair<T>(qt_nibbles<T>(wj >> (4 * pp)), sc[t][h], bi[t][h]);
-                }
-                f0[t][0] = d[0][0]; f0[t][1] = d[1][0]; f0[t][2] = d[0][1]; f0[t][3] = d[1][1];
-                f1[t][0] = d[0][2]; f1[t][1] = d[1][2]; f1[t][2] = d[0][3]; f1[t][3] = d[1][3];
-            }
+            for (int t = 0; t < MT; ++t)
+                qt_code_frags<T>(W[t][0], W[t][1], j, sc[t][0], bi[t][0], sc[t][1], bi[t][1],
+                                 f0[t], f1[t]);
 #pragma unroll
             for (int n = 0; n < QTC_NTILES; ++n) {
-                const uint4 r = X[n][j];
-                // (x_p, x_{p+4}) for p = 0..3: the order the code pairs come in.
-                const uint32_t b0[2] = {__byte_perm(r.x, r.z, 0x5410), __byte_perm(r.x, r.z, 0x7632)};
-                const uint32_t b1[2] = {__byte_perm(r.y, r.w, 0x5410), __byte_perm(r.y, r.w, 0x7632)};
+                uint32_t b0[2], b1[2];
+                qt_act_frags(X[n][j], b0, b1);
 #pragma unroll
                 for (int t = 0; t < MT; ++t) {
                     mma_16816<T>(acc[t][n], f0[t], b0);

@@ -22,8 +22,8 @@ constexpr int GTC_TILES = 4;
 // MLX-packed 4-bit experts, flattened to [E * out, in], with scales and biases of type T. A
 // lane's quarter of a 128-input chunk is 16 bytes of codes a row, inside one scale group.
 // `at` is the input a lane's quarter starts at (0 for a lane past the input, whose weights are
-// zeroed: it then reads the row's first bytes, never past the row). The
-// codes become T as in `qmv_tc4x` (matvec_batch.cu: same fragments, same rounding).
+// zeroed: it then reads the row's first bytes, never past the row). The codes become T as in
+// `qmv_tc4x` (matvec_batch.cu: same fragments, same rounding).
 template <typename T> struct PackedTcSource {
     static constexpr int KC = 128;
     const uint32_t* __restrict__ codes;
@@ -64,29 +64,15 @@ template <typename T> struct PackedTcSource {
 
     static constexpr int STEPS = 4;
 
-    // Step j: word j of each row, 8 codes as the pairs (p, p + 4), p = 0..3.
+    // Step j: word j of each row (see `qt_code_frags`), and the activations that match.
     __device__ __forceinline__ static void frags(const Chunk& k, int j, uint32_t (&f0)[4],
                                                  uint32_t (&f1)[4]) {
-        uint32_t d[2][4];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const uint4 w4 = k.w[h];
-            const uint32_t wj = j == 0 ? w4.x : j == 1 ? w4.y : j == 2 ? w4.z : w4.w;
-#pragma unroll
-            for (int pp = 0; pp < 4; ++pp)
-                d[h][pp] = dequant_pair<T>(qt_nibbles<T>(wj >> (4 * pp)), k.sc[h], k.bi[h]);
-        }
-        f0[0] = d[0][0]; f0[1] = d[1][0]; f0[2] = d[0][1]; f0[3] = d[1][1];
-        f1[0] = d[0][2]; f1[1] = d[1][2]; f1[2] = d[0][3]; f1[3] = d[1][3];
+        qt_code_frags<T>(k.w[0], k.w[1], j, k.sc[0], k.bi[0], k.sc[1], k.bi[1], f0, f1);
     }
 
-    // (x_p, x_{p+4}) for p = 0..3: the order the code pairs come in.
     __device__ __forceinline__ static void bfrags(const uint4 r, uint32_t (&b0)[2],
                                                   uint32_t (&b1)[2]) {
-        b0[0] = __byte_perm(r.x, r.z, 0x5410);
-        b0[1] = __byte_perm(r.x, r.z, 0x7632);
-        b1[0] = __byte_perm(r.y, r.w, 0x5410);
-        b1[1] = __byte_perm(r.y, r.w, 0x7632);
+        qt_act_frags(r, b0, b1);
     }
 };
 

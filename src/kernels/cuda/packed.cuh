@@ -94,6 +94,36 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t magic_pair, uint32_t s
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Fragments of the tensor-core 4-bit products (`qmv_tc4`, `qmv_tc4x`, the MoE products of
+// moe_tc.cuh): from the 16-byte code chunks of rows gq (w0) and gq + 8 (w1), with their groups'
+// splatted scales and biases, word j's codes as the A fragments of two m16n8k16 products, the
+// codes taken as the pairs (p, p + 4), p = 0..3.
+template <typename T>
+__device__ __forceinline__ void qt_code_frags(const uint4 w0, const uint4 w1, int j, uint32_t sc0,
+                                              uint32_t bi0, uint32_t sc1, uint32_t bi1,
+                                              uint32_t (&f0)[4], uint32_t (&f1)[4]) {
+    const uint4 w[2] = {w0, w1};
+    const uint32_t sc[2] = {sc0, sc1}, bi[2] = {bi0, bi1};
+    uint32_t d[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const uint32_t wj = j == 0 ? w[h].x : j == 1 ? w[h].y : j == 2 ? w[h].z : w[h].w;
+#pragma unroll
+        for (int pp = 0; pp < 4; ++pp)
+            d[h][pp] = dequant_pair<T>(qt_nibbles<T>(wj >> (4 * pp)), sc[h], bi[h]);
+    }
+    f0[0] = d[0][0]; f0[1] = d[1][0]; f0[2] = d[0][1]; f0[3] = d[1][1];
+    f1[0] = d[0][2]; f1[1] = d[1][2]; f1[2] = d[0][3]; f1[3] = d[1][3];
+}
+
+// The B fragments that match `qt_code_frags`: 8 consecutive activations as (x_p, x_{p+4}).
+__device__ __forceinline__ void qt_act_frags(const uint4 r, uint32_t (&b0)[2], uint32_t (&b1)[2]) {
+    b0[0] = __byte_perm(r.x, r.z, 0x5410);
+    b0[1] = __byte_perm(r.x, r.z, 0x7632);
+    b1[0] = __byte_perm(r.y, r.w, 0x5410);
+    b1[1] = __byte_perm(r.y, r.w, 0x7632);
+}
+
 template <typename T>
 __device__ __forceinline__ uint32_t splat(T v) {
     const uint16_t h = *reinterpret_cast<const uint16_t*>(&v);
