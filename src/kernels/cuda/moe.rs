@@ -245,24 +245,24 @@ impl ExpertStack<'_> {
     fn kernel(&self, gated: bool, dtype: DType, decode: Decode, in_dim: usize) -> Result<String> {
         let g = if gated { "_gated" } else { "" };
         let t = tn(dtype)?;
-        Ok(match *self {
-            ExpertStack::Dense(_) if decode == Decode::TensorCores => {
-                format!("grouped_mv_tc{g}_{t}")
-            }
-            ExpertStack::Dense(_) => match self.rows_per_warp(in_dim, decode) {
+        Ok(match (*self, decode) {
+            (ExpertStack::Dense(_), Decode::TensorCores) => format!("grouped_mv_tc{g}_{t}"),
+            (ExpertStack::Packed(..), Decode::TensorCores) => format!("grouped_qmv_tc{g}_{t}"),
+            (ExpertStack::Dense(_), _) => match self.rows_per_warp(in_dim, decode) {
                 1 => format!("grouped_mv{g}_{t}"),
                 r => format!("grouped_mv{g}_{t}_r{r}"),
             },
-            ExpertStack::Packed(w, _) => {
+            (ExpertStack::Packed(w, _), _) => {
                 let s = tn(w.scales.dtype())?;
-                let v = match decode {
-                    Decode::TensorCores => {
-                        return Ok(format!("grouped_qmv_tc{g}_{t}"));
-                    }
-                    Decode::FourPairs => format!("r{GMV_PACKED_ROWS}p4"),
-                    Decode::EachPair => format!("r{GMV_PACKED_ROWS}"),
+                let v = if decode == Decode::FourPairs {
+                    "p4"
+                } else {
+                    ""
                 };
-                format!("grouped_qmv{g}_{t}_{s}_{}_{v}", w.bits.bits())
+                format!(
+                    "grouped_qmv{g}_{t}_{s}_{}_r{GMV_PACKED_ROWS}{v}",
+                    w.bits.bits()
+                )
             }
         })
     }
@@ -372,14 +372,14 @@ fn grouped_mv(
     // every pick a different expert; see docs/moe-decode.md).
     let multi = !by_slot || pairs >= GMV_MULTI_MIN_PAIRS.max(2 * top_k);
     let policy = crate::kernels::policy::current();
-    let tc_min = match weights {
-        ExpertStack::Dense(_) => policy.moe_tc_min_pairs_dense,
-        ExpertStack::Packed(..) => policy.moe_tc_min_pairs,
+    let (tc_min, four_pairs) = match weights {
+        ExpertStack::Dense(_) => (policy.moe_tc_min_pairs_dense, false),
+        ExpertStack::Packed(..) => (policy.moe_tc_min_pairs, multi),
     };
     let decode =
         if multi && tc_min > 0 && pairs >= tc_min && weights.tensor_cores_take(dtype, in_dim) {
             Decode::TensorCores
-        } else if multi {
+        } else if four_pairs {
             Decode::FourPairs
         } else {
             Decode::EachPair
