@@ -12,15 +12,17 @@
 #    512 and 4096) and llama-batched-bench (128-token prompts, 128 decoded, 8 and 32 parallel
 #    sequences), each GGUF deleted after use (the disk holds 64 GiB).
 # Every step runs under its own `timeout`, and all of them under DEADLINE seconds from the start.
-# MODELS / OURS choose subsets, e.g. MODELS="31b:q4_0" OURS="". A call returns at most 8 files,
+# MODELS / OURS choose subsets, e.g. MODELS="31b:q4_0" OURS="" (empty: none). LLAMA_BENCH=0 runs only
+# llama-batched-bench; WAIT_FILE=F holds step 3 until F is gone (another job of the call owns
+# the GPU until then). A call returns at most 8 files,
 # so the logs are kept in /tmp/llama-logs and packed into $OUT/logs.tar.gz on exit; run.log and
 # the table (table.py) also go to $OUT.
 set -uo pipefail
 D=${D:-.device/llama}
 OUT=${OUT:-$PWD/out}
 DEADLINE=${DEADLINE:-570}
-MODELS=${MODELS:-"e4b:bf16 e4b:q4_0 31b:q4_0 26b-a4b:q4_0 e4b:q8_0"}
-OURS=${OURS:-"e4b:bf16,q8,q4 31b:q4 26b-a4b:q4"}
+MODELS=${MODELS-"e4b:bf16 e4b:q4_0 31b:q4_0 26b-a4b:q4_0 e4b:q8_0"}
+OURS=${OURS-"e4b:bf16,q8,q4 31b:q4 26b-a4b:q4"}
 C=${CONFIGS:-fixtures/real-configs}
 G=/tmp/gguf
 BUILD=/tmp/llama-build
@@ -99,6 +101,13 @@ if [ ! -x "$BUILD/bin/llama-bench" ]; then
   log "no llama-bench: see llama-build.log"; kill $WRITER_PID 2> /dev/null; exit 1
 fi
 
+# Another job of the same call may hold the GPU until it removes WAIT_FILE.
+if [ -n "${WAIT_FILE:-}" ]; then
+  log "waiting for $WAIT_FILE to go"
+  timeout "$(left 300)" bash -c "while [ -e '$WAIT_FILE' ]; do sleep 1; done"
+  log "GPU free"
+fi
+
 # --- 3. llama.cpp, one model at a time ---------------------------------------------------------
 for m in $MODELS; do
   name=${m%%:*} type=${m##*:}
@@ -106,8 +115,7 @@ for m in $MODELS; do
   log "llama.cpp $name $type: waiting for the file"
   timeout "$(left 120)" bash -c "while [ ! -e '$G/$name-$type.ready' ]; do sleep 1; done" \
     || { log "no file"; break; }
-  log "llama-bench $name $type"
-  timeout "$(left 180)" "$BUILD/bin/llama-bench" -m "$f" -ngl 99 -fa 1 -p 512,4096 -n 128 \
+  [ "${LLAMA_BENCH:-1}" = 1 ] && log "llama-bench $name $type" && timeout "$(left 180)" "$BUILD/bin/llama-bench" -m "$f" -ngl 99 -fa 1 -p 512,4096 -n 128 \
     -d 0,4096 -r 3 -o jsonl > "$L/llama-bench-$name-$type.jsonl" \
     2> "$L/llama-bench-$name-$type.err"; log "exit $?"
   log "llama-batched-bench $name $type"

@@ -166,12 +166,23 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
                              q + head * p.q_sh + (size_t)qi * p.q_sq + c * 8, ok);
         }
     };
+    // K/V tile copies: a thread always copies the same 16-byte column chunk `kc` of rows kr0,
+    // kr0 + KV_STEP, ..., so its addresses are a base and fixed strides (the general loop
+    // spent most of the kernel's integer instructions on them).
+    constexpr int KV_STEP = THREADS / CH;        // rows between a thread's chunks
+    constexpr int KV_CHUNKS = BN * CH / THREADS;  // chunks a thread copies a tile
+    static_assert(THREADS % CH == 0 && (BN * CH) % THREADS == 0, "whole rows a pass");
+    const int kc = tid % CH, kr0 = tid / CH;
     auto load_kv = [&](T* dst, const T* src, uint64_t sh, uint64_t sk, int j0) {
-        for (int i = tid; i < BN * CH; i += THREADS) {
-            const int row = i / CH, c = i % CH, j = j0 + row;
-            const bool ok = j < (int)p.keys;
-            cp_async16_zfill(dst + pf_swz<HD>(row, c * 8),
-                             src + kvh * sh + (size_t)(ok ? j : 0) * sk + c * 8, ok);
+        const T* g = src + kvh * sh + (size_t)(j0 + kr0) * sk + kc * 8;
+        T* d = dst + kr0 * HD;
+        const bool full = j0 + BN <= (int)p.keys;
+#pragma unroll
+        for (int i = 0; i < KV_CHUNKS; ++i) {
+            const int row = kr0 + i * KV_STEP;
+            const int sw = (kc ^ (row & 7)) << 3;
+            const bool ok = full || j0 + row < (int)p.keys;
+            cp_async16_zfill(d + i * KV_STEP * HD + sw, ok ? g + (size_t)i * KV_STEP * sk : src, ok);
         }
     };
     auto next_tile = [&](int t, int& cls) {
@@ -270,20 +281,26 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
                 mx[i >> 1] = fmaxf(mx[i >> 1], x);
             }
         }
-        float ref[2];
+        float ref[2], alpha[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
             mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
             const float mn = fmaxf(m[h], mx[h]);
             ref[h] = mn == -INFINITY ? 0.f : mn;
-            const float alpha = fast_exp2(m[h] - ref[h]);
+            alpha[h] = fast_exp2(m[h] - ref[h]);
             m[h] = mn;
-            l[h] *= alpha;
+            l[h] *= alpha[h];
+        }
+        // Once the running maxima settle, most tiles leave every row's at 1: skip the rescale
+        // when no row of the warp moved (the branch is uniform over the warp).
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
             for (int d = 0; d < DT; ++d) {
-                o[d][2 * h] *= alpha;
-                o[d][2 * h + 1] *= alpha;
+                o[d][0] *= alpha[0];
+                o[d][1] *= alpha[0];
+                o[d][2] *= alpha[1];
+                o[d][3] *= alpha[1];
             }
         }
         uint32_t pa[NT][2];  // probabilities as A-fragment halves: (row gq, row gq + 8) a tile
@@ -356,7 +373,7 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
 #define PF_KERNELS(TN, T)          \
     PF_KERNEL(TN, T, 128, 64, 2)   \
     PF_KERNEL(TN, T, 256, 64, 2)   \
-    PF_KERNEL(TN, T, 512, 32, 1)
+    PF_KERNEL(TN, T, 512, 64, 1)
 
 PF_KERNELS(bf16, __nv_bfloat16)
 PF_KERNELS(f16, __half)

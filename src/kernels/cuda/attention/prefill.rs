@@ -49,7 +49,7 @@ unsafe impl DeviceRepr for PrefillParams {}
 /// Keys a tile, warps a block and shared-memory bytes a block of the kernel for `head_dim`
 /// (`PF_KERNELS` in `prefill_attention.cu`).
 fn launch_shape(head_dim: usize, elem: usize) -> (usize, u32, u32) {
-    let tile = if head_dim > 256 { 32 } else { 64 };
+    let tile = 64;
     let split = (head_dim / 256).max(1);
     let warps = 4 * split;
     let tiles = (BLOCK_ROWS + 2 * tile) * head_dim * elem;
@@ -233,7 +233,7 @@ mod tests {
                 "{hd}: the table vote needs a thread a key"
             );
         }
-        assert_eq!(launch_shape(512, 2), (32, 256, 144 * 1024));
+        assert_eq!(launch_shape(512, 2), (64, 256, 224 * 1024));
         assert_eq!(launch_shape(256, 2), (64, 128, 96 * 1024));
     }
 }
