@@ -30,7 +30,7 @@ const MODULES: [&str; 12] = [
 ];
 
 /// Device code the kernel files include.
-const HEADERS: [&str; 8] = [
+const HEADERS: [&str; 9] = [
     "async_copy.cuh",
     "gate.cuh",
     "common.cuh",
@@ -39,6 +39,7 @@ const HEADERS: [&str; 8] = [
     "qsdpa_tc.cuh",
     "norm_tail.cuh",
     "moe_tc.cuh",
+    "wgmma.cuh",
 ];
 
 fn main() {
@@ -54,6 +55,7 @@ fn main() {
     println!("cargo:rerun-if-env-changed=NVCC");
     println!("cargo:rerun-if-env-changed=CUDARC_CUDA_VERSION");
     println!("cargo:rustc-check-cfg=cfg(cublas_grouped_gemm)");
+    println!("cargo:rustc-check-cfg=cfg(prefill_wgmma)");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -77,6 +79,11 @@ fn main() {
                 .unwrap_or_else(|| PathBuf::from("nvcc"))
         });
     println!("cargo:rustc-env=CANDLE_GEMMA_CUDA_CAP={cap}");
+    // Built for compute capability 9.0, the prefill kernel's warpgroup-product forms exist
+    // (machine code for sm_90a; see `compile`).
+    if cap == "90" {
+        println!("cargo:rustc-cfg=prefill_wgmma");
+    }
     // Every module at once: compiling them to machine code is most of the build's time.
     let jobs: Vec<_> = MODULES
         .into_iter()
@@ -114,12 +121,19 @@ fn cuda_release() -> Option<(u32, u32)> {
 
 /// Compiles `src/kernels/cuda/{name}.cu` into `{out_dir}/{name}.fatbin`: machine code for
 /// compute capability `cap` (no JIT compilation when the module loads on such a GPU) and its
-/// PTX (which the driver compiles for newer GPUs).
+/// PTX (which the driver compiles for newer GPUs). The prefill attention's machine code for
+/// 9.0 targets sm_90a, whose warpgroup products (`wgmma`) run on 9.0 devices only; its PTX
+/// stays plain compute_90, without them.
 fn compile(nvcc: &Path, out_dir: &Path, cap: &str, name: &str) -> Result<(), String> {
     let src = format!("src/kernels/cuda/{name}.cu");
+    let sass = if cap == "90" && name == "prefill_attention" {
+        "90a"
+    } else {
+        cap
+    };
     let status = Command::new(nvcc)
         .args(["--fatbin", "-O3", "-std=c++17"])
-        .arg(format!("-gencode=arch=compute_{cap},code=sm_{cap}"))
+        .arg(format!("-gencode=arch=compute_{sass},code=sm_{sass}"))
         .arg(format!("-gencode=arch=compute_{cap},code=compute_{cap}"))
         .arg("-o")
         .arg(out_dir.join(format!("{name}.fatbin")))

@@ -13,6 +13,7 @@
 //! | `CANDLE_GEMMA_PDL=0` | [`LaunchPolicy::dependent_launch`] | plain launches (no programmatic dependent launch) |
 //! | `CANDLE_GEMMA_EARLY_LOADS=0` | [`LaunchPolicy::early_loads`] | no loads of settled weights or keys before the dependent-launch wait |
 //! | `CANDLE_GEMMA_FLASH_PREFILL=0` | [`LaunchPolicy::flash_prefill`] | prefill attention through the score matrix (cuBLAS products and a masked softmax) |
+//! | `CANDLE_GEMMA_PREFILL_WGMMA=0` | [`LaunchPolicy::prefill_wgmma`] | the flash prefill kernel's `mma.sync` form on compute capability 9.0 too |
 //! | `CANDLE_GEMMA_PREFILL_CHUNK=N` | [`LaunchPolicy::prefill_chunk`] | longest run of prompt tokens one forward pass takes at once (0: by device) |
 //! | `CANDLE_GEMMA_MOE_PADDED_MAX_PCT=N` | [`LaunchPolicy::moe_padded_max_pct`] | MoE prefill: largest padded size, in percent of the routed pairs, that still runs as one padded batched product |
 //! | `CANDLE_GEMMA_MOE_TC_MIN_PAIRS=N` | [`LaunchPolicy::moe_tc_min_pairs`] | MoE decode, 4-bit experts: fewest routed pairs from which the expert products run on the tensor cores (0: never) |
@@ -48,6 +49,10 @@ pub struct LaunchPolicy {
     /// kernel on CUDA (on by default). Off, they take the cuBLAS score matrix and the masked
     /// softmax, which the kernel is tested against.
     pub flash_prefill: bool,
+    /// On compute capability 9.0 (H100, H200), with the crate built for it, run the flash
+    /// prefill kernel's form on the warpgroup products (`wgmma`) at head dims 256 and 512 (on
+    /// by default); off, or elsewhere, its `mma.sync` form.
+    pub prefill_wgmma: bool,
     /// Longest run of prompt tokens one forward pass takes at once; longer prompts run as
     /// consecutive chunks. 0 (the default) picks by device: [`crate::PREFILL_CHUNK_FLASH`] where
     /// prefill attention takes the flash kernel (CUDA, f16/bf16, [`Self::flash_prefill`] on),
@@ -116,6 +121,7 @@ impl Default for LaunchPolicy {
             dependent_launch: true,
             early_loads: true,
             flash_prefill: true,
+            prefill_wgmma: true,
             prefill_chunk: 0,
             moe_grouped_max_tokens: 64,
             moe_padded_max_pct: 150,
@@ -158,6 +164,9 @@ impl LaunchPolicy {
         }
         if let Ok(v) = std::env::var("CANDLE_GEMMA_FLASH_PREFILL") {
             p.flash_prefill = v != "0";
+        }
+        if let Ok(v) = std::env::var("CANDLE_GEMMA_PREFILL_WGMMA") {
+            p.prefill_wgmma = v != "0";
         }
         p.prefill_chunk = count("CANDLE_GEMMA_PREFILL_CHUNK").unwrap_or(p.prefill_chunk);
         p.moe_grouped_max_tokens =

@@ -75,6 +75,17 @@ pub(super) fn sm_count(dev: &CudaDevice) -> usize {
     })
 }
 
+/// Compute capability major of the device (9 on an H100), read once per process.
+pub(super) fn compute_major(dev: &CudaDevice) -> i32 {
+    static MAJOR: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *MAJOR.get_or_init(|| {
+        dev.cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+            .unwrap_or(0)
+    })
+}
+
 /// `t` itself when contiguous and starting on a 16-byte boundary, else a copy into a fresh
 /// buffer (`contiguous` alone keeps a contiguous view's start).
 pub(super) fn contiguous_aligned16(t: &Tensor) -> Result<Tensor> {

@@ -22,6 +22,7 @@
 #include "async_copy.cuh"
 #include "attention.cuh"
 #include "common.cuh"
+#include "wgmma.cuh"
 
 struct PrefillParams {
     // Element strides of Q along heads and queries, of K and V along heads and keys.
@@ -76,6 +77,24 @@ template <int HD> __device__ __forceinline__ int pf_swz(int row, int col) {
     return row * HD + ((((col >> 3) ^ (row & 7))) << 3);
 }
 
+// Element (row, col) of a tile of `rows` rows: with WG, panels of 64 columns one after the
+// other, each `rows` rows of 128 bytes whose 16-byte chunks are XOR-swizzled by row (the
+// 128-byte swizzle the warpgroup products read); else `pf_swz`. col a multiple of 8.
+template <int HD, bool WG> __device__ __forceinline__ int pf_off(int rows, int row, int col) {
+    if constexpr (WG) {
+        return (col >> 6) * rows * 64 + row * 64 + ((((col >> 3) & 7) ^ (row & 7)) << 3);
+    } else {
+        return pf_swz<HD>(row, col);
+    }
+}
+
+// Keeps the compiler from moving reads or writes of a product's registers across the
+// warpgroup fence and wait (they are the asm statements' operands, not their memory).
+template <int N> __device__ __forceinline__ void pin(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
 // Which keys of tile [j0, j1) the block's queries [q_lo, q_hi] (positions) may see:
 // 0 none, 1 some (mask each score), 2 all (no mask). Uniform over the block; the table mode
 // votes with block barriers.
@@ -124,7 +143,7 @@ __device__ __forceinline__ int pf_tile_class(const PrefillParams& p, const uint3
     return all ? 2 : (any ? 1 : 0);
 }
 
-template <typename T, int HD, int BN>
+template <typename T, int HD, int BN, bool WG>
 __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const T* __restrict__ q,
                                                   const T* __restrict__ k, const T* __restrict__ v,
                                                   const uint32_t* __restrict__ pos, T* __restrict__ out) {
@@ -136,9 +155,15 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
     constexpr int NT = BN / 8;  // score tiles of 8 keys
     constexpr int DT = DW / 8;  // output tiles of 8 dimensions
     static_assert(BN <= THREADS, "one thread a key for the table vote");
+    static_assert(!WG || DW == 256, "the warpgroup products cover 256 dimensions a warp");
 
     extern __shared__ __align__(16) unsigned char pf_smem[];
-    T* qs = reinterpret_cast<T*>(pf_smem);
+    unsigned char* base = pf_smem;
+    if constexpr (WG) {  // panels start on 1024 bytes, where the hardware's swizzle repeats
+        const uint32_t a = (uint32_t)__cvta_generic_to_shared(pf_smem);
+        base += ((a + 1023u) & ~1023u) - a;
+    }
+    T* qs = reinterpret_cast<T*>(base);
     T* ks = qs + PF_ROWS * HD;
     T* vs = ks + BN * HD;
     float* xs = reinterpret_cast<float*>(vs + BN * HD);  // WPR > 1: [NW][NT * 4][32]
@@ -162,7 +187,7 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
             const int row = i / CH, c = i % CH, r = row0 + row;
             const bool ok = r < rows;
             const int qi = ok ? r / group : 0, head = kvh * group + (ok ? r % group : 0);
-            cp_async16_zfill(qs + pf_swz<HD>(row, c * 8),
+            cp_async16_zfill(qs + pf_off<HD, WG>(PF_ROWS, row, c * 8),
                              q + head * p.q_sh + (size_t)qi * p.q_sq + c * 8, ok);
         }
     };
@@ -173,16 +198,18 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
     constexpr int KV_CHUNKS = BN * CH / THREADS;  // chunks a thread copies a tile
     static_assert(THREADS % CH == 0 && (BN * CH) % THREADS == 0, "whole rows a pass");
     const int kc = tid % CH, kr0 = tid / CH;
+    constexpr int ROW = WG ? 64 : HD;  // elements from one row of a K/V tile to the next
+    const int k_panel = WG ? (kc >> 3) * BN * 64 : 0, k_chunk = WG ? kc & 7 : kc;
     auto load_kv = [&](T* dst, const T* src, uint64_t sh, uint64_t sk, int j0) {
         const T* g = src + kvh * sh + (size_t)(j0 + kr0) * sk + kc * 8;
-        T* d = dst + kr0 * HD;
+        T* d = dst + k_panel + kr0 * ROW;
         const bool full = j0 + BN <= (int)p.keys;
 #pragma unroll
         for (int i = 0; i < KV_CHUNKS; ++i) {
             const int row = kr0 + i * KV_STEP;
-            const int sw = (kc ^ (row & 7)) << 3;
+            const int sw = (k_chunk ^ (row & 7)) << 3;
             const bool ok = full || j0 + row < (int)p.keys;
-            cp_async16_zfill(d + i * KV_STEP * HD + sw, ok ? g + (size_t)i * KV_STEP * sk : src, ok);
+            cp_async16_zfill(d + i * KV_STEP * ROW + sw, ok ? g + (size_t)i * KV_STEP * sk : src, ok);
         }
     };
     auto next_tile = [&](int t, int& cls) {
@@ -222,11 +249,33 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
         int next_cls = 0;
         const int next = next_tile(t + 1, next_cls);
         cp_async_wait<1>();
+        if constexpr (WG) fence_proxy_async();
         __syncthreads();  // Q and this tile's keys are in
 
         float s[NT][4];
 #pragma unroll
         for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#if defined(PF_WGMMA)
+        if constexpr (WG) {
+            // The warpgroup's 64 rows against the tile's 64 keys over this warp's dimensions,
+            // 16 at a time: A from Q's panels, B from K's (both K-major, rows of 128 bytes,
+            // 8-row groups 1024 bytes apart).
+            static_assert(BN == 64, "one m64n64 product a step");
+            float(&sf)[NT * 4] = *reinterpret_cast<float(*)[NT * 4]>(&s[0][0]);
+            pin(sf);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < DW / 16; ++kk) {
+                const int col = part * DW + kk * 16;
+                const uint64_t da = wg_desc(qs + (col >> 6) * PF_ROWS * 64 + (col & 63), 16, 1024);
+                const uint64_t db = wg_desc(ks + (col >> 6) * BN * 64 + (col & 63), 16, 1024);
+                wg_scores<T>(sf, da, db, kk > 0);
+            }
+            wg_commit();
+            wg_wait_all();
+            pin(sf);
+        } else
+#endif
 #pragma unroll 4
         for (int kk = 0; kk < DW / 16; ++kk) {
             const int col = part * DW + kk * 16;
@@ -319,7 +368,36 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
         } else {
             cp_async_wait<0>();
         }
+        if constexpr (WG) fence_proxy_async();
         __syncthreads();  // this tile's values are in
+#if defined(PF_WGMMA)
+        if constexpr (WG) {
+            // O (64 rows x this warp's 256 dimensions) += P (registers, 16 keys a step) x V
+            // (N-major: 64-column panels BN * 128 bytes apart, 8-key groups 1024 apart).
+            float(&of)[DT * 4] = *reinterpret_cast<float(*)[DT * 4]>(&o[0][0]);
+            uint32_t a[BN / 16][4];  // the A fragments, in place before the fence
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                a[kk][0] = pa[2 * kk][0];
+                a[kk][1] = pa[2 * kk][1];
+                a[kk][2] = pa[2 * kk + 1][0];
+                a[kk][3] = pa[2 * kk + 1][1];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[kk][i])::"memory");
+            }
+            pin(of);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                const uint64_t db =
+                    wg_desc(vs + (part * DW >> 6) * BN * 64 + kk * 16 * 64, BN * 128, 1024);
+                wg_values<T>(of, a[kk], db, 1);
+            }
+            wg_commit();
+            wg_wait_all();
+            pin(of);
+        } else
+#endif
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
             const uint32_t a[4] = {pa[2 * kk][0], pa[2 * kk][1], pa[2 * kk + 1][0],
@@ -360,20 +438,30 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
 }
 
 // Shared memory of one block: Q, K and V tiles, and the partial scores when warps split the
-// head (host: `prefill_smem`).
-#define PF_KERNEL(TN, T, HD, BN, MINB)                                                          \
+// head (host: `launch_shape`); the warpgroup kernels take 1 KiB more to align their panels.
+#define PF_KERNEL(NAME, TN, T, HD, BN, MINB, WG)                                                \
     extern "C" __global__ void __launch_bounds__(PF_ROW_GROUPS * (HD > 256 ? HD / 256 : 1) * 32, \
                                                  MINB)                                          \
-        prefill_attn_##HD##_##TN(const PrefillParams p, const T* __restrict__ q,                 \
-                                 const T* __restrict__ k, const T* __restrict__ v,               \
-                                 const uint32_t* __restrict__ pos, T* __restrict__ out) {        \
-        prefill_attention<T, HD, BN>(p, q, k, v, pos, out);                                     \
+        NAME(const PrefillParams p, const T* __restrict__ q, const T* __restrict__ k,            \
+             const T* __restrict__ v, const uint32_t* __restrict__ pos, T* __restrict__ out) {   \
+        prefill_attention<T, HD, BN, WG>(p, q, k, v, pos, out);                                 \
     }
 
-#define PF_KERNELS(TN, T)          \
-    PF_KERNEL(TN, T, 128, 64, 2)   \
-    PF_KERNEL(TN, T, 256, 64, 2)   \
-    PF_KERNEL(TN, T, 512, 64, 1)
+#define PF_KERNELS(TN, T)                                        \
+    PF_KERNEL(prefill_attn_128_##TN, TN, T, 128, 64, 2, false)   \
+    PF_KERNEL(prefill_attn_256_##TN, TN, T, 256, 64, 2, false)   \
+    PF_KERNEL(prefill_attn_512_##TN, TN, T, 512, 64, 1, false)
 
 PF_KERNELS(bf16, __nv_bfloat16)
 PF_KERNELS(f16, __half)
+
+// The warpgroup-product forms, on sm_90a only (the host calls them on compute capability 9.0
+// when the build targeted it).
+#if defined(PF_WGMMA)
+#define PF_WG_KERNELS(TN, T)                                         \
+    PF_KERNEL(prefill_attn_wg_256_##TN, TN, T, 256, 64, 2, true)     \
+    PF_KERNEL(prefill_attn_wg_512_##TN, TN, T, 512, 64, 1, true)
+
+PF_WG_KERNELS(bf16, __nv_bfloat16)
+PF_WG_KERNELS(f16, __half)
+#endif

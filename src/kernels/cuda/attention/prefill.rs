@@ -7,7 +7,7 @@ use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Tensor};
 
-use crate::kernels::cuda::device::{bind, by_dtype, cuda_dev, kname, wrap};
+use crate::kernels::cuda::device::{bind, by_dtype, compute_major, cuda_dev, kname, wrap};
 use crate::kernels::cuda::kernel_cache::{load_kernel, PREFILL_ATTENTION};
 use crate::kernels::layout::last_dim_contiguous_aligned16;
 use crate::kernels::plan::{PositionCode, QsdpaParams};
@@ -47,15 +47,27 @@ pub(crate) struct PrefillParams {
 unsafe impl DeviceRepr for PrefillParams {}
 
 /// Keys a tile, warps a block and shared-memory bytes a block of the kernel for `head_dim`
-/// (`PF_KERNELS` in `prefill_attention.cu`).
-fn launch_shape(head_dim: usize, elem: usize) -> (usize, u32, u32) {
+/// (`PF_KERNELS` in `prefill_attention.cu`); `wgmma`: the warpgroup-product form, which takes
+/// 1 KiB more to start its tiles on a 1024-byte boundary.
+fn launch_shape(head_dim: usize, elem: usize, wgmma: bool) -> (usize, u32, u32) {
     let tile = 64;
     let split = (head_dim / 256).max(1);
     let warps = 4 * split;
     let tiles = (BLOCK_ROWS + 2 * tile) * head_dim * elem;
     // f32 `[warps][tile / 8 * 4][32]`.
     let partial_scores = if split > 1 { warps * tile * 64 } else { 0 };
-    (tile, (warps * 32) as u32, (tiles + partial_scores) as u32)
+    let align = if wgmma { 1024 } else { 0 };
+    (tile, (warps * 32) as u32, (tiles + partial_scores + align) as u32)
+}
+
+/// Whether a prefill at `head_dim` on `dev` runs the warpgroup-product form
+/// (`prefill_attn_wg_*`): a build for compute capability 9.0, a 9.0 device, head dim 256 or
+/// 512, and [`crate::LaunchPolicy::prefill_wgmma`] on.
+fn uses_wgmma(dev: &candle_core::cuda_backend::CudaDevice, head_dim: usize) -> bool {
+    cfg!(prefill_wgmma)
+        && matches!(head_dim, 256 | 512)
+        && crate::kernels::policy::current().prefill_wgmma
+        && compute_major(dev) == 9
 }
 
 /// Whether [`attend_prefill`] takes queries `q` over dense `k`/`v`: f16 or bf16 throughout, a
@@ -171,8 +183,10 @@ pub(crate) fn attend_prefill(
         scale_log2: (plan.scale * std::f64::consts::LOG2_E) as f32,
         pad: 0,
     };
-    let (_, threads, smem) = launch_shape(head_dim, dtype.size_in_bytes());
-    let name = format!("prefill_attn_{head_dim}_{}", kname(dtype)?);
+    let wgmma = uses_wgmma(&dev, head_dim);
+    let (_, threads, smem) = launch_shape(head_dim, dtype.size_in_bytes(), wgmma);
+    let form = if wgmma { "wg_" } else { "" };
+    let name = format!("prefill_attn_{form}{head_dim}_{}", kname(dtype)?);
     let func = load_kernel(&dev, &name, &PREFILL_ATTENTION)?;
     // Allows the block its shared memory (above the default 48 KiB).
     if func.resident_blocks_with(threads, smem).is_none() {
@@ -226,14 +240,17 @@ mod tests {
     #[test]
     fn a_block_fits_the_shared_memory_of_an_h100() {
         for hd in PREFILL_HEAD_DIMS {
-            let (tile, threads, smem) = launch_shape(hd, 2);
-            assert!(smem <= 227 * 1024, "{hd}: {smem}");
-            assert!(
-                tile as u32 <= threads,
-                "{hd}: the table vote needs a thread a key"
-            );
+            for wgmma in [false, true] {
+                let (tile, threads, smem) = launch_shape(hd, 2, wgmma);
+                assert!(smem <= 227 * 1024, "{hd}: {smem}");
+                assert!(
+                    tile as u32 <= threads,
+                    "{hd}: the table vote needs a thread a key"
+                );
+            }
         }
-        assert_eq!(launch_shape(512, 2), (64, 256, 224 * 1024));
-        assert_eq!(launch_shape(256, 2), (64, 128, 96 * 1024));
+        assert_eq!(launch_shape(512, 2, false), (64, 256, 224 * 1024));
+        assert_eq!(launch_shape(256, 2, false), (64, 128, 96 * 1024));
+        assert_eq!(launch_shape(512, 2, true), (64, 256, 225 * 1024));
     }
 }
