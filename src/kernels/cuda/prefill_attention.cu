@@ -34,8 +34,6 @@ struct PrefillParams {
     uint32_t pad_;
 };
 
-constexpr int PF_ROW_GROUPS = 4;
-constexpr int PF_ROWS = 16 * PF_ROW_GROUPS;
 
 __device__ __forceinline__ bool pf_visible(const PrefillParams& p, uint32_t key, uint32_t query) {
     return key <= query && (p.window == 0 || key + p.window > query);
@@ -143,19 +141,21 @@ __device__ __forceinline__ int pf_tile_class(const PrefillParams& p, const uint3
     return all ? 2 : (any ? 1 : 0);
 }
 
-template <typename T, int HD, int BN, bool WG>
+template <typename T, int HD, int BN, bool WG, int RG>
 __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const T* __restrict__ q,
                                                   const T* __restrict__ k, const T* __restrict__ v,
                                                   const uint32_t* __restrict__ pos, T* __restrict__ out) {
     constexpr int WPR = HD > 256 ? HD / 256 : 1;  // warps sharing a row group
     constexpr int DW = HD / WPR;                  // dimensions of a warp
-    constexpr int NW = PF_ROW_GROUPS * WPR;
+    constexpr int ROWS = 16 * RG;                 // query rows a block (RG row groups)
+    constexpr int NW = RG * WPR;
     constexpr int THREADS = NW * 32;
     constexpr int CH = HD / 8;  // 16-byte chunks of a row
     constexpr int NT = BN / 8;  // score tiles of 8 keys
     constexpr int DT = DW / 8;  // output tiles of 8 dimensions
     static_assert(BN <= THREADS, "one thread a key for the table vote");
     static_assert(!WG || DW == 256, "the warpgroup products cover 256 dimensions a warp");
+    static_assert(RG % 4 == 0 && (WPR == 1 || RG == 4), "whole warpgroups of 64 rows");
 
     extern __shared__ __align__(16) unsigned char pf_smem[];
     unsigned char* base = pf_smem;
@@ -164,52 +164,72 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
         base += ((a + 1023u) & ~1023u) - a;
     }
     T* qs = reinterpret_cast<T*>(base);
-    T* ks = qs + PF_ROWS * HD;
+    T* ks = qs + ROWS * HD;
     T* vs = ks + BN * HD;
     float* xs = reinterpret_cast<float*>(vs + BN * HD);  // WPR > 1: [NW][NT * 4][32]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gq = lane >> 2, tq = lane & 3;
-    const int rg = warp % PF_ROW_GROUPS, part = warp / PF_ROW_GROUPS;
+    const int rg = warp % RG, part = warp / RG;
     const int kvh = blockIdx.y;
     const int group = p.n_heads / p.kv_heads;
     const int rows = group * p.q_len;
     // Blocks of later queries see more keys: they start first.
-    const int row0 = (gridDim.x - 1 - blockIdx.x) * PF_ROWS;
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * ROWS;
     const uint32_t q_lo = p.q_offset + row0 / group;
-    const uint32_t q_hi = p.q_offset + (min(row0 + PF_ROWS, rows) - 1) / group;
+    const uint32_t q_hi = p.q_offset + (min(row0 + ROWS, rows) - 1) / group;
     const int n_tiles = ((int)p.keys + BN - 1) / BN;
+
+#if defined(PF_WGMMA)
+    // The warpgroup products' operands at their first step: this warpgroup's 64 rows of Q
+    // (rows 64 * (rg / 4) on) and this warp's columns of K and V (panels 4 * part on).
+    uint64_t q_desc = 0, k_desc = 0, v_desc = 0;
+    if constexpr (WG) {
+        q_desc = wg_desc(qs + (part * 4 * ROWS + (rg >> 2) * 64) * 64, 16, 1024);
+        k_desc = wg_desc(ks + part * 4 * BN * 64, 16, 1024);
+        v_desc = wg_desc(vs + part * 4 * BN * 64, BN * 128, 1024);
+    }
+#endif
 
     pdl_entry();
 
     auto load_q = [&] {
-        for (int i = tid; i < PF_ROWS * CH; i += THREADS) {
+        for (int i = tid; i < ROWS * CH; i += THREADS) {
             const int row = i / CH, c = i % CH, r = row0 + row;
             const bool ok = r < rows;
             const int qi = ok ? r / group : 0, head = kvh * group + (ok ? r % group : 0);
-            cp_async16_zfill(qs + pf_off<HD, WG>(PF_ROWS, row, c * 8),
+            cp_async16_zfill(qs + pf_off<HD, WG>(ROWS, row, c * 8),
                              q + head * p.q_sh + (size_t)qi * p.q_sq + c * 8, ok);
         }
     };
     // K/V tile copies: a thread always copies the same 16-byte column chunk `kc` of rows kr0,
-    // kr0 + KV_STEP, ..., so its addresses are a base and fixed strides (the general loop
-    // spent most of the kernel's integer instructions on them).
+    // kr0 + KV_STEP, ..., so its global address steps by a fixed stride and its shared one by
+    // immediates: with kr0 < KV_STEP dividing 8, row & 7 is kr0 ^ (i * KV_STEP & 7). (Each
+    // chunk's address recomputed cost about as many instructions as the rest of a tile.)
     constexpr int KV_STEP = THREADS / CH;        // rows between a thread's chunks
     constexpr int KV_CHUNKS = BN * CH / THREADS;  // chunks a thread copies a tile
-    static_assert(THREADS % CH == 0 && (BN * CH) % THREADS == 0, "whole rows a pass");
+    static_assert(THREADS % CH == 0 && (BN * CH) % THREADS == 0 && 8 % KV_STEP == 0,
+                  "whole rows a pass, the swizzle repeating within 8 rows");
     const int kc = tid % CH, kr0 = tid / CH;
     constexpr int ROW = WG ? 64 : HD;  // elements from one row of a K/V tile to the next
-    const int k_panel = WG ? (kc >> 3) * BN * 64 : 0, k_chunk = WG ? kc & 7 : kc;
+    const int k_chunk = WG ? kc & 7 : kc;
+    const int k_row = (WG ? (kc >> 3) * BN * 64 : 0) + kr0 * ROW;  // this thread's first row
+    const int k_swz = (k_chunk ^ kr0) << 3;
     auto load_kv = [&](T* dst, const T* src, uint64_t sh, uint64_t sk, int j0) {
         const T* g = src + kvh * sh + (size_t)(j0 + kr0) * sk + kc * 8;
-        T* d = dst + k_panel + kr0 * ROW;
-        const bool full = j0 + BN <= (int)p.keys;
+        const size_t step = (size_t)KV_STEP * sk;
+        T* d = dst + k_row;
+        if (j0 + BN <= (int)p.keys) {  // a whole tile: no bounds
 #pragma unroll
-        for (int i = 0; i < KV_CHUNKS; ++i) {
-            const int row = kr0 + i * KV_STEP;
-            const int sw = (k_chunk ^ (row & 7)) << 3;
-            const bool ok = full || j0 + row < (int)p.keys;
-            cp_async16_zfill(d + i * KV_STEP * ROW + sw, ok ? g + (size_t)i * KV_STEP * sk : src, ok);
+            for (int i = 0; i < KV_CHUNKS; ++i, g += step)
+                cp_async16(d + i * KV_STEP * ROW + (k_swz ^ (((i * KV_STEP) & 7) << 3)), g);
+            return;
+        }
+#pragma unroll
+        for (int i = 0; i < KV_CHUNKS; ++i, g += step) {
+            const bool ok = j0 + kr0 + i * KV_STEP < (int)p.keys;
+            cp_async16_zfill(d + i * KV_STEP * ROW + (k_swz ^ (((i * KV_STEP) & 7) << 3)),
+                             ok ? g : src, ok);
         }
     };
     auto next_tile = [&](int t, int& cls) {
@@ -266,10 +286,11 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < DW / 16; ++kk) {
-                const int col = part * DW + kk * 16;
-                const uint64_t da = wg_desc(qs + (col >> 6) * PF_ROWS * 64 + (col & 63), 16, 1024);
-                const uint64_t db = wg_desc(ks + (col >> 6) * BN * 64 + (col & 63), 16, 1024);
-                wg_scores<T>(sf, da, db, kk > 0);
+                // A step's operands: 16 columns on (16 * 2 bytes within a panel's rows, the
+                // next panel every four steps); descriptors count 16-byte units.
+                const int q_step = ((kk >> 2) * ROWS * 128 + (kk & 3) * 32) >> 4;
+                const int k_step = ((kk >> 2) * BN * 128 + (kk & 3) * 32) >> 4;
+                wg_scores<T>(sf, q_desc + q_step, k_desc + k_step, kk > 0);
             }
             wg_commit();
             wg_wait_all();
@@ -305,7 +326,7 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
 #pragma unroll
             for (int w = 0; w < WPR; ++w) {
                 if (w == part) continue;
-                const int other = w * PF_ROW_GROUPS + rg;
+                const int other = w * RG + rg;
 #pragma unroll
                 for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -388,11 +409,8 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
             pin(of);
             wg_fence();
 #pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                const uint64_t db =
-                    wg_desc(vs + (part * DW >> 6) * BN * 64 + kk * 16 * 64, BN * 128, 1024);
-                wg_values<T>(of, a[kk], db, 1);
-            }
+            for (int kk = 0; kk < BN / 16; ++kk)  // 16 keys of 128 bytes a step
+                wg_values<T>(of, a[kk], v_desc + kk * 16 * 128 / 16, 1);
             wg_commit();
             wg_wait_all();
             pin(of);
@@ -439,18 +457,17 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
 
 // Shared memory of one block: Q, K and V tiles, and the partial scores when warps split the
 // head (host: `launch_shape`); the warpgroup kernels take 1 KiB more to align their panels.
-#define PF_KERNEL(NAME, TN, T, HD, BN, MINB, WG)                                                \
-    extern "C" __global__ void __launch_bounds__(PF_ROW_GROUPS * (HD > 256 ? HD / 256 : 1) * 32, \
-                                                 MINB)                                          \
-        NAME(const PrefillParams p, const T* __restrict__ q, const T* __restrict__ k,            \
-             const T* __restrict__ v, const uint32_t* __restrict__ pos, T* __restrict__ out) {   \
-        prefill_attention<T, HD, BN, WG>(p, q, k, v, pos, out);                                 \
+#define PF_KERNEL(NAME, T, HD, BN, MINB, WG, RG)                                          \
+    extern "C" __global__ void __launch_bounds__(RG * (HD > 256 ? HD / 256 : 1) * 32, MINB) \
+        NAME(const PrefillParams p, const T* __restrict__ q, const T* __restrict__ k,       \
+             const T* __restrict__ v, const uint32_t* __restrict__ pos, T* __restrict__ out) { \
+        prefill_attention<T, HD, BN, WG, RG>(p, q, k, v, pos, out);                        \
     }
 
-#define PF_KERNELS(TN, T)                                        \
-    PF_KERNEL(prefill_attn_128_##TN, TN, T, 128, 64, 2, false)   \
-    PF_KERNEL(prefill_attn_256_##TN, TN, T, 256, 64, 2, false)   \
-    PF_KERNEL(prefill_attn_512_##TN, TN, T, 512, 64, 1, false)
+#define PF_KERNELS(TN, T)                                     \
+    PF_KERNEL(prefill_attn_128_##TN, T, 128, 64, 2, false, 4) \
+    PF_KERNEL(prefill_attn_256_##TN, T, 256, 64, 2, false, 4) \
+    PF_KERNEL(prefill_attn_512_##TN, T, 512, 64, 1, false, 4)
 
 PF_KERNELS(bf16, __nv_bfloat16)
 PF_KERNELS(f16, __half)
@@ -458,9 +475,9 @@ PF_KERNELS(f16, __half)
 // The warpgroup-product forms, on sm_90a only (the host calls them on compute capability 9.0
 // when the build targeted it).
 #if defined(PF_WGMMA)
-#define PF_WG_KERNELS(TN, T)                                         \
-    PF_KERNEL(prefill_attn_wg_256_##TN, TN, T, 256, 64, 2, true)     \
-    PF_KERNEL(prefill_attn_wg_512_##TN, TN, T, 512, 64, 1, true)
+#define PF_WG_KERNELS(TN, T)                                             \
+    PF_KERNEL(prefill_attn_wg_256_##TN, T, 256, 64, 2, true, 4)          \
+    PF_KERNEL(prefill_attn_wg_512_##TN, T, 512, 64, 1, true, 4)
 
 PF_WG_KERNELS(bf16, __nv_bfloat16)
 PF_WG_KERNELS(f16, __half)

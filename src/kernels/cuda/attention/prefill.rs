@@ -13,11 +13,12 @@ use crate::kernels::layout::last_dim_contiguous_aligned16;
 use crate::kernels::plan::{PositionCode, QsdpaParams};
 use crate::kernels::{KernelError, KeyPositions, QueryPlan};
 
+/// Query rows of one block (`16 * RG` in `prefill_attention.cu`, RG = 4 for every form).
+const BLOCK_ROWS: usize = 64;
+
 /// Head dimensions the prefill kernel is built for.
 pub const PREFILL_HEAD_DIMS: [usize; 3] = [128, 256, 512];
 
-/// Query rows of one block (`PF_ROWS` in `prefill_attention.cu`).
-const BLOCK_ROWS: usize = 64;
 
 /// `struct PrefillParams` in `prefill_attention.cu`.
 #[repr(C)]
@@ -52,7 +53,7 @@ unsafe impl DeviceRepr for PrefillParams {}
 fn launch_shape(head_dim: usize, elem: usize, wgmma: bool) -> (usize, u32, u32) {
     let tile = 64;
     let split = (head_dim / 256).max(1);
-    let warps = 4 * split;
+    let warps = BLOCK_ROWS / 16 * split;
     let tiles = (BLOCK_ROWS + 2 * tile) * head_dim * elem;
     // f32 `[warps][tile / 8 * 4][32]`.
     let partial_scores = if split > 1 { warps * tile * 64 } else { 0 };
