@@ -32,6 +32,20 @@ __device__ __forceinline__ void gelu_mul_body(const GeluMulParams p, const T* __
     }
 }
 
+// The same on 8 elements a thread (16-byte loads and stores, no index division): block row
+// blockIdx.y, chunk blockIdx.x * blockDim.x + threadIdx.x of it. The host takes this form
+// where the width and both row strides are multiples of 8 and the rows start 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ void gelu_mul8_body(const GeluMulParams p, const T* __restrict__ a,
+                                               const T* __restrict__ b, T* __restrict__ out) {
+    const uint32_t col = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    if (col >= p.width) return;
+    const size_t r = blockIdx.y;
+    const uint4 va = *reinterpret_cast<const uint4*>(a + r * p.a_stride + col);
+    const uint4 vb = *reinterpret_cast<const uint4*>(b + r * p.b_stride + col);
+    *reinterpret_cast<uint4*>(out + r * p.width + col) = gate8<T>(va, vb);
+}
+
 struct QkvPrepParams {
     uint32_t batch, seq_len, n_heads, kv_heads, head_dim;
     // Row strides (elements) of the q, k and v sources.
@@ -385,6 +399,16 @@ __device__ __forceinline__ void add_norm_rows_body(const AddNormParams p, const 
     QKV_PREP_WARP(TN, T, 16)
 
 LAYER_OPS_INST(f32, float)
+
+// 16-bit types only: eight elements are one 16-byte load.
+#define GELU_MUL8_INST(TN, T)                                                                \
+    extern "C" __global__ void gelu_mul8_##TN(const GeluMulParams p, const T* a, const T* b, \
+                                              T* out) {                                      \
+        pdl_entry();                                                                         \
+        gelu_mul8_body<T>(p, a, b, out);                                                     \
+    }
+GELU_MUL8_INST(bf16, __nv_bfloat16)
+GELU_MUL8_INST(f16, __half)
 LAYER_OPS_INST(f16, __half)
 LAYER_OPS_INST(bf16, __nv_bfloat16)
 
