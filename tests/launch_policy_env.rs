@@ -35,12 +35,13 @@ const COUNTS: [Count; 6] = [
 /// A switch variable, the value that turns its field from the default, and the field.
 type Switch = (&'static str, &'static str, fn(&LaunchPolicy) -> bool);
 
-const SWITCHES: [Switch; 6] = [
+const SWITCHES: [Switch; 7] = [
     ("CANDLE_GEMMA_UNFUSED", "1", |p| p.fused),
     ("CANDLE_GEMMA_CUDA_GRAPH", "0", |p| p.cuda_graph),
     ("CANDLE_GEMMA_PDL", "0", |p| p.dependent_launch),
     ("CANDLE_GEMMA_EARLY_LOADS", "0", |p| p.early_loads),
     ("CANDLE_GEMMA_FLASH_PREFILL", "0", |p| p.flash_prefill),
+    ("CANDLE_GEMMA_PREFILL_WGMMA", "0", |p| p.prefill_wgmma),
     ("CANDLE_GEMMA_METAL_KERNELS", "0", |p| p.metal_kernels),
 ];
 
