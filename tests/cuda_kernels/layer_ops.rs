@@ -201,7 +201,11 @@ fn check_geglu_and_qkv(checks: &mut Checks, dtype: DType, gpu: &Device, hd: usiz
         let want = (gu.narrow(1, 0, width)?.gelu()? * gu.narrow(1, width, width)?)?;
         let gug = g(&gu)?;
         let got = gelu_mul(&gug.narrow(1, 0, width)?, &gug.narrow(1, width, width)?)?;
-        report(&format!("gelu_mul width={width}"), max_abs_diff(&got, &want), lim);
+        report(
+            &format!("gelu_mul width={width}"),
+            max_abs_diff(&got, &want),
+            lim,
+        );
     }
 
     // q/k/v norms, RoPE and layout: batch 2, 3 tokens, 4 query heads, 2 KV heads.

@@ -19,7 +19,6 @@ const BLOCK_ROWS: usize = 64;
 /// Head dimensions the prefill kernel is built for.
 pub const PREFILL_HEAD_DIMS: [usize; 3] = [128, 256, 512];
 
-
 /// `struct PrefillParams` in `prefill_attention.cu`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -58,7 +57,11 @@ fn launch_shape(head_dim: usize, elem: usize, wgmma: bool) -> (usize, u32, u32) 
     // f32 `[warps][tile / 8 * 4][32]`.
     let partial_scores = if split > 1 { warps * tile * 64 } else { 0 };
     let align = if wgmma { 1024 } else { 0 };
-    (tile, (warps * 32) as u32, (tiles + partial_scores + align) as u32)
+    (
+        tile,
+        (warps * 32) as u32,
+        (tiles + partial_scores + align) as u32,
+    )
 }
 
 /// Whether a prefill at `head_dim` on `dev` runs the warpgroup-product form
