@@ -179,15 +179,27 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
     const uint32_t q_lo = p.q_offset + row0 / group;
     const uint32_t q_hi = p.q_offset + (min(row0 + ROWS, rows) - 1) / group;
     const int n_tiles = ((int)p.keys + BN - 1) / BN;
+    // Tiles that can hold a key some query of the block sees: with keys in one linear run, the
+    // positions (q_lo - window, q_hi]; otherwise every tile is classified (the scan below).
+    int t_begin = 0, t_end = n_tiles;
+    if (p.pos_mode == 0) {
+        const long long hi = (long long)q_hi - p.pos_base;
+        const long long lo = p.window ? (long long)q_lo + 1 - p.window - p.pos_base : 0;
+        t_end = hi < 0 ? 0 : (int)min((long long)n_tiles, hi / BN + 1);
+        t_begin = lo <= 0 ? 0 : (int)min((long long)t_end, lo / BN);
+    }
 
 #if defined(PF_WGMMA)
     // The warpgroup products' operands at their first step: this warpgroup's 64 rows of Q
     // (rows 64 * (rg / 4) on) and this warp's columns of K and V (panels 4 * part on).
     uint64_t q_desc = 0, k_desc = 0, v_desc = 0;
     if constexpr (WG) {
-        q_desc = wg_desc(qs + (part * 4 * ROWS + (rg >> 2) * 64) * 64, 16, 1024);
-        k_desc = wg_desc(ks + part * 4 * BN * 64, 16, 1024);
-        v_desc = wg_desc(vs + part * 4 * BN * 64, BN * 128, 1024);
+        // With one warpgroup covering the whole head these are 0, and the descriptors stay
+        // in the uniform datapath (the compiler cannot tell warp / 4 is 0 by itself).
+        const int wg_part = WPR == 1 ? 0 : part, wg_rows = RG == 4 ? 0 : (rg >> 2) * 64;
+        q_desc = wg_desc(qs + (wg_part * 4 * ROWS + wg_rows) * 64, 16, 1024);
+        k_desc = wg_desc(ks + wg_part * 4 * BN * 64, 16, 1024);
+        v_desc = wg_desc(vs + wg_part * 4 * BN * 64, BN * 128, 1024);
     }
 #endif
 
@@ -233,11 +245,11 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
         }
     };
     auto next_tile = [&](int t, int& cls) {
-        for (; t < n_tiles; ++t) {
+        for (; t < t_end; ++t) {
             cls = pf_tile_class<BN>(p, pos, t * BN, q_lo, q_hi);
             if (cls) break;
         }
-        return t;
+        return t < t_end ? t : n_tiles;
     };
 
     // This lane's two rows (gq, gq + 8 of its row group): their query positions.
@@ -256,7 +268,7 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
     int cls = 0;
-    int t = next_tile(0, cls);
+    int t = next_tile(t_begin, cls);
     if (t < n_tiles) {
         load_q();
         cp_async_commit();
