@@ -29,6 +29,21 @@ pub(crate) fn capturing_graph() -> bool {
     }
 }
 
+/// Copies token rows `src` (`[1, heads, n, width]`, any head and token strides) into `dst`
+/// (the same shape, a view into a cache's storage) in one CUDA launch. `Ok(false)`, writing
+/// nothing, off CUDA, while a graph records, or when the rows are not whole 16-byte units.
+///
+/// # Errors
+/// Candle/CUDA errors.
+pub(crate) fn copy_token_rows(dst: &Tensor, src: &Tensor) -> Result<bool, KernelError> {
+    #[cfg(feature = "cuda")]
+    if src.device().is_cuda() {
+        return Ok(super::cuda::kv_write::copy_token_rows(dst, src)?);
+    }
+    let _ = (dst, src);
+    Ok(false)
+}
+
 /// Copies sequence `b` of `k`, `v` (`[batch, kv_heads, n, head_dim]`) into `dst[b]`, each
 /// sequence's reserved dense slots (`[1, kv_heads, n, head_dim]` views), in one CUDA launch
 /// for up to 16 sequences. `Ok(false)`, writing nothing, off CUDA or when a destination is not

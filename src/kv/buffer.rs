@@ -64,12 +64,16 @@ fn write(
     at: usize,
 ) -> Result<(), CacheError> {
     for (d, s) in dst.iter().zip(src) {
-        let part = if from == 0 && len == s.dim(T)? {
-            s.contiguous()?
+        let rows = if from == 0 && len == s.dim(T)? {
+            s.clone()
         } else {
-            s.narrow(T, from, len)?.contiguous()?
+            s.narrow(T, from, len)?
         };
-        d.slice_set(&part, T, at)?;
+        // On CUDA one strided copy; elsewhere a contiguous copy, then the slice write.
+        if crate::kernels::kv_write::copy_token_rows(&d.narrow(T, at, len)?, &rows)? {
+            continue;
+        }
+        d.slice_set(&rows.contiguous()?, T, at)?;
     }
     Ok(())
 }

@@ -239,6 +239,7 @@ value_args!(
     super::kv_write::KvqBatch,
     super::kv_write::KvBatchDst,
     super::kv_write::KvScatterParams,
+    super::kv_write::TokenRowsParams,
     super::attention::batched::QsdpaSeq,
     super::layer_ops::AddNormParams,
     super::layer_ops::GeluMulParams,

@@ -59,6 +59,90 @@ pub(crate) fn kv_destination(kd: &Tensor, vd: &Tensor) -> Result<QkvDst> {
     })
 }
 
+/// `struct TokenRowsParams` in `layer_ops.cu`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(super) struct TokenRowsParams {
+    heads: u32,
+    tokens: u32,
+    chunks: u32,
+    pad_: u32,
+    src_head: u64,
+    src_token: u64,
+    dst_head: u64,
+    dst_token: u64,
+}
+
+/// Copies `src` (`[1, heads, n, width]`, any head and token strides, rows contiguous) into
+/// `dst` (`[1, heads, n, width]`, a view into a cache's storage) in one launch, 16 bytes a
+/// thread. `Ok(false)`, writing nothing, while a CUDA graph records (the addresses would be
+/// baked in) or when the rows, strides or starts are not whole 16-byte units; the caller then
+/// makes `src` contiguous and copies it (two passes, the first a strided gather).
+///
+/// # Errors
+/// CUDA errors.
+pub(crate) fn copy_token_rows(dst: &Tensor, src: &Tensor) -> Result<bool> {
+    let elem = src.dtype().size_in_bytes();
+    let (ds, ss) = (dst.stride(), src.stride());
+    let on16 = |t: &Tensor, st: &[usize]| {
+        t.rank() == 4
+            && st[3] == 1
+            && (t.layout().start_offset() * elem) % 16 == 0
+            && (st[1] * elem) % 16 == 0
+            && (st[2] * elem) % 16 == 0
+    };
+    if graph::recording()
+        || !matches!(
+            src.dtype(),
+            DType::F32 | DType::F16 | DType::BF16 | DType::U32
+        )
+        || dst.dims() != src.dims()
+        || dst.dtype() != src.dtype()
+        || !on16(dst, ds)
+        || !on16(src, ss)
+        || (src.dim(3)? * elem) % 16 != 0
+    {
+        return Ok(false);
+    }
+    let (_, heads, tokens, width) = src.dims4()?;
+    let chunks = width * elem / 16;
+    let n = heads * tokens * chunks;
+    if n == 0 {
+        return Ok(true);
+    }
+    let unit = |x: usize| (x * elem / 16) as u64;
+    let params = TokenRowsParams {
+        heads: u32_of(heads, "heads")?,
+        tokens: u32_of(tokens, "tokens")?,
+        chunks: u32_of(chunks, "row chunks")?,
+        pad_: 0,
+        src_head: unit(ss[1]),
+        src_token: unit(ss[2]),
+        dst_head: unit(ds[1]),
+        dst_token: unit(ds[2]),
+    };
+    u32_of(n, "16-byte units")?;
+    let dev = cuda_dev(src)?;
+    let (src_at, dst_at) = (
+        super::batched::address(src, &dev)?,
+        super::batched::address(dst, &dev)?,
+    );
+    let func = load_kernel(&dev, "copy_token_rows", &LAYER_OPS)?;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = func.builder();
+    b.arg(&params);
+    b.arg(&src_at);
+    b.arg(&dst_at);
+    // SAFETY: arguments match the kernel's signature; both views hold heads x tokens rows of
+    // `chunks` 16-byte units at the strides passed, inside their storage (checked shapes).
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(true)
+}
+
 /// Sequences one `kv_scatter_batch` launch takes (`KV_BATCH` in `layer_ops.cu`).
 pub(crate) const KV_BATCH: usize = 16;
 

@@ -229,6 +229,23 @@ struct KvBatchDst {
     QkvDst d[KV_BATCH];
 };
 // Rows of one sequence: kv_heads x n tokens x head_dim, contiguous in the source.
+// Token rows [1, heads, tokens, row] from one strided view into another (a prompt's newest
+// K or V tokens into a ring cache's slots), 16 bytes a thread; strides in 16-byte units.
+struct TokenRowsParams {
+    uint32_t heads, tokens, chunks, pad_;  // chunks: 16-byte units a token row
+    uint64_t src_head, src_token, dst_head, dst_token;
+};
+
+extern "C" __global__ void copy_token_rows(const TokenRowsParams p, const uint4* __restrict__ src,
+                                           uint4* __restrict__ dst) {
+    pdl_entry();
+    const uint32_t per_head = p.tokens * p.chunks, n = p.heads * per_head;
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const uint32_t h = i / per_head, r = i - h * per_head, t = r / p.chunks, c = r - t * p.chunks;
+        dst[h * p.dst_head + t * p.dst_token + c] = src[h * p.src_head + t * p.src_token + c];
+    }
+}
+
 struct KvScatterParams {
     uint32_t kv_heads, n, head_dim, pad_;
 };
