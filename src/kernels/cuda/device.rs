@@ -3,7 +3,7 @@
 //! device facts (multiprocessor count) the launch plans read.
 
 use candle_core::cuda_backend::cudarc::driver::{
-    sys::CUdevice_attribute, CudaSlice, CudaView, DeviceRepr, LaunchConfig,
+    sys::CUdevice_attribute, CudaSlice, CudaStream, CudaView, DeviceRepr, LaunchConfig,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
@@ -75,11 +75,12 @@ pub(super) fn sm_count(dev: &CudaDevice) -> usize {
     })
 }
 
-/// Compute capability major of the device (9 on an H100), read once per process.
-pub(super) fn compute_major(dev: &CudaDevice) -> i32 {
+/// Compute capability major of `stream`'s device (9 on an H100; 0 if unreadable), read once
+/// per process: the dependent-launch and warpgroup-product decisions both key on it.
+pub(super) fn compute_major(stream: &CudaStream) -> i32 {
     static MAJOR: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     *MAJOR.get_or_init(|| {
-        dev.cuda_stream()
+        stream
             .context()
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
             .unwrap_or(0)

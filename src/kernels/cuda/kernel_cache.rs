@@ -339,12 +339,5 @@ impl<'a> Launch<'a> {
 /// capability 9.0 or more (`griddepcontrol`), unless the launch policy turns dependent launches
 /// off.
 fn dependent_launch(stream: &CudaStream) -> bool {
-    static CAPABLE: OnceLock<bool> = OnceLock::new();
-    crate::kernels::policy::current().dependent_launch
-        && *CAPABLE.get_or_init(|| {
-            stream
-                .context()
-                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
-                .is_ok_and(|major| major >= 9)
-        })
+    crate::kernels::policy::current().dependent_launch && super::device::compute_major(stream) >= 9
 }

@@ -141,13 +141,17 @@ __device__ __forceinline__ int pf_tile_class(const PrefillParams& p, const uint3
     return all ? 2 : (any ? 1 : 0);
 }
 
-template <typename T, int HD, int BN, bool WG, int RG>
+// Row groups of 16 query rows a block: one warpgroup's 64 rows.
+constexpr int PF_ROW_GROUPS = 4;
+
+template <typename T, int HD, int BN, bool WG>
 __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const T* __restrict__ q,
                                                   const T* __restrict__ k, const T* __restrict__ v,
                                                   const uint32_t* __restrict__ pos, T* __restrict__ out) {
     constexpr int WPR = HD > 256 ? HD / 256 : 1;  // warps sharing a row group
     constexpr int DW = HD / WPR;                  // dimensions of a warp
-    constexpr int ROWS = 16 * RG;                 // query rows a block (RG row groups)
+    constexpr int RG = PF_ROW_GROUPS;
+    constexpr int ROWS = 16 * RG;                 // query rows a block
     constexpr int NW = RG * WPR;
     constexpr int THREADS = NW * 32;
     constexpr int CH = HD / 8;  // 16-byte chunks of a row
@@ -155,7 +159,6 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
     constexpr int DT = DW / 8;  // output tiles of 8 dimensions
     static_assert(BN <= THREADS, "one thread a key for the table vote");
     static_assert(!WG || DW == 256, "the warpgroup products cover 256 dimensions a warp");
-    static_assert(RG % 4 == 0 && (WPR == 1 || RG == 4), "whole warpgroups of 64 rows");
 
     extern __shared__ __align__(16) unsigned char pf_smem[];
     unsigned char* base = pf_smem;
@@ -190,14 +193,14 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
     }
 
 #if defined(PF_WGMMA)
-    // The warpgroup products' operands at their first step: this warpgroup's 64 rows of Q
-    // (rows 64 * (rg / 4) on) and this warp's columns of K and V (panels 4 * part on).
+    // The warpgroup products' operands at their first step: the block's 64 rows of Q and this
+    // warp's columns of Q, K and V (panels 4 * part on).
     uint64_t q_desc = 0, k_desc = 0, v_desc = 0;
     if constexpr (WG) {
-        // With one warpgroup covering the whole head these are 0, and the descriptors stay
-        // in the uniform datapath (the compiler cannot tell warp / 4 is 0 by itself).
-        const int wg_part = WPR == 1 ? 0 : part, wg_rows = RG == 4 ? 0 : (rg >> 2) * 64;
-        q_desc = wg_desc(qs + (wg_part * 4 * ROWS + wg_rows) * 64, 16, 1024);
+        // With one warpgroup covering the whole head this is 0, and the descriptors stay in
+        // the uniform datapath (the compiler cannot tell warp / 4 is 0 by itself).
+        const int wg_part = WPR == 1 ? 0 : part;
+        q_desc = wg_desc(qs + wg_part * 4 * ROWS * 64, 16, 1024);
         k_desc = wg_desc(ks + wg_part * 4 * BN * 64, 16, 1024);
         v_desc = wg_desc(vs + wg_part * 4 * BN * 64, BN * 128, 1024);
     }
@@ -469,17 +472,18 @@ __device__ __forceinline__ void prefill_attention(const PrefillParams& p, const 
 
 // Shared memory of one block: Q, K and V tiles, and the partial scores when warps split the
 // head (host: `launch_shape`); the warpgroup kernels take 1 KiB more to align their panels.
-#define PF_KERNEL(NAME, T, HD, BN, MINB, WG, RG)                                          \
-    extern "C" __global__ void __launch_bounds__(RG * (HD > 256 ? HD / 256 : 1) * 32, MINB) \
+#define PF_KERNEL(NAME, T, HD, BN, MINB, WG)                                              \
+    extern "C" __global__ void __launch_bounds__(PF_ROW_GROUPS * (HD > 256 ? HD / 256 : 1) * 32, \
+                                                 MINB)                                      \
         NAME(const PrefillParams p, const T* __restrict__ q, const T* __restrict__ k,       \
              const T* __restrict__ v, const uint32_t* __restrict__ pos, T* __restrict__ out) { \
-        prefill_attention<T, HD, BN, WG, RG>(p, q, k, v, pos, out);                        \
+        prefill_attention<T, HD, BN, WG>(p, q, k, v, pos, out);                        \
     }
 
 #define PF_KERNELS(TN, T)                                     \
-    PF_KERNEL(prefill_attn_128_##TN, T, 128, 64, 2, false, 4) \
-    PF_KERNEL(prefill_attn_256_##TN, T, 256, 64, 2, false, 4) \
-    PF_KERNEL(prefill_attn_512_##TN, T, 512, 64, 1, false, 4)
+    PF_KERNEL(prefill_attn_128_##TN, T, 128, 64, 2, false) \
+    PF_KERNEL(prefill_attn_256_##TN, T, 256, 64, 2, false) \
+    PF_KERNEL(prefill_attn_512_##TN, T, 512, 64, 1, false)
 
 PF_KERNELS(bf16, __nv_bfloat16)
 PF_KERNELS(f16, __half)
@@ -488,8 +492,8 @@ PF_KERNELS(f16, __half)
 // when the build targeted it).
 #if defined(PF_WGMMA)
 #define PF_WG_KERNELS(TN, T)                                             \
-    PF_KERNEL(prefill_attn_wg_256_##TN, T, 256, 64, 2, true, 4)          \
-    PF_KERNEL(prefill_attn_wg_512_##TN, T, 512, 64, 1, true, 4)
+    PF_KERNEL(prefill_attn_wg_256_##TN, T, 256, 64, 2, true)          \
+    PF_KERNEL(prefill_attn_wg_512_##TN, T, 512, 64, 1, true)
 
 PF_WG_KERNELS(bf16, __nv_bfloat16)
 PF_WG_KERNELS(f16, __half)

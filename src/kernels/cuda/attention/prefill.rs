@@ -13,7 +13,7 @@ use crate::kernels::layout::last_dim_contiguous_aligned16;
 use crate::kernels::plan::{PositionCode, QsdpaParams};
 use crate::kernels::{KernelError, KeyPositions, QueryPlan};
 
-/// Query rows of one block (`16 * RG` in `prefill_attention.cu`, RG = 4 for every form).
+/// Query rows of one block (`16 * PF_ROW_GROUPS` in `prefill_attention.cu`).
 const BLOCK_ROWS: usize = 64;
 
 /// Head dimensions the prefill kernel is built for.
@@ -71,7 +71,7 @@ fn uses_wgmma(dev: &candle_core::cuda_backend::CudaDevice, head_dim: usize) -> b
     cfg!(prefill_wgmma)
         && matches!(head_dim, 256 | 512)
         && crate::kernels::policy::current().prefill_wgmma
-        && compute_major(dev) == 9
+        && compute_major(&dev.cuda_stream()) == 9
 }
 
 /// Whether [`attend_prefill`] takes queries `q` over dense `k`/`v`: f16 or bf16 throughout, a
