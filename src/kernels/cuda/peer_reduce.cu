@@ -6,29 +6,38 @@
 // Used for the small sums of decode steps, where NCCL's latency is most of the cost; launched
 // inside CUDA graphs like any kernel.
 //
-// Every call runs PEER_MAX_BLOCKS blocks, whatever its size, so block b's epoch (its count of
-// calls, kept in the rank's own memory) is the same on every rank and in every block.
+// Every call of the plain sum runs PEER_MAX_BLOCKS blocks, whatever its size, so block b's
+// epoch (its count of calls, kept in the rank's own memory) is the same on every rank.
 // Receive buffers alternate between two halves by epoch parity: a rank writes into a half
 // again two calls later, once it has received every peer's words of the call in between,
 // which the peer sends only after its call that read the half has ended.
 //
 // The `_add_norm` kernels sum two tensors as one (the 26B-A4B dense and expert branches, or a
-// row-parallel product and nothing), then their last block runs the residual add + norms of
-// the add_norm kernels on the sums: one launch where the sum and the add_norm were two (plus
-// the copy that joined the two branches).
+// row-parallel product and nothing), then run the residual add + norms of the add_norm kernels
+// on the sums: one launch where the sum and the add_norm were two (plus the copy that joined
+// the two branches). They serve decode steps of one or two rows, a few thousand words: one
+// block of 1024 threads exchanges them and goes straight on to the add + norms (32 blocks, a
+// launch-wide counter and a last block measured 0.98-0.99x of that on 26B-A4B at batch 1, 2
+// H100s). They keep their own epoch and their own region of the receive buffers, so their
+// one-block calls never meet the multi-block calls' words.
 #include "common.cuh"
 #include "norm_tail.cuh"
 
 #define PEER_MAX_RANKS 8
 #define PEER_MAX_BLOCKS 32
+// The epoch of the one-block `_add_norm` kernels, after the multi-block calls' epochs.
+#define PEER_FUSED_EPOCH PEER_MAX_BLOCKS
 
 struct PeerArgs {
-    unsigned long long recv[PEER_MAX_RANKS];  // every rank's receive buffer:
-                                              // [2 halves][world senders][cap words] u64
+    unsigned long long recv[PEER_MAX_RANKS];  // every rank's receive buffer: the multi-block
+                                              // region [2 halves][world senders][cap words],
+                                              // then the fused region (fcap words a sender)
     unsigned int rank;
     unsigned int world;
-    unsigned int n;    // elements
-    unsigned int cap;  // words a sender's slot holds
+    unsigned int n;     // elements
+    unsigned int cap;   // words a sender's slot holds (multi-block region)
+    unsigned int fcap;  // words a sender's slot holds (fused region)
+    unsigned int pad;
 };
 
 __device__ __forceinline__ void store_word(unsigned long long* p, unsigned long long v) {
@@ -82,8 +91,11 @@ __device__ __forceinline__ void add_word(float* s, unsigned int word) {
     }
 }
 
+// The block's words of the sum, through the region at word `region` of every receive buffer
+// (`cap` words a sender), under the epoch at `epoch_at`.
 template <typename T>
-__device__ void peer_all_reduce(const PeerArgs a, const Segments<T> x, unsigned int* epochs) {
+__device__ void peer_all_reduce(const PeerArgs a, const Segments<T> x, unsigned int* epoch_at,
+                                size_t region, unsigned int cap) {
     pdl_entry();
     const unsigned int words = (unsigned int)(((unsigned long long)x.n * sizeof(T) + 3) / 4);
     const unsigned int per = (words + gridDim.x - 1) / gridDim.x;
@@ -92,14 +104,14 @@ __device__ void peer_all_reduce(const PeerArgs a, const Segments<T> x, unsigned 
     // Every thread reads the block's epoch itself (one broadcast load, in flight together with
     // its first words) rather than after a barrier behind thread 0's load. The block's last
     // store of it, below, follows a barrier every thread reaches after its read.
-    const unsigned int epoch = epochs[blockIdx.x] + 1;
-    const size_t half = (size_t)(epoch & 1u) * a.world * a.cap;
+    const unsigned int epoch = *epoch_at + 1;
+    const size_t half = region + (size_t)(epoch & 1u) * a.world * cap;
     for (unsigned int w = lo + threadIdx.x; w < hi; w += blockDim.x) {
         const unsigned long long v = ((unsigned long long)epoch << 32) | word_of(x, w);
         for (unsigned int p = 0; p < a.world; ++p) {
             if (p == a.rank) continue;
             unsigned long long* theirs = reinterpret_cast<unsigned long long*>(a.recv[p]);
-            store_word(theirs + half + (size_t)a.rank * a.cap + w, v);
+            store_word(theirs + half + (size_t)a.rank * cap + w, v);
         }
     }
     const unsigned long long* mine = reinterpret_cast<const unsigned long long*>(a.recv[a.rank]);
@@ -110,7 +122,7 @@ __device__ void peer_all_reduce(const PeerArgs a, const Segments<T> x, unsigned 
             if (r == a.rank) {
                 word = word_of(x, w);
             } else {
-                const unsigned long long* at = mine + half + (size_t)r * a.cap + w;
+                const unsigned long long* at = mine + half + (size_t)r * cap + w;
                 unsigned long long v = load_word(at);
                 // A peer that never sends (its rank failed) would hold this thread forever:
                 // after about half a minute the kernel traps, which fails every later call on
@@ -134,21 +146,20 @@ __device__ void peer_all_reduce(const PeerArgs a, const Segments<T> x, unsigned 
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) epochs[blockIdx.x] = epoch;
+    if (threadIdx.x == 0) *epoch_at = epoch;
 }
 
-// The fused kernels' residual add + norm (AddNormParams as in the add_norm kernels; `counter`
-// a launch-wide counter, zero between launches).
+// The fused kernels: one block sums every word through the fused region, then (the sums
+// visible to the whole block after the barrier that ends the sum) runs the residual add + norm
+// (AddNormParams as in the add_norm kernels).
 template <typename T, int PT, bool TWO>
 __device__ void peer_add_norm(const PeerArgs a, const Segments<T> x, unsigned int* epochs,
-                              unsigned int* counter, const AddNormParams p,
-                              const T* __restrict__ res, const T* __restrict__ w,
-                              const T* __restrict__ scalar, const T* __restrict__ w2,
-                              T* __restrict__ out, T* __restrict__ out2, const T* __restrict__ w3,
-                              T* __restrict__ out3, const T* __restrict__ wa,
-                              const T* __restrict__ wb) {
-    peer_all_reduce<T>(a, x, epochs);
-    if (!is_last_block(counter)) return;
+                              const AddNormParams p, const T* __restrict__ res,
+                              const T* __restrict__ w, const T* __restrict__ scalar,
+                              const T* __restrict__ w2, T* __restrict__ out, T* __restrict__ out2,
+                              const T* __restrict__ w3, T* __restrict__ out3,
+                              const T* __restrict__ wa, const T* __restrict__ wb) {
+    peer_all_reduce<T>(a, x, epochs + PEER_FUSED_EPOCH, (size_t)2 * a.world * a.cap, a.fcap);
     for (uint32_t r = 0; r < p.rows; ++r)
         add_norm_body<T, ADD_NORM_THREADS, PT, TWO>(p, r, res, x.ya, w, scalar, w2, out, out2,
                                                     w3, out3, x.yb, wa, wb);
@@ -157,15 +168,15 @@ __device__ void peer_add_norm(const PeerArgs a, const Segments<T> x, unsigned in
 #define PEER_KERNEL(TN, T)                                                                      \
     extern "C" __global__ void peer_all_reduce_##TN(const PeerArgs a, const T* __restrict__ x,  \
                                                     T* __restrict__ y, unsigned int* epochs) {  \
-        peer_all_reduce<T>(a, Segments<T>{x, x, y, y, a.n, a.n}, epochs);                       \
+        peer_all_reduce<T>(a, Segments<T>{x, x, y, y, a.n, a.n}, epochs + blockIdx.x, 0, a.cap); \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                              \
         peer_add_norm_##TN(const PeerArgs a, const T* x, T* y, unsigned int* epochs,            \
                            const AddNormParams p, const T* res, const T* w, const T* scalar,    \
                            const T* w2, T* out, T* out2, const T* w3, T* out3) {                \
         peer_add_norm<T, ADD_NORM_PER_THREAD, false>(a, Segments<T>{x, x, y, y, a.n, a.n},      \
-                                                     epochs, epochs + PEER_MAX_BLOCKS, p, res,  \
-                                                     w, scalar, w2, out, out2, w3, out3, w, w); \
+                                                     epochs, p, res, w, scalar, w2, out, out2,  \
+                                                     w3, out3, w, w);                           \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS) peer_moe_add_norm_##TN(      \
         const PeerArgs a, const T* x, const T* xb, T* y, T* yb, unsigned int* epochs,           \
@@ -173,8 +184,8 @@ __device__ void peer_add_norm(const PeerArgs a, const Segments<T> x, unsigned in
         T* out2, const T* w3, T* out3, const T* wa, const T* wb) {                              \
         const unsigned int na = a.n / 2;                                                        \
         peer_add_norm<T, MOE_ADD_NORM_PER_THREAD, true>(                                        \
-            a, Segments<T>{x, xb, y, yb, na, a.n}, epochs, epochs + PEER_MAX_BLOCKS, p, res, w, \
-            scalar, w2, out, out2, w3, out3, wa, wb);                                           \
+            a, Segments<T>{x, xb, y, yb, na, a.n}, epochs, p, res, w, scalar, w2, out, out2, w3, \
+            out3, wa, wb);                                                                      \
     }
 
 PEER_KERNEL(f32, float)

@@ -23,9 +23,12 @@ use super::layer_ops::{add_norm_params, AddNormExtra, ADD_NORM_THREADS};
 
 /// Most GPUs a group may have (`PEER_MAX_RANKS` in `peer_reduce.cu`).
 pub(crate) const MAX_RANKS: usize = 8;
-/// Blocks of every launch (`PEER_MAX_BLOCKS`): every call runs all of them.
+/// Blocks of every plain sum (`PEER_MAX_BLOCKS`): every such call runs all of them.
 const BLOCKS: u32 = 32;
 const THREADS: u32 = 256;
+/// Most words a sender's slot of the fused (one-block) kernels' region holds: two rows of two
+/// branches 8192 wide in f32.
+const FUSED_WORDS: usize = 32 << 10;
 
 /// `struct PeerArgs` in `peer_reduce.cu`.
 #[repr(C)]
@@ -36,19 +39,23 @@ pub(super) struct PeerArgs {
     world: u32,
     n: u32,
     cap: u32,
+    fcap: u32,
+    pad: u32,
 }
 
 // SAFETY: `#[repr(C)]` integers, read by the kernel with the same layout.
 unsafe impl DeviceRepr for PeerArgs {}
 
 impl PeerArgs {
-    fn new(world: u32, cap: u32) -> Self {
+    fn new(world: u32, cap: u32, fcap: u32) -> Self {
         Self {
             recv: [0; MAX_RANKS],
             rank: 0,
             world,
             n: 0,
             cap,
+            fcap,
+            pad: 0,
         }
     }
 
@@ -166,19 +173,22 @@ pub(crate) fn peer_sums(devices: &[CudaDevice], max_bytes: usize) -> Result<Opti
         return Ok(None);
     }
     let mut buffers = Vec::with_capacity(2 * world);
+    let (cap, fcap) = (max_bytes / 4, (max_bytes / 4).min(FUSED_WORDS));
     let mut args = PeerArgs::new(
         u32_of(world, "ranks")?,
-        u32_of(max_bytes / 4, "receive words")?,
+        u32_of(cap, "receive words")?,
+        u32_of(fcap, "receive words")?,
     );
     for (r, d) in devices.iter().enumerate() {
-        // Two halves of one slot per sender, each word 8 bytes (its data and the epoch).
-        let recv = Raw::zeroed(d.cuda_stream().context(), 2 * world * (max_bytes / 4) * 8)?;
+        // Two halves of one slot per sender in each region (the plain sums', then the fused
+        // kernels'), each word 8 bytes (its data and the epoch).
+        let recv = Raw::zeroed(d.cuda_stream().context(), 2 * world * (cap + fcap) * 8)?;
         args.recv[r] = recv.ptr;
         buffers.push(recv);
     }
     let epochs = devices
         .iter()
-        // Each block's epoch, then the fused kernels' last-block counter.
+        // Each block's epoch, then the fused kernels' epoch.
         .map(|d| Raw::zeroed(d.cuda_stream().context(), (BLOCKS as usize + 1) * 4))
         .collect::<Result<Vec<_>>>()?;
     let epoch_ptrs: Vec<u64> = epochs.iter().map(|e| e.ptr).collect();
@@ -202,20 +212,24 @@ pub(crate) fn peer_sums(devices: &[CudaDevice], max_bytes: usize) -> Result<Opti
 
 impl PeerSum {
     /// What both sums check and set up for `elements` elements of `t`'s dtype on `t`'s device:
-    /// the call's arguments and `kernel`'s launch of `threads` a block. `None` when the
-    /// elements exceed the receive buffer.
+    /// the call's arguments and `kernel`'s launch of `blocks` blocks of `threads`. `None` when
+    /// the elements exceed their region of the receive buffers (`fused`: the one-block
+    /// kernels' region).
     fn prepare(
         &self,
         t: &Tensor,
         elements: usize,
         kernel: &str,
-        threads: u32,
+        (blocks, threads): (u32, u32),
+        fused: bool,
     ) -> Result<Option<Prepared>> {
         let dtype = t.dtype();
         if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
             candle_core::bail!("the peer all-reduce does not take {dtype:?}");
         }
-        if elements * dtype.size_in_bytes() > self.max_bytes {
+        let words = (elements * dtype.size_in_bytes()).div_ceil(4);
+        let cap = if fused { self.args.fcap } else { self.args.cap };
+        if elements * dtype.size_in_bytes() > self.max_bytes || words > cap as usize {
             return Ok(None);
         }
         let dev = cuda_dev(t)?;
@@ -226,7 +240,7 @@ impl PeerSum {
         args.n = u32_of(elements, "elements")?;
         let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), &PEER_REDUCE)?;
         let cfg = LaunchConfig {
-            grid_dim: (BLOCKS, 1, 1),
+            grid_dim: (blocks, 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -252,7 +266,13 @@ impl PeerSum {
             args,
             func,
             cfg,
-        }) = self.prepare(x, x.elem_count(), "peer_all_reduce", THREADS)?
+        }) = self.prepare(
+            x,
+            x.elem_count(),
+            "peer_all_reduce",
+            (BLOCKS, THREADS),
+            false,
+        )?
         else {
             return Ok(None);
         };
@@ -274,10 +294,10 @@ impl PeerSum {
     }
 
     /// `add_norm_ext(res, Σ y, w, eps, extra)`, with the second branch of `extra` summed as well,
-    /// in one launch: the sum, whose last block then runs the residual add and norms (the
-    /// sums and the add-norm were two launches, plus a copy joining the two branches). `None`
-    /// where the fused kernel does not serve (more than [`PEER_ADD_NORM_MAX_ROWS`] rows, which
-    /// one block would walk one after another; sums beyond the buffer; an odd 16-bit first
+    /// in one launch of one block: the sum, then the residual add and norms (the sums and the
+    /// add-norm were two launches, plus a copy joining the two branches). `None` where the
+    /// fused kernel does not serve (more than [`PEER_ADD_NORM_MAX_ROWS`] rows, which the block
+    /// would walk one after another; sums beyond its region of the buffers; an odd 16-bit first
     /// branch): the caller sums and adds apart. Every rank must call it as it calls
     /// [`PeerSum::sum`].
     ///
@@ -310,7 +330,7 @@ impl PeerSum {
             args,
             func,
             cfg,
-        }) = self.prepare(res, parts * elems, kernel, ADD_NORM_THREADS)?
+        }) = self.prepare(res, parts * elems, kernel, (1, ADD_NORM_THREADS), true)?
         else {
             return Ok(None);
         };
@@ -383,8 +403,8 @@ impl PeerSum {
                 }
                 // SAFETY: arguments match the kernel's signature; the sums hold `parts * elems`
                 // elements (at most `cap` words), every output `elems`, every rank's receive
-                // buffer `2 * world * cap` words, and the epochs buffer its blocks' epochs and
-                // the counter after them.
+                // buffer `2 * world * (cap + fcap)` words, and the epochs buffer the plain sums'
+                // epochs and the fused kernels' after them.
                 unsafe { b.launch(cfg) }.w()?;
             }
             Ok(Some((
