@@ -68,7 +68,10 @@ pub(crate) fn all_reduce_sum(comm: &RankComm, x: &Tensor) -> Result<Tensor, Kern
         return Ok(y);
     }
     let x = x.contiguous()?;
-    Ok(x.apply_op1_no_bwd(&AllReduce(&comm.comm))?)
+    Ok(x.apply_op1_no_bwd(&NcclOp {
+        comm: &comm.comm,
+        kind: Call::Sum,
+    })?)
 }
 
 /// `add_norm_ext(res, Σ y, w, eps, extra)` (the second branch summed too) in one peer-memory
@@ -97,15 +100,38 @@ pub(crate) fn sum_add_norm(
 /// As [`all_reduce_sum`].
 pub(crate) fn all_gather(comm: &RankComm, x: &Tensor) -> Result<Tensor, KernelError> {
     let x = x.contiguous()?;
-    Ok(x.apply_op1_no_bwd(&AllGather(&comm.comm))?)
+    Ok(x.apply_op1_no_bwd(&NcclOp {
+        comm: &comm.comm,
+        kind: Call::Gather,
+    })?)
 }
 
-struct AllReduce<'a>(&'a Comm);
+/// The NCCL collectives the ops below run.
+#[derive(Clone, Copy)]
+enum Call {
+    /// Every rank's tensor summed elementwise (`ncclAllReduce`).
+    Sum,
+    /// Every rank's tensor, rank order, in one (`ncclAllGather`).
+    Gather,
+}
 
-struct AllGather<'a>(&'a Comm);
+impl Call {
+    fn name(self) -> &'static str {
+        match self {
+            Call::Sum => "all-reduce",
+            Call::Gather => "all-gather",
+        }
+    }
+}
 
-impl AllGather<'_> {
-    fn gather<T: CudaDType + DeviceRepr + NcclType>(
+/// One NCCL collective as a candle custom op on the device's stream.
+struct NcclOp<'a> {
+    comm: &'a Comm,
+    kind: Call,
+}
+
+impl NcclOp<'_> {
+    fn run<T: CudaDType + DeviceRepr + NcclType>(
         &self,
         s: &CudaStorage,
         l: &Layout,
@@ -114,18 +140,27 @@ impl AllGather<'_> {
         let start = l.start_offset();
         let src = s.as_cuda_slice::<T>()?.slice(start..start + n);
         let dev = s.device.clone();
-        // SAFETY: the all-gather writes all `world * n` elements before any reader.
-        let mut dst = unsafe { dev.alloc::<T>(n * self.0.world_size()) }?;
-        self.0
-            .all_gather(&src, &mut dst)
-            .map_err(|e| candle_core::Error::Msg(format!("ncclAllGather: {e:?}")))?;
+        let out = match self.kind {
+            Call::Sum => n,
+            Call::Gather => n * self.comm.world_size(),
+        };
+        // SAFETY: the collective writes all `out` elements before any reader on this stream.
+        let mut dst = unsafe { dev.alloc::<T>(out) }?;
+        match self.kind {
+            Call::Sum => self.comm.all_reduce(&src, &mut dst, &ReduceOp::Sum),
+            Call::Gather => self.comm.all_gather(&src, &mut dst),
+        }
+        .map_err(|e| candle_core::Error::Msg(format!("NCCL {}: {e:?}", self.kind.name())))?;
         Ok(CudaStorage::wrap_cuda_slice(dst, dev))
     }
 }
 
-impl CustomOp1 for AllGather<'_> {
+impl CustomOp1 for NcclOp<'_> {
     fn name(&self) -> &'static str {
-        "nccl-all-gather"
+        match self.kind {
+            Call::Sum => "nccl-all-reduce",
+            Call::Gather => "nccl-all-gather",
+        }
     }
 
     fn cpu_fwd(
@@ -133,66 +168,23 @@ impl CustomOp1 for AllGather<'_> {
         _: &candle_core::CpuStorage,
         _: &Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("the NCCL all-gather runs on CUDA tensors only")
+        candle_core::bail!("the NCCL {} runs on CUDA tensors only", self.kind.name())
     }
 
     fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
         if !l.is_contiguous() {
-            candle_core::bail!("the NCCL all-gather takes a contiguous tensor");
+            candle_core::bail!("the NCCL {} takes a contiguous tensor", self.kind.name());
         }
         let out = match s.dtype() {
-            DType::F32 => self.gather::<f32>(s, l)?,
-            DType::BF16 => self.gather::<bf16>(s, l)?,
-            DType::F16 => self.gather::<f16>(s, l)?,
-            other => candle_core::bail!("the NCCL all-gather does not take {other:?}"),
+            DType::F32 => self.run::<f32>(s, l)?,
+            DType::BF16 => self.run::<bf16>(s, l)?,
+            DType::F16 => self.run::<f16>(s, l)?,
+            other => candle_core::bail!("the NCCL {} does not take {other:?}", self.kind.name()),
         };
-        let world = self.0.world_size();
-        Ok((out, Shape::from(l.shape().elem_count() * world)))
-    }
-}
-
-impl AllReduce<'_> {
-    fn sum<T: CudaDType + DeviceRepr + NcclType>(
-        &self,
-        s: &CudaStorage,
-        l: &Layout,
-    ) -> candle_core::Result<CudaStorage> {
-        let n = l.shape().elem_count();
-        let start = l.start_offset();
-        let src = s.as_cuda_slice::<T>()?.slice(start..start + n);
-        let dev = s.device.clone();
-        // SAFETY: the all-reduce writes all `n` elements before any reader on this stream.
-        let mut dst = unsafe { dev.alloc::<T>(n) }?;
-        self.0
-            .all_reduce(&src, &mut dst, &ReduceOp::Sum)
-            .map_err(|e| candle_core::Error::Msg(format!("ncclAllReduce: {e:?}")))?;
-        Ok(CudaStorage::wrap_cuda_slice(dst, dev))
-    }
-}
-
-impl CustomOp1 for AllReduce<'_> {
-    fn name(&self) -> &'static str {
-        "nccl-all-reduce"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &candle_core::CpuStorage,
-        _: &Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-        candle_core::bail!("the NCCL all-reduce runs on CUDA tensors only")
-    }
-
-    fn cuda_fwd(&self, s: &CudaStorage, l: &Layout) -> candle_core::Result<(CudaStorage, Shape)> {
-        if !l.is_contiguous() {
-            candle_core::bail!("the NCCL all-reduce takes a contiguous tensor");
-        }
-        let out = match s.dtype() {
-            DType::F32 => self.sum::<f32>(s, l)?,
-            DType::BF16 => self.sum::<bf16>(s, l)?,
-            DType::F16 => self.sum::<f16>(s, l)?,
-            other => candle_core::bail!("the NCCL all-reduce does not take {other:?}"),
+        let shape = match self.kind {
+            Call::Sum => l.shape().clone(),
+            Call::Gather => Shape::from(l.shape().elem_count() * self.comm.world_size()),
         };
-        Ok((out, l.shape().clone()))
+        Ok((out, shape))
     }
 }
