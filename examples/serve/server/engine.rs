@@ -36,31 +36,8 @@ pub enum Event {
     Failed(String),
 }
 
-/// Token counts of a finished request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    /// Tokens in the prompt.
-    pub prompt_tokens: usize,
-    /// Tokens generated.
-    pub completion_tokens: usize,
-    /// Prompt tokens served from the prefix store.
-    pub cached_tokens: usize,
-}
-
-/// A snapshot of the engine's load.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Stats {
-    /// Requests waiting for admission.
-    pub queued: usize,
-    /// Requests in the batch.
-    pub running: usize,
-    /// KV bytes of the running sequences' caches.
-    pub kv_bytes: usize,
-    /// Bytes held by the prefix store.
-    pub prefix_bytes: usize,
-    /// Entries of the prefix store.
-    pub prefix_entries: usize,
-}
+/// Token counts of a finished request, and a snapshot of the engine's load: the library's own.
+pub use candle_gemma::serve::{EngineStats as Stats, Usage};
 
 /// The model a server serves: one model, or one sharded over several devices
 /// (tensor parallel; the HTTP layer reads its tokenizer, template and config from rank 0).
@@ -231,7 +208,7 @@ mod backend {
     use candle_gemma::Error;
 
     use super::super::error::ApiError;
-    use super::{EngineSettings, Event, Served, Stats, Usage};
+    use super::{EngineSettings, Event, Served, Stats};
 
     pub use candle_gemma::serve::RequestId;
 
@@ -281,16 +258,9 @@ mod backend {
         }
 
         pub fn stats(&self) -> Stats {
-            let s = match self {
+            match self {
                 Self::Single(e) => e.stats(),
                 Self::Sharded(e) => e.stats(),
-            };
-            Stats {
-                queued: s.queued,
-                running: s.running,
-                kv_bytes: s.kv_bytes,
-                prefix_bytes: s.prefix_bytes,
-                prefix_entries: s.prefix_entries,
             }
         }
 
@@ -312,14 +282,7 @@ mod backend {
                 cached_tokens,
             },
             serve::Event::Token(step) => Event::Token(step),
-            serve::Event::Done { finish, usage } => Event::Done {
-                finish,
-                usage: Usage {
-                    prompt_tokens: usage.prompt_tokens,
-                    completion_tokens: usage.completion_tokens,
-                    cached_tokens: usage.cached_tokens,
-                },
-            },
+            serve::Event::Done { finish, usage } => Event::Done { finish, usage },
             serve::Event::Failed(e) => {
                 // The client gets the message in its stream; the operator sees it here.
                 eprintln!("serve: request failed: {e}");
