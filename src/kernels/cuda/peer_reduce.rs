@@ -113,9 +113,7 @@ struct Prepared {
 /// One rank's side of the peer-memory all-reduce.
 pub(crate) struct PeerSum {
     args: PeerArgs,
-    /// The largest sum taken, bytes.
-    max_bytes: usize,
-    /// This rank's epochs (one per block).
+    /// This rank's epochs: one per block of the plain sums, then the fused kernels' one.
     epochs: u64,
     dev: CudaDevice,
     /// Every rank's buffers, kept alive until the last rank's handle is dropped.
@@ -201,7 +199,6 @@ pub(crate) fn peer_sums(devices: &[CudaDevice], max_bytes: usize) -> Result<Opti
             .enumerate()
             .map(|(r, (d, epochs))| PeerSum {
                 args: args.of_rank(r as u32),
-                max_bytes,
                 epochs,
                 dev: d.clone(),
                 _buffers: buffers.clone(),
@@ -229,7 +226,7 @@ impl PeerSum {
         }
         let words = (elements * dtype.size_in_bytes()).div_ceil(4);
         let cap = if fused { self.args.fcap } else { self.args.cap };
-        if elements * dtype.size_in_bytes() > self.max_bytes || words > cap as usize {
+        if words > cap as usize {
             return Ok(None);
         }
         let dev = cuda_dev(t)?;
