@@ -30,7 +30,7 @@ const MODULES: [&str; 12] = [
 ];
 
 /// Device code the kernel files include.
-const HEADERS: [&str; 9] = [
+const HEADERS: [&str; 10] = [
     "async_copy.cuh",
     "gate.cuh",
     "common.cuh",
@@ -38,6 +38,7 @@ const HEADERS: [&str; 9] = [
     "attention.cuh",
     "qsdpa_tc.cuh",
     "norm_tail.cuh",
+    "peer.cuh",
     "moe_tc.cuh",
     "wgmma.cuh",
 ];

@@ -9,6 +9,7 @@
 #include "common.cuh"
 #include "gate.cuh"
 #include "norm_tail.cuh"
+#include "peer.cuh"
 
 struct DenseMvParams {
     uint32_t rows, out_dim, in_dim;
@@ -323,3 +324,24 @@ __device__ __forceinline__ void dense_sv_body(const DenseMvParams p, const T* __
 // Two output rows a warp (`SV_ROWS_PER_WARP` in dense_matvec.rs).
 DSV_INST(f16, __half, 2)
 DSV_INST(bf16, __nv_bfloat16, 2)
+
+// The one-row product of a row-parallel weight (each rank holds some of its input columns)
+// with the sum over the ranks and the residual add + norm in one launch: each block sends its
+// outputs to the peers as soon as it has stored them, so the exchange overlaps the other
+// blocks' products, and the last block sums and adds (`last_block_peer_add_norm`). The epoch
+// and the receive region are the fused peer sums' (peer_reduce.cu).
+#define DSV_PEER_INST(TN, T, RPW)                                                              \
+    extern "C" __global__ void __launch_bounds__(SV_WARPS * 32, 2)                             \
+        dense_mv_peer_norm_##TN##_sv##RPW(const DenseMvParams p, const T* x, const T* w, T* y, \
+                                          DMV_NORM_ARGS(T), const PeerArgs a,                  \
+                                          unsigned int* epochs) {                              \
+        dense_sv_body<T, RPW, DMV_PLAIN>(p, x, x, w, y);                                       \
+        unsigned int* epoch_at = epochs + PEER_FUSED_EPOCH;                                    \
+        const unsigned int epoch = *epoch_at + 1; /* after the body's wait on the kernel before */ \
+        const unsigned int o0 = blockIdx.x * SV_WARPS * RPW;                                   \
+        peer_send_outputs<T>(a, y, 1, p.out_dim, o0, min(p.out_dim, o0 + SV_WARPS * RPW), epoch); \
+        last_block_peer_add_norm<T, SV_WARPS * 32>(a, epoch_at, epoch, p, np, y, res, nw, scalar, \
+                                                   w2, w3, out, out2, out3, counter);          \
+    }
+DSV_PEER_INST(f16, __half, 2)
+DSV_PEER_INST(bf16, __nv_bfloat16, 2)

@@ -15,6 +15,12 @@ use super::layer_ops::AddNormExtra;
 use super::norm_tail::{
     launch_with_norm_tail, with_norm_counter, AddNormOut, NormFuse, NormOutputs,
 };
+#[cfg(feature = "nccl")]
+use super::peer_reduce::PeerTail;
+
+/// Without the `nccl` feature no product sums over a group (no value of this type exists).
+#[cfg(not(feature = "nccl"))]
+enum PeerTail {}
 use super::scratch::with_scratch;
 
 /// Activation rows the dense matvec kernel takes (the mma's N).
@@ -149,7 +155,7 @@ pub fn dense_matvec_normed(
         );
     }
     let normed = (norm_w.contiguous()?, eps);
-    Ok(dense_mv_with(x, None, Some(&normed), w, None)?.map(|r| r.0))
+    Ok(dense_mv_with(x, None, Some(&normed), w, None, None)?.map(|r| r.0))
 }
 
 /// Warps a block of the one-row (`_sv`) dense kernels (`SV_WARPS` in `fused.cu`).
@@ -229,23 +235,61 @@ pub fn dense_matvec_geglu(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     })
 }
 
+/// [`dense_matvec_add_norm`] of one row `x` and a row-parallel weight `w` (this rank's input
+/// columns), its output summed over the ranks of `peer`'s group before the add: each block
+/// sends its outputs to the peers as it stores them, and the last block sums and adds
+/// (`dense_mv_peer_norm`). `None` where it does not apply (more rows, a gate, an odd output
+/// width or one over [`super::norm_tail::FOLD_MAX_WIDTH`], or where [`dense_matvec_add_norm`]
+/// would not apply).
+///
+/// # Errors
+/// As [`dense_matvec_add_norm`].
+#[cfg(feature = "nccl")]
+pub(super) fn dense_matvec_peer_add_norm(
+    x: &Tensor,
+    w: &Tensor,
+    res: &Tensor,
+    norm_w: &Tensor,
+    eps: f64,
+    extra: &AddNormExtra<'_>,
+    peer: &PeerTail,
+) -> Result<Option<AddNormOut>> {
+    let (out_dim, in_dim) = w.dims2()?;
+    if extra.second_branch.is_some()
+        || out_dim % 2 != 0
+        || out_dim > super::norm_tail::FOLD_MAX_WIDTH
+        || x.elem_count() != in_dim
+    {
+        return Ok(None);
+    }
+    let fuse = NormFuse {
+        res,
+        w: norm_w,
+        eps,
+        extra,
+    };
+    dense_mv_with(x, None, None, w, Some(&fuse), Some(peer))
+}
+
 fn dense_mv(
     x: &Tensor,
     gate: Option<&Tensor>,
     w: &Tensor,
     norm: Option<&NormFuse<'_>>,
 ) -> Result<Option<AddNormOut>> {
-    dense_mv_with(x, gate, None, w, norm)
+    dense_mv_with(x, gate, None, w, norm, None)
 }
 
 /// The dense matvec launcher: `gate` for the gated input, `normed` (weight, eps) for the
-/// RMS-normed input, `norm` for the folded residual add + norm of the output.
+/// RMS-normed input, `norm` for the folded residual add + norm of the output, `peer` for its
+/// sum over a tensor-parallel group first (one row, with `norm`, no gate).
 fn dense_mv_with(
     x: &Tensor,
     gate: Option<&Tensor>,
     normed: Option<&(Tensor, f64)>,
     w: &Tensor,
     norm: Option<&NormFuse<'_>>,
+    peer: Option<&PeerTail>,
 ) -> Result<Option<AddNormOut>> {
     let (out_dim, in_dim) = w.dims2()?;
     let dtype = x.dtype();
@@ -278,6 +322,9 @@ fn dense_mv_with(
     if (staged && gate_smem > GATED_MV_MAX_SMEM)
         || (normed.is_some() && (gate.is_some() || norm.is_some()))
     {
+        return Ok(None);
+    }
+    if peer.is_some() && !(one_row_kernel(rows) && gate.is_none() && norm.is_some()) {
         return Ok(None);
     }
     let Some((xc, x_stride)) = rows_of(x)? else {
@@ -315,6 +362,7 @@ fn dense_mv_with(
         n.check(&shape, dtype, "dense_matvec_add_norm")?;
     }
     let kind = match (gc.is_some(), normed.is_some(), norm.is_some()) {
+        _ if peer.is_some() => "dense_mv_peer_norm",
         (_, true, _) => "dense_mv_normed",
         (false, false, false) => "dense_mv",
         (true, false, false) => "dense_mv_gated",
@@ -368,6 +416,18 @@ fn dense_mv_with(
         let mut outs = NormOutputs::<E>::alloc(&dev, n, nf)?;
         let res = nf.res.contiguous()?;
         let nw = nf.w.contiguous()?;
+        #[cfg(feature = "nccl")]
+        if let Some(t) = peer {
+            bind!(xv, xc, E);
+            bind!(wv, w, E);
+            let mut b = func.builder();
+            b.arg(&params);
+            b.arg(&xv);
+            b.arg(&wv);
+            b.arg(&t.product);
+            launch_with_norm_tail!(b, nf, res, nw, outs, &t.counter, E, cfg, &t.args, &t.epochs);
+            return Ok(Some(outs.wrap(&dev, &shape)));
+        }
         // The product itself is only read back by the last block: a scratch buffer.
         with_scratch::<E, _>(&dev, "norm_product", n, |y| {
             with_norm_counter(&dev, |counter| {

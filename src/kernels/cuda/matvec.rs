@@ -142,7 +142,7 @@ pub(crate) fn qmatvec(
 /// Widest output [`packed_matvec_add_norm`] takes: the norm tail's register path at 128
 /// threads (`last_block_add_norm`). Wider rows go through the tail's plain loop, which made
 /// wide rows slower folded than apart.
-pub const PACKED_FOLD_MAX_WIDTH: usize = 4096;
+pub const PACKED_FOLD_MAX_WIDTH: usize = super::norm_tail::FOLD_MAX_WIDTH;
 
 /// Whether [`packed_matvec_add_norm`] serves `rows` activation rows of `x_dtype` through `w`.
 pub fn packed_matvec_folds_norm(x_dtype: DType, rows: usize, w: &PackedAffine) -> bool {

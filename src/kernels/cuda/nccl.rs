@@ -74,24 +74,10 @@ pub(crate) fn all_reduce_sum(comm: &RankComm, x: &Tensor) -> Result<Tensor, Kern
     })?)
 }
 
-/// `add_norm_ext(res, Σ y, w, eps, extra)` (the second branch summed too) in one peer-memory
-/// launch; `None` where that kernel does not serve ([`PeerSum::sum_add_norm`]) or the group
-/// has no peer access, and the caller sums and adds apart.
-///
-/// # Errors
-/// As [`all_reduce_sum`] and `add_norm_ext`.
-pub(crate) fn sum_add_norm(
-    comm: &RankComm,
-    res: &Tensor,
-    y: &Tensor,
-    w: &Tensor,
-    eps: f64,
-    extra: &super::layer_ops::AddNormExtra<'_>,
-) -> Result<Option<super::norm_tail::AddNormOut>, KernelError> {
-    match comm.peer.as_ref() {
-        Some(p) => Ok(p.sum_add_norm(res, y, w, eps, extra)?),
-        None => Ok(None),
-    }
+/// The rank's peer-memory sums ([`PeerSum`]: the fused sum + add-norm launches); `None` where
+/// the group has no peer access.
+pub(crate) fn peer(comm: &RankComm) -> Option<&PeerSum> {
+    comm.peer.as_ref()
 }
 
 /// Every rank's `x` (flattened), rank order, in one `[world * elements]` tensor.

@@ -104,18 +104,16 @@ __device__ __forceinline__ bool is_last_block(uint32_t* __restrict__ counter) {
     return is_last;
 }
 
-// After every block has stored its outputs, the last block to finish (a launch-wide counter,
-// left at zero for the next launch) computes for each row out = (res + rms(y) * w) [* scalar]
-// and the norms of out asked for, rounded as the add_norm kernel rounds them.
-// P: the product's parameters (`rows`, `out_dim`).
+// One block computes for each row out = (res + rms(y) * w) [* scalar] and the norms of out
+// asked for, rounded as the add_norm kernel rounds them (y as other blocks of the launch
+// stored it). P: the product's parameters (`rows`, `out_dim`).
 template <typename T, int THREADS, typename P>
-__device__ __forceinline__ void last_block_add_norm(
+__device__ __forceinline__ void block_add_norm(
     const P& p, const MvNormParams& n, const T* __restrict__ y,
     const T* __restrict__ res, const T* __restrict__ w, const T* __restrict__ scalar,
     const T* __restrict__ w2, const T* __restrict__ w3, T* __restrict__ out, T* __restrict__ out2,
-    T* __restrict__ out3, uint32_t* __restrict__ counter) {
+    T* __restrict__ out3) {
     __shared__ float nred[THREADS / 32];
-    if (!is_last_block(counter)) return;
     const int dim = (int)p.out_dim;
     const float s = (n.flags & 1) ? to_f(scalar[0]) : 1.f;
     // Rows up to 4096 wide whose rows and weights are 16-byte aligned: each thread keeps its
@@ -219,6 +217,18 @@ __device__ __forceinline__ void last_block_add_norm(
             if (n.flags & 4) out3[base + i] = from_f<T>(o * inv2 * to_f(w3[i]));
         }
     }
+}
+
+// After every block has stored its outputs, the last block to finish (a launch-wide counter,
+// left at zero for the next launch) runs `block_add_norm`.
+template <typename T, int THREADS, typename P>
+__device__ __forceinline__ void last_block_add_norm(
+    const P& p, const MvNormParams& n, const T* __restrict__ y,
+    const T* __restrict__ res, const T* __restrict__ w, const T* __restrict__ scalar,
+    const T* __restrict__ w2, const T* __restrict__ w3, T* __restrict__ out, T* __restrict__ out2,
+    T* __restrict__ out3, uint32_t* __restrict__ counter) {
+    if (!is_last_block(counter)) return;
+    block_add_norm<T, THREADS>(p, n, y, res, w, scalar, w2, w3, out, out2, out3);
 }
 
 // The residual add + norm runs one row per block at decode: more threads, shorter serial loops.

@@ -10,6 +10,11 @@ use super::device::{check_dtype, wrap};
 use super::layer_ops::AddNormExtra;
 use super::scratch::with_kept;
 
+/// Widest output row whose folded add + norm keeps its elements in registers
+/// (`last_block_add_norm`'s fast path); wider rows take its plain loop, which is slower folded
+/// than apart.
+pub const FOLD_MAX_WIDTH: usize = 4096;
+
 /// The sum of a residual add + norm and the norms of it asked for.
 pub type AddNormOut = (Tensor, Option<Tensor>, Option<Tensor>);
 
@@ -93,11 +98,12 @@ impl<E: DeviceRepr + candle_core::cuda_backend::CudaDType> NormOutputs<E> {
     }
 }
 
-/// Pushes a norm tail's arguments (`DMV_NORM_ARGS` in `dense_matvec.cu`) after the product's output on
-/// the launch `$b`, then launches it under `$cfg`. The argument views are bound here, at the
+/// Pushes a norm tail's arguments (`DMV_NORM_ARGS` in `dense_matvec.cu`) after the product's
+/// output on the launch `$b`, then any `$more`, then launches it under `$cfg`. The argument views are bound here, at the
 /// call site, so that they live until the launch.
 macro_rules! launch_with_norm_tail {
-    ($b:ident, $nf:expr, $res:expr, $nw:expr, $outs:expr, $counter:expr, $ty:ty, $cfg:expr) => {{
+    ($b:ident, $nf:expr, $res:expr, $nw:expr, $outs:expr, $counter:expr, $ty:ty, $cfg:expr
+     $(, $more:expr)*) => {{
         let e = $nf.extra;
         $crate::kernels::cuda::device::bind!(rv, $res, $ty);
         $crate::kernels::cuda::device::bind!(nwv, $nw, $ty);
@@ -124,8 +130,10 @@ macro_rules! launch_with_norm_tail {
         };
         $b.arg($counter);
         $b.arg(&np);
+        $($b.arg($more);)*
         // SAFETY: the caller pushed the product's arguments in the kernel's order; these follow
-        // DMV_NORM_ARGS; the counter is zero between launches.
+        // DMV_NORM_ARGS, then any further arguments the kernel takes (`$more`, a peer tail's);
+        // the counter is zero between launches.
         unsafe { $b.launch($cfg) }.w()?;
     }};
 }

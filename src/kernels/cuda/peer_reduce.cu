@@ -19,36 +19,12 @@
 // block of 1024 threads exchanges them and goes straight on to the add + norms (32 blocks, a
 // launch-wide counter and a last block measured 0.98-0.99x of that on 26B-A4B at batch 1, 2
 // H100s). They keep their own epoch and their own region of the receive buffers, so their
-// one-block calls never meet the multi-block calls' words.
+// one-block calls never meet the multi-block calls' words. The one-row dense products with a
+// peer tail (`dense_mv_peer_norm`, dense_matvec.cu) take the same epoch and region in turn:
+// each block sends its outputs as it stores them, and the last one sums and adds.
 #include "common.cuh"
 #include "norm_tail.cuh"
-
-#define PEER_MAX_RANKS 8
-#define PEER_MAX_BLOCKS 32
-// The epoch of the one-block `_add_norm` kernels, after the multi-block calls' epochs.
-#define PEER_FUSED_EPOCH PEER_MAX_BLOCKS
-
-struct PeerArgs {
-    unsigned long long recv[PEER_MAX_RANKS];  // every rank's receive buffer: the multi-block
-                                              // region [2 halves][world senders][cap words],
-                                              // then the fused region (fcap words a sender)
-    unsigned int rank;
-    unsigned int world;
-    unsigned int n;     // elements
-    unsigned int cap;   // words a sender's slot holds (multi-block region)
-    unsigned int fcap;  // words a sender's slot holds (fused region)
-    unsigned int pad;
-};
-
-__device__ __forceinline__ void store_word(unsigned long long* p, unsigned long long v) {
-    asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ unsigned long long load_word(const unsigned long long* p) {
-    unsigned long long v;
-    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
+#include "peer.cuh"
 
 // Two tensors summed as one vector: a's na elements, then b's (na even for 16-bit types, so
 // no word straddles them); n elements in all. One tensor: b = a, na = n.
@@ -122,17 +98,7 @@ __device__ void peer_all_reduce(const PeerArgs a, const Segments<T> x, unsigned 
             if (r == a.rank) {
                 word = word_of(x, w);
             } else {
-                const unsigned long long* at = mine + half + (size_t)r * cap + w;
-                unsigned long long v = load_word(at);
-                // A peer that never sends (its rank failed) would hold this thread forever:
-                // after about half a minute the kernel traps, which fails every later call on
-                // this device instead.
-                const long long start = clock64();
-                while ((unsigned int)(v >> 32) != epoch) {
-                    if (clock64() - start > (1ll << 36)) __trap();
-                    v = load_word(at);
-                }
-                word = (unsigned int)v;
+                word = wait_word(mine + half + (size_t)r * cap + w, epoch);
             }
             add_word<T>(s, word);
         }

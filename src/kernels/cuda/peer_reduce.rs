@@ -110,11 +110,26 @@ struct Prepared {
     cfg: LaunchConfig,
 }
 
+/// What a product with a peer tail (`last_block_peer_add_norm` in `peer.cuh`) takes after its
+/// norm tail's arguments: the call's arguments and this rank's epochs.
+pub(super) struct PeerTail {
+    pub(super) args: PeerArgs,
+    pub(super) epochs: u64,
+    /// The product's own output (this rank's part, then the sum): `2 * fcap` 16-bit elements,
+    /// this rank's for good, so a graph capture never meets a buffer that has to grow.
+    pub(super) product: u64,
+    /// The product's launch-wide counter (zero between launches).
+    pub(super) counter: u64,
+}
+
 /// One rank's side of the peer-memory all-reduce.
 pub(crate) struct PeerSum {
     args: PeerArgs,
     /// This rank's epochs: one per block of the plain sums, then the fused kernels' one.
     epochs: u64,
+    /// This rank's product buffer and counter of [`PeerSum::product_add_norm`] (`4 * fcap`
+    /// bytes, then 4).
+    tail: u64,
     dev: CudaDevice,
     /// Every rank's buffers, kept alive until the last rank's handle is dropped.
     _buffers: Arc<Vec<Raw>>,
@@ -191,15 +206,22 @@ pub(crate) fn peer_sums(devices: &[CudaDevice], max_bytes: usize) -> Result<Opti
         .collect::<Result<Vec<_>>>()?;
     let epoch_ptrs: Vec<u64> = epochs.iter().map(|e| e.ptr).collect();
     buffers.extend(epochs);
+    let tails = devices
+        .iter()
+        .map(|d| Raw::zeroed(d.cuda_stream().context(), 4 * fcap + 16))
+        .collect::<Result<Vec<_>>>()?;
+    let tail_ptrs: Vec<u64> = tails.iter().map(|t| t.ptr).collect();
+    buffers.extend(tails);
     let buffers = Arc::new(buffers);
     Ok(Some(
         devices
             .iter()
-            .zip(epoch_ptrs)
+            .zip(epoch_ptrs.into_iter().zip(tail_ptrs))
             .enumerate()
-            .map(|(r, (d, epochs))| PeerSum {
+            .map(|(r, (d, (epochs, tail)))| PeerSum {
                 args: args.of_rank(r as u32),
                 epochs,
+                tail,
                 dev: d.clone(),
                 _buffers: buffers.clone(),
             })
@@ -220,6 +242,33 @@ impl PeerSum {
         (blocks, threads): (u32, u32),
         fused: bool,
     ) -> Result<Option<Prepared>> {
+        let Some((dev, args)) = self.args_for(t, elements, fused)? else {
+            return Ok(None);
+        };
+        let dtype = t.dtype();
+        let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), &PEER_REDUCE)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        Ok(Some(Prepared {
+            dev,
+            args,
+            func,
+            cfg,
+        }))
+    }
+
+    /// The device and the call's arguments for a sum of `elements` elements of `t`'s dtype on
+    /// `t`'s device; `None` when they exceed their region of the receive buffers (`fused`: the
+    /// fused calls' region).
+    fn args_for(
+        &self,
+        t: &Tensor,
+        elements: usize,
+        fused: bool,
+    ) -> Result<Option<(CudaDevice, PeerArgs)>> {
         let dtype = t.dtype();
         if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
             candle_core::bail!("the peer all-reduce does not take {dtype:?}");
@@ -235,18 +284,41 @@ impl PeerSum {
         }
         let mut args = self.args;
         args.n = u32_of(elements, "elements")?;
-        let func = load_kernel(&dev, &format!("{kernel}_{}", tn(dtype)?), &PEER_REDUCE)?;
-        let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
+        Ok(Some((dev, args)))
+    }
+
+    /// `add_norm_ext(res, Σ x · Wᵀ, norm_w, eps, extra)` for one row `x` of a row-parallel
+    /// dense weight `w` (this rank's input columns) in one launch: the product's blocks send
+    /// their outputs to the peers as they store them, and its last block sums over the ranks
+    /// and adds ([`super::dense_matvec::dense_matvec_peer_add_norm`]). `None` where that kernel
+    /// does not serve (more rows, another dtype, an odd width, outputs beyond the fused region);
+    /// the caller then runs the product and [`PeerSum::sum_add_norm`]. Every rank must call it
+    /// as it calls [`PeerSum::sum`].
+    ///
+    /// # Errors
+    /// As [`super::dense_matvec::dense_matvec_add_norm`].
+    pub(crate) fn product_add_norm(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        res: &Tensor,
+        norm_w: &Tensor,
+        eps: f64,
+        extra: &AddNormExtra<'_>,
+    ) -> Result<Option<super::norm_tail::AddNormOut>> {
+        if !matches!(res.dtype(), DType::F16 | DType::BF16) || res.elem_count() % 2 != 0 {
+            return Ok(None);
+        }
+        let Some((_, args)) = self.args_for(res, res.elem_count(), true)? else {
+            return Ok(None);
         };
-        Ok(Some(Prepared {
-            dev,
+        let tail = PeerTail {
             args,
-            func,
-            cfg,
-        }))
+            epochs: self.epochs,
+            product: self.tail,
+            counter: self.tail + 4 * u64::from(self.args.fcap),
+        };
+        super::dense_matvec::dense_matvec_peer_add_norm(x, w, res, norm_w, eps, extra, &tail)
     }
 
     /// The sum of `x` over every rank, in a new tensor; `None` when `x` is larger than the

@@ -276,10 +276,45 @@ impl Collective {
         eps: f64,
         extra: &crate::kernels::cuda::layer_ops::AddNormExtra<'_>,
     ) -> Result<Option<crate::kernels::cuda::norm_tail::AddNormOut>> {
+        let rows = y.elem_count() / w.elem_count().max(1);
+        self.fused_peer_call(rows, |p| p.sum_add_norm(res, y, w, eps, extra))
+    }
+
+    /// `add_norm_ext(res, Σ x · Wᵀ, norm_w, eps, extra)` for one row `x` and this rank's
+    /// columns `w` of a row-parallel dense weight, the product, the sum and the add in one
+    /// launch, where [`Collective::sum_add_norm`] would take one launch for the sum and the add;
+    /// `None` where it would decline, or the product kernel does not serve. Every rank must
+    /// call it where it would call [`Collective::sum`].
+    ///
+    /// # Errors
+    /// As [`Collective::sum`].
+    #[cfg(feature = "nccl")]
+    pub(crate) fn product_sum_add_norm(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        res: &Tensor,
+        norm_w: &Tensor,
+        eps: f64,
+        extra: &crate::kernels::cuda::layer_ops::AddNormExtra<'_>,
+    ) -> Result<Option<crate::kernels::cuda::norm_tail::AddNormOut>> {
+        let rows = res.elem_count() / norm_w.elem_count().max(1);
+        self.fused_peer_call(rows, |p| p.product_add_norm(x, w, res, norm_w, eps, extra))
+    }
+
+    /// Runs `call` on this rank's peer-memory sums for a fused launch of `rows` rows, every rank
+    /// between two meetings; counted as a sum when it launched. `None` (the caller sums and adds
+    /// apart) in a group of one, on CPU ranks, without peer access, in eager steps, for more
+    /// rows than the fused kernels take, or where `call` declines.
+    #[cfg(feature = "nccl")]
+    fn fused_peer_call<R>(
+        &self,
+        rows: usize,
+        call: impl FnOnce(&crate::kernels::cuda::peer_reduce::PeerSum) -> candle_core::Result<Option<R>>,
+    ) -> Result<Option<R>> {
         let Some(r) = &self.0 else {
             return Ok(None);
         };
-        let rows = y.elem_count() / w.elem_count().max(1);
         // Only inside a decode graph's capture (every rank captures the same step, so every
         // rank decides alike). Eager steps, which graphs leave to the first step at a batch
         // size, keep the sum and the add-norm apart: the fused launch saves microseconds that
@@ -299,10 +334,13 @@ impl Collective {
         let Backend::Nccl(c) = comm else {
             return Ok(None);
         };
+        let Some(peer) = crate::kernels::cuda::nccl::peer(c) else {
+            return Ok(None);
+        };
         // Whether the fused kernel serves depends only on shapes every rank shares, so every
         // rank takes the same way.
         r.group.meet(r.rank, r.world)?;
-        let out = crate::kernels::cuda::nccl::sum_add_norm(c, res, y, w, eps, extra)?;
+        let out = call(peer).map_err(KernelError::from)?;
         r.group.meet(r.rank, r.world)?;
         if out.is_some() {
             r.calls.fetch_add(1, Ordering::Relaxed);

@@ -201,6 +201,10 @@ pub(crate) fn product_reduce_add_norm(
     if sum.world() == 1 {
         return product_add_norm(w, x, gate, a);
     }
+    #[cfg(feature = "nccl")]
+    if let Some(out) = peer_product_add_norm(w, x, gate, a, sum)? {
+        return Ok(out);
+    }
     let y = match gate {
         Some(g) => matvec::matmul_gated(x, g, w)?,
         None => matvec::matmul(x, w)?,
@@ -223,6 +227,36 @@ pub(crate) fn product_reduce_add_norm(
         }
     }
     add_norms(&sum.sum(&y)?, a)
+}
+
+/// The product, its sum over `sum`'s group and the add + norms in one launch, where the
+/// weight is dense, there is no gate and [`super::collective::Collective::product_sum_add_norm`]
+/// serves; `None` otherwise.
+#[cfg(feature = "nccl")]
+fn peer_product_add_norm(
+    w: &Weight,
+    x: &Tensor,
+    gate: Option<&Tensor>,
+    a: &ProductAddNorm<'_>,
+    sum: &super::collective::Collective,
+) -> Result<Option<AddNormOut>> {
+    let Weight::Dense(l) = w else {
+        return Ok(None);
+    };
+    if gate.is_some()
+        || !super::fused(x.device())
+        || a.norm.weight.dtype() != a.res.dtype()
+        || (a.next2.is_some() && a.next.is_none())
+    {
+        return Ok(None);
+    }
+    let extra = crate::kernels::cuda::layer_ops::AddNormExtra {
+        scalar: a.scalar,
+        next: a.next.map(|n| n.weight),
+        next2: a.next2.map(|n| n.weight),
+        second_branch: None,
+    };
+    sum.product_sum_add_norm(x, l.weight(), a.res, a.norm.weight, a.norm.eps, &extra)
 }
 
 /// [`add_two_branch_norm`] of the two branches' sums over `sum`'s group (row-parallel partial
