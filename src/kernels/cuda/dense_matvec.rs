@@ -17,11 +17,11 @@ use super::norm_tail::{
 };
 #[cfg(feature = "nccl")]
 use super::peer_reduce::PeerTail;
+use super::scratch::with_scratch;
 
 /// Without the `nccl` feature no product sums over a group (no value of this type exists).
 #[cfg(not(feature = "nccl"))]
 enum PeerTail {}
-use super::scratch::with_scratch;
 
 /// Activation rows the dense matvec kernel takes (the mma's N).
 pub const DENSE_MV_MAX_ROWS: usize = 8;
