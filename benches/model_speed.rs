@@ -70,6 +70,12 @@ struct Args {
     /// printed ids and logits are not the model's.
     #[arg(long)]
     spread_routing: bool,
+    /// Decode: read the greedy ids back only after a round's last step, so the host enqueues
+    /// each step while the GPU runs the one before (the bench's input ids do not depend on
+    /// the output). Against the default, which reads every step back as greedy generation
+    /// does, this shows what the host's turn between two steps costs.
+    #[arg(long)]
+    pipelined: bool,
     /// Passed by `cargo bench` to every bench; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -379,10 +385,13 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                 for round in 0..args.rounds.max(1) {
                     let mut enqueue = 0.0;
                     let t = Instant::now();
-                    for _ in 0..args.steps {
+                    for step in 0..args.steps {
                         let e = Instant::now();
                         let logits = model.forward(&tokens, &mut cache)?;
                         enqueue += e.elapsed().as_secs_f64();
+                        if args.pipelined && step + 1 < args.steps {
+                            continue;
+                        }
                         let ids = greedy(&logits)?;
                         if round == 0 {
                             step_ids.push(ids[0]);
@@ -412,6 +421,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                             "model": name, "weights": weights, "kv": kv, "fused": fused, "tp": tp,
                             "spread_routing": args.spread_routing,
                             "op": "decode", "batch": b, "context": ctx, "cuda_graph": graph,
+                            "pipelined": args.pipelined,
                             "tok_s": b as f64 / secs, "step_ms": secs * 1e3, "host_ms": host_ms,
                             "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,
                             "all_reduces_per_step": ar_calls, "all_reduce_ms": ar_ms,
