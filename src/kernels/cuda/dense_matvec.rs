@@ -235,8 +235,9 @@ pub fn dense_matvec_geglu(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     })
 }
 
-/// [`dense_matvec_add_norm`] of one row `x` and a row-parallel weight `w` (this rank's input
-/// columns), its output summed over the ranks of `peer`'s group before the add: each block
+/// [`dense_matvec_add_norm`] (the add + norm `fuse`) of one row `x` and a row-parallel weight
+/// `w` (this rank's input columns), its output summed over the ranks of `peer`'s group before
+/// the add: each block
 /// sends its outputs to the peers as it stores them, and the last block sums and adds
 /// (`dense_mv_peer_norm`). `None` where it does not apply (more rows, a gate, an odd output
 /// width or one over [`super::norm_tail::FOLD_MAX_WIDTH`], or where [`dense_matvec_add_norm`]
@@ -248,27 +249,18 @@ pub fn dense_matvec_geglu(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
 pub(super) fn dense_matvec_peer_add_norm(
     x: &Tensor,
     w: &Tensor,
-    res: &Tensor,
-    norm_w: &Tensor,
-    eps: f64,
-    extra: &AddNormExtra<'_>,
+    fuse: &NormFuse<'_>,
     peer: &PeerTail,
 ) -> Result<Option<AddNormOut>> {
     let (out_dim, in_dim) = w.dims2()?;
-    if extra.second_branch.is_some()
+    if fuse.extra.second_branch.is_some()
         || out_dim % 2 != 0
         || out_dim > super::norm_tail::FOLD_MAX_WIDTH
         || x.elem_count() != in_dim
     {
         return Ok(None);
     }
-    let fuse = NormFuse {
-        res,
-        w: norm_w,
-        eps,
-        extra,
-    };
-    dense_mv_with(x, None, None, w, Some(&fuse), Some(peer))
+    dense_mv_with(x, None, None, w, Some(fuse), Some(peer))
 }
 
 fn dense_mv(

@@ -18,12 +18,17 @@ pub const FOLD_MAX_WIDTH: usize = 4096;
 /// The sum of a residual add + norm and the norms of it asked for.
 pub type AddNormOut = (Tensor, Option<Tensor>, Option<Tensor>);
 
-/// The residual add + norm folded into a product.
-pub(super) struct NormFuse<'a> {
-    pub(super) res: &'a Tensor,
-    pub(super) w: &'a Tensor,
-    pub(super) eps: f64,
-    pub(super) extra: &'a AddNormExtra<'a>,
+/// The residual add + norm folded into a product: `add_norm_ext(res, y, w, eps, extra)` of
+/// its output `y`.
+pub(crate) struct NormFuse<'a> {
+    /// The residual.
+    pub(crate) res: &'a Tensor,
+    /// The norm's weight.
+    pub(crate) w: &'a Tensor,
+    /// The norm's epsilon.
+    pub(crate) eps: f64,
+    /// The scalar, the next norms and the second branch.
+    pub(crate) extra: &'a AddNormExtra<'a>,
 }
 
 impl NormFuse<'_> {

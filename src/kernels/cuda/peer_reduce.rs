@@ -20,6 +20,7 @@ use candle_core::{DType, Result, Tensor};
 use super::device::{bind, by_dtype, cuda_dev, tn, u32_of, wrap};
 use super::kernel_cache::{load_kernel, Arg, Kernel, LaunchArg, PEER_REDUCE};
 use super::layer_ops::{add_norm_params, AddNormExtra, ADD_NORM_THREADS};
+use super::norm_tail::NormFuse;
 
 /// Most GPUs a group may have (`PEER_MAX_RANKS` in `peer_reduce.cu`).
 pub(crate) const MAX_RANKS: usize = 8;
@@ -287,8 +288,8 @@ impl PeerSum {
         Ok(Some((dev, args)))
     }
 
-    /// `add_norm_ext(res, Σ x · Wᵀ, norm_w, eps, extra)` for one row `x` of a row-parallel
-    /// dense weight `w` (this rank's input columns) in one launch: the product's blocks send
+    /// The add + norm `fuse` of `Σ x · Wᵀ` for one row `x` of a row-parallel dense weight `w`
+    /// (this rank's input columns) in one launch: the product's blocks send
     /// their outputs to the peers as they store them, and its last block sums over the ranks
     /// and adds ([`super::dense_matvec::dense_matvec_peer_add_norm`]). `None` where that kernel
     /// does not serve (more rows, another dtype, an odd width, outputs beyond the fused region);
@@ -301,11 +302,9 @@ impl PeerSum {
         &self,
         x: &Tensor,
         w: &Tensor,
-        res: &Tensor,
-        norm_w: &Tensor,
-        eps: f64,
-        extra: &AddNormExtra<'_>,
+        fuse: &NormFuse<'_>,
     ) -> Result<Option<super::norm_tail::AddNormOut>> {
+        let res = fuse.res;
         if !matches!(res.dtype(), DType::F16 | DType::BF16) || res.elem_count() % 2 != 0 {
             return Ok(None);
         }
@@ -318,7 +317,7 @@ impl PeerSum {
             product: self.tail,
             counter: self.tail + 4 * u64::from(self.args.fcap),
         };
-        super::dense_matvec::dense_matvec_peer_add_norm(x, w, res, norm_w, eps, extra, &tail)
+        super::dense_matvec::dense_matvec_peer_add_norm(x, w, fuse, &tail)
     }
 
     /// The sum of `x` over every rank, in a new tensor; `None` when `x` is larger than the

@@ -280,11 +280,11 @@ impl Collective {
         self.fused_peer_call(rows, |p| p.sum_add_norm(res, y, w, eps, extra))
     }
 
-    /// `add_norm_ext(res, Σ x · Wᵀ, norm_w, eps, extra)` for one row `x` and this rank's
-    /// columns `w` of a row-parallel dense weight, the product, the sum and the add in one
-    /// launch, where [`Collective::sum_add_norm`] would take one launch for the sum and the add;
-    /// `None` where it would decline, or the product kernel does not serve. Every rank must
-    /// call it where it would call [`Collective::sum`].
+    /// The add + norm `fuse` of `Σ x · Wᵀ` for one row `x` and this rank's columns `w` of a
+    /// row-parallel dense weight: the product, the sum and the add in one launch, where
+    /// [`Collective::sum_add_norm`] would take one launch for the sum and the add; `None` where
+    /// it would decline, or the product kernel does not serve. Every rank must call it where it
+    /// would call [`Collective::sum`].
     ///
     /// # Errors
     /// As [`Collective::sum`].
@@ -293,13 +293,10 @@ impl Collective {
         &self,
         x: &Tensor,
         w: &Tensor,
-        res: &Tensor,
-        norm_w: &Tensor,
-        eps: f64,
-        extra: &crate::kernels::cuda::layer_ops::AddNormExtra<'_>,
+        fuse: &crate::kernels::cuda::norm_tail::NormFuse<'_>,
     ) -> Result<Option<crate::kernels::cuda::norm_tail::AddNormOut>> {
-        let rows = res.elem_count() / norm_w.elem_count().max(1);
-        self.fused_peer_call(rows, |p| p.product_add_norm(x, w, res, norm_w, eps, extra))
+        let rows = fuse.res.elem_count() / fuse.w.elem_count().max(1);
+        self.fused_peer_call(rows, |p| p.product_add_norm(x, w, fuse))
     }
 
     /// Runs `call` on this rank's peer-memory sums for a fused launch of `rows` rows, every rank

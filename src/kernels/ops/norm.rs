@@ -256,7 +256,13 @@ fn peer_product_add_norm(
         next2: a.next2.map(|n| n.weight),
         second_branch: None,
     };
-    sum.product_sum_add_norm(x, l.weight(), a.res, a.norm.weight, a.norm.eps, &extra)
+    let fuse = crate::kernels::cuda::norm_tail::NormFuse {
+        res: a.res,
+        w: a.norm.weight,
+        eps: a.norm.eps,
+        extra: &extra,
+    };
+    sum.product_sum_add_norm(x, l.weight(), &fuse)
 }
 
 /// [`add_two_branch_norm`] of the two branches' sums over `sum`'s group (row-parallel partial
