@@ -159,6 +159,26 @@ pub(crate) struct ProductAddNorm<'a> {
     pub next2: Option<Norm<'a>>,
 }
 
+#[cfg(feature = "cuda")]
+impl ProductAddNorm<'_> {
+    /// The scalar and next norms as the CUDA add-norm kernels take them (no second branch).
+    fn extra(&self) -> crate::kernels::cuda::layer_ops::AddNormExtra<'_> {
+        crate::kernels::cuda::layer_ops::AddNormExtra {
+            scalar: self.scalar,
+            next: self.next.map(|n| n.weight),
+            next2: self.next2.map(|n| n.weight),
+            second_branch: None,
+        }
+    }
+
+    /// Whether a product's last block can run this add + norm: the norm weight in the
+    /// residual's dtype, and a second next norm only with a first.
+    fn foldable(&self) -> bool {
+        self.norm.weight.dtype() == self.res.dtype()
+            && (self.next.is_some() || self.next2.is_none())
+    }
+}
+
 /// The sum and the norms of it that [`product_add_norm`] was asked for.
 pub(crate) type AddNormOut = (Tensor, Option<Tensor>, Option<Tensor>);
 
@@ -216,12 +236,7 @@ pub(crate) fn product_reduce_add_norm(
         crate::kernels::cuda::layer_ops::ADD_NORM_MAX_WIDTH,
     ) && (a.next.is_some() || a.next2.is_none())
     {
-        let extra = crate::kernels::cuda::layer_ops::AddNormExtra {
-            scalar: a.scalar,
-            next: a.next.map(|n| n.weight),
-            next2: a.next2.map(|n| n.weight),
-            second_branch: None,
-        };
+        let extra = a.extra();
         if let Some(out) = sum.sum_add_norm(a.res, &y, a.norm.weight, a.norm.eps, &extra)? {
             return Ok(out);
         }
@@ -243,19 +258,10 @@ fn peer_product_add_norm(
     let Weight::Dense(l) = w else {
         return Ok(None);
     };
-    if gate.is_some()
-        || !super::fused(x.device())
-        || a.norm.weight.dtype() != a.res.dtype()
-        || (a.next2.is_some() && a.next.is_none())
-    {
+    if gate.is_some() || !super::fused(x.device()) || !a.foldable() {
         return Ok(None);
     }
-    let extra = crate::kernels::cuda::layer_ops::AddNormExtra {
-        scalar: a.scalar,
-        next: a.next.map(|n| n.weight),
-        next2: a.next2.map(|n| n.weight),
-        second_branch: None,
-    };
+    let extra = a.extra();
     let fuse = crate::kernels::cuda::norm_tail::NormFuse {
         res: a.res,
         w: a.norm.weight,
@@ -318,19 +324,11 @@ fn folded(
     gate: Option<&Tensor>,
     a: &ProductAddNorm<'_>,
 ) -> Result<Option<AddNormOut>> {
-    if !super::fused(x.device())
-        || a.norm.weight.dtype() != a.res.dtype()
-        || (a.next2.is_some() && a.next.is_none())
-    {
+    if !super::fused(x.device()) || !a.foldable() {
         return Ok(None);
     }
     let rows = super::rows_of(x);
-    let extra = crate::kernels::cuda::layer_ops::AddNormExtra {
-        scalar: a.scalar,
-        next: a.next.map(|n| n.weight),
-        next2: a.next2.map(|n| n.weight),
-        second_branch: None,
-    };
+    let extra = a.extra();
     let (norm_w, eps) = (a.norm.weight, a.norm.eps);
     match w {
         Weight::Dense(l) => {
