@@ -237,11 +237,12 @@ impl ModelBuilder {
         let config = Config::from_dir(&dir)?;
         let fingerprint = fingerprint(&dir, self.dtype)?;
         let tokenizer = load_tokenizer(&dir)?;
+        let unit = crate::shard::cut_unit(quantization_group(&dir));
         // Checked once here, so a config that does not split fails before any thread starts.
-        ShardPlan::new(&config, 0, world)?;
+        ShardPlan::with_cut_unit(&config, 0, world, unit)?;
         ShardedModel::load(world, |rank| {
             let device = device(rank)?;
-            let plan = ShardPlan::new(&config, rank, world)?;
+            let plan = ShardPlan::with_cut_unit(&config, rank, world, unit)?;
             let local = plan.local_config(&config);
             let store = WeightStore::open(&dir, &device, self.dtype)?.with_shard(plan);
             Ok(Model {
@@ -274,6 +275,28 @@ impl ModelBuilder {
         }
         Ok(())
     }
+}
+
+/// The largest quantization group a checkpoint's `config.json` declares (MLX `quantization`
+/// or `quantization_config`, its per-module entries included), if it declares any: a sharded
+/// load then cuts widths only between groups (128 when the sizes cannot be read).
+fn quantization_group(dir: &Path) -> Option<usize> {
+    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let of = |v: &serde_json::Value| {
+        let q = ["quantization", "quantization_config"]
+            .iter()
+            .find_map(|k| v.get(k))?;
+        let group = |e: &serde_json::Value| e.get("group_size").and_then(|g| g.as_u64());
+        let per_module = q
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(_, e)| group(e));
+        let largest = group(q).into_iter().chain(per_module).max();
+        Some(largest.map_or(128, |g| g as usize))
+    };
+    of(&json).or_else(|| json.get("text_config").and_then(of))
 }
 
 /// `tokenizer.json` of a checkpoint folder, when present.
@@ -358,10 +381,11 @@ impl Model {
         packing: Option<(crate::kv::QuantBits, usize)>,
     ) -> Result<ShardedModel> {
         let world = ordinals.len().max(1);
-        ShardPlan::new(&config, 0, world)?;
+        let unit = crate::shard::cut_unit(packing.map(|(_, group)| group));
+        ShardPlan::with_cut_unit(&config, 0, world, unit)?;
         ShardedModel::load(world, |rank| {
             let device = Device::new_cuda(ordinals.get(rank).copied().unwrap_or(0))?;
-            let plan = ShardPlan::new(&config, rank, world)?;
+            let plan = ShardPlan::with_cut_unit(&config, rank, world, unit)?;
             let local = plan.local_config(&config);
             let store = match packing {
                 Some((bits, group)) => {
@@ -603,4 +627,26 @@ fn fingerprint(dir: &Path, dtype: DType) -> Result<String> {
 /// model, the difference is the model's resident size as the driver sees it.
 pub fn device_memory_in_use(device: &Device) -> Option<usize> {
     crate::kernels::ops::memory::device_memory_in_use(device)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    #[test]
+    fn the_largest_declared_quantization_group_bounds_the_cut() {
+        let fixture = |name: &str| {
+            super::quantization_group(
+                &Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("fixtures")
+                    .join(name),
+            )
+        };
+        // Group 32 overall, 64 for the per-layer table.
+        assert_eq!(fixture("e2b-q4"), Some(64));
+        assert_eq!(fixture("e2b-q8"), Some(64));
+        assert_eq!(fixture("moe-q4"), Some(64));
+        assert_eq!(fixture("moe-mlx"), None);
+        assert_eq!(fixture("e2b-hf"), None);
+    }
 }

@@ -94,10 +94,35 @@ impl TensorSlice {
     }
 }
 
+/// The finest cut of a dense (unquantized) checkpoint's widths: even parts where a width
+/// splits into multiples of 32 (26B-A4B's experts, 704 wide, in two halves of 352), which the
+/// dense kernels take at full speed.
+pub const DENSE_CUT_UNIT: usize = 32;
+
+/// The finest cut that keeps every quantization group of `group` columns whole (`None`: a
+/// dense checkpoint, [`DENSE_CUT_UNIT`]).
+pub fn cut_unit(group: Option<usize>) -> usize {
+    group.map_or(DENSE_CUT_UNIT, |g| g.max(1))
+}
+
 /// `len` elements in `world` contiguous parts, cut at multiples of the largest unit of 128, 64,
 /// ..., 1 that gives every part at least one unit; the parts are as even as those cuts allow.
 pub fn partition(len: usize, world: usize) -> Vec<Range<usize>> {
+    partition_in(len, world, 128)
+}
+
+/// [`partition`], but equal parts where `len` splits into `world` equal multiples of a unit of
+/// 128, 64, ... no finer than `finest` (a checkpoint's quantization group, [`cut_unit`]).
+pub fn partition_in(len: usize, world: usize, finest: usize) -> Vec<Range<usize>> {
     let world = world.max(1);
+    let even = [128, 64, 32, 16, 8, 4, 2, 1]
+        .into_iter()
+        .filter(|&u| u >= finest.max(1))
+        .any(|u| len > 0 && len % (u * world) == 0);
+    if even {
+        let part = len / world;
+        return (0..world).map(|r| r * part..(r + 1) * part).collect();
+    }
     let unit = [128, 64, 32, 16, 8, 4, 2, 1]
         .into_iter()
         .find(|&u| len >= u * world)
@@ -135,12 +160,27 @@ pub struct ShardPlan {
 }
 
 impl ShardPlan {
-    /// The plan of `rank` of `world` for `config`.
+    /// The plan of `rank` of `world` for `config`, with widths cut at multiples of 128
+    /// ([`partition`]), which keeps every quantization group whole.
     ///
     /// # Errors
     /// [`Error::Config`] when `rank >= world`, when `world` does not divide the query heads, or
     /// when a layer's KV heads neither divide by `world` nor divide it.
     pub fn new(config: &Config, rank: usize, world: usize) -> Result<Self> {
+        Self::with_cut_unit(config, rank, world, 128)
+    }
+
+    /// [`ShardPlan::new`], but widths that split evenly at a unit no finer than `finest`
+    /// ([`cut_unit`]) are split evenly ([`partition_in`]).
+    ///
+    /// # Errors
+    /// As [`ShardPlan::new`].
+    pub fn with_cut_unit(
+        config: &Config,
+        rank: usize,
+        world: usize,
+        finest: usize,
+    ) -> Result<Self> {
         if world == 0 || rank >= world {
             return Err(Error::Config {
                 field: "devices".to_string(),
@@ -180,11 +220,11 @@ impl ShardPlan {
         let mlp_full: Vec<usize> = config.layers.iter().map(|p| p.intermediate_size).collect();
         let mlp = mlp_full
             .iter()
-            .map(|&w| partition(w, world)[rank].clone())
+            .map(|&w| partition_in(w, world, finest)[rank].clone())
             .collect();
         let moe = config.moe.as_ref().map(|m| {
             (
-                partition(m.intermediate_size, world)[rank].clone(),
+                partition_in(m.intermediate_size, world, finest)[rank].clone(),
                 m.intermediate_size,
             )
         });

@@ -321,3 +321,37 @@ fn every_fixture_loads_sharded_over_two_ranks() {
         assert_eq!(max_abs_diff(&got, &want), 0.0, "{fixture}");
     }
 }
+
+#[test]
+fn dense_widths_split_evenly_and_packed_ones_keep_their_groups() {
+    // 26B-A4B's experts (704) and MLP (2112) in bf16: equal halves at the dense unit.
+    let unit = cut_unit(None);
+    assert_eq!(partition_in(704, 2, unit), vec![0..352, 352..704]);
+    assert_eq!(partition_in(2112, 2, unit), vec![0..1056, 1056..2112]);
+    // Packed at group 64: halves of 352 would cut a group, so the 128 cut stays.
+    assert_eq!(partition_in(704, 2, cut_unit(Some(64))), partition(704, 2));
+    assert_eq!(
+        partition_in(2112, 2, cut_unit(Some(64))),
+        partition(2112, 2)
+    );
+    // Group 32 packs split evenly too (352 = 11 groups).
+    assert_eq!(
+        partition_in(704, 2, cut_unit(Some(32))),
+        vec![0..352, 352..704]
+    );
+    // Widths that do not split evenly keep the coarse cut.
+    assert_eq!(partition_in(720, 2, unit), partition(720, 2));
+    for (len, world, finest) in [(704, 2, 32), (2112, 4, 32), (6144, 4, 64), (96, 2, 32)] {
+        let parts = partition_in(len, world, finest);
+        assert_tiles(&parts, len, &format!("{len} over {world} at {finest}"));
+        for p in &parts {
+            assert_eq!(p.start % 32, 0, "{parts:?}");
+        }
+    }
+    // A plan made with the dense unit gives rank 0 of 26B-A4B the even halves.
+    let cfg = real("26b-a4b");
+    let plan = ShardPlan::with_cut_unit(&cfg, 0, 2, unit).unwrap();
+    let local = plan.local_config(&cfg);
+    assert_eq!(local.moe.as_ref().unwrap().intermediate_size, 352);
+    assert_eq!(local.layers[0].intermediate_size, 1056);
+}
