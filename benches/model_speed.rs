@@ -20,7 +20,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_gemma::config::{Config, KvSource};
 use candle_gemma::kv::{CacheMode, ModelCache, QuantBits, QuantSpec};
-use candle_gemma::{CacheConfig, Model};
+use candle_gemma::{CacheConfig, GenOptions, Model};
 use clap::Parser;
 use serde_json::json;
 
@@ -76,6 +76,12 @@ struct Args {
     /// does, this shows what the host's turn between two steps costs.
     #[arg(long)]
     pipelined: bool,
+    /// Decode at batch 1 also through the crate's `Generator` (greedy, EOS ignored), with
+    /// `GenOptions::lookahead` off and on: the tokens a user's generation loop gets, at the
+    /// step time it sees. Prints `"op": "generate"` rows with the first tokens, which must be
+    /// the same with and without lookahead.
+    #[arg(long)]
+    generator: bool,
     /// Passed by `cargo bench` to every bench; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -364,6 +370,11 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
             }
         }
         for &ctx in &args.context {
+            if args.generator {
+                for lookahead in [false, true] {
+                    generate_point(model, args, p, kv, &cc, ctx, lookahead)?;
+                }
+            }
             for &b in args.batch.iter().filter(|&&b| b > 0) {
                 let seqs = (0..b)
                     .map(|i| prefill(model, &cc, ctx, i as u32).map(|c| c.cache))
@@ -432,6 +443,61 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                 }
             }
         }
+    }
+    Ok(())
+}
+
+/// Batch-1 decode through `Generator::stream` from a prompt of `ctx` tokens: the median over
+/// `args.rounds` generations (after one to warm up) of the time from the first token to the
+/// last over the steps between them. Each generation reuses the cached prompt (one token is
+/// prefilled again).
+fn generate_point(
+    model: &Model,
+    args: &Args,
+    p: &Point<'_>,
+    kv: &str,
+    cc: &CacheConfig,
+    ctx: usize,
+    lookahead: bool,
+) -> Result<()> {
+    let steps = args.steps.max(1);
+    let options = GenOptions {
+        max_tokens: steps + 1,
+        ignore_eos: true,
+        cache: *cc,
+        lookahead,
+        ..Default::default()
+    };
+    let mut generator = model.generator(options);
+    let vocab = model.config().vocab_size as u32;
+    let prompt: Vec<u32> = (0..ctx.max(1) as u32)
+        .map(|i| (i * 7919 + 3) % vocab)
+        .collect();
+    let mut rounds = Vec::new();
+    let mut tokens = Vec::new();
+    for round in 0..=args.rounds.max(1) {
+        let mut first = None;
+        let mut ids = Vec::new();
+        for step in generator.stream(&prompt)? {
+            ids.push(step?.token);
+            first.get_or_insert_with(Instant::now);
+        }
+        let secs = first.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        if round > 0 {
+            rounds.push(secs / steps as f64);
+        }
+        tokens = ids;
+    }
+    rounds.sort_by(f64::total_cmp);
+    let secs = rounds[rounds.len() / 2];
+    if model.rank() == 0 {
+        tokens.truncate(16);
+        println!(
+            "{}",
+            json!({"model": p.name, "weights": p.weights, "kv": kv, "tp": model.world(),
+                "op": "generate", "batch": 1, "context": ctx, "lookahead": lookahead,
+                "tok_s": 1.0 / secs, "step_ms": secs * 1e3, "tokens": tokens})
+        );
     }
     Ok(())
 }

@@ -80,6 +80,10 @@ struct Args {
     /// Keep generating past EOS.
     #[arg(long)]
     ignore_eos: bool,
+    /// Greedy decoding on CUDA: wait for each token on the host before the next step is
+    /// enqueued (`GenOptions::lookahead` off; the tokens are the same).
+    #[arg(long)]
+    no_lookahead: bool,
     /// Activation dtype.
     #[arg(long, value_enum, default_value_t = Dtype::F32)]
     dtype: Dtype,
@@ -155,6 +159,7 @@ fn options(args: &Args) -> Result<GenOptions> {
         ignore_eos: args.ignore_eos,
         cache: CacheConfig { mode },
         prefill_chunk: args.prefill_chunk,
+        lookahead: !args.no_lookahead,
         ..Default::default()
     };
     // `--top-p 2`, `--temperature NaN`, ... are refused with the option's name.

@@ -12,6 +12,7 @@
 //! * `grouped_gemm`: row blocks each times its own weight in one cuBLAS grouped product.
 //! * `moe`: expert routing and the grouped expert products, dense and packed.
 //! * `qmatmul`: the packed matmul (matvec and GEMM paths) and embedding lookup.
+//! * `lookahead`: greedy generation one step ahead against plain greedy generation.
 //! * `dense_matvec`: the tensor-core dense matvec family and the packed product with the
 //!   residual add + norm folded in.
 //!
@@ -50,6 +51,8 @@ mod dense_matvec;
 mod grouped_gemm;
 #[path = "cuda_kernels/layer_ops.rs"]
 mod layer_ops;
+#[path = "cuda_kernels/lookahead.rs"]
+mod lookahead;
 #[path = "cuda_kernels/moe.rs"]
 mod moe;
 #[path = "cuda_kernels/prefill.rs"]

@@ -42,11 +42,11 @@ use candle_core::{DType, Tensor};
 
 use super::model::TextModel;
 use super::routing::KvRouting;
-use super::step::Step;
+use super::step::{Step, StepIds};
 use super::KvInput;
 use crate::config::{KvSource, LayerKind};
 use crate::error::Result;
-use crate::kernels::ops::graph::{self, DecodeGraph, SeqRecord, StepRecord};
+use crate::kernels::ops::graph::{self, DecodeGraph, GraphInput, SeqRecord, StepRecord};
 use crate::kernels::QueryPlan;
 use crate::kv::{CacheMark, ModelCache};
 
@@ -190,18 +190,17 @@ impl DecodeGraphs {
     pub(crate) fn decode(
         &self,
         model: &TextModel,
-        batch: &[Vec<u32>],
+        ids: StepIds<'_>,
         cache: &mut ModelCache,
     ) -> Result<Option<Tensor>> {
-        let seqs = batch.len();
+        let seqs = ids.seqs();
         let most = crate::kernels::policy::current().cuda_graph_max_batch;
-        if seqs == 0 || seqs > most || batch.iter().any(|s| s.len() != 1) {
+        if seqs == 0 || seqs > most || !ids.one_each() {
             return Ok(None);
         }
         if !graph::available(model.device()) || !eligible(model, cache, seqs) {
             return Ok(None);
         }
-        let ids: Vec<u32> = batch.iter().map(|s| s[0]).collect();
         let mut states = match self.state.try_lock() {
             Ok(s) => s,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -224,11 +223,11 @@ impl DecodeGraphs {
                 // cache, so this step fills the cache.
                 let offsets = cache.offsets();
                 let logits = graph::with_cached_uploads(model.device(), || {
-                    model.run_eager(batch, offsets, cache)
+                    model.run_eager(ids, offsets, cache)
                 })?;
                 Ok(Some(logits))
             }
-            State::Cold { .. } => match capture(model, &ids, cache)? {
+            State::Cold { .. } => match capture(model, ids, cache)? {
                 Ok((captured, logits)) => {
                     *state = State::Ready(Box::new(captured));
                     Ok(Some(logits))
@@ -239,7 +238,7 @@ impl DecodeGraphs {
                 }
             },
             State::Ready(c) if !c.thread.ptr_eq(&this_thread()) => Ok(None),
-            State::Ready(c) => match replay(model, c, &ids, cache)? {
+            State::Ready(c) => match replay(model, c, ids, cache)? {
                 Replayed::Logits(logits) => Ok(Some(logits)),
                 Replayed::NotThisStep => Ok(None),
                 Replayed::Outgrown => {
@@ -452,17 +451,17 @@ fn record_sequence(
     Ok(Some(rec))
 }
 
-/// Captures this step (token `ids[b]` for sequence `b`) into a graph and launches it. The
-/// outer error is a failure of the step itself; the inner one says why no graph could be made
-/// (the cache is then as before and the caller runs the step eagerly).
+/// Captures this step (one new token a sequence) into a graph and launches it. The outer error
+/// is a failure of the step itself; the inner one says why no graph could be made (the cache is
+/// then as before and the caller runs the step eagerly).
 fn capture(
     model: &TextModel,
-    ids: &[u32],
+    ids: StepIds<'_>,
     cache: &mut ModelCache,
 ) -> Result<std::result::Result<(Captured, Tensor), String>> {
     let device = model.device();
     let dtype = model.dtype();
-    let seqs = ids.len();
+    let seqs = ids.seqs();
     // Storage for this token in every layer now: memory allocated during the capture belongs
     // to the graph and must not outlive it inside a cache.
     if let Some(l) = reserve_step(cache, device)? {
@@ -474,7 +473,7 @@ fn capture(
         return Ok(Err("a cache kind without marks".to_string()));
     };
     let positions = cache.offsets();
-    let ids = Tensor::from_vec(ids.to_vec(), (seqs, 1), device)?;
+    let ids = ids.to_owned_tensor(device)?;
     let rope_s = model.rope_sliding.both(&positions, 1, dtype, device)?;
     let rope_f = model.rope_full.both(&positions, 1, dtype, device)?;
     let out = Tensor::zeros((seqs, model.config().vocab_size), DType::F32, device)?;
@@ -529,10 +528,10 @@ enum Replayed {
 fn replay(
     model: &TextModel,
     c: &mut Captured,
-    ids: &[u32],
+    ids: StepIds<'_>,
     cache: &mut ModelCache,
 ) -> Result<Replayed> {
-    let planned = plan_replay(model, c, ids.len(), cache)?;
+    let planned = plan_replay(model, c, ids.seqs(), cache)?;
     let vote = match &planned {
         Planned::Ready { .. } => 0,
         Planned::Not(Replayed::Outgrown) => 2,
@@ -560,8 +559,16 @@ fn replay(
         let dtype = model.dtype();
         let rope_s = model.rope_sliding.both_bytes(&positions, 1, dtype)?;
         let rope_f = model.rope_full.both_bytes(&positions, 1, dtype)?;
-        let id_bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
-        c.graph.replay(&rec, &[&id_bytes, &rope_s, &rope_f])?;
+        let id_bytes: Vec<u8>;
+        let ids = match ids {
+            StepIds::Host(b) => {
+                id_bytes = b.iter().flatten().flat_map(|id| id.to_le_bytes()).collect();
+                GraphInput::Bytes(&id_bytes)
+            }
+            StepIds::Device(t) => GraphInput::Device(t),
+        };
+        let inputs = [ids, GraphInput::Bytes(&rope_s), GraphInput::Bytes(&rope_f)];
+        c.graph.replay(&rec, &inputs)?;
         model.collective().count_replayed(c.collectives);
         Ok(c.out.copy()?)
     })();

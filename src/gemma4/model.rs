@@ -8,7 +8,7 @@ use super::norm::RmsNorm;
 use super::ple::{self, scale_in_dtype, PerLayerEmbeddings};
 use super::rope::Rope;
 use super::routing::KvRouting;
-use super::step::Step;
+use super::step::{Step, StepIds};
 use super::{Embedding, Linear};
 use crate::config::{Config, KvSource, LayerKind};
 use crate::error::{Error, Result};
@@ -292,20 +292,77 @@ impl TextModel {
     fn forward_chunk(&self, batch: &[Vec<u32>], cache: &mut ModelCache) -> Result<Tensor> {
         let offsets = cache.offsets();
         self.validate(batch, &offsets)?;
-        if let Some(logits) = self.graphs.decode(self, batch, cache)? {
+        let ids = StepIds::Host(batch);
+        if let Some(logits) = self.graphs.decode(self, ids, cache)? {
             return Ok(logits);
         }
-        self.run_eager(batch, offsets, cache)
+        self.run_eager(ids, offsets, cache)
     }
 
-    /// Uploads `batch`'s ids and the rotary tables of its positions (`offsets`) and runs them.
+    /// Whether every id below the vocabulary size (every column of the logits) indexes the
+    /// embedding and, with PLE, the per-layer table: then a step may take ids picked on the
+    /// device without the host checking them ([`TextModel::forward_device_ids`]).
+    pub(crate) fn takes_device_ids(&self) -> bool {
+        self.ple.is_none() || self.config.vocab_size_per_layer_input >= self.config.vocab_size
+    }
+
+    /// One decode step whose ids, `[seqs, 1]` u32, are already on this model's device: the
+    /// previous step's greedy picks, not read back yet. Otherwise as [`TextModel::forward`]
+    /// with one token a sequence. The ids are not checked against the vocabulary (the host has
+    /// not seen them): a caller passes only ids below the vocabulary size, and only where
+    /// [`TextModel::takes_device_ids`] holds.
+    ///
+    /// # Errors
+    /// [`Error::Input`] for ids of another shape, dtype or device, or where device ids are not
+    /// taken; [`Error::ContextTooLong`]; cache errors.
+    pub(crate) fn forward_device_ids(
+        &self,
+        ids: &Tensor,
+        cache: &mut ModelCache,
+    ) -> Result<Tensor> {
+        let offsets = cache.offsets();
+        let seqs = offsets.len();
+        if ids.dims() != [seqs, 1]
+            || ids.dtype() != DType::U32
+            || !ids.device().same_device(&self.device)
+        {
+            return Err(Error::Input(format!(
+                "device ids must be [{seqs}, 1] u32 on the model's device, found {:?} {:?}",
+                ids.dims(),
+                ids.dtype()
+            )));
+        }
+        if !self.takes_device_ids() {
+            return Err(Error::Input(
+                "this checkpoint's per-layer table is smaller than its vocabulary: ids must be checked on the host"
+                    .to_string(),
+            ));
+        }
+        let max = self.config.max_position_embeddings;
+        if let Some(&o) = offsets.iter().max() {
+            if o + 1 > max {
+                return Err(Error::ContextTooLong { length: o + 1, max });
+            }
+        }
+        let ids = ids.contiguous()?;
+        let ids = StepIds::Device(&ids);
+        if let Some(logits) = self.graphs.decode(self, ids, cache)? {
+            return Ok(logits);
+        }
+        self.run_eager(ids, offsets, cache)
+    }
+
+    /// Runs `ids` at the positions `offsets` (with their rotary tables) through the stack.
     pub(super) fn run_eager(
         &self,
-        batch: &[Vec<u32>],
+        ids: StepIds<'_>,
         offsets: Vec<usize>,
         cache: &mut ModelCache,
     ) -> Result<Tensor> {
-        let (ids, step) = self.upload(batch, offsets)?;
+        let (ids, step) = match ids {
+            StepIds::Host(batch) => self.upload(batch, offsets)?,
+            StepIds::Device(t) => (t.clone(), self.step_at(offsets, 1)?),
+        };
         self.run(&ids, step, cache)
     }
 
@@ -316,15 +373,19 @@ impl TextModel {
         let b = batch.len();
         let flat: Vec<u32> = batch.iter().flatten().copied().collect();
         let ids = Tensor::from_vec(flat, (b, seq_len), &self.device)?;
-        let step = Step::new(
+        Ok((ids, self.step_at(offsets, seq_len)?))
+    }
+
+    /// The step of `seq_len` new tokens a sequence at `offsets`.
+    fn step_at(&self, offsets: Vec<usize>, seq_len: usize) -> Result<Step> {
+        Ok(Step::new(
             offsets,
             seq_len,
             &self.rope_sliding,
             &self.rope_full,
             self.dtype,
             &self.device,
-        )?;
-        Ok((ids, step))
+        )?)
     }
 
     /// Runs token ids `[batch, seq_len]` at `step`'s positions through the stack, appending to

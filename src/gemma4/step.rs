@@ -89,3 +89,48 @@ impl Step {
         })
     }
 }
+
+/// The new tokens of a forward pass: ids on the host, one row per sequence, or a decode step's
+/// ids `[seqs, 1]` u32 already on the model's device (the previous step's greedy picks, which
+/// the host has not read yet).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum StepIds<'a> {
+    /// Rows of ids, one per sequence.
+    Host(&'a [Vec<u32>]),
+    /// `[seqs, 1]` u32 on the model's device.
+    Device(&'a Tensor),
+}
+
+impl StepIds<'_> {
+    /// Sequences in the step.
+    pub(crate) fn seqs(&self) -> usize {
+        match self {
+            StepIds::Host(b) => b.len(),
+            StepIds::Device(t) => t.dims().first().copied().unwrap_or(0),
+        }
+    }
+
+    /// Whether every sequence has exactly one new token.
+    pub(crate) fn one_each(&self) -> bool {
+        match self {
+            StepIds::Host(b) => b.iter().all(|s| s.len() == 1),
+            StepIds::Device(t) => t.dims().get(1) == Some(&1),
+        }
+    }
+
+    /// The ids `[seqs, len]` on `device`, in a buffer of their own (a capture reads it at every
+    /// replay).
+    ///
+    /// # Errors
+    /// Allocation failure.
+    pub(crate) fn to_owned_tensor(self, device: &Device) -> Result<Tensor> {
+        match self {
+            StepIds::Host(b) => {
+                let len = b.first().map_or(0, Vec::len);
+                let flat: Vec<u32> = b.iter().flatten().copied().collect();
+                Tensor::from_vec(flat, (b.len(), len), device)
+            }
+            StepIds::Device(t) => t.copy(),
+        }
+    }
+}

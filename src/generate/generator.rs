@@ -5,6 +5,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use super::detok::StreamDecoder;
+use super::lookahead::Lookahead;
 use super::sampling::Sampler;
 use super::stop::StopStrings;
 use super::types::{FinishReason, GenOptions, Output, Stats, StepOutput};
@@ -177,8 +178,16 @@ impl<'m> Generator<'m> {
             model.config().eos_token_ids.clone()
         };
         eos.extend(&options.extra_eos);
+        let sampler = Sampler::new(options.sampling.clone());
+        let lookahead = match &logits {
+            Some(l) if options.lookahead && sampler.is_plain_greedy() => {
+                Lookahead::start(model, l, options.max_tokens)?
+            }
+            _ => None,
+        };
         Ok(Stream {
-            sampler: Sampler::new(options.sampling.clone()),
+            lookahead,
+            sampler,
             decoder: model
                 .tokenizer()
                 .map(|t| StreamDecoder::new(t, options.skip_special_tokens)),
@@ -253,6 +262,8 @@ pub struct Stream<'g, 'm> {
     done: bool,
     stats: Stats,
     decode_started: Option<Instant>,
+    /// Greedy decoding one step ahead ([`GenOptions::lookahead`]), where it applies.
+    lookahead: Option<Lookahead>,
 }
 
 impl Stream<'_, '_> {
@@ -291,7 +302,20 @@ impl Stream<'_, '_> {
         if self.done {
             return Ok(None);
         }
-        let token = self.pick()?;
+        let (token, forwarded) = match self.lookahead.as_mut() {
+            Some(ahead) => {
+                let generator = &mut *self.generator;
+                let cache = generator.cache.as_mut().ok_or_else(|| {
+                    Error::Input("the generator's cache was reset mid-stream".to_string())
+                })?;
+                let next = ahead.next(generator.model, cache)?;
+                (next.token, next.forwarded)
+            }
+            None => (self.pick()?, false),
+        };
+        if forwarded {
+            self.generator.cached_tokens.push(token);
+        }
         self.history.push(token);
         self.generated += 1;
         if self.decode_started.is_none() {
@@ -321,7 +345,7 @@ impl Stream<'_, '_> {
         }
         if finish.is_some() {
             self.done = true;
-        } else {
+        } else if !forwarded {
             let cache = self.generator.cache.as_mut().ok_or_else(|| {
                 Error::Input("the generator's cache was reset mid-stream".to_string())
             })?;

@@ -5,6 +5,7 @@
 mod batch;
 pub mod detok;
 mod generator;
+mod lookahead;
 pub mod sampling;
 pub mod stop;
 mod types;

@@ -24,6 +24,14 @@ pub struct GenOptions {
     pub prefill_chunk: Option<usize>,
     /// Leave special tokens (`<turn|>`, ...) out of the streamed text.
     pub skip_special_tokens: bool,
+    /// Greedy decoding on CUDA runs one step ahead of the host (on by default): each step
+    /// takes its id from the previous step's argmax on the device, and the host reads the id
+    /// back while the next step runs, so the device does not wait for the host between steps.
+    /// The tokens are the same either way. With it, a generation that ends on an EOS token or
+    /// a stop string has also run that last token through the model, so the cache (and
+    /// [`crate::Generator::cached_tokens`]) holds it too. Ignored for sampling, other devices
+    /// and checkpoints whose per-layer table is smaller than the vocabulary.
+    pub lookahead: bool,
 }
 
 impl Default for GenOptions {
@@ -37,6 +45,7 @@ impl Default for GenOptions {
             cache: CacheConfig::default(),
             prefill_chunk: None,
             skip_special_tokens: true,
+            lookahead: true,
         }
     }
 }

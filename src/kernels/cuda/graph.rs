@@ -222,6 +222,26 @@ pub(crate) fn upload_bytes(dev: &CudaDevice, dst: u64, bytes: &[u8]) -> candle_c
     unsafe { result::memcpy_htod_async(dst, bytes, stream.cu_stream()) }.w()
 }
 
+/// Copies `bytes` bytes from device address `src` to `dst` on `dev`'s stream.
+///
+/// # Errors
+/// CUDA errors.
+pub(crate) fn copy_device(
+    dev: &CudaDevice,
+    dst: u64,
+    src: u64,
+    bytes: usize,
+) -> candle_core::Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    let stream = dev.cuda_stream();
+    stream.context().bind_to_thread().w()?;
+    // SAFETY: `dst` and `src` are addresses of live device buffers of at least `bytes` bytes
+    // (the caller's), ordered on this stream after their writers.
+    unsafe { result::memcpy_dtod_async(dst, src, bytes, stream.cu_stream()) }.w()
+}
+
 /// Starts capturing `dev`'s stream into a graph (relaxed mode: other threads are unaffected).
 ///
 /// # Errors

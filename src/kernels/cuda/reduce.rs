@@ -1,7 +1,10 @@
 //! Row reductions on CUDA (`reduce.cu`): the masked softmax of attention scores with the mask
 //! built from key positions inside the kernel, and the argmax of each row for greedy decoding.
 
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaEvent, DeviceRepr, LaunchConfig, PinnedHostSlice,
+};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
 
@@ -166,4 +169,65 @@ pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
         unsafe { b.launch(cfg) }.w()?;
     }
     Ok(wrap(out, &dev, &[rows]))
+}
+
+/// Page-locked host slots that u32 ids are copied into on the device's stream, so the host
+/// waits for the copy alone and not for the work queued after it.
+#[derive(Debug, Default)]
+pub(crate) struct IdSlots {
+    free: Vec<(PinnedHostSlice<u32>, CudaEvent)>,
+}
+
+/// One copy in flight ([`IdSlots::start`]).
+#[derive(Debug)]
+pub(crate) struct IdCopy {
+    slot: PinnedHostSlice<u32>,
+    /// Recorded right after the copy. (The slot's own event is recorded only where cudarc
+    /// manages stream synchronization, which candle turns off.)
+    copied: CudaEvent,
+    len: usize,
+}
+
+impl IdSlots {
+    /// Starts copying `ids` (u32 on a CUDA device) to the host.
+    ///
+    /// # Errors
+    /// Another dtype or device, CUDA errors.
+    pub(crate) fn start(&mut self, ids: &Tensor) -> Result<IdCopy> {
+        let dev = cuda_dev(ids)?;
+        let ids = ids.contiguous()?;
+        let len = ids.elem_count();
+        let stream = dev.cuda_stream();
+        let (mut slot, copied) = match self.free.iter().position(|(s, _)| s.len() >= len) {
+            Some(i) => self.free.swap_remove(i),
+            None => {
+                let ctx = stream.context();
+                // Plain page-locked memory (not write-combined): the host reads it.
+                // SAFETY: the slot is read only after a copy filled its first `len` ids.
+                let slot = unsafe { ctx.alloc_pinned_with_flags::<u32>(len.max(1), 0) }.w()?;
+                // The host sleeps until the copy is done (it has a whole step to wait).
+                let event = ctx
+                    .new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+                    .w()?;
+                (slot, event)
+            }
+        };
+        if len > 0 {
+            bind!(v, ids, u32);
+            stream.memcpy_dtoh(&v, &mut slot).w()?;
+        }
+        copied.record(&stream).w()?;
+        Ok(IdCopy { slot, copied, len })
+    }
+
+    /// Waits for `copy` alone and returns its ids; its slot is kept for the next copy.
+    ///
+    /// # Errors
+    /// CUDA errors.
+    pub(crate) fn finish(&mut self, copy: IdCopy) -> Result<Vec<u32>> {
+        copy.copied.synchronize().w()?;
+        let ids = copy.slot.as_slice().w()?[..copy.len].to_vec();
+        self.free.push((copy.slot, copy.copied));
+        Ok(ids)
+    }
 }

@@ -19,3 +19,72 @@ pub(crate) fn argmax_rows(x: &Tensor) -> Result<Option<Tensor>> {
     let _ = x;
     Ok(None)
 }
+
+/// Copies of greedy ids to the host that wait only for themselves: a step enqueued after the
+/// copy keeps the device busy while the host waits for the ids (decoding one step ahead).
+#[derive(Debug)]
+pub(crate) struct IdReadback {
+    #[cfg(feature = "cuda")]
+    slots: crate::kernels::cuda::reduce::IdSlots,
+    #[cfg(not(feature = "cuda"))]
+    never: Never,
+}
+
+/// No value: nothing is read back ahead without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug)]
+enum Never {}
+
+/// One copy of [`IdReadback::start`] in flight.
+#[derive(Debug)]
+pub(crate) struct PendingIds {
+    #[cfg(feature = "cuda")]
+    copy: crate::kernels::cuda::reduce::IdCopy,
+    #[cfg(not(feature = "cuda"))]
+    never: Never,
+}
+
+impl IdReadback {
+    /// Readbacks from `device`; `None` where the ids cannot be read back without waiting for
+    /// everything queued (every device but CUDA, or the `cuda` feature not built).
+    pub(crate) fn new(device: &candle_core::Device) -> Option<Self> {
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() {
+            return Some(Self {
+                slots: Default::default(),
+            });
+        }
+        let _ = device;
+        None
+    }
+
+    /// Starts copying u32 `ids` (on the readback's device) to the host.
+    ///
+    /// # Errors
+    /// Another dtype or device, device errors.
+    pub(crate) fn start(&mut self, ids: &Tensor) -> Result<PendingIds> {
+        #[cfg(feature = "cuda")]
+        return Ok(PendingIds {
+            copy: self.slots.start(ids)?,
+        });
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = ids;
+            match self.never {}
+        }
+    }
+
+    /// Waits for `pending`'s copy (and what was queued before it) and returns its ids.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub(crate) fn finish(&mut self, pending: PendingIds) -> Result<Vec<u32>> {
+        #[cfg(feature = "cuda")]
+        return Ok(self.slots.finish(pending.copy)?);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = self;
+            match pending.never {}
+        }
+    }
+}

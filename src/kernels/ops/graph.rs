@@ -11,6 +11,17 @@ use candle_core::Device;
 
 pub(crate) use imp::{with_cached_uploads, DecodeGraph, SeqRecord, StepRecord};
 
+/// What rewrites one capture input before a replay.
+#[derive(Debug, Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) enum GraphInput<'a> {
+    /// These bytes, from the host.
+    Bytes(&'a [u8]),
+    /// A copy of this device tensor (contiguous, the input's size): the previous step's token
+    /// ids, for a step the host enqueues before it has read them.
+    Device(&'a candle_core::Tensor),
+}
+
 /// Whether decode steps on `device` may be captured: the `cuda` feature is built, `device` is a
 /// CUDA device and [`crate::kernels::policy::LaunchPolicy::cuda_graph`] is on.
 pub(crate) fn available(device: &Device) -> bool {
@@ -28,6 +39,7 @@ mod imp {
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{DType, Device, Tensor};
 
+    use super::GraphInput;
     use crate::kernels::cuda::batched::{
         address, step_attention, step_attention_slot, StepAttention,
     };
@@ -352,14 +364,34 @@ mod imp {
                 && slots.iter().zip(&self.slots).all(|(a, b)| a.fits(*b))
         }
 
-        /// Writes `inputs` (the bytes of each capture input, in order) and `rec` to the device
-        /// and launches the graph.
+        /// Writes `inputs` (each capture input, in order) and `rec` to the device and launches
+        /// the graph.
         ///
         /// # Errors
-        /// Device errors.
-        pub(crate) fn replay(&self, rec: &StepRecord, inputs: &[&[u8]]) -> Result<()> {
-            for ((_, at), bytes) in self.inputs.iter().zip(inputs) {
-                graph::upload_bytes(&self.dev, *at, bytes)?;
+        /// Device errors; a device input of another size or dtype than the capture's, or not
+        /// contiguous.
+        pub(crate) fn replay(&self, rec: &StepRecord, inputs: &[GraphInput<'_>]) -> Result<()> {
+            for ((fixed, at), input) in self.inputs.iter().zip(inputs) {
+                match input {
+                    GraphInput::Bytes(bytes) => graph::upload_bytes(&self.dev, *at, bytes)?,
+                    GraphInput::Device(t) => {
+                        if t.dtype() != fixed.dtype()
+                            || t.elem_count() != fixed.elem_count()
+                            || !t.is_contiguous()
+                        {
+                            return Err(candle_core::Error::Msg(format!(
+                                "a replay input of {:?} {:?} where the graph reads {:?} {:?}",
+                                t.dtype(),
+                                t.shape(),
+                                fixed.dtype(),
+                                fixed.shape()
+                            ))
+                            .into());
+                        }
+                        let bytes = t.elem_count() * t.dtype().size_in_bytes();
+                        graph::copy_device(&self.dev, *at, address(t, &self.dev)?, bytes)?;
+                    }
+                }
             }
             rec.params.upload(&self.dev)?;
             self.graph.launch().map_err(candle_core::Error::wrap)?;
@@ -476,7 +508,11 @@ mod imp {
         }
 
         /// See the CUDA build.
-        pub(crate) fn replay(&self, _rec: &StepRecord, _inputs: &[&[u8]]) -> Result<()> {
+        pub(crate) fn replay(
+            &self,
+            _rec: &StepRecord,
+            _inputs: &[super::GraphInput<'_>],
+        ) -> Result<()> {
             match self.never {}
         }
     }
