@@ -175,16 +175,26 @@ pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
 /// waits for the copy alone and not for the work queued after it.
 #[derive(Debug, Default)]
 pub(crate) struct IdSlots {
-    free: Vec<(PinnedHostSlice<u32>, CudaEvent)>,
+    /// Each slot, the event recorded right after its last copy (the slot's own event is
+    /// recorded only where cudarc manages stream synchronization, which candle turns off), and
+    /// whether a copy into it is pending.
+    slots: Vec<(PinnedHostSlice<u32>, CudaEvent, bool)>,
 }
 
-/// One copy in flight ([`IdSlots::start`]).
+impl Drop for IdSlots {
+    fn drop(&mut self) {
+        // A copy still in flight must land before its host memory is freed (no one to report
+        // a failed wait to).
+        for (_, copied, _) in &self.slots {
+            let _ = copied.synchronize();
+        }
+    }
+}
+
+/// One copy in flight ([`IdSlots::start`]): its slot and the ids it carries.
 #[derive(Debug)]
 pub(crate) struct IdCopy {
-    slot: PinnedHostSlice<u32>,
-    /// Recorded right after the copy. (The slot's own event is recorded only where cudarc
-    /// manages stream synchronization, which candle turns off.)
-    copied: CudaEvent,
+    slot: usize,
     len: usize,
 }
 
@@ -198,36 +208,48 @@ impl IdSlots {
         let ids = ids.contiguous()?;
         let len = ids.elem_count();
         let stream = dev.cuda_stream();
-        let (mut slot, copied) = match self.free.iter().position(|(s, _)| s.len() >= len) {
-            Some(i) => self.free.swap_remove(i),
+        let free = self
+            .slots
+            .iter()
+            .position(|(s, _, busy)| !busy && s.len() >= len);
+        let slot = match free {
+            Some(i) => i,
             None => {
                 let ctx = stream.context();
                 // Plain page-locked memory (not write-combined): the host reads it.
                 // SAFETY: the slot is read only after a copy filled its first `len` ids.
-                let slot = unsafe { ctx.alloc_pinned_with_flags::<u32>(len.max(1), 0) }.w()?;
+                let host = unsafe { ctx.alloc_pinned_with_flags::<u32>(len.max(1), 0) }.w()?;
                 // The host sleeps until the copy is done (it has a whole step to wait).
                 let event = ctx
                     .new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
                     .w()?;
-                (slot, event)
+                self.slots.push((host, event, false));
+                self.slots.len() - 1
             }
         };
+        let (host, copied, busy) = &mut self.slots[slot];
         if len > 0 {
             bind!(v, ids, u32);
-            stream.memcpy_dtoh(&v, &mut slot).w()?;
+            stream.memcpy_dtoh(&v, host).w()?;
         }
         copied.record(&stream).w()?;
-        Ok(IdCopy { slot, copied, len })
+        *busy = true;
+        Ok(IdCopy { slot, len })
     }
 
     /// Waits for `copy` alone and returns its ids; its slot is kept for the next copy.
     ///
     /// # Errors
-    /// CUDA errors.
+    /// CUDA errors; a copy these slots did not start.
     pub(crate) fn finish(&mut self, copy: IdCopy) -> Result<Vec<u32>> {
-        copy.copied.synchronize().w()?;
-        let ids = copy.slot.as_slice().w()?[..copy.len].to_vec();
-        self.free.push((copy.slot, copy.copied));
-        Ok(ids)
+        let Some((host, copied, busy)) = self.slots.get_mut(copy.slot) else {
+            candle_core::bail!("no id copy in slot {}", copy.slot);
+        };
+        copied.synchronize().w()?;
+        *busy = false;
+        match host.as_slice().w()?.get(..copy.len) {
+            Some(ids) => Ok(ids.to_vec()),
+            None => candle_core::bail!("slot {} holds fewer than {} ids", copy.slot, copy.len),
+        }
     }
 }
