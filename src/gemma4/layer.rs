@@ -12,7 +12,7 @@ use super::Linear;
 use crate::config::{Config, LayerPlan};
 use crate::error::{Error, Result};
 use crate::kernels::ops::collective::Collective;
-use crate::kernels::ops::norm::{self, ProductAddNorm};
+use crate::kernels::ops::norm::{self, ProductAddNorm, TwoBranch};
 use crate::kv::KvView;
 use crate::weights::WeightStore;
 
@@ -189,9 +189,18 @@ impl DecoderLayer {
             let normed_2 =
                 normed_2.ok_or_else(|| Error::Input("add_norm returned no norm".into()))?;
             let dense = self.mlp.forward(&normed)?;
-            let experts = m.block.forward(&x, &normed_2)?;
             // Both branches are row-parallel partial sums: one all-reduce for the two.
             if ple.is_none() {
+                // A rank of several leaves one token's expert mix to the sum's launch.
+                let rows = if self.collective.world() > 1 {
+                    m.block.forward_rows(&x, &normed_2)?
+                } else {
+                    None
+                };
+                let experts = match rows {
+                    Some(r) => TwoBranch::Rows(r),
+                    None => TwoBranch::Sum(m.block.forward(&x, &normed_2)?),
+                };
                 let (x, next_normed) = norm::reduce_add_two_branch_norm(
                     &x,
                     (&dense, m.post_feedforward_layernorm_1.operand()),
@@ -207,6 +216,7 @@ impl DecoderLayer {
                     view,
                 });
             }
+            let experts = m.block.forward(&x, &normed_2)?;
             let (dense, experts) = self.collective.sum_pair(&dense, &experts)?;
             let ff = (m.post_feedforward_layernorm_1.forward(&dense)?
                 + m.post_feedforward_layernorm_2.forward(&experts)?)?;

@@ -110,20 +110,52 @@ impl MoeBlock {
         let (b, s, h) = expert_input.dims3()?;
         let x = expert_input.reshape((b * s, h))?;
         let router_input = router_input.reshape((b * s, h))?;
+        let (router, experts) = (self.router_operand(), self.experts_operand());
+        Ok(ops::moe::moe(&router_input, &x, &router, &experts)?.reshape((b, s, h))?)
+    }
+
+    /// [`MoeBlock::forward`] of one token, stopped before the weighted sum of the picked
+    /// experts' rows (`ops::moe::moe_rows`); `None` where that form is not made (the caller
+    /// runs [`MoeBlock::forward`]).
+    ///
+    /// # Errors
+    /// Shape mismatch.
+    pub(crate) fn forward_rows(
+        &self,
+        router_input: &Tensor,
+        expert_input: &Tensor,
+    ) -> Result<Option<ops::moe::ExpertRows>> {
+        let (b, s, h) = expert_input.dims3()?;
+        if b * s != 1 {
+            return Ok(None);
+        }
+        let x = expert_input.reshape((1, h))?;
+        let router_input = router_input.reshape((1, h))?;
+        Ok(ops::moe::moe_rows(
+            &router_input,
+            &x,
+            &self.router_operand(),
+            &self.experts_operand(),
+        )?)
+    }
+
+    fn router_operand(&self) -> RouterOperand<'_> {
         let r = &self.router;
-        let router = RouterOperand {
+        RouterOperand {
             proj: r.proj.weight(),
             norm: r.norm.operand(),
             per_expert_scale: &r.per_expert_scale,
             per_expert_scale_dev: &r.per_expert_scale_dev,
             top_k: r.top_k,
-        };
-        let experts = ExpertsOperand {
+        }
+    }
+
+    fn experts_operand(&self) -> ExpertsOperand<'_> {
+        ExpertsOperand {
             gate_up: &self.experts.gate_up,
             down: &self.experts.down,
             width: self.experts.width,
-        };
-        Ok(ops::moe::moe(&router_input, &x, &router, &experts)?.reshape((b, s, h))?)
+        }
     }
 }
 

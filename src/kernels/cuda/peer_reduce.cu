@@ -131,6 +131,33 @@ __device__ void peer_add_norm(const PeerArgs a, const Segments<T> x, unsigned in
                                                     w3, out3, x.yb, wa, wb);
 }
 
+// The 26B-A4B layer end at one row with the expert mix inside: yb[o] = sum_j mix[j] *
+// ye[j, o] over the k picked experts' rows (the order and rounding of moe_mix in moe.cu), then
+// the two branches (x, yb) summed over the ranks and the add + norms, as peer_moe_add_norm.
+// The mix took a launch of its own before the sum; its rows are read after the dependent-launch
+// wait, and the sum reads yb back with plain loads after the barrier that ends the mix.
+template <typename T>
+__device__ void peer_moe_mix_add_norm(const PeerArgs a, const T* x, const T* ye,
+                                      const float* mix, unsigned int k, T* y, T* yb,
+                                      unsigned int* epochs, const AddNormParams p,
+                                      const T* __restrict__ res, const T* __restrict__ w,
+                                      const T* __restrict__ scalar, const T* __restrict__ w2,
+                                      T* __restrict__ out, T* __restrict__ out2,
+                                      const T* __restrict__ w3, T* __restrict__ out3,
+                                      const T* __restrict__ wa, const T* __restrict__ wb) {
+    pdl_wait();
+    const unsigned int na = a.n / 2;
+    for (unsigned int o = threadIdx.x; o < na; o += blockDim.x) {
+        float acc = 0.f;
+        for (unsigned int j = 0; j < k; ++j) acc = fmaf(mix[j], to_f(ye[(size_t)j * na + o]), acc);
+        yb[o] = from_f<T>(acc);
+    }
+    __syncthreads();
+    peer_add_norm<T, MOE_ADD_NORM_PER_THREAD, true>(a, Segments<T>{x, yb, y, yb, na, a.n}, epochs,
+                                                    p, res, w, scalar, w2, out, out2, w3, out3,
+                                                    wa, wb);
+}
+
 #define PEER_KERNEL(TN, T)                                                                      \
     extern "C" __global__ void peer_all_reduce_##TN(const PeerArgs a, const T* __restrict__ x,  \
                                                     T* __restrict__ y, unsigned int* epochs) {  \
@@ -152,6 +179,14 @@ __device__ void peer_add_norm(const PeerArgs a, const Segments<T> x, unsigned in
         peer_add_norm<T, MOE_ADD_NORM_PER_THREAD, true>(                                        \
             a, Segments<T>{x, xb, y, yb, na, a.n}, epochs, p, res, w, scalar, w2, out, out2, w3, \
             out3, wa, wb);                                                                      \
+    }                                                                                           \
+    extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS) peer_moe_mix_add_norm_##TN(  \
+        const PeerArgs a, const T* x, const T* ye, const float* mix, unsigned int k, T* y,      \
+        T* yb, unsigned int* epochs, const AddNormParams p, const T* res, const T* w,           \
+        const T* scalar, const T* w2, T* out, T* out2, const T* w3, T* out3, const T* wa,       \
+        const T* wb) {                                                                          \
+        peer_moe_mix_add_norm<T>(a, x, ye, mix, k, y, yb, epochs, p, res, w, scalar, w2, out,   \
+                                 out2, w3, out3, wa, wb);                                       \
     }
 
 PEER_KERNEL(f32, float)

@@ -369,8 +369,13 @@ impl PeerSum {
     /// branch): the caller sums and adds apart. Every rank must call it as it calls
     /// [`PeerSum::sum`].
     ///
+    /// With `mix` (f32 `[1, k]`, one row only), the second branch of `extra` is the `[k, width]`
+    /// rows of the picked experts, mixed with those weights in the same launch, before the sum
+    /// (the expert mix was a launch of its own).
+    ///
     /// # Errors
-    /// As `add_norm_ext` and [`PeerSum::sum`].
+    /// As `add_norm_ext` and [`PeerSum::sum`]; `mix` without a second branch, or of another
+    /// shape than its rows.
     pub(crate) fn sum_add_norm(
         &self,
         res: &Tensor,
@@ -378,20 +383,45 @@ impl PeerSum {
         w: &Tensor,
         eps: f64,
         extra: &AddNormExtra<'_>,
+        mix: Option<&Tensor>,
     ) -> Result<Option<super::norm_tail::AddNormOut>> {
-        let params = add_norm_params(res, y, w, eps, extra)?;
+        // The rows to mix stand in for the second branch: its shape is checked against them.
+        let checked = AddNormExtra {
+            second_branch: match (extra.second_branch, mix) {
+                (Some((_, wa, wb)), Some(_)) => Some((y, wa, wb)),
+                (branch, _) => branch,
+            },
+            ..*extra
+        };
+        let params = add_norm_params(res, y, w, eps, &checked)?;
         let dtype = res.dtype();
         let elems = y.elem_count();
+        let mix = match (mix, extra.second_branch) {
+            (None, _) => None,
+            (Some(m), Some((rows, _, _))) => {
+                let k = m.elem_count();
+                if m.dtype() != DType::F32 || rows.dims() != [k, elems] || params.rows != 1 {
+                    candle_core::bail!(
+                        "peer mix: rows {:?} and weights {:?} {:?} for a branch of {elems}",
+                        rows.dims(),
+                        m.dims(),
+                        m.dtype()
+                    );
+                }
+                Some((m.contiguous()?, u32_of(k, "experts")?))
+            }
+            (Some(_), None) => candle_core::bail!("peer mix: no second branch to mix"),
+        };
         let parts = if extra.second_branch.is_some() { 2 } else { 1 };
         if params.rows as usize > PEER_ADD_NORM_MAX_ROWS
             || (dtype.size_in_bytes() == 2 && elems % 2 != 0)
         {
             return Ok(None);
         }
-        let kernel = if extra.second_branch.is_some() {
-            "peer_moe_add_norm"
-        } else {
-            "peer_add_norm"
+        let kernel = match (&mix, extra.second_branch) {
+            (Some(_), _) => "peer_moe_mix_add_norm",
+            (None, Some(_)) => "peer_moe_add_norm",
+            (None, None) => "peer_add_norm",
         };
         let Some(Prepared {
             dev,
@@ -408,6 +438,11 @@ impl PeerSum {
             None => None,
         };
         let shape = res.dims().to_vec();
+        // Kernels without a mix take no weights: a placeholder fills the binding.
+        let (mix_w, k) = match &mix {
+            Some((m, k)) => (m.clone(), *k),
+            None => (Tensor::zeros(1, DType::F32, res.device())?, 0),
+        };
         by_dtype!(dtype, E, {
             // SAFETY: the kernel writes every element of the sums and of each output asked for
             // before any reader on this stream.
@@ -439,10 +474,17 @@ impl PeerSum {
                 bind!(wav, wat, E);
                 bind!(wbv, wbt, E);
                 let (mut ya, mut yb) = sums.split_at_mut(elems);
+                bind!(mv, mix_w, f32);
                 let mut b = func.builder();
                 b.arg(&args);
                 b.arg(&yv);
-                if branch.is_some() {
+                if mix.is_some() {
+                    b.arg(&bv);
+                    b.arg(&mv);
+                    b.arg(&k);
+                    b.arg(&mut ya);
+                    b.arg(&mut yb);
+                } else if branch.is_some() {
                     b.arg(&bv);
                     b.arg(&mut ya);
                     b.arg(&mut yb);

@@ -262,8 +262,9 @@ impl Collective {
     /// one launch where the group sums through peer memory and a decode graph is being
     /// captured; `None` in a group of one, on CPU ranks, in groups without peer access, in
     /// eager steps and for shapes that kernel does not take (the caller then sums and adds
-    /// apart). Every rank must call it where it would call
-    /// [`Collective::sum`].
+    /// apart). With `mix` the second branch is the picked experts' rows, mixed with these
+    /// weights in the same launch ([`crate::kernels::cuda::peer_reduce::PeerSum::sum_add_norm`]).
+    /// Every rank must call it where it would call [`Collective::sum`].
     ///
     /// # Errors
     /// As [`Collective::sum`].
@@ -275,9 +276,10 @@ impl Collective {
         w: &Tensor,
         eps: f64,
         extra: &crate::kernels::cuda::layer_ops::AddNormExtra<'_>,
+        mix: Option<&Tensor>,
     ) -> Result<Option<crate::kernels::cuda::norm_tail::AddNormOut>> {
         let rows = y.elem_count() / w.elem_count().max(1);
-        self.fused_peer_call(rows, |p| p.sum_add_norm(res, y, w, eps, extra))
+        self.fused_peer_call(rows, |p| p.sum_add_norm(res, y, w, eps, extra, mix))
     }
 
     /// The add + norm `fuse` of `Σ x · Wᵀ` for one row `x` and this rank's columns `w` of a

@@ -135,6 +135,64 @@ pub(crate) struct Experts<'a> {
     pub width: usize,
 }
 
+/// The routed experts' output of one token: the picked experts' rows and their weights, not
+/// summed yet, so that a tensor-parallel rank's sum over the ranks can weigh and add them in
+/// its own launch ([`crate::kernels::ops::norm::reduce_add_two_branch_norm`]).
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct ExpertRows {
+    /// `[top_k, H]`, pick order.
+    pub rows: Tensor,
+    /// `[1, top_k]` f32 routing weights.
+    pub mix: Tensor,
+}
+
+impl ExpertRows {
+    /// The weighted sum `[1, H]`, as [`moe`] returns it.
+    ///
+    /// # Errors
+    /// Device errors.
+    pub(crate) fn mixed(&self) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        return Ok(crate::kernels::cuda::moe::moe_mix(&self.rows, &self.mix)?);
+        #[cfg(not(feature = "cuda"))]
+        Err(crate::kernels::KernelError::Config {
+            field: "expert rows",
+            reason: "made and mixed on CUDA only".to_string(),
+        })
+    }
+}
+
+/// [`moe`] of one token, with the fused CUDA kernels: the picked experts' rows and weights
+/// before their weighted sum; `None` elsewhere, or for more tokens (the caller runs [`moe`]).
+///
+/// # Errors
+/// As [`moe`].
+pub(crate) fn moe_rows(
+    router_input: &Tensor,
+    x: &Tensor,
+    router: &Router<'_>,
+    experts: &Experts<'_>,
+) -> Result<Option<ExpertRows>> {
+    #[cfg(feature = "cuda")]
+    if super::fused(x.device())
+        && x.dim(0)? == 1
+        && crate::kernels::policy::current().moe_grouped_max_tokens >= 1
+        && router.top_k <= cuda_max_pairs()
+    {
+        let logits = matvec::normed_matmul(router_input, router.norm, router.proj)?;
+        return Ok(Some(grouped_rows(x, &logits, router, experts)?));
+    }
+    let _ = (router_input, x, router, experts);
+    Ok(None)
+}
+
+/// Most picks one grouped launch takes.
+#[cfg(feature = "cuda")]
+fn cuda_max_pairs() -> usize {
+    crate::kernels::cuda::moe::GROUPED_MAX_PAIRS
+}
+
 /// The routed expert sum of `x` `[tokens, H]`, routed by `router_input` `[tokens, H]`:
 /// `[tokens, H]`.
 ///
@@ -300,35 +358,48 @@ fn on_device(
         return sorted(x, &idx, &mix, experts);
     }
     let slice = (GROUPED_MAX_PAIRS / r.top_k).max(1);
-    let width = experts.width;
     let mut outs = Vec::with_capacity(tokens.div_ceil(slice));
     for start in (0..tokens).step_by(slice) {
         let n = slice.min(tokens - start);
-        let (idx, mix) = moe_route(
+        let part = grouped_rows(
+            &x.narrow(0, start, n)?,
             &logits.narrow(0, start, n)?,
-            r.per_expert_scale_dev,
-            r.top_k,
+            r,
+            experts,
         )?;
-        let idx = spread_for_bench(idx, experts.gate_up.count()?)?;
-        let gu = experts
-            .gate_up
-            .grouped(&idx, &x.narrow(0, start, n)?, true)?;
-        let (gate, up) = (gu.narrow(1, 0, width)?, gu.narrow(1, width, width)?);
-        // The gate inside the down product where its rows fit the kernel's shared memory.
-        let y = match experts.down.grouped_gated(&idx, &gate, &up)? {
-            Some(y) => y,
-            None => {
-                let hidden = gelu_mul(&gate, &up)?;
-                experts.down.grouped(&idx, &hidden, false)?
-            }
-        };
-        outs.push(moe_mix(&y, &mix)?);
+        outs.push(moe_mix(&part.rows, &part.mix)?);
     }
     Ok(if outs.len() == 1 {
         outs.remove(0)
     } else {
         Tensor::cat(&outs, 0)?
     })
+}
+
+/// The routing of router `logits` `[tokens, E]` and the picked experts' products of `x`
+/// `[tokens, H]`, one row a pick, grouped by expert (at most `GROUPED_MAX_PAIRS` picks).
+#[cfg(feature = "cuda")]
+fn grouped_rows(
+    x: &Tensor,
+    logits: &Tensor,
+    r: &Router<'_>,
+    experts: &Experts<'_>,
+) -> Result<ExpertRows> {
+    use crate::kernels::cuda::moe::moe_route;
+    let width = experts.width;
+    let (idx, mix) = moe_route(logits, r.per_expert_scale_dev, r.top_k)?;
+    let idx = spread_for_bench(idx, experts.gate_up.count()?)?;
+    let gu = experts.gate_up.grouped(&idx, x, true)?;
+    let (gate, up) = (gu.narrow(1, 0, width)?, gu.narrow(1, width, width)?);
+    // The gate inside the down product where its rows fit the kernel's shared memory.
+    let rows = match experts.down.grouped_gated(&idx, &gate, &up)? {
+        Some(y) => y,
+        None => {
+            let hidden = gelu_mul(&gate, &up)?;
+            experts.down.grouped(&idx, &hidden, false)?
+        }
+    };
+    Ok(ExpertRows { rows, mix })
 }
 
 /// With [`crate::kernels::policy::LaunchPolicy::bench_spread_routing`] (a benchmark switch),

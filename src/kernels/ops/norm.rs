@@ -237,7 +237,7 @@ pub(crate) fn product_reduce_add_norm(
     ) && (a.next.is_some() || a.next2.is_none())
     {
         let extra = a.extra();
-        if let Some(out) = sum.sum_add_norm(a.res, &y, a.norm.weight, a.norm.eps, &extra)? {
+        if let Some(out) = sum.sum_add_norm(a.res, &y, a.norm.weight, a.norm.eps, &extra, None)? {
             return Ok(out);
         }
     }
@@ -271,6 +271,17 @@ fn peer_product_add_norm(
     sum.product_sum_add_norm(x, l.weight(), &fuse)
 }
 
+/// The second branch of [`reduce_add_two_branch_norm`]: a tensor, or the picked experts' rows
+/// of one token, which a fused sum weighs and adds in its own launch (else they are mixed
+/// first).
+#[derive(Debug, Clone)]
+pub(crate) enum TwoBranch {
+    /// The branch itself.
+    Sum(Tensor),
+    /// The expert rows and their weights.
+    Rows(super::moe::ExpertRows),
+}
+
 /// [`add_two_branch_norm`] of the two branches' sums over `sum`'s group (row-parallel partial
 /// sums, e.g. 26B-A4B's dense and expert outputs): the sums and the add in one launch where
 /// the group sums through peer memory, else one sum of both and the add.
@@ -280,19 +291,30 @@ fn peer_product_add_norm(
 pub(crate) fn reduce_add_two_branch_norm(
     res: &Tensor,
     (a, norm_a): (&Tensor, Norm<'_>),
-    (b, norm_b): (&Tensor, Norm<'_>),
+    (b, norm_b): (&TwoBranch, Norm<'_>),
     norm: Norm<'_>,
     scalar: Option<&Tensor>,
     next: Option<Norm<'_>>,
     sum: &super::collective::Collective,
 ) -> Result<(Tensor, Option<Tensor>)> {
     #[cfg(feature = "nccl")]
-    if let Some(extra) = two_branch_extra(res, (b, norm_a, norm_b), norm, scalar, next) {
-        if let Some((x, n1, _)) = sum.sum_add_norm(res, a, norm.weight, norm.eps, &extra)? {
-            return Ok((x, n1));
+    {
+        let (bt, mix) = match b {
+            TwoBranch::Sum(t) => (t, None),
+            TwoBranch::Rows(r) => (&r.rows, Some(&r.mix)),
+        };
+        if let Some(extra) = two_branch_extra(res, (bt, norm_a, norm_b), norm, scalar, next) {
+            let out = sum.sum_add_norm(res, a, norm.weight, norm.eps, &extra, mix)?;
+            if let Some((x, n1, _)) = out {
+                return Ok((x, n1));
+            }
         }
     }
-    let (a, b) = sum.sum_pair(a, b)?;
+    let b = match b {
+        TwoBranch::Sum(t) => t.clone(),
+        TwoBranch::Rows(r) => r.mixed()?.reshape(a.dims())?,
+    };
+    let (a, b) = sum.sum_pair(a, &b)?;
     add_two_branch_norm(res, (&a, norm_a), (&b, norm_b), norm, scalar, next)
 }
 
