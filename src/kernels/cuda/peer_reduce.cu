@@ -15,7 +15,8 @@
 // The `_add_norm` kernels sum two tensors as one (the 26B-A4B dense and expert branches, or a
 // row-parallel product and nothing), then run the residual add + norms of the add_norm kernels
 // on the sums: one launch where the sum and the add_norm were two (plus the copy that joined
-// the two branches). They serve decode steps of one or two rows, a few thousand words: one
+// the two branches; `peer_moe_mix_add_norm` also does the expert mix before them, where the
+// mix was one more launch). They serve decode steps of one or two rows, a few thousand words: one
 // block of 1024 threads exchanges them and goes straight on to the add + norms (32 blocks, a
 // launch-wide counter and a last block measured 0.98-0.99x of that on 26B-A4B at batch 1, 2
 // H100s). They keep their own epoch and their own region of the receive buffers, so their
