@@ -227,7 +227,9 @@ impl IdSlots {
                 self.slots.len() - 1
             }
         };
-        let (host, copied, busy) = &mut self.slots[slot];
+        let Some((host, copied, busy)) = self.slots.get_mut(slot) else {
+            candle_core::bail!("no id slot {slot}");
+        };
         if len > 0 {
             bind!(v, ids, u32);
             stream.memcpy_dtoh(&v, host).w()?;
