@@ -135,6 +135,10 @@ pub struct Config {
     /// Every id that ends generation: the text config's, the top level's and
     /// `generation_config.json`'s, merged.
     pub eos_token_ids: Vec<u32>,
+    /// The largest quantization group the checkpoint declares (MLX `quantization` or
+    /// `quantization_config`, per-module entries included; 128 where the sizes cannot be
+    /// read), `None` for a dense checkpoint. A sharded load cuts widths only between groups.
+    pub quantization_group: Option<usize>,
 }
 
 impl Config {
@@ -315,8 +319,25 @@ impl Config {
             bos_token_id: f.opt_usize("bos_token_id")?.unwrap_or(2) as u32,
             pad_token_id: f.opt_usize("pad_token_id")?.unwrap_or(0) as u32,
             eos_token_ids: eos,
+            quantization_group: quantization_group(top).or_else(|| quantization_group(text)),
         })
     }
+}
+
+/// The largest `group_size` of an object's `quantization` (or `quantization_config`) entry and
+/// its per-module entries; 128 when the entry names none.
+fn quantization_group(obj: &Map<String, Value>) -> Option<usize> {
+    let q = ["quantization", "quantization_config"]
+        .iter()
+        .find_map(|k| obj.get(*k))?;
+    let group = |e: &Value| e.get("group_size").and_then(Value::as_u64);
+    let per_module = q
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter_map(|(_, e)| group(e));
+    let largest = group(q).into_iter().chain(per_module).max();
+    Some(largest.map_or(128, |g| g as usize))
 }
 
 /// Reads and parses a JSON file.
@@ -562,6 +583,24 @@ mod tests {
         let cfg = read_json(&dir.join(name)).expect("config readable");
         let gen = read_json(&dir.join("generation_config.json")).expect("generation config");
         Config::from_json(&cfg, Some(&gen)).expect("config parses")
+    }
+
+    #[test]
+    fn the_largest_declared_quantization_group_bounds_the_cut() {
+        let fixture = |name: &str| {
+            let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("fixtures")
+                .join(name);
+            Config::from_dir(&dir)
+                .expect("fixture config")
+                .quantization_group
+        };
+        // Group 32 overall, 64 for the per-layer table.
+        assert_eq!(fixture("e2b-q4"), Some(64));
+        assert_eq!(fixture("e2b-q8"), Some(64));
+        assert_eq!(fixture("moe-q4"), Some(64));
+        assert_eq!(fixture("moe-mlx"), None);
+        assert_eq!(fixture("e2b-hf"), None);
     }
 
     #[test]

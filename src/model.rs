@@ -237,7 +237,7 @@ impl ModelBuilder {
         let config = Config::from_dir(&dir)?;
         let fingerprint = fingerprint(&dir, self.dtype)?;
         let tokenizer = load_tokenizer(&dir)?;
-        let unit = crate::shard::cut_unit(quantization_group(&dir));
+        let unit = crate::shard::cut_unit(config.quantization_group);
         // Checked once here, so a config that does not split fails before any thread starts.
         ShardPlan::with_cut_unit(&config, 0, world, unit)?;
         ShardedModel::load(world, |rank| {
@@ -275,28 +275,6 @@ impl ModelBuilder {
         }
         Ok(())
     }
-}
-
-/// The largest quantization group a checkpoint's `config.json` declares (MLX `quantization`
-/// or `quantization_config`, its per-module entries included), if it declares any: a sharded
-/// load then cuts widths only between groups (128 when the sizes cannot be read).
-fn quantization_group(dir: &Path) -> Option<usize> {
-    let text = std::fs::read_to_string(dir.join("config.json")).ok()?;
-    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let of = |v: &serde_json::Value| {
-        let q = ["quantization", "quantization_config"]
-            .iter()
-            .find_map(|k| v.get(k))?;
-        let group = |e: &serde_json::Value| e.get("group_size").and_then(|g| g.as_u64());
-        let per_module = q
-            .as_object()
-            .into_iter()
-            .flatten()
-            .filter_map(|(_, e)| group(e));
-        let largest = group(q).into_iter().chain(per_module).max();
-        Some(largest.map_or(128, |g| g as usize))
-    };
-    of(&json).or_else(|| json.get("text_config").and_then(of))
 }
 
 /// `tokenizer.json` of a checkpoint folder, when present.
@@ -627,26 +605,4 @@ fn fingerprint(dir: &Path, dtype: DType) -> Result<String> {
 /// model, the difference is the model's resident size as the driver sees it.
 pub fn device_memory_in_use(device: &Device) -> Option<usize> {
     crate::kernels::ops::memory::device_memory_in_use(device)
-}
-
-#[cfg(test)]
-mod tests {
-    use std::path::Path;
-
-    #[test]
-    fn the_largest_declared_quantization_group_bounds_the_cut() {
-        let fixture = |name: &str| {
-            super::quantization_group(
-                &Path::new(env!("CARGO_MANIFEST_DIR"))
-                    .join("fixtures")
-                    .join(name),
-            )
-        };
-        // Group 32 overall, 64 for the per-layer table.
-        assert_eq!(fixture("e2b-q4"), Some(64));
-        assert_eq!(fixture("e2b-q8"), Some(64));
-        assert_eq!(fixture("moe-q4"), Some(64));
-        assert_eq!(fixture("moe-mlx"), None);
-        assert_eq!(fixture("e2b-hf"), None);
-    }
 }

@@ -370,9 +370,7 @@ impl TextModel {
     /// (`offsets`: each sequence's first).
     fn upload(&self, batch: &[Vec<u32>], offsets: Vec<usize>) -> Result<(Tensor, Step)> {
         let seq_len = batch.first().map_or(0, Vec::len);
-        let b = batch.len();
-        let flat: Vec<u32> = batch.iter().flatten().copied().collect();
-        let ids = Tensor::from_vec(flat, (b, seq_len), &self.device)?;
+        let ids = StepIds::Host(batch).to_owned_tensor(&self.device)?;
         Ok((ids, self.step_at(offsets, seq_len)?))
     }
 

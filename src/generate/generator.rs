@@ -211,6 +211,14 @@ impl<'m> Generator<'m> {
         })
     }
 
+    /// The model and the cache of the generation under way.
+    fn model_and_cache(&mut self) -> Result<(&'m Model, &mut ModelCache)> {
+        let cache = self.cache.as_mut().ok_or_else(|| {
+            Error::Input("the generator's cache was reset mid-stream".to_string())
+        })?;
+        Ok((self.model, cache))
+    }
+
     /// Keeps the longest cached prefix of `prompt` (at least one prompt token is always left to
     /// prefill, so there are logits to sample from). Returns how many tokens are reused.
     fn reuse_prefix(&mut self, prompt: &[u32]) -> Result<usize> {
@@ -304,11 +312,8 @@ impl Stream<'_, '_> {
         }
         let (token, forwarded) = match self.lookahead.as_mut() {
             Some(ahead) => {
-                let generator = &mut *self.generator;
-                let cache = generator.cache.as_mut().ok_or_else(|| {
-                    Error::Input("the generator's cache was reset mid-stream".to_string())
-                })?;
-                let next = ahead.next(generator.model, cache)?;
+                let (model, cache) = self.generator.model_and_cache()?;
+                let next = ahead.next(model, cache)?;
                 (next.token, next.forwarded)
             }
             None => (self.pick()?, false),
@@ -346,10 +351,8 @@ impl Stream<'_, '_> {
         if finish.is_some() {
             self.done = true;
         } else if !forwarded {
-            let cache = self.generator.cache.as_mut().ok_or_else(|| {
-                Error::Input("the generator's cache was reset mid-stream".to_string())
-            })?;
-            let logits = self.generator.model.forward(&[vec![token]], cache)?;
+            let (model, cache) = self.generator.model_and_cache()?;
+            let logits = model.forward(&[vec![token]], cache)?;
             self.generator.cached_tokens.push(token);
             self.logits = logits.squeeze(0)?;
         }

@@ -58,7 +58,7 @@ impl Lookahead {
     /// # Errors
     /// Device errors.
     pub(super) fn start(model: &Model, logits: &Tensor, max_tokens: usize) -> Result<Option<Self>> {
-        if !model.text_model().takes_device_ids() || !logits.device().same_device(model.device()) {
+        if !model.text_model().takes_device_ids() {
             return Ok(None);
         }
         let Some(readback) = IdReadback::new(model.device()) else {

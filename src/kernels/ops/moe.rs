@@ -178,19 +178,13 @@ pub(crate) fn moe_rows(
     if super::fused(x.device())
         && x.dim(0)? == 1
         && crate::kernels::policy::current().moe_grouped_max_tokens >= 1
-        && router.top_k <= cuda_max_pairs()
+        && router.top_k <= crate::kernels::cuda::moe::GROUPED_MAX_PAIRS
     {
         let logits = matvec::normed_matmul(router_input, router.norm, router.proj)?;
         return Ok(Some(grouped_rows(x, &logits, router, experts)?));
     }
     let _ = (router_input, x, router, experts);
     Ok(None)
-}
-
-/// Most picks one grouped launch takes.
-#[cfg(feature = "cuda")]
-fn cuda_max_pairs() -> usize {
-    crate::kernels::cuda::moe::GROUPED_MAX_PAIRS
 }
 
 /// The routed expert sum of `x` `[tokens, H]`, routed by `router_input` `[tokens, H]`:
