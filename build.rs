@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The kernel files, one module each (`Module` constants in `kernel_cache.rs`).
-const MODULES: [&str; 12] = [
+const MODULES: [&str; 13] = [
     "attention",
     "attention_tc",
     "matvec",
@@ -27,6 +27,7 @@ const MODULES: [&str; 12] = [
     "dense_matvec",
     "diagnostics",
     "peer_reduce",
+    "top_k",
 ];
 
 /// Device code the kernel files include.

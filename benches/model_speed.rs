@@ -19,6 +19,7 @@ use std::time::Instant;
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_gemma::config::{Config, KvSource};
+use candle_gemma::generate::{Sampler, SamplingOptions};
 use candle_gemma::kv::{CacheMode, ModelCache, QuantBits, QuantSpec};
 use candle_gemma::{CacheConfig, GenOptions, Model};
 use clap::Parser;
@@ -82,6 +83,12 @@ struct Args {
     /// the same with and without lookahead.
     #[arg(long)]
     generator: bool,
+    /// Decode: also time each batch with every row sampled as Gemma 4's generation config
+    /// recommends (temperature 1, top-k 64, top-p 0.95), once with the samplers reading whole
+    /// rows (`"pick": "whole_rows"`) and once from each row's 64 best logits picked on the
+    /// device (`"pick": "device_best"`, CUDA only), as `Generator` and `BatchSession` do.
+    #[arg(long)]
+    sampled: bool,
     /// Passed by `cargo bench` to every bench; ignored.
     #[arg(long, hide = true)]
     bench: bool,
@@ -171,6 +178,70 @@ fn greedy(logits: &Tensor) -> Result<Vec<u32>> {
         return Ok(candle_gemma::kernels::cuda::reduce::argmax_rows(logits)?.to_vec1::<u32>()?);
     }
     Ok(logits.argmax(1)?.to_vec1::<u32>()?)
+}
+
+/// How a decode point picks each step's tokens.
+#[derive(Clone, Copy, PartialEq)]
+enum Pick {
+    /// The argmax on the device, one id a row read back.
+    Greedy,
+    /// Host samplers (`--sampled`) over whole rows read back.
+    WholeRows,
+    /// Host samplers over each row's best logits picked on the device.
+    DeviceBest,
+}
+
+impl Pick {
+    fn name(self) -> &'static str {
+        match self {
+            Pick::Greedy => "greedy",
+            Pick::WholeRows => "whole_rows",
+            Pick::DeviceBest => "device_best",
+        }
+    }
+}
+
+/// Each row's next token as `pick` chooses it (`samplers`: one a row).
+fn pick_tokens(pick: Pick, logits: &Tensor, samplers: &mut [Sampler]) -> Result<Vec<u32>> {
+    match pick {
+        Pick::Greedy => greedy(logits),
+        Pick::WholeRows => Ok(logits
+            .to_vec2::<f32>()?
+            .iter()
+            .zip(samplers.iter_mut())
+            .map(|(row, s)| s.sample(row, &[]))
+            .collect()),
+        Pick::DeviceBest => {
+            #[cfg(feature = "cuda")]
+            {
+                let needed: Vec<(usize, f32)> = samplers
+                    .iter()
+                    .map(|s| {
+                        s.best_needed()
+                            .ok_or_else(|| anyhow::anyhow!("a whole-row sampler"))
+                    })
+                    .collect::<Result<_>>()?;
+                let k = needed.iter().map(|n| n.0).max().unwrap_or(1);
+                let temps: Vec<f32> = needed.iter().map(|n| n.1).collect();
+                let (values, ids) =
+                    candle_gemma::kernels::cuda::top_k::top_k_rows(logits, &temps, k)?;
+                let (values, ids) = (values.to_vec2::<f32>()?, ids.to_vec2::<u32>()?);
+                Ok(samplers
+                    .iter_mut()
+                    .zip(ids.into_iter().zip(values))
+                    .map(|(s, (i, v))| {
+                        let best: Vec<(u32, f32)> = i.into_iter().zip(v).collect();
+                        s.sample_from_best(&best)
+                    })
+                    .collect())
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                let _ = (logits, samplers);
+                anyhow::bail!("device-picked candidates need the cuda feature")
+            }
+        }
+    }
 }
 
 /// The `n` largest logits of the first row of `[B, V]` logits, as `(id, logit)` from the
@@ -375,7 +446,30 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                     generate_point(model, args, p, kv, &cc, ctx, lookahead)?;
                 }
             }
-            for &b in args.batch.iter().filter(|&&b| b > 0) {
+            let mut picks = vec![Pick::Greedy];
+            if args.sampled {
+                picks.push(Pick::WholeRows);
+                if dev.is_cuda() {
+                    picks.push(Pick::DeviceBest);
+                }
+            }
+            for (&b, &pick) in args
+                .batch
+                .iter()
+                .filter(|&&b| b > 0)
+                .flat_map(|b| picks.iter().map(move |p| (b, p)))
+            {
+                let mut samplers: Vec<Sampler> = (0..b as u64)
+                    .map(|i| {
+                        Sampler::new(SamplingOptions {
+                            temperature: 1.0,
+                            top_k: Some(64),
+                            top_p: Some(0.95),
+                            seed: i,
+                            ..Default::default()
+                        })
+                    })
+                    .collect();
                 let seqs = (0..b)
                     .map(|i| prefill(model, &cc, ctx, i as u32).map(|c| c.cache))
                     .collect::<Result<Vec<_>>>()?;
@@ -403,7 +497,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                         if args.pipelined && step + 1 < args.steps {
                             continue;
                         }
-                        let ids = greedy(&logits)?;
+                        let ids = pick_tokens(pick, &logits, &mut samplers)?;
                         if round == 0 {
                             step_ids.push(ids[0]);
                         }
@@ -432,6 +526,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                             "model": name, "weights": weights, "kv": kv, "fused": fused, "tp": tp,
                             "spread_routing": args.spread_routing,
                             "op": "decode", "batch": b, "context": ctx, "cuda_graph": graph,
+                            "pick": pick.name(),
                             "pipelined": args.pipelined,
                             "tok_s": b as f64 / secs, "step_ms": secs * 1e3, "host_ms": host_ms,
                             "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,

@@ -139,6 +139,13 @@ pub struct Config {
     /// `quantization_config`, per-module entries included; 128 where the sizes cannot be
     /// read), `None` for a dense checkpoint. A sharded load cuts widths only between groups.
     pub quantization_group: Option<usize>,
+    /// The sampling `generation_config.json` recommends, where it sets `do_sample: true`: its
+    /// `temperature` (1 where absent, as in transformers), `top_k` (0 or below: off), `top_p`,
+    /// `min_p` and `repetition_penalty`, seed 0. `None` (greedy decoding is the
+    /// recommendation) where the file is absent or does not sample. Unlike transformers, no
+    /// top-k of 50 is assumed where the file sets none. The crate's own defaults stay greedy;
+    /// [`crate::generate::SamplingOptions::recommended`] and the `serve` example apply this.
+    pub recommended_sampling: Option<crate::generate::SamplingOptions>,
 }
 
 impl Config {
@@ -320,8 +327,42 @@ impl Config {
             pad_token_id: f.opt_usize("pad_token_id")?.unwrap_or(0) as u32,
             eos_token_ids: eos,
             quantization_group: quantization_group(top).or_else(|| quantization_group(text)),
+            recommended_sampling: match generation {
+                Some(g) => recommended_sampling(as_object(g, "generation_config.json")?)?,
+                None => None,
+            },
         })
     }
+}
+
+/// The sampling of `generation_config.json`'s fields (see [`Config::recommended_sampling`]).
+fn recommended_sampling(
+    g: &Map<String, Value>,
+) -> Result<Option<crate::generate::SamplingOptions>> {
+    let f = Fields {
+        obj: g,
+        prefix: "generation_config.",
+    };
+    if f.opt_bool("do_sample")? != Some(true) {
+        return Ok(None);
+    }
+    let top_k = match f.present("top_k") {
+        None => None,
+        Some(v) => match v.as_i64() {
+            Some(k) if k > 0 => Some(k as usize),
+            Some(_) => None,
+            None => return Err(f.err("top_k", format!("expected an integer, found {v}"))),
+        },
+    };
+    let num = |name: &str| -> Result<Option<f32>> { Ok(f.opt_f64(name)?.map(|x| x as f32)) };
+    Ok(Some(crate::generate::SamplingOptions {
+        temperature: num("temperature")?.unwrap_or(1.0),
+        top_k,
+        top_p: num("top_p")?,
+        min_p: num("min_p")?,
+        repetition_penalty: num("repetition_penalty")?,
+        seed: 0,
+    }))
 }
 
 /// The largest `group_size` of an object's `quantization` (or `quantization_config`) entry and
@@ -615,6 +656,12 @@ mod tests {
         assert_eq!(e2b.layers[19].kv, KvSource::Shared { producer: 14 });
         assert_eq!(e2b.layers[20].kv, KvSource::Shared { producer: 13 });
         assert_eq!(e2b.eos_token_ids, vec![1, 106, 50]);
+        let sampling = e2b.recommended_sampling.expect("Gemma 4 samples");
+        assert_eq!(
+            (sampling.temperature, sampling.top_k, sampling.top_p),
+            (1.0, Some(64), Some(0.95))
+        );
+        assert_eq!((sampling.min_p, sampling.repetition_penalty), (None, None));
 
         let e4b = shared_config("e4b-config.json");
         assert_eq!(e4b.first_kv_shared_layer, 24);
@@ -655,5 +702,29 @@ mod tests {
             msg.contains("text_config.layer_types[3]") && msg.contains("chunked_attention"),
             "{msg}"
         );
+    }
+
+    #[test]
+    fn generation_configs_that_do_not_sample_recommend_greedy_decoding() {
+        let cfg = read_json(
+            &Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/real-configs/e2b-config.json"),
+        )
+        .expect("config readable");
+        let with = |gen: serde_json::Value| Config::from_json(&cfg, Some(&gen));
+        let greedy = with(serde_json::json!({"do_sample": false, "temperature": 0.7, "top_k": 5}));
+        assert_eq!(greedy.expect("parses").recommended_sampling, None);
+        assert_eq!(
+            with(serde_json::json!({"top_k": 5}))
+                .expect("parses")
+                .recommended_sampling,
+            None
+        );
+        let off = with(serde_json::json!({"do_sample": true, "top_k": -1})).expect("parses");
+        let off = off.recommended_sampling.expect("samples");
+        assert_eq!((off.temperature, off.top_k), (1.0, None));
+        match with(serde_json::json!({"do_sample": true, "top_p": "high"})) {
+            Err(Error::Config { field, .. }) => assert_eq!(field, "generation_config.top_p"),
+            other => panic!("expected a config error naming top_p, got {other:?}"),
+        }
     }
 }

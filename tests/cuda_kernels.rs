@@ -13,6 +13,8 @@
 //! * `moe`: expert routing and the grouped expert products, dense and packed.
 //! * `qmatmul`: the packed matmul (matvec and GEMM paths) and embedding lookup.
 //! * `lookahead`: greedy generation one step ahead against plain greedy generation.
+//! * `sampling`: each row's best logits picked on the device against the host sampler's order,
+//!   and sampled generation from them against generation reading whole rows.
 //! * `dense_matvec`: the tensor-core dense matvec family and the packed product with the
 //!   residual add + norm folded in.
 //!
@@ -59,5 +61,7 @@ mod moe;
 mod prefill;
 #[path = "cuda_kernels/qmatmul.rs"]
 mod qmatmul;
+#[path = "cuda_kernels/sampling.rs"]
+mod sampling;
 #[path = "cuda_kernels/support.rs"]
 mod support;

@@ -105,6 +105,12 @@ struct Args {
     /// `max_tokens` of requests that do not set it (clipped to the context).
     #[arg(long, default_value_t = 1024)]
     default_max_tokens: usize,
+    /// Ignore the sampling the checkpoint's `generation_config.json` recommends: requests that
+    /// omit `temperature`, `top_k`, `top_p`, `min_p` or `repetition_penalty` then get
+    /// OpenAI's defaults (temperature 1, no filters) instead of the model's (Gemma 4:
+    /// temperature 1, top-k 64, top-p 0.95).
+    #[arg(long)]
+    ignore_generation_config: bool,
     /// Activation dtype (default: bf16 on a GPU, f32 on the CPU).
     #[arg(long, value_enum)]
     dtype: Option<Dtype>,
@@ -202,6 +208,11 @@ fn main() -> Result<()> {
             rotating: args.dense_kv == DenseKv::Rotating,
             max_tokens: args.default_max_tokens,
             head_dims: dims,
+            sampling: if args.ignore_generation_config {
+                None
+            } else {
+                served.model().config().recommended_sampling.clone()
+            },
         },
         engine: EngineSettings {
             max_batch: args.max_batch,

@@ -291,14 +291,23 @@ impl Stream<'_, '_> {
     }
 
     /// The next token from the current logits. Plain greedy decoding takes the argmax on the
-    /// device where it has a kernel for it and copies one id back; anything else copies the
-    /// logits to the sampler.
+    /// device where it has a kernel for it and copies one id back; a sampler with a top-k filter
+    /// (and no repetition penalty) gets its best logits picked there and copied back; anything
+    /// else copies the logits to the sampler.
     fn pick(&mut self) -> Result<u32> {
+        use crate::kernels::ops::candidates::{best_candidates, MAX_CANDIDATES};
+        let rows = self.logits.unsqueeze(0)?;
         if self.sampler.is_plain_greedy() {
-            let rows = self.logits.unsqueeze(0)?;
             if let Some(ids) = crate::kernels::ops::argmax::argmax_rows(&rows)? {
                 if let Some(&id) = ids.to_vec1::<u32>()?.first() {
                     return Ok(id);
+                }
+            }
+        }
+        if let Some((k, t)) = self.sampler.best_needed().filter(|n| n.0 <= MAX_CANDIDATES) {
+            if let Some(best) = best_candidates(&rows, &[t], k)? {
+                if let Some(best) = best.first() {
+                    return Ok(self.sampler.sample_from_best(best));
                 }
             }
         }

@@ -53,6 +53,21 @@ impl Default for SamplingOptions {
     }
 }
 
+impl SamplingOptions {
+    /// The sampling the checkpoint's `generation_config.json` recommends
+    /// ([`crate::config::Config::recommended_sampling`]: Gemma 4's is temperature 1, top-k 64,
+    /// top-p 0.95), with `seed`; greedy decoding where it recommends none.
+    pub fn recommended(config: &crate::config::Config, seed: u64) -> Self {
+        match &config.recommended_sampling {
+            Some(o) => Self { seed, ..o.clone() },
+            None => Self {
+                seed,
+                ..Self::default()
+            },
+        }
+    }
+}
+
 /// A stateful sampler: the options plus the PRNG state that advances with each draw.
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -106,6 +121,47 @@ impl Sampler {
         self.sample_tempered(&scores, t)
     }
 
+    /// What this sampler needs of a row where it need not read all of it: its `k` best logits
+    /// under the key `logit / temperature` (the logit itself for greedy decoding, temperature
+    /// 0), to pass to [`Sampler::sample_from_best`]. `None` where it reads the whole row: no
+    /// top-k filter, or a repetition penalty (which changes logits before they are ranked).
+    pub fn best_needed(&self) -> Option<(usize, f32)> {
+        if penalty_applies(self.opts.repetition_penalty) {
+            return None;
+        }
+        let t = self.opts.temperature;
+        if !(t.is_finite() && t > 0.0) {
+            return Some((1, 0.0));
+        }
+        self.opts.top_k.filter(|&k| k > 0).map(|k| (k, t))
+    }
+
+    /// Chooses the next token from a row's best logits alone: `best` holds at least the
+    /// [`Sampler::best_needed`] count of `(id, logit)` pairs, best first (the ties and NaN
+    /// ordering of [`crate::kernels::ops::candidates::best_candidates`]), or the whole row
+    /// where it is shorter. Draws exactly what [`Sampler::sample`] draws from the whole row
+    /// (the same filters, in the same order, on the same pairs) and advances the PRNG alike.
+    pub fn sample_from_best(&mut self, best: &[(u32, f32)]) -> u32 {
+        let first = best.first().map_or(0, |b| b.0);
+        let t = self.opts.temperature;
+        if !(t.is_finite() && t > 0.0) {
+            return first;
+        }
+        let pool = &mut self.scratch;
+        pool.clear();
+        pool.extend(
+            best.iter()
+                .filter(|(_, s)| *s > f32::NEG_INFINITY)
+                .map(|&(i, s)| (i, s / t)),
+        );
+        if pool.is_empty() {
+            // Every logit is -inf or NaN: the host's argmax then takes id 0, which the device
+            // order puts first.
+            return first;
+        }
+        self.draw_from_pool()
+    }
+
     fn sample_tempered(&mut self, scores: &[f32], temperature: f32) -> u32 {
         let pool = &mut self.scratch;
         pool.clear();
@@ -119,6 +175,13 @@ impl Sampler {
         if pool.is_empty() {
             return argmax(scores);
         }
+        self.draw_from_pool()
+    }
+
+    /// The top-k, top-p and min-p filters and the draw, on the `(id, logit / temperature)` pairs
+    /// in the scratch pool (not empty).
+    fn draw_from_pool(&mut self) -> u32 {
+        let pool = &mut self.scratch;
         // Descending score, ascending id on ties: every filter below keeps a prefix.
         let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if let Some(k) = self.opts.top_k.filter(|&k| k > 0 && k < pool.len()) {
@@ -171,7 +234,7 @@ impl Sampler {
 /// HF `RepetitionPenaltyLogitsProcessor`: each distinct token of `history` has its score
 /// divided by `penalty` when positive and multiplied by it when negative.
 fn apply_repetition_penalty(scores: &mut [f32], history: &[u32], penalty: f32) {
-    if !(penalty.is_finite() && penalty > 0.0) || penalty == 1.0 {
+    if !penalty_applies(Some(penalty)) {
         return;
     }
     let mut seen = std::collections::HashSet::with_capacity(history.len());
@@ -183,6 +246,11 @@ fn apply_repetition_penalty(scores: &mut [f32], history: &[u32], penalty: f32) {
             *s = if *s > 0.0 { *s / penalty } else { *s * penalty };
         }
     }
+}
+
+/// Whether a repetition penalty changes any logit: a positive finite number other than 1.
+fn penalty_applies(penalty: Option<f32>) -> bool {
+    penalty.is_some_and(|p| p.is_finite() && p > 0.0 && p != 1.0)
 }
 
 /// Index of the largest score, the lowest index among equals; 0 for an empty slice.
@@ -357,5 +425,84 @@ mod tests {
         assert_eq!(first, vec![again.next_u64(), again.next_u64()]);
         let u = r.next_f64();
         assert!((0.0..1.0).contains(&u));
+    }
+
+    /// The documented order of the device's candidates, on the host: key `logit / t` (the
+    /// logit plus 0 where `t` is 0), largest first by `total_cmp`, the lowest id first, NaN and
+    /// -inf logits last.
+    fn best_by_order(logits: &[f32], t: f32, k: usize) -> Vec<(u32, f32)> {
+        let key = |l: f32| -> Option<f32> {
+            (l > f32::NEG_INFINITY).then(|| if t > 0.0 { l / t } else { l + 0.0 })
+        };
+        let mut all: Vec<(u32, f32)> = (0..logits.len() as u32)
+            .zip(logits.iter().copied())
+            .collect();
+        all.sort_by(|a, b| match (key(a.1), key(b.1)) {
+            (Some(x), Some(y)) => y.total_cmp(&x).then(a.0.cmp(&b.0)),
+            (Some(_), None) => std::cmp::Ordering::Less,
+            (None, Some(_)) => std::cmp::Ordering::Greater,
+            (None, None) => a.0.cmp(&b.0),
+        });
+        all.truncate(k);
+        all
+    }
+
+    #[test]
+    fn drawing_from_a_rows_best_logits_draws_what_the_whole_row_draws() {
+        let mut rng = Xoshiro256::seed_from_u64(11);
+        let mut checked = 0;
+        for case in 0..60u64 {
+            let vocab = 50 + (case as usize % 7) * 40;
+            // Coarse values, so that keys tie; a few NaN, -inf, +-0 and huge logits.
+            let row: Vec<f32> = (0..vocab)
+                .map(|_| match rng.next_u64() % 40 {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    2 => -0.0,
+                    3 => 0.0,
+                    4 if case % 5 == 0 => 3.0e38,
+                    _ => (rng.next_u64() % 24) as f32 * 0.25 - 3.0,
+                })
+                .collect();
+            let o = SamplingOptions {
+                temperature: [0.0, 0.3, 1.0, 1.7, 1e-30][case as usize % 5],
+                top_k: Some([1, 3, 8, 40, 1000][case as usize % 4 + (case as usize / 20) % 2]),
+                top_p: (case % 3 == 0).then_some(0.6),
+                min_p: (case % 4 == 1).then_some(0.2),
+                repetition_penalty: (case % 6 == 5).then_some(1.0),
+                seed: case,
+            };
+            let (mut whole, mut narrowed) = (Sampler::new(o.clone()), Sampler::new(o));
+            let (k, t) = whole
+                .best_needed()
+                .expect("a top-k sampler needs only the best");
+            // A batch may pick more candidates than this row's sampler keeps.
+            for extra in [0, 5] {
+                let best = best_by_order(&row, t, k + extra);
+                for _ in 0..20 {
+                    assert_eq!(whole.sample(&row, &[]), narrowed.sample_from_best(&best));
+                    checked += 1;
+                }
+            }
+        }
+        assert_eq!(checked, 60 * 2 * 20);
+    }
+
+    #[test]
+    fn samplers_that_rank_logits_themselves_read_the_whole_row() {
+        let mut o = opts(0.8, 1);
+        assert_eq!(Sampler::new(o.clone()).best_needed(), None, "no top-k");
+        o.top_k = Some(0);
+        assert_eq!(
+            Sampler::new(o.clone()).best_needed(),
+            None,
+            "a top-k of 0 is off"
+        );
+        o.top_k = Some(5);
+        assert_eq!(Sampler::new(o.clone()).best_needed(), Some((5, 0.8)));
+        o.repetition_penalty = Some(1.3);
+        assert_eq!(Sampler::new(o.clone()).best_needed(), None, "a penalty");
+        let greedy = Sampler::new(opts(0.0, 1));
+        assert_eq!(greedy.best_needed(), Some((1, 0.0)));
     }
 }

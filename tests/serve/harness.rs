@@ -34,6 +34,7 @@ pub fn config(model: &Model) -> ServerConfig {
             rotating: true,
             max_tokens: 16,
             head_dims: head_dims(model),
+            sampling: model.config().recommended_sampling.clone(),
         },
         engine: EngineSettings {
             max_batch: 8,

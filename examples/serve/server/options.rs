@@ -28,6 +28,9 @@ pub struct Defaults {
     pub max_tokens: usize,
     /// Head dimensions of the model's KV layers (group sizes must divide them).
     pub head_dims: Vec<usize>,
+    /// The model's recommended sampling (`generation_config.json`), which fills the sampling
+    /// fields a request omits; `None`: OpenAI's defaults (temperature 1, no filters).
+    pub sampling: Option<SamplingOptions>,
 }
 
 /// Head dimensions of the model's KV-owning layers.
@@ -53,7 +56,7 @@ pub struct Knobs {
     /// Most tokens to generate (OpenAI's newer name; wins over `max_tokens`).
     #[serde(default)]
     pub max_completion_tokens: Option<i64>,
-    /// Softmax temperature; 0 is greedy. Default 1.
+    /// Softmax temperature; 0 is greedy. Default: the model's recommended temperature, else 1.
     #[serde(default)]
     pub temperature: Option<f64>,
     /// Nucleus filter, in (0, 1].
@@ -142,7 +145,12 @@ impl Knobs {
             }
             Some(m) => usize::try_from(m).unwrap_or(usize::MAX).min(room),
         };
-        let temperature = self.temperature.unwrap_or(1.0);
+        // Omitted sampling fields take the model's recommended values (vLLM does the same).
+        let model = defaults.sampling.as_ref();
+        let temperature = self
+            .temperature
+            .or(model.map(|m| f64::from(m.temperature)))
+            .unwrap_or(1.0);
         if !temperature.is_finite() || temperature < 0.0 {
             return Err(ApiError::invalid(
                 "temperature",
@@ -174,7 +182,8 @@ impl Knobs {
             }
         }
         let top_k = match self.top_k {
-            None | Some(-1) | Some(0) => None,
+            None => model.and_then(|m| m.top_k),
+            Some(-1) | Some(0) => None,
             Some(k) if k > 0 => Some(k as usize),
             Some(k) => {
                 return Err(ApiError::invalid(
@@ -201,9 +210,12 @@ impl Knobs {
             sampling: SamplingOptions {
                 temperature: temperature as f32,
                 top_k,
-                top_p: self.top_p.map(|p| p as f32),
-                min_p: self.min_p.map(|p| p as f32),
-                repetition_penalty: self.repetition_penalty.map(|r| r as f32),
+                top_p: self.top_p.map(|p| p as f32).or(model.and_then(|m| m.top_p)),
+                min_p: self.min_p.map(|p| p as f32).or(model.and_then(|m| m.min_p)),
+                repetition_penalty: self
+                    .repetition_penalty
+                    .map(|r| r as f32)
+                    .or(model.and_then(|m| m.repetition_penalty)),
                 seed,
             },
             stop_strings,
@@ -273,7 +285,35 @@ mod tests {
             rotating: true,
             max_tokens: 16,
             head_dims: vec![32, 64],
+            sampling: None,
         }
+    }
+
+    #[test]
+    fn omitted_sampling_fields_take_the_models_recommendation() {
+        let d = Defaults {
+            sampling: Some(SamplingOptions {
+                temperature: 0.7,
+                top_k: Some(64),
+                top_p: Some(0.95),
+                ..SamplingOptions::default()
+            }),
+            ..defaults()
+        };
+        let o = knobs(serde_json::json!({})).to_options(&d, 4, 64).expect("valid");
+        assert_eq!(
+            (o.sampling.temperature, o.sampling.top_k, o.sampling.top_p),
+            (0.7, Some(64), Some(0.95))
+        );
+        let set = serde_json::json!({"temperature": 0.2, "top_k": -1, "top_p": 1.0});
+        let o = knobs(set).to_options(&d, 4, 64).expect("valid");
+        assert_eq!(
+            (o.sampling.temperature, o.sampling.top_k, o.sampling.top_p),
+            (0.2, None, Some(1.0))
+        );
+        let openai = knobs(serde_json::json!({})).to_options(&defaults(), 4, 64);
+        let o = openai.expect("valid");
+        assert_eq!((o.sampling.temperature, o.sampling.top_k), (1.0, None));
     }
 
     fn knobs(v: Value) -> Knobs {

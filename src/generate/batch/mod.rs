@@ -22,6 +22,7 @@ use candle_core::Tensor;
 
 use super::types::{GenOptions, StepOutput};
 use crate::error::{Error, Result};
+use crate::kernels::ops::candidates::{best_candidates, MAX_CANDIDATES};
 use crate::kv::ModelCache;
 use crate::model::Model;
 use prefill::Joiner;
@@ -460,11 +461,27 @@ fn check_prompt(model: &Model, prompt: &[u32]) -> Result<()> {
 
 /// The next token of each sequence from `logits` (`[seqs.len(), vocab]`). When every sequence
 /// decodes greedily, the argmax is taken on the device where it has a kernel (one id per row
-/// copied back, as single decode does); otherwise the rows are copied to the samplers.
+/// copied back, as single decode does). When every sampler needs only its row's best logits
+/// (a top-k filter, no repetition penalty), the device picks them where it has a kernel and
+/// only those are copied back. Otherwise the rows are copied to the samplers.
 fn pick_tokens(logits: &Tensor, seqs: &mut [Sequence<'_>]) -> Result<Vec<u32>> {
     if seqs.iter().all(Sequence::is_plain_greedy) {
         if let Some(ids) = crate::kernels::ops::argmax::argmax_rows(logits)? {
             return Ok(ids.to_vec1::<u32>()?);
+        }
+    }
+    let needed: Option<Vec<(usize, f32)>> = seqs.iter().map(Sequence::best_needed).collect();
+    if let Some(needed) = needed {
+        let k = needed.iter().map(|n| n.0).max().unwrap_or(1);
+        let temps: Vec<f32> = needed.iter().map(|n| n.1).collect();
+        if k <= MAX_CANDIDATES {
+            if let Some(rows) = best_candidates(logits, &temps, k)? {
+                return Ok(seqs
+                    .iter_mut()
+                    .zip(rows)
+                    .map(|(s, best)| s.choose_from_best(&best))
+                    .collect());
+            }
         }
     }
     let rows = logits.to_vec2::<f32>()?;

@@ -73,6 +73,18 @@ impl<'m> Sequence<'m> {
         self.sampler.sample(logits, &self.history)
     }
 
+    /// How many of its row's best logits the sampler needs, and the temperature that ranks
+    /// them ([`crate::generate::sampling::Sampler::best_needed`]); `None`: the whole row.
+    pub fn best_needed(&self) -> Option<(usize, f32)> {
+        self.sampler.best_needed()
+    }
+
+    /// Chooses the next token from its row's best `(id, logit)` pairs
+    /// ([`crate::generate::sampling::Sampler::sample_from_best`]).
+    pub fn choose_from_best(&mut self, best: &[(u32, f32)]) -> u32 {
+        self.sampler.sample_from_best(best)
+    }
+
     /// Records `token` as the next one and turns it into a step (text, finish).
     pub fn emit(&mut self, token: u32) -> Result<StepOutput> {
         self.history.push(token);

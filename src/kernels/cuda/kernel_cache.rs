@@ -121,6 +121,8 @@ modules! {
     MOE = "moe";
     /// Masked softmax and row argmax.
     REDUCE = "reduce";
+    /// Each row's best logits for sampling.
+    TOP_K = "top_k";
     /// Flash attention over long query blocks (prefill).
     PREFILL_ATTENTION = "prefill_attention";
     /// Dense-weight decode products.

@@ -15,6 +15,7 @@
 //! | `grouped_gemm` | row blocks of one matrix, each times its own weight, as one cuBLAS grouped product (MoE prefill) |
 //! | `moe` | router top-k, grouped expert products, the weighted mix, the row gather (`moe.cu`) |
 //! | `reduce` | masked softmax, row argmax (`reduce.cu`) |
+//! | `top_k` | each row's k best logits for sampling (`top_k.cu`) |
 //! | `quantize` | affine quantization and dequantization (`quantize.cu`) |
 //! | `nccl` | the NCCL all-reduce of tensor-parallel groups (`nccl` feature) |
 //! | `peer_reduce` | the one-shot all-reduce over peer memory, alone or with the add + norms after it (`nccl` feature) |
@@ -61,6 +62,8 @@ pub mod quantize;
 pub mod reduce;
 #[cfg(feature = "cuda")]
 pub(crate) mod scratch;
+#[cfg(feature = "cuda")]
+pub mod top_k;
 
 #[cfg(feature = "cuda")]
 pub(crate) use attention::batched;

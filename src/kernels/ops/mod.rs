@@ -14,11 +14,13 @@
 //! | [`qkv`] | q/k/v norms, RoPE and the K/V write into a cache's slots |
 //! | [`moe`] | MoE routing and the routed expert products |
 //! | [`argmax`] | greedy token choice on the device |
+//! | [`candidates`] | each row's best logits for the host samplers |
 //! | [`collective`] | the all-reduce of a tensor-parallel group (NCCL) |
 //! | [`memory`] | the device choice and the memory pool |
 //! | [`graph`] | decode-step capture and replay (CUDA graphs; unavailable elsewhere) |
 
 pub(crate) mod argmax;
+pub(crate) mod candidates;
 pub mod collective;
 pub(crate) mod geglu;
 pub(crate) mod graph;

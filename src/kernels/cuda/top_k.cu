@@ -1,0 +1,174 @@
+// Each row's k best logits for sampling, so that a sampled decode step copies k (id, logit)
+// pairs a row to the host instead of the whole vocabulary. The order is the host sampler's:
+// the key s / t (t the row's temperature, IEEE division), largest first, the lowest id first
+// among equal keys, NaN and -inf logits last. One block a row:
+//   1. a radix select over the keys' order-preserving bits, 8 bits a pass from the top, finds
+//      the k-th largest key;
+//   2. each thread takes a contiguous range of ids, counts its keys above that key and equal
+//      to it, and a block scan gives every thread its slots: all keys above, then the ties in
+//      id order until k are taken (so the set is exactly the host's, ties included);
+//   3. a bitonic sort of the k candidates in shared memory, then the raw logits and ids out.
+// The logits and temperatures are read through plain pointers: a `const __restrict__` load may
+// be moved above the dependent-launch wait (common.cuh).
+#include "common.cuh"
+
+constexpr int TOPK_THREADS = 1024;
+constexpr int TOPK_WARPS = TOPK_THREADS / 32;
+// Most candidates a row (TOPK_MAX in top_k.rs).
+constexpr int TOPK_MAX = 1024;
+
+// Larger float, larger u32 (-0 below +0, like the host's total order), and above 0 for every
+// float but NaN.
+__device__ __forceinline__ uint32_t order_bits(float v) {
+    const uint32_t b = __float_as_uint(v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// A logit's key: s / t, or s itself (zeros of either sign equal) where t <= 0 (a greedy row).
+// NaN and -inf logits, which the host sampler leaves out, sort below every other key (0), even
+// below a finite logit whose division overflows to -inf.
+__device__ __forceinline__ uint32_t key_bits(float s, float t) {
+    if (!(s > -INFINITY)) return 0u;
+    return order_bits(t > 0.f ? __fdiv_rn(s, t) : __fadd_rn(s, 0.f));
+}
+
+// Exclusive prefix sum of `v` over the block's threads; `total` gets the sum.
+__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t& total) {
+    __shared__ uint32_t warp_sums[TOPK_WARPS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    uint32_t x = v;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xffffffffu, x, off);
+        if (lane >= off) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        uint32_t w = lane < TOPK_WARPS ? warp_sums[lane] : 0u;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const uint32_t y = __shfl_up_sync(0xffffffffu, w, off);
+            if (lane >= off) w += y;
+        }
+        if (lane < TOPK_WARPS) warp_sums[lane] = w;
+    }
+    __syncthreads();
+    const uint32_t before = (warp > 0 ? warp_sums[warp - 1] : 0u) + x - v;
+    total = warp_sums[TOPK_WARPS - 1];
+    __syncthreads();
+    return before;
+}
+
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
+    top_k_rows_f32(const float* x, uint32_t cols, const float* temps,
+                   uint32_t k, float* __restrict__ out_v, uint32_t* __restrict__ out_i) {
+    pdl_entry();
+    __shared__ uint32_t hist[TOPK_WARPS][256];
+    __shared__ uint32_t sel;
+    __shared__ uint32_t need_s;
+    __shared__ unsigned long long cand[TOPK_MAX];
+    const float* r = x + (size_t)blockIdx.x * cols;
+    const float t = temps[blockIdx.x];
+    const uint32_t want = min(k, cols);
+    if (want == 0) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    // 1. The k-th largest key: `prefix` under `mask` after each pass, `need` the keys still to
+    // take among those equal to it so far.
+    uint32_t prefix = 0, mask = 0, need = want;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < TOPK_WARPS * 256; i += TOPK_THREADS) (&hist[0][0])[i] = 0;
+        __syncthreads();
+        for (uint32_t j0 = 0; j0 < cols; j0 += TOPK_THREADS) {
+            const uint32_t j = j0 + threadIdx.x;
+            uint32_t bin = 256;
+            if (j < cols) {
+                const uint32_t u = key_bits(r[j], t);
+                if ((u & mask) == prefix) bin = (u >> shift) & 255u;
+            }
+            // Lanes of one bin add once (same-address shared atomics serialize).
+            const unsigned peers = __match_any_sync(0xffffffffu, bin);
+            if (bin < 256 && lane == __ffs(peers) - 1) atomicAdd(&hist[warp][bin], __popc(peers));
+        }
+        __syncthreads();
+        if (threadIdx.x < 256) {
+            uint32_t s = 0;
+            for (int w = 0; w < TOPK_WARPS; ++w) s += hist[w][threadIdx.x];
+            hist[0][threadIdx.x] = s;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            uint32_t above = 0;
+            int d = 255;
+            for (; d > 0; --d) {
+                if (above + hist[0][d] >= need) break;
+                above += hist[0][d];
+            }
+            sel = (uint32_t)d;
+            need_s = need - above;
+        }
+        __syncthreads();
+        prefix |= sel << shift;
+        mask |= 255u << shift;
+        need = need_s;
+        __syncthreads();
+    }
+    const uint32_t kth = prefix;
+    const uint32_t ties = need;  // keys equal to kth to take, lowest ids first
+
+    // 2. Every key above kth, then the first `ties` keys equal to it, in slots by id order.
+    const uint32_t per = (cols + TOPK_THREADS - 1) / TOPK_THREADS;
+    const uint32_t lo = min(cols, threadIdx.x * per), hi = min(cols, lo + per);
+    uint32_t gt = 0, eq = 0;
+    for (uint32_t j = lo; j < hi; ++j) {
+        const uint32_t u = key_bits(r[j], t);
+        gt += u > kth;
+        eq += u == kth;
+    }
+    uint32_t gt_total, eq_total;
+    uint32_t gt_at = block_exclusive_scan(gt, gt_total);
+    uint32_t eq_at = block_exclusive_scan(eq, eq_total);
+    if (gt > 0 || (eq > 0 && eq_at < ties)) {
+        for (uint32_t j = lo; j < hi; ++j) {
+            const uint32_t u = key_bits(r[j], t);
+            uint32_t slot = TOPK_MAX;
+            if (u > kth) {
+                slot = gt_at++;
+            } else if (u == kth) {
+                if (eq_at < ties) slot = gt_total + eq_at;
+                ++eq_at;
+            }
+            // Descending on the pair sorts keys down and ids up.
+            if (slot < want) cand[slot] = ((unsigned long long)u << 32) | (uint32_t)~j;
+        }
+    }
+    // Padding after every candidate (key 0 with the largest id).
+    uint32_t n2 = 1;
+    while (n2 < want) n2 <<= 1;
+    for (uint32_t i = want + threadIdx.x; i < n2; i += TOPK_THREADS) cand[i] = 0ull;
+    __syncthreads();
+
+    // 3. Bitonic sort, descending.
+    for (uint32_t size = 2; size <= n2; size <<= 1) {
+        for (uint32_t stride = size >> 1; stride > 0; stride >>= 1) {
+            for (uint32_t i = threadIdx.x; i < n2; i += TOPK_THREADS) {
+                const uint32_t p = i ^ stride;
+                if (p > i) {
+                    const unsigned long long a = cand[i], b = cand[p];
+                    const bool down = (i & size) == 0;
+                    if (down ? a < b : a > b) {
+                        cand[i] = b;
+                        cand[p] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+    for (uint32_t i = threadIdx.x; i < want; i += TOPK_THREADS) {
+        const uint32_t id = ~(uint32_t)cand[i];
+        out_v[(size_t)blockIdx.x * k + i] = r[id];
+        out_i[(size_t)blockIdx.x * k + i] = id;
+    }
+}

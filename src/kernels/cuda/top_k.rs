@@ -1,0 +1,75 @@
+//! Each row's k best logits for sampling (`top_k.cu`): a sampled decode step then copies k
+//! (id, logit) pairs a row to the host instead of the whole vocabulary.
+
+use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{DType, Result, Tensor};
+
+use super::device::{bind, cuda_dev, u32_of, wrap};
+use super::kernel_cache::{load_kernel, TOP_K};
+
+/// Most candidates a row (`TOPK_MAX` in `top_k.cu`).
+pub const TOP_K_MAX: usize = 1024;
+/// Threads of the one block a row (`TOPK_THREADS`).
+const THREADS: u32 = 1024;
+
+/// The `k` best columns of each row of f32 `logits` `[rows, cols]` under the host sampler's
+/// order: the key `logit / temps[row]` (IEEE division), largest first, the lowest column first
+/// among equal keys, NaN counted as -inf. Returns the raw logits `[rows, k']` (f32) and their
+/// columns `[rows, k']` (u32), each row in that order, with `k' = min(k, cols)`.
+///
+/// # Errors
+/// Non-f32 logits, `k` of 0 or above [`TOP_K_MAX`], a temperature count other than the rows,
+/// CUDA errors.
+pub fn top_k_rows(logits: &Tensor, temps: &[f32], k: usize) -> Result<(Tensor, Tensor)> {
+    let (rows, cols) = logits.dims2()?;
+    if logits.dtype() != DType::F32 {
+        candle_core::bail!(
+            "top_k_rows: f32 logits expected, found {:?}",
+            logits.dtype()
+        );
+    }
+    if k == 0 || k > TOP_K_MAX || temps.len() != rows {
+        candle_core::bail!(
+            "top_k_rows: k {k} (1..={TOP_K_MAX}) with {} temperatures for {rows} rows",
+            temps.len()
+        );
+    }
+    let dev = cuda_dev(logits)?;
+    let logits = logits.contiguous()?;
+    let kept = k.min(cols);
+    let (cols32, k32, rows32) = (
+        u32_of(cols, "columns")?,
+        u32_of(kept, "candidates")?,
+        u32_of(rows, "rows")?,
+    );
+    let temps = Tensor::from_slice(temps, rows, logits.device())?;
+    // SAFETY: the kernel writes `kept` pairs of every row before any reader on this stream
+    // (rows with no columns have none to write, and `kept` is then 0).
+    let mut values = unsafe { dev.alloc::<f32>((rows * kept).max(1))? };
+    let mut ids = unsafe { dev.alloc::<u32>((rows * kept).max(1))? };
+    if rows > 0 && kept > 0 {
+        bind!(xv, logits, f32);
+        bind!(tv, temps, f32);
+        let func = load_kernel(&dev, "top_k_rows_f32", &TOP_K)?;
+        let mut b = func.builder();
+        b.arg(&xv);
+        b.arg(&cols32);
+        b.arg(&tv);
+        b.arg(&k32);
+        b.arg(&mut values);
+        b.arg(&mut ids);
+        let cfg = LaunchConfig {
+            grid_dim: (rows32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match the kernel's signature; each output holds `rows * kept`
+        // elements and `kept` is at most TOPK_MAX.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok((
+        wrap(values, &dev, &[rows, kept]),
+        wrap(ids, &dev, &[rows, kept]),
+    ))
+}

@@ -1,0 +1,171 @@
+//! Sampling from each row's best logits picked on the device: the top-k kernel's candidates
+//! against the host sampler's order (ties, NaN, -inf, signed zeros, keys that overflow, greedy
+//! rows), and sampled generation through the narrowed path against the same generation reading
+//! whole rows (`Generator` and `BatchSession`).
+
+use anyhow::Result;
+use candle_core::{DType, Tensor};
+use candle_gemma::config::Config;
+use candle_gemma::generate::sampling::SamplingOptions;
+use candle_gemma::generate::BatchSession;
+use candle_gemma::kernels::cuda::top_k::{top_k_rows, TOP_K_MAX};
+use candle_gemma::{GenOptions, Model};
+
+use crate::support::gpu;
+
+/// The host sampler's order: key `logit / t` (the logit plus 0 where `t` is 0), largest first
+/// by `total_cmp`, the lowest id first, NaN and -inf logits last.
+fn best_by_order(logits: &[f32], t: f32, k: usize) -> Vec<u32> {
+    let key = |l: f32| -> Option<f32> {
+        (l > f32::NEG_INFINITY).then(|| if t > 0.0 { l / t } else { l + 0.0 })
+    };
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    ids.sort_by(
+        |&a, &b| match (key(logits[a as usize]), key(logits[b as usize])) {
+            (Some(x), Some(y)) => y.total_cmp(&x).then(a.cmp(&b)),
+            (Some(_), None) => std::cmp::Ordering::Less,
+            (None, Some(_)) => std::cmp::Ordering::Greater,
+            (None, None) => a.cmp(&b),
+        },
+    );
+    ids.truncate(k);
+    ids
+}
+
+/// A row of coarse values (so keys tie), with NaN, -inf, signed zeros and a few huge logits.
+fn row(cols: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..cols)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            match s % 97 {
+                0 => f32::NAN,
+                1 => f32::NEG_INFINITY,
+                2 => -0.0,
+                3 => 0.0,
+                4 => 3.0e38,
+                v => (v % 40) as f32 * 0.125 - 2.0 + if s % 5 == 0 { 1e-3 } else { 0.0 },
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn top_k_rows_follow_the_samplers_order() -> Result<()> {
+    let Some(gpu) = gpu("top_k_rows") else {
+        return Ok(());
+    };
+    let mut failures = Vec::new();
+    let temps = [1.0f32, 0.0, 0.7, 1e-30, 2.5];
+    for cols in [1, 700, 5000, 262_144] {
+        let rows: Vec<Vec<f32>> = (0..temps.len() as u64)
+            .map(|r| row(cols, r * 31 + cols as u64))
+            .collect();
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        let logits = Tensor::from_vec(flat, (rows.len(), cols), &gpu.dev)?;
+        for k in [1, 64, 1000, TOP_K_MAX] {
+            let (values, ids) = top_k_rows(&logits, &temps, k)?;
+            let (values, ids) = (values.to_vec2::<f32>()?, ids.to_vec2::<u32>()?);
+            for (r, (row, t)) in rows.iter().zip(temps).enumerate() {
+                let want = best_by_order(row, t, k);
+                let got_values_match = ids[r]
+                    .iter()
+                    .zip(&values[r])
+                    .all(|(&i, &v)| row[i as usize].to_bits() == v.to_bits());
+                if ids[r] != want || !got_values_match {
+                    let at = ids[r].iter().zip(&want).position(|(a, b)| a != b);
+                    failures.push(format!(
+                        "cols {cols} k {k} t {t}: first difference at {at:?} of {} (values match: {got_values_match})",
+                        want.len()
+                    ));
+                }
+            }
+            println!("top_k_rows cols {cols} k {k}: checked {} rows", rows.len());
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    Ok(())
+}
+
+fn config(fixture: &str) -> Result<Config> {
+    let path = format!(
+        "{}/fixtures/{fixture}/config.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let json = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    Ok(Config::from_json(&json, None)?)
+}
+
+/// Sampled generation options; a top-k at least the vocabulary (512) keeps every token, so
+/// `top_k` 512 (picked on the device) and 5000 (above the device's limit: whole rows read)
+/// draw alike.
+fn sampled(top_k: usize, seed: u64) -> GenOptions {
+    GenOptions {
+        max_tokens: 20,
+        ignore_eos: true,
+        sampling: SamplingOptions {
+            temperature: 1.0,
+            top_k: Some(top_k),
+            top_p: Some(0.9),
+            seed,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+#[test]
+fn sampling_from_device_picked_candidates_draws_what_whole_rows_draw() -> Result<()> {
+    let Some(gpu) = gpu("sampling from candidates") else {
+        return Ok(());
+    };
+    let mut failures = Vec::new();
+    for dtype in [DType::F32, DType::BF16] {
+        let model = Model::random(config("e2b-hf")?, &gpu.dev, dtype, 5)?;
+        let prompts: Vec<Vec<u32>> = (0..3u32)
+            .map(|p| (0..12 + p).map(|i| (i * 29 + p * 7 + 3) % 500).collect())
+            .collect();
+        for (p, prompt) in prompts.iter().enumerate() {
+            let seed = 40 + p as u64;
+            let narrowed = model.generator(sampled(512, seed)).generate(prompt)?.tokens;
+            let whole = model
+                .generator(sampled(5000, seed))
+                .generate(prompt)?
+                .tokens;
+            println!("{dtype:?} prompt {p}: {narrowed:?}");
+            if narrowed != whole {
+                failures.push(format!(
+                    "{dtype:?} generator {p}: {narrowed:?} vs {whole:?}"
+                ));
+            }
+        }
+        // A batch of the three, one of them greedy (the greedy row is picked among the
+        // candidates too).
+        let batch = |top_k: usize| -> Result<Vec<Vec<u32>>> {
+            let mut session = BatchSession::new(&model, sampled(top_k, 0));
+            for (p, prompt) in prompts.iter().enumerate() {
+                let mut o = sampled(top_k, 40 + p as u64);
+                if p == 1 {
+                    o.sampling = SamplingOptions::default();
+                }
+                session.add_with(prompt, o)?;
+            }
+            Ok(session
+                .run_to_end()?
+                .into_iter()
+                .map(|(_, t, _)| t)
+                .collect())
+        };
+        let (narrowed, whole) = (batch(512)?, batch(5000)?);
+        if narrowed != whole {
+            failures.push(format!("{dtype:?} batch: {narrowed:?} vs {whole:?}"));
+        }
+        if narrowed.iter().all(|t| t.len() != 20) {
+            failures.push(format!("{dtype:?} batch: lengths {narrowed:?}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    Ok(())
+}
