@@ -149,9 +149,12 @@ def request_body(args, rng, prompt_len, max_tokens):
         "max_tokens": max_tokens,
         "stream": True,
         "ignore_eos": True,
-        "temperature": 0.0,
         "stream_options": {"include_usage": True},
     }
+    # Greedy unless --sampled, which leaves the sampling fields to the server (the model's
+    # recommended sampling: Gemma 4's temperature 1, top-k 64, top-p 0.95).
+    if not args.sampled:
+        body["temperature"] = 0.0
     if args.token_ids:
         body["return_token_ids"] = True
     if args.model:
@@ -464,6 +467,8 @@ def main():
                    help="do not ask for `return_token_ids` (tokens are then counted per text "
                    "chunk, and in total from `usage`)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sampled", action="store_true",
+                   help="omit the sampling fields (the server's default sampling) instead of greedy")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--join-streams", type=int, default=0,
                    help="run the long-prompt-joins probe with this many streams (0: off)")

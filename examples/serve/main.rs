@@ -55,7 +55,8 @@ struct Args {
     #[arg(long, conflicts_with = "random_weights")]
     model: Option<String>,
     /// A config.json: serve a model of its real shapes with random weights (benchmarks; no
-    /// tokenizer, so token-id prompts on /v1/completions only).
+    /// tokenizer, so token-id prompts on /v1/completions only). A `generation_config.json`
+    /// beside it gives the EOS ids and the recommended sampling.
     #[arg(long)]
     random_weights: Option<PathBuf>,
     /// The name clients give as `model` (default: the --model argument).
@@ -150,7 +151,12 @@ fn load(args: &Args) -> Result<(Served, String)> {
     if let Some(path) = &args.random_weights {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let config = Config::from_json(&serde_json::from_str(&text)?, None)?;
+        let generation = path.with_file_name("generation_config.json");
+        let generation: Option<serde_json::Value> = match std::fs::read_to_string(&generation) {
+            Ok(g) => Some(serde_json::from_str(&g)?),
+            Err(_) => None,
+        };
+        let config = Config::from_json(&serde_json::from_str(&text)?, generation.as_ref())?;
         let name = path
             .file_stem()
             .map_or_else(|| "random".into(), |s| s.to_string_lossy().into_owned());

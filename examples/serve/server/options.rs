@@ -300,7 +300,9 @@ mod tests {
             }),
             ..defaults()
         };
-        let o = knobs(serde_json::json!({})).to_options(&d, 4, 64).expect("valid");
+        let o = knobs(serde_json::json!({}))
+            .to_options(&d, 4, 64)
+            .expect("valid");
         assert_eq!(
             (o.sampling.temperature, o.sampling.top_k, o.sampling.top_p),
             (0.7, Some(64), Some(0.95))

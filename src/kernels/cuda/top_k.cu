@@ -8,6 +8,8 @@
 //      to it, and a block scan gives every thread its slots: all keys above, then the ties in
 //      id order until k are taken (so the set is exactly the host's, ties included);
 //   3. a bitonic sort of the k candidates in shared memory, then the raw logits and ids out.
+// Rows longer than a chunk take two launches: each chunk's best (a block a chunk, so a row is
+// not bound by one multiprocessor), then the best of those, which hold the row's.
 // The logits and temperatures are read through plain pointers: a `const __restrict__` load may
 // be moved above the dependent-launch wait (common.cuh).
 #include "common.cuh"
@@ -60,31 +62,49 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t& t
     return before;
 }
 
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
-    top_k_rows_f32(const float* x, uint32_t cols, const float* temps,
-                   uint32_t k, float* __restrict__ out_v, uint32_t* __restrict__ out_i) {
-    pdl_entry();
+// What a block selects from: `n` entries, entry j the logit `value(j)` of id `id(j)`, where
+// equal keys come in increasing id order (a row's columns; or chunks' candidate lists, each
+// sorted, in chunk order).
+struct Columns {
+    const float* r;
+    uint32_t n, base;
+    __device__ __forceinline__ uint32_t id(uint32_t j) const { return base + j; }
+    __device__ __forceinline__ uint32_t key(uint32_t j, float t) const { return key_bits(r[j], t); }
+};
+// Sentinel id: a short chunk's unused candidate slots (always after every real candidate).
+constexpr uint32_t NO_ID = 0xffffffffu;
+struct Listed {
+    const float* r;
+    const uint32_t* ids;
+    uint32_t n;
+    __device__ __forceinline__ uint32_t id(uint32_t j) const { return ids[j]; }
+    __device__ __forceinline__ uint32_t key(uint32_t j, float t) const {
+        const uint32_t i = ids[j];
+        return i == NO_ID ? 0u : key_bits(r[i], t);
+    }
+};
+
+// Leaves the `want` (<= TOPK_MAX, <= src.n) best entries of `src` in cand[0, want), best
+// first, as (key << 32 | ~id); every thread of the block must call it.
+template <typename Src>
+__device__ void select_best(const Src& src, float t, uint32_t want, unsigned long long* cand) {
     __shared__ uint32_t hist[TOPK_WARPS][256];
     __shared__ uint32_t sel;
     __shared__ uint32_t need_s;
-    __shared__ unsigned long long cand[TOPK_MAX];
-    const float* r = x + (size_t)blockIdx.x * cols;
-    const float t = temps[blockIdx.x];
-    const uint32_t want = min(k, cols);
-    if (want == 0) return;
+    const uint32_t n = src.n;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-    // 1. The k-th largest key: `prefix` under `mask` after each pass, `need` the keys still to
-    // take among those equal to it so far.
+    // 1. The want-th largest key: `prefix` under `mask` after each pass, `need` the keys still
+    // to take among those equal to it so far.
     uint32_t prefix = 0, mask = 0, need = want;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < TOPK_WARPS * 256; i += TOPK_THREADS) (&hist[0][0])[i] = 0;
         __syncthreads();
-        for (uint32_t j0 = 0; j0 < cols; j0 += TOPK_THREADS) {
+        for (uint32_t j0 = 0; j0 < n; j0 += TOPK_THREADS) {
             const uint32_t j = j0 + threadIdx.x;
             uint32_t bin = 256;
-            if (j < cols) {
-                const uint32_t u = key_bits(r[j], t);
+            if (j < n) {
+                const uint32_t u = src.key(j, t);
                 if ((u & mask) == prefix) bin = (u >> shift) & 255u;
             }
             // Lanes of one bin add once (same-address shared atomics serialize).
@@ -117,12 +137,12 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
     const uint32_t kth = prefix;
     const uint32_t ties = need;  // keys equal to kth to take, lowest ids first
 
-    // 2. Every key above kth, then the first `ties` keys equal to it, in slots by id order.
-    const uint32_t per = (cols + TOPK_THREADS - 1) / TOPK_THREADS;
-    const uint32_t lo = min(cols, threadIdx.x * per), hi = min(cols, lo + per);
+    // 2. Every key above kth, then the first `ties` keys equal to it, in slots by entry order.
+    const uint32_t per = (n + TOPK_THREADS - 1) / TOPK_THREADS;
+    const uint32_t lo = min(n, threadIdx.x * per), hi = min(n, lo + per);
     uint32_t gt = 0, eq = 0;
     for (uint32_t j = lo; j < hi; ++j) {
-        const uint32_t u = key_bits(r[j], t);
+        const uint32_t u = src.key(j, t);
         gt += u > kth;
         eq += u == kth;
     }
@@ -131,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
     uint32_t eq_at = block_exclusive_scan(eq, eq_total);
     if (gt > 0 || (eq > 0 && eq_at < ties)) {
         for (uint32_t j = lo; j < hi; ++j) {
-            const uint32_t u = key_bits(r[j], t);
+            const uint32_t u = src.key(j, t);
             uint32_t slot = TOPK_MAX;
             if (u > kth) {
                 slot = gt_at++;
@@ -140,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
                 ++eq_at;
             }
             // Descending on the pair sorts keys down and ids up.
-            if (slot < want) cand[slot] = ((unsigned long long)u << 32) | (uint32_t)~j;
+            if (slot < want) cand[slot] = ((unsigned long long)u << 32) | (uint32_t)~src.id(j);
         }
     }
     // Padding after every candidate (key 0 with the largest id).
@@ -166,6 +186,52 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
             __syncthreads();
         }
     }
+}
+
+// One row a block (rows of at most a chunk): the row's best, as raw logits and ids.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
+    top_k_rows_f32(const float* x, uint32_t cols, const float* temps, uint32_t k,
+                   float* __restrict__ out_v, uint32_t* __restrict__ out_i) {
+    pdl_entry();
+    __shared__ unsigned long long cand[TOPK_MAX];
+    const float* r = x + (size_t)blockIdx.x * cols;
+    const uint32_t want = min(k, cols);
+    if (want == 0) return;
+    select_best(Columns{r, cols, 0}, temps[blockIdx.x], want, cand);
+    for (uint32_t i = threadIdx.x; i < want; i += TOPK_THREADS) {
+        const uint32_t id = ~(uint32_t)cand[i];
+        out_v[(size_t)blockIdx.x * k + i] = r[id];
+        out_i[(size_t)blockIdx.x * k + i] = id;
+    }
+}
+
+// Long rows, first launch: block (c, row) takes chunk c (`chunk` columns) of the row and
+// leaves its best ids, best first, in ids[row][c][0, k) (NO_ID past a short last chunk's).
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
+    top_k_chunks_f32(const float* x, uint32_t cols, const float* temps, uint32_t k,
+                     uint32_t chunk, uint32_t* __restrict__ ids) {
+    pdl_entry();
+    __shared__ unsigned long long cand[TOPK_MAX];
+    const float* r = x + (size_t)blockIdx.y * cols;
+    const uint32_t c0 = blockIdx.x * chunk;
+    const uint32_t len = min(chunk, cols - c0);
+    const uint32_t want = min(k, len);
+    select_best(Columns{r + c0, len, c0}, temps[blockIdx.y], want, cand);
+    uint32_t* o = ids + ((size_t)blockIdx.y * gridDim.x + blockIdx.x) * k;
+    for (uint32_t i = threadIdx.x; i < k; i += TOPK_THREADS) o[i] = i < want ? ~(uint32_t)cand[i] : NO_ID;
+}
+
+// Long rows, second launch: one row a block, its best among the chunks' candidates.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
+    top_k_merge_f32(const float* x, uint32_t cols, const float* temps, uint32_t k,
+                    uint32_t chunks, const uint32_t* ids, float* __restrict__ out_v,
+                    uint32_t* __restrict__ out_i) {
+    pdl_entry();
+    __shared__ unsigned long long cand[TOPK_MAX];
+    const float* r = x + (size_t)blockIdx.x * cols;
+    const uint32_t want = min(k, cols);
+    const uint32_t* listed = ids + (size_t)blockIdx.x * chunks * k;
+    select_best(Listed{r, listed, chunks * k}, temps[blockIdx.x], want, cand);
     for (uint32_t i = threadIdx.x; i < want; i += TOPK_THREADS) {
         const uint32_t id = ~(uint32_t)cand[i];
         out_v[(size_t)blockIdx.x * k + i] = r[id];

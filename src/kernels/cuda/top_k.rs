@@ -10,8 +10,12 @@ use super::kernel_cache::{load_kernel, TOP_K};
 
 /// Most candidates a row (`TOPK_MAX` in `top_k.cu`).
 pub const TOP_K_MAX: usize = 1024;
-/// Threads of the one block a row (`TOPK_THREADS`).
+/// Threads of a block (`TOPK_THREADS`).
 const THREADS: u32 = 1024;
+/// Columns of a block of the first launch for rows longer than this: a block a chunk picks
+/// the chunk's best, then one a row picks the best of those (one block for a whole row of
+/// Gemma 4's vocabulary was bound by one multiprocessor).
+const CHUNK: usize = 8192;
 
 /// The `k` best columns of each row of f32 `logits` `[rows, cols]` under the host sampler's
 /// order: the key `logit / temps[row]` (IEEE division), largest first, the lowest column first
@@ -51,22 +55,54 @@ pub fn top_k_rows(logits: &Tensor, temps: &[f32], k: usize) -> Result<(Tensor, T
     if rows > 0 && kept > 0 {
         bind!(xv, logits, f32);
         bind!(tv, temps, f32);
-        let func = load_kernel(&dev, "top_k_rows_f32", &TOP_K)?;
-        let mut b = func.builder();
-        b.arg(&xv);
-        b.arg(&cols32);
-        b.arg(&tv);
-        b.arg(&k32);
-        b.arg(&mut values);
-        b.arg(&mut ids);
-        let cfg = LaunchConfig {
-            grid_dim: (rows32, 1, 1),
+        let block = |grid: (u32, u32)| LaunchConfig {
+            grid_dim: (grid.0, grid.1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: arguments match the kernel's signature; each output holds `rows * kept`
-        // elements and `kept` is at most TOPK_MAX.
-        unsafe { b.launch(cfg) }.w()?;
+        if cols <= CHUNK {
+            let func = load_kernel(&dev, "top_k_rows_f32", &TOP_K)?;
+            let mut b = func.builder();
+            b.arg(&xv);
+            b.arg(&cols32);
+            b.arg(&tv);
+            b.arg(&k32);
+            b.arg(&mut values);
+            b.arg(&mut ids);
+            // SAFETY: arguments match the kernel's signature; each output holds `rows * kept`
+            // elements and `kept` is at most TOPK_MAX.
+            unsafe { b.launch(block((rows32, 1))) }.w()?;
+        } else {
+            let chunks = cols.div_ceil(CHUNK);
+            let chunks32 = u32_of(chunks, "column chunks")?;
+            let chunk32 = u32_of(CHUNK, "chunk")?;
+            // SAFETY: every (chunk, row) block writes its `kept` slots before the merge reads
+            // them on this stream.
+            let mut listed = unsafe { dev.alloc::<u32>(rows * chunks * kept)? };
+            let func = load_kernel(&dev, "top_k_chunks_f32", &TOP_K)?;
+            let mut b = func.builder();
+            b.arg(&xv);
+            b.arg(&cols32);
+            b.arg(&tv);
+            b.arg(&k32);
+            b.arg(&chunk32);
+            b.arg(&mut listed);
+            // SAFETY: arguments match the kernel's signature; `listed` holds `kept` ids for
+            // every (row, chunk), and each chunk has at least one column.
+            unsafe { b.launch(block((chunks32, rows32))) }.w()?;
+            let func = load_kernel(&dev, "top_k_merge_f32", &TOP_K)?;
+            let mut b = func.builder();
+            b.arg(&xv);
+            b.arg(&cols32);
+            b.arg(&tv);
+            b.arg(&k32);
+            b.arg(&chunks32);
+            b.arg(&listed);
+            b.arg(&mut values);
+            b.arg(&mut ids);
+            // SAFETY: as above; each output holds `rows * kept` elements.
+            unsafe { b.launch(block((rows32, 1))) }.w()?;
+        }
     }
     Ok((
         wrap(values, &dev, &[rows, kept]),
