@@ -495,7 +495,7 @@ const SAMPLING_THREADS: usize = 16;
 fn sample_whole_rows(rows: Vec<Vec<f32>>, seqs: &mut [Sequence<'_>]) -> Result<Vec<u32>> {
     static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let threads = seqs.len().min(cores).min(SAMPLING_THREADS).max(1);
+    let threads = seqs.len().min(cores).clamp(1, SAMPLING_THREADS);
     if threads == 1 {
         return Ok(seqs
             .iter_mut()
