@@ -373,3 +373,105 @@ fn joiners_with_equal_chunks_share_a_step_and_longer_ones_follow_chunk_by_chunk(
         );
     }
 }
+
+#[test]
+fn logprobs_are_the_models_log_softmax_in_single_and_batched_decode() {
+    let model = load("e2b-hf");
+    let prompts: Vec<Vec<u32>> = golden("e2b-hf").into_iter().map(|c| c.prompt).collect();
+    let options = |seed, top| GenOptions {
+        max_tokens: 5,
+        ignore_eos: true,
+        logprobs: Some(top),
+        sampling: SamplingOptions {
+            temperature: 0.8,
+            top_k: Some(30),
+            seed,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut single_runs = Vec::new();
+    for (i, prompt) in prompts.iter().enumerate().take(3) {
+        let mut generator = model.generator(options(i as u64, 3));
+        let steps: Vec<_> = generator
+            .stream(prompt)
+            .expect("stream")
+            .collect::<candle_gemma::Result<Vec<_>>>()
+            .expect("steps");
+        // The first token's log-probability, from the prompt's logits on the host.
+        let mut cache = model.new_cache(&CacheConfig::default()).expect("cache");
+        let logits = model
+            .forward(&[prompt.clone()], &mut cache)
+            .expect("forward")
+            .squeeze(0)
+            .expect("row")
+            .to_vec1::<f32>()
+            .expect("host");
+        let norm = logits.iter().map(|&v| f64::from(v).exp()).sum::<f64>().ln();
+        let first = steps[0].logprobs.as_ref().expect("logprobs asked");
+        let want = f64::from(logits[steps[0].token as usize]) - norm;
+        assert!(
+            (f64::from(first.logprob) - want).abs() < 1e-4,
+            "{first:?} vs {want}"
+        );
+        for s in &steps {
+            let lp = s.logprobs.as_ref().expect("every step");
+            assert_eq!(lp.top.len(), 3);
+            assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1), "{lp:?}");
+            assert!(
+                lp.logprob <= lp.top[0].1 + 1e-6 && lp.logprob <= 0.0,
+                "{lp:?}"
+            );
+            // A top-30 draw is among the 30 best; when it is among the 3 best, the values agree.
+            if let Some(t) = lp.top.iter().find(|t| t.0 == s.token) {
+                assert!((t.1 - lp.logprob).abs() < 1e-6, "{lp:?}");
+            }
+        }
+        single_runs.push(steps);
+    }
+    // The same sequences batched, one without logprobs.
+    let mut session = BatchSession::new(&model, options(0, 3));
+    for (i, prompt) in prompts.iter().enumerate().take(3) {
+        let mut o = options(i as u64, 3);
+        if i == 1 {
+            o.logprobs = None;
+        }
+        session.add_with(prompt, o).expect("add");
+    }
+    let mut batched: Vec<Vec<candle_gemma::StepOutput>> = vec![Vec::new(); 3];
+    while !session.is_empty() {
+        for (id, step) in session.step().expect("step") {
+            batched[id.0 as usize].push(step);
+        }
+    }
+    for (i, (b, s)) in batched.iter().zip(&single_runs).enumerate() {
+        let tokens = |x: &[candle_gemma::StepOutput]| x.iter().map(|t| t.token).collect::<Vec<_>>();
+        assert_eq!(tokens(b), tokens(s), "sequence {i}");
+        for (bs, ss) in b.iter().zip(s) {
+            match (&bs.logprobs, i) {
+                (None, 1) => {}
+                (Some(lp), _) if i != 1 => {
+                    let want = ss.logprobs.as_ref().expect("single");
+                    assert!(
+                        (lp.logprob - want.logprob).abs() < 1e-4,
+                        "{lp:?} vs {want:?}"
+                    );
+                    let ids = |l: &candle_gemma::generate::TokenLogprobs| {
+                        l.top.iter().map(|t| t.0).collect::<Vec<_>>()
+                    };
+                    assert_eq!(ids(lp), ids(want));
+                }
+                other => panic!("sequence {i}: logprobs {other:?}"),
+            }
+        }
+    }
+    let mut bad = options(0, 3);
+    bad.logprobs = Some(21);
+    assert!(matches!(
+        bad.validate(),
+        Err(Error::InvalidOption {
+            field: "logprobs",
+            ..
+        })
+    ));
+}

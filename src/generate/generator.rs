@@ -5,6 +5,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use super::detok::StreamDecoder;
+use super::logprobs::token_logprobs;
 use super::lookahead::Lookahead;
 use super::sampling::Sampler;
 use super::stop::StopStrings;
@@ -180,13 +181,16 @@ impl<'m> Generator<'m> {
         eos.extend(&options.extra_eos);
         let sampler = Sampler::new(options.sampling.clone());
         let lookahead = match &logits {
-            Some(l) if options.lookahead && sampler.is_plain_greedy() => {
+            Some(l)
+                if options.lookahead && sampler.is_plain_greedy() && options.logprobs.is_none() =>
+            {
                 Lookahead::start(model, l, options.max_tokens)?
             }
             _ => None,
         };
         Ok(Stream {
             lookahead,
+            logprobs: options.logprobs,
             sampler,
             decoder: model
                 .tokenizer()
@@ -272,6 +276,8 @@ pub struct Stream<'g, 'm> {
     decode_started: Option<Instant>,
     /// Greedy decoding one step ahead ([`GenOptions::lookahead`]), where it applies.
     lookahead: Option<Lookahead>,
+    /// Alternatives reported with each token's log-probability ([`GenOptions::logprobs`]).
+    logprobs: Option<usize>,
 }
 
 impl Stream<'_, '_> {
@@ -327,6 +333,13 @@ impl Stream<'_, '_> {
             }
             None => (self.pick()?, false),
         };
+        // Lookahead (which keeps no logits) is off whenever logprobs are asked for.
+        let logprobs = match self.logprobs {
+            Some(n) if self.lookahead.is_none() => {
+                token_logprobs(&self.logits.unsqueeze(0)?, &[token], n)?.pop()
+            }
+            _ => None,
+        };
         if forwarded {
             self.generator.cached_tokens.push(token);
         }
@@ -369,6 +382,7 @@ impl Stream<'_, '_> {
             token,
             text,
             finish,
+            logprobs,
         }))
     }
 }

@@ -5,6 +5,7 @@
 mod batch;
 pub mod detok;
 mod generator;
+mod logprobs;
 mod lookahead;
 pub mod sampling;
 pub mod stop;

@@ -32,7 +32,16 @@ pub struct GenOptions {
     /// [`crate::Generator::cached_tokens`]) holds it too. Ignored for sampling, other devices
     /// and checkpoints whose per-layer table is smaller than the vocabulary.
     pub lookahead: bool,
+    /// Report each generated token's log-probability and those of the `n` most likely tokens
+    /// at its step (`Some(n)`, `n` up to [`MAX_TOP_LOGPROBS`]) in [`StepOutput::logprobs`].
+    /// They are the model's: the log-softmax of the logits, before temperature, penalties and
+    /// filters (vLLM's default). Costs a reduction over each row a step; greedy decoding with
+    /// it does not run ahead.
+    pub logprobs: Option<usize>,
 }
+
+/// Most alternatives [`GenOptions::logprobs`] reports a token (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl Default for GenOptions {
     fn default() -> Self {
@@ -46,6 +55,7 @@ impl Default for GenOptions {
             prefill_chunk: None,
             skip_special_tokens: true,
             lookahead: true,
+            logprobs: None,
         }
     }
 }
@@ -53,7 +63,8 @@ impl Default for GenOptions {
 impl GenOptions {
     /// Checks every value: a temperature that is NaN, infinite or negative, `top_p` outside
     /// (0, 1], `min_p` outside [0, 1], a repetition penalty that is not a positive finite
-    /// number, `max_tokens == 0`, `prefill_chunk == Some(0)` and a quantized cache whose group
+    /// number, `max_tokens == 0`, `prefill_chunk == Some(0)`, `logprobs` above
+    /// [`MAX_TOP_LOGPROBS`] and a quantized cache whose group
     /// size is not 32, 64 or 128 are rejected. (The [`Sampler`](super::Sampler) itself stays
     /// lenient and treats such values as "filter off"; this is the check for values that come
     /// from users.) Whether the group size divides the model's head dimension is checked when
@@ -95,6 +106,12 @@ impl GenOptions {
                 );
             }
         }
+        if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return bad(
+                "logprobs",
+                format!("at most {MAX_TOP_LOGPROBS} alternatives, got {n}"),
+            );
+        }
         if self.max_tokens == 0 {
             return bad("max_tokens", "must be at least 1".to_string());
         }
@@ -134,6 +151,20 @@ pub struct StepOutput {
     pub text: String,
     /// Set on the last step of the sequence.
     pub finish: Option<FinishReason>,
+    /// The token's log-probability and the most likely alternatives, where
+    /// [`GenOptions::logprobs`] asks for them.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// A generated token's log-probability under the model and the most likely tokens at its step
+/// ([`GenOptions::logprobs`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The log-probability of the token generated.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first (the lowest id
+    /// first among equals).
+    pub top: Vec<(u32, f32)>,
 }
 
 /// Counters and timings of one generation.

@@ -169,3 +169,38 @@ fn sampling_from_device_picked_candidates_draws_what_whole_rows_draw() -> Result
     assert!(failures.is_empty(), "{failures:#?}");
     Ok(())
 }
+
+#[test]
+fn logprobs_on_the_device_equal_the_log_softmax_on_the_host() -> Result<()> {
+    let Some(gpu) = gpu("logprobs") else {
+        return Ok(());
+    };
+    let model = Model::random(config("e2b-hf")?, &gpu.dev, DType::F32, 5)?;
+    let prompt: Vec<u32> = (0..16).map(|i| (i * 31 + 7) % 500).collect();
+    let options = GenOptions {
+        max_tokens: 1,
+        ignore_eos: true,
+        logprobs: Some(4),
+        ..Default::default()
+    };
+    let out = model.generator(options).stream(&prompt)?.next();
+    let step = out.ok_or_else(|| anyhow::anyhow!("no step"))??;
+    let lp = step
+        .logprobs
+        .ok_or_else(|| anyhow::anyhow!("no logprobs"))?;
+    let mut cache = model.new_cache(&Default::default())?;
+    let logits = model
+        .forward(&[prompt], &mut cache)?
+        .squeeze(0)?
+        .to_vec1::<f32>()?;
+    let norm = logits.iter().map(|&v| f64::from(v).exp()).sum::<f64>().ln();
+    let want = |i: u32| f64::from(logits[i as usize]) - norm;
+    let order = best_by_order(&logits, 0.0, 4);
+    println!("logprobs: {lp:?}");
+    assert!((f64::from(lp.logprob) - want(step.token)).abs() < 1e-4);
+    assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), order);
+    for (id, v) in &lp.top {
+        assert!((f64::from(*v) - want(*id)).abs() < 1e-4, "{id}: {v}");
+    }
+    Ok(())
+}

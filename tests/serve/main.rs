@@ -18,6 +18,7 @@ mod cancel;
 mod concurrency;
 mod errors;
 mod load;
+mod logprobs;
 mod reuse;
 mod sharded;
 mod tool_stream;

@@ -38,6 +38,7 @@ fn scripted() -> (Vec<Event>, Arc<std::collections::HashSet<u32>>) {
             token: id,
             text,
             finish: last.then_some(FinishReason::Eos(id)),
+            logprobs: None,
         }));
     }
     let eos = *ids.last().expect("ids");

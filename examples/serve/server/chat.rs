@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 
 use super::engine::Event;
 use super::error::ApiError;
+use super::logprobs;
 use super::openai::{self, ChatRequest};
 use super::split::{Gathered, OutputSplit, Piece};
 use super::sse::{self, Frame, Translate};
@@ -56,7 +57,8 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         req.stream_options.is_some_and(|o| o.include_usage),
         req.knobs.return_token_ids,
         OutputSplit::new(state.hidden.clone()),
-    );
+    )
+    .with_logprobs(state.clone());
     if req.stream {
         return Ok(sse::respond(submission, stream));
     }
@@ -80,10 +82,24 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     if !calls.is_empty() {
         message["tool_calls"] = Value::from(calls.clone());
     }
+    let entries: Vec<Value> = done
+        .steps
+        .iter()
+        .filter_map(|s| {
+            s.logprobs
+                .as_ref()
+                .map(|lp| logprobs::chat_entry(state.model(), s.token, lp))
+        })
+        .collect();
+    let logprobs = if entries.is_empty() {
+        Value::Null
+    } else {
+        json!({ "content": entries })
+    };
     let mut choice = json!({
         "index": 0,
         "message": message,
-        "logprobs": null,
+        "logprobs": logprobs,
         "finish_reason": openai::finish_reason(done.finish, !calls.is_empty()),
     });
     if stream.return_ids {
@@ -117,6 +133,10 @@ pub struct ChatStream {
     pub split: OutputSplit,
     /// Ids generated since the last chunk.
     pub pending_ids: Vec<u32>,
+    /// The server, where the request asked for log-probabilities (its tokenizer names the
+    /// tokens), and the entries of the tokens generated since the last chunk.
+    logprobs: Option<Arc<AppState>>,
+    pending_logprobs: Vec<Value>,
 }
 
 impl ChatStream {
@@ -130,12 +150,26 @@ impl ChatStream {
             return_ids,
             split,
             pending_ids: Vec::new(),
+            logprobs: None,
+            pending_logprobs: Vec::new(),
         }
     }
 
+    /// Puts the log-probabilities of the tokens (where the request asked for them) in the
+    /// chunks, named by `state`'s tokenizer.
+    pub fn with_logprobs(mut self, state: Arc<AppState>) -> Self {
+        self.logprobs = Some(state);
+        self
+    }
+
     fn chunk(&mut self, delta: Value, finish: Option<&str>) -> Frame {
+        let lp = if self.pending_logprobs.is_empty() {
+            Value::Null
+        } else {
+            json!({ "content": std::mem::take(&mut self.pending_logprobs) })
+        };
         let mut choice =
-            json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish});
+            json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish});
         if self.return_ids {
             choice["token_ids"] = json!(std::mem::take(&mut self.pending_ids));
         }
@@ -180,6 +214,10 @@ impl Translate for ChatStream {
             ),
             Event::Token(step) => {
                 self.pending_ids.push(step.token);
+                if let (Some(state), Some(lp)) = (&self.logprobs, &step.logprobs) {
+                    let entry = logprobs::chat_entry(state.model(), step.token, lp);
+                    self.pending_logprobs.push(entry);
+                }
                 let pieces = self.split.push(step.token, &step.text);
                 (self.pieces(pieces), false)
             }

@@ -11,8 +11,11 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
+use candle_gemma::generate::TokenLogprobs;
+
 use super::engine::Event;
 use super::error::ApiError;
+use super::logprobs;
 use super::openai::{self, CompletionRequest, Prompt};
 use super::sse::{self, Frame, Translate};
 use super::{body, new_id, unix_now, AppState};
@@ -62,6 +65,8 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         .to_options(&state.config.defaults, prompt.len(), state.context())?;
     let submission = state.engine.submit(prompt, options)?;
     let stream = CompletionStream {
+        state: state.clone(),
+        offset: 0,
         id: new_id("cmpl-"),
         created: unix_now(),
         model: state.model_id().to_string(),
@@ -74,10 +79,25 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     }
     let done = submission.collect().await?;
     let text: String = done.steps.iter().map(|s| s.text.as_str()).collect();
+    let mut offset = 0;
+    let listed: Vec<(u32, &TokenLogprobs, usize)> = done
+        .steps
+        .iter()
+        .filter_map(|s| {
+            let at = offset;
+            offset += s.text.len();
+            s.logprobs.as_ref().map(|lp| (s.token, lp, at))
+        })
+        .collect();
+    let logprobs = if listed.is_empty() {
+        Value::Null
+    } else {
+        logprobs::completion_lists(state.model(), &listed)
+    };
     let mut choice = json!({
         "index": 0,
         "text": text,
-        "logprobs": null,
+        "logprobs": logprobs,
         "finish_reason": openai::finish_reason(done.finish, false),
     });
     if stream.return_ids {
@@ -91,6 +111,10 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
 /// Translates one completion into `text_completion` chunks.
 #[derive(Debug)]
 pub struct CompletionStream {
+    /// The server (the tokenizer names the tokens of log-probabilities).
+    state: Arc<AppState>,
+    /// Bytes of text streamed so far (each token's `text_offset`).
+    offset: usize,
     id: String,
     created: u64,
     model: String,
@@ -110,8 +134,11 @@ impl CompletionStream {
     }
 
     fn chunk(&self, text: &str, ids: &[u32], finish: Option<&str>) -> Frame {
-        let mut choice =
-            json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish});
+        self.chunk_with(text, ids, finish, Value::Null)
+    }
+
+    fn chunk_with(&self, text: &str, ids: &[u32], finish: Option<&str>, lp: Value) -> Frame {
+        let mut choice = json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish});
         if self.return_ids {
             choice["token_ids"] = json!(ids);
         }
@@ -124,7 +151,18 @@ impl Translate for CompletionStream {
         match event {
             Event::Started { .. } => (Vec::new(), false),
             // One chunk per token, even an empty piece: clients time tokens by chunks.
-            Event::Token(step) => (vec![self.chunk(&step.text, &[step.token], None)], false),
+            Event::Token(step) => {
+                let lp = match &step.logprobs {
+                    Some(lp) => logprobs::completion_lists(
+                        self.state.model(),
+                        &[(step.token, lp, self.offset)],
+                    ),
+                    None => Value::Null,
+                };
+                self.offset += step.text.len();
+                let frame = self.chunk_with(&step.text, &[step.token], None, lp);
+                (vec![frame], false)
+            }
             Event::Done { finish, usage } => {
                 let reason = openai::finish_reason(finish, false);
                 let mut out = vec![self.chunk("", &[], Some(reason))];

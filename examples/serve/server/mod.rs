@@ -32,6 +32,7 @@ pub mod chat;
 pub mod completions;
 pub mod engine;
 pub mod error;
+pub mod logprobs;
 pub mod messages;
 pub mod openai;
 pub mod options;

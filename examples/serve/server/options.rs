@@ -7,7 +7,7 @@
 //! server's `--kv-bits` default applies. `kv_group_size` is 32, 64 or 128 and must divide the
 //! model's head dimensions.
 
-use candle_gemma::generate::{GenOptions, SamplingOptions};
+use candle_gemma::generate::{GenOptions, SamplingOptions, MAX_TOP_LOGPROBS};
 use candle_gemma::kv::{CacheMode, QuantBits, QuantSpec};
 use candle_gemma::CacheConfig;
 use serde::{Deserialize, Deserializer};
@@ -92,6 +92,13 @@ pub struct Knobs {
     /// Number of choices (1 only).
     #[serde(default)]
     pub n: Option<i64>,
+    /// Log-probabilities: `true`/`false` (chat, with `top_logprobs` alternatives) or the
+    /// number of alternatives (completions). At most [`MAX_TOP_LOGPROBS`].
+    #[serde(default)]
+    pub logprobs: Option<Value>,
+    /// Alternatives a token's log-probabilities list (chat; needs `logprobs: true`).
+    #[serde(default)]
+    pub top_logprobs: Option<i64>,
 }
 
 /// `stop` as OpenAI takes it.
@@ -192,6 +199,7 @@ impl Knobs {
                 ))
             }
         };
+        let logprobs = self.logprobs()?;
         let stop_strings = match &self.stop {
             None => Vec::new(),
             Some(StopField::One(s)) => vec![s.clone()],
@@ -221,8 +229,45 @@ impl Knobs {
             stop_strings,
             ignore_eos: self.ignore_eos,
             cache: self.cache(defaults)?,
+            logprobs,
             ..GenOptions::default()
         })
+    }
+
+    /// `logprobs` and `top_logprobs` as [`GenOptions::logprobs`].
+    fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        let count = |field: &str, n: i64| -> Result<usize, ApiError> {
+            usize::try_from(n)
+                .ok()
+                .filter(|&n| n <= MAX_TOP_LOGPROBS)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        field,
+                        format!("{field} must be an integer in 0..={MAX_TOP_LOGPROBS}, got {n}"),
+                    )
+                })
+        };
+        let top = self
+            .top_logprobs
+            .map(|n| count("top_logprobs", n))
+            .transpose()?;
+        match &self.logprobs {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => match top {
+                Some(_) => Err(ApiError::invalid(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                )),
+                None => Ok(None),
+            },
+            Some(Value::Bool(true)) => Ok(Some(top.unwrap_or(0))),
+            Some(v) => match v.as_i64() {
+                Some(n) => count("logprobs", n).map(Some),
+                None => Err(ApiError::invalid(
+                    "logprobs",
+                    format!("logprobs must be a boolean or an integer, got {v}"),
+                )),
+            },
+        }
     }
 
     /// The KV layout the request asks for.
@@ -287,6 +332,38 @@ mod tests {
             head_dims: vec![32, 64],
             sampling: None,
         }
+    }
+
+    #[test]
+    fn logprobs_fields_chat_and_completion_forms() {
+        let d = defaults();
+        let opts = |v: Value| knobs(v).to_options(&d, 4, 64);
+        let lp = |v: Value| opts(v).expect("valid").logprobs;
+        assert_eq!(lp(serde_json::json!({})), None);
+        assert_eq!(lp(serde_json::json!({"logprobs": false})), None);
+        assert_eq!(lp(serde_json::json!({"logprobs": true})), Some(0));
+        assert_eq!(
+            lp(serde_json::json!({"logprobs": true, "top_logprobs": 5})),
+            Some(5)
+        );
+        assert_eq!(lp(serde_json::json!({"logprobs": 3})), Some(3));
+        let code = |v: Value| opts(v).unwrap_err().code;
+        assert_eq!(
+            code(serde_json::json!({"top_logprobs": 2})).as_deref(),
+            Some("invalid_top_logprobs")
+        );
+        assert_eq!(
+            code(serde_json::json!({"logprobs": true, "top_logprobs": 21})).as_deref(),
+            Some("invalid_top_logprobs")
+        );
+        assert_eq!(
+            code(serde_json::json!({"logprobs": -1})).as_deref(),
+            Some("invalid_logprobs")
+        );
+        assert_eq!(
+            code(serde_json::json!({"logprobs": "yes"})).as_deref(),
+            Some("invalid_logprobs")
+        );
     }
 
     #[test]

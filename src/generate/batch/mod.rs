@@ -20,13 +20,14 @@ use std::time::Instant;
 
 use candle_core::Tensor;
 
+use super::logprobs::token_logprobs;
 use super::types::{GenOptions, StepOutput};
 use crate::error::{Error, Result};
 use crate::kernels::ops::candidates::{best_candidates, MAX_CANDIDATES};
 use crate::kv::ModelCache;
 use crate::model::Model;
 use prefill::Joiner;
-use sequence::Sequence;
+use sequence::{Picked, Sequence};
 
 /// Identifies a sequence of a [`BatchSession`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -180,7 +181,9 @@ impl<'m> BatchSession<'m> {
         let mut seq = Sequence::new(self.model, id, prompt, options);
         self.prefill_secs += started.elapsed().as_secs_f64();
         let logits = logits.ok_or_else(|| Error::Input("the prompt is empty".to_string()))?;
-        let token = pick_tokens(&logits, std::slice::from_mut(&mut seq))?[0];
+        let token = pick_tokens(&logits, std::slice::from_mut(&mut seq))?
+            .pop()
+            .ok_or_else(|| Error::Input("no token picked".to_string()))?;
         self.join(seq, single, token)?;
         Ok(id)
     }
@@ -388,7 +391,9 @@ impl<'m> BatchSession<'m> {
         }
         for (row, mut j) in complete.into_iter().rev() {
             let row_logits = logits.narrow(0, row, 1)?;
-            let token = pick_tokens(&row_logits, std::slice::from_mut(&mut j.seq))?[0];
+            let token = pick_tokens(&row_logits, std::slice::from_mut(&mut j.seq))?
+                .pop()
+                .ok_or_else(|| Error::Input("no token picked".to_string()))?;
             let cache = j
                 .cache
                 .take()
@@ -404,7 +409,7 @@ impl<'m> BatchSession<'m> {
 
     /// Emits a prefilled sequence's first token (a pending step) and adds it to the batch, or
     /// retires it when that token already ends it.
-    fn join(&mut self, mut seq: Sequence<'m>, cache: ModelCache, token: u32) -> Result<()> {
+    fn join(&mut self, mut seq: Sequence<'m>, cache: ModelCache, token: Picked) -> Result<()> {
         let step = seq.emit(token)?;
         let finished = step.finish.is_some();
         self.pending.push((seq.id, step));
@@ -463,8 +468,35 @@ fn check_prompt(model: &Model, prompt: &[u32]) -> Result<()> {
 /// decodes greedily, the argmax is taken on the device where it has a kernel (one id per row
 /// copied back, as single decode does). When every sampler needs only its row's best logits
 /// (a top-k filter, no repetition penalty), the device picks them where it has a kernel and
-/// only those are copied back. Otherwise the rows are copied to the samplers.
-fn pick_tokens(logits: &Tensor, seqs: &mut [Sequence<'_>]) -> Result<Vec<u32>> {
+/// only those are copied back. Otherwise the rows are copied to the samplers. Sequences whose
+/// options ask for log-probabilities get them with their token.
+fn pick_tokens(logits: &Tensor, seqs: &mut [Sequence<'_>]) -> Result<Vec<Picked>> {
+    let tokens = choose_tokens(logits, seqs)?;
+    let Some(top) = seqs.iter().filter_map(|s| s.options.logprobs).max() else {
+        return Ok(tokens
+            .into_iter()
+            .map(|token| Picked {
+                token,
+                logprobs: None,
+            })
+            .collect());
+    };
+    let lps = token_logprobs(logits, &tokens, top)?;
+    Ok(seqs
+        .iter()
+        .zip(tokens.into_iter().zip(lps))
+        .map(|(s, (token, mut lp))| Picked {
+            token,
+            logprobs: s.options.logprobs.map(|n| {
+                lp.top.truncate(n);
+                lp
+            }),
+        })
+        .collect())
+}
+
+/// Each sequence's next token (see [`pick_tokens`]).
+fn choose_tokens(logits: &Tensor, seqs: &mut [Sequence<'_>]) -> Result<Vec<u32>> {
     if seqs.iter().all(Sequence::is_plain_greedy) {
         if let Some(ids) = crate::kernels::ops::argmax::argmax_rows(logits)? {
             return Ok(ids.to_vec1::<u32>()?);

@@ -5,10 +5,17 @@ use crate::error::Result;
 use crate::generate::detok::StreamDecoder;
 use crate::generate::sampling::Sampler;
 use crate::generate::stop::StopStrings;
-use crate::generate::types::{FinishReason, GenOptions, StepOutput};
+use crate::generate::types::{FinishReason, GenOptions, StepOutput, TokenLogprobs};
 use crate::model::Model;
 
 use super::SeqId;
+
+/// A sequence's next token and, where its options ask, its log-probabilities.
+#[derive(Debug)]
+pub(super) struct Picked {
+    pub token: u32,
+    pub logprobs: Option<TokenLogprobs>,
+}
 
 /// The per-sequence state of a [`super::BatchSession`].
 #[derive(Debug)]
@@ -85,8 +92,10 @@ impl<'m> Sequence<'m> {
         self.sampler.sample_from_best(best)
     }
 
-    /// Records `token` as the next one and turns it into a step (text, finish).
-    pub fn emit(&mut self, token: u32) -> Result<StepOutput> {
+    /// Records `token` (the one [`Picked`] names) as the next one and turns it into a step
+    /// (text, finish, its log-probabilities where asked).
+    pub fn emit(&mut self, picked: Picked) -> Result<StepOutput> {
+        let Picked { token, logprobs } = picked;
         self.history.push(token);
         self.last = token;
         self.generated += 1;
@@ -120,6 +129,7 @@ impl<'m> Sequence<'m> {
             token,
             text,
             finish,
+            logprobs,
         })
     }
 

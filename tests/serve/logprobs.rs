@@ -1,0 +1,148 @@
+//! `logprobs` on both OpenAI endpoints, streaming and not: one entry a generated token, the
+//! chosen token's log-probability against the library's log-softmax of the prompt's logits,
+//! the alternatives most likely first, and the field errors.
+
+use candle_gemma::CacheConfig;
+use reqwest::StatusCode;
+use serde_json::json;
+
+use crate::harness::{openai_chunks, prompt_ids, Harness, MODEL};
+
+fn first_logprob(h: &Harness, prompt: &[u32], token: u32) -> f64 {
+    let mut cache = h.model.new_cache(&CacheConfig::default()).expect("cache");
+    let logits = h
+        .model
+        .forward(&[prompt.to_vec()], &mut cache)
+        .expect("forward")
+        .squeeze(0)
+        .expect("row")
+        .to_vec1::<f32>()
+        .expect("host");
+    let norm = logits.iter().map(|&v| f64::from(v).exp()).sum::<f64>().ln();
+    f64::from(logits[token as usize]) - norm
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_and_chat_report_each_tokens_logprobs() {
+    let h = Harness::start(|_| {}).await;
+    let prompt = prompt_ids(12, 3);
+    let body = json!({
+        "model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+        "ignore_eos": true, "return_token_ids": true, "logprobs": 3,
+    });
+    let v = h.ok("/v1/completions", &body).await;
+    let lp = &v["choices"][0]["logprobs"];
+    let ids: Vec<u32> = v["choices"][0]["token_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|i| i.as_u64().expect("id") as u32)
+        .collect();
+    let values: Vec<f64> = lp["token_logprobs"]
+        .as_array()
+        .expect("token_logprobs")
+        .iter()
+        .map(|x| x.as_f64().expect("number"))
+        .collect();
+    assert_eq!(values.len(), 6, "{lp}");
+    assert_eq!(lp["tokens"].as_array().expect("tokens").len(), 6);
+    assert_eq!(lp["text_offset"].as_array().expect("offsets").len(), 6);
+    let want = first_logprob(&h, &prompt, ids[0]);
+    assert!((values[0] - want).abs() < 1e-4, "{} vs {want}", values[0]);
+    for (i, top) in lp["top_logprobs"]
+        .as_array()
+        .expect("top")
+        .iter()
+        .enumerate()
+    {
+        let top = top.as_object().expect("map");
+        assert!(!top.is_empty() && top.len() <= 3, "{top:?}");
+        // Greedy: the chosen token is the most likely one.
+        let best = top
+            .values()
+            .map(|x| x.as_f64().expect("number"))
+            .fold(f64::MIN, f64::max);
+        assert!(
+            (best - values[i]).abs() < 1e-6,
+            "step {i}: {top:?} vs {}",
+            values[i]
+        );
+    }
+
+    // Streamed: one chunk a token, each with its own lists (the prompt now comes from the
+    // prefix store, whose prefill rounds a little differently).
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let chunks = openai_chunks(&h.stream("/v1/completions", &streamed).await);
+    let per_chunk: Vec<f64> = chunks
+        .iter()
+        .filter_map(|c| {
+            c["choices"][0]["logprobs"]["token_logprobs"]
+                .as_array()
+                .cloned()
+        })
+        .flatten()
+        .map(|x| x.as_f64().expect("number"))
+        .collect();
+    assert_eq!(per_chunk.len(), 6);
+    for (a, b) in per_chunk.iter().zip(&values) {
+        assert!((a - b).abs() < 1e-4, "{per_chunk:?} vs {values:?}");
+    }
+
+    // Chat, whole and streamed: an entry a generated token with two alternatives.
+    let chat = json!({
+        "model": MODEL, "max_tokens": 8, "temperature": 0, "logprobs": true, "top_logprobs": 2,
+        "messages": [{"role": "user", "content": "Hello there"}],
+    });
+    let v = h.ok("/v1/chat/completions", &chat).await;
+    let entries = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .expect("content")
+        .clone();
+    assert_eq!(
+        entries.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().expect("usage")
+    );
+    for e in &entries {
+        assert!(e["token"].is_string() && e["bytes"].is_array(), "{e}");
+        let top = e["top_logprobs"].as_array().expect("alternatives");
+        assert_eq!(top.len(), 2, "{e}");
+        assert!(e["logprob"].as_f64().expect("number") <= 0.0);
+    }
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let chunks = openai_chunks(&h.stream("/v1/chat/completions", &streamed).await);
+    let streamed_entries: Vec<_> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array().cloned())
+        .flatten()
+        .collect();
+    assert_eq!(streamed_entries.len(), entries.len());
+    for (a, b) in streamed_entries.iter().zip(&entries) {
+        assert_eq!(a["token"], b["token"]);
+    }
+
+    // Without logprobs the field stays null.
+    let plain = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0});
+    let v = h.ok("/v1/completions", &plain).await;
+    assert!(v["choices"][0]["logprobs"].is_null());
+
+    for (bad, code) in [
+        (json!({"top_logprobs": 2}), "invalid_top_logprobs"),
+        (
+            json!({"logprobs": true, "top_logprobs": 30}),
+            "invalid_top_logprobs",
+        ),
+        (json!({"logprobs": "all"}), "invalid_logprobs"),
+    ] {
+        let mut body = chat.clone();
+        body.as_object_mut().expect("object").remove("logprobs");
+        body.as_object_mut().expect("object").remove("top_logprobs");
+        for (k, v) in bad.as_object().expect("object") {
+            body[k] = v.clone();
+        }
+        let (status, err) = h.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{err}");
+        assert_eq!(err["error"]["code"], code, "{err}");
+    }
+}
