@@ -1,7 +1,8 @@
 //! Sampling from each row's best logits picked on the device: the top-k kernel's candidates
 //! against the host sampler's order (ties, NaN, -inf, signed zeros, keys that overflow, greedy
-//! rows), and sampled generation through the narrowed path against the same generation reading
-//! whole rows (`Generator` and `BatchSession`).
+//! rows), sampled generation through the narrowed path against the same generation reading
+//! whole rows (`Generator` and `BatchSession`), and token log-probabilities computed on the
+//! device against the host's log-softmax.
 
 use anyhow::Result;
 use candle_core::{DType, Tensor};
