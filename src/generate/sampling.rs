@@ -137,9 +137,10 @@ impl Sampler {
     }
 
     /// Chooses the next token from a row's best logits alone: `best` holds at least the
-    /// [`Sampler::best_needed`] count of `(id, logit)` pairs, best first (the ties and NaN
-    /// ordering of [`crate::kernels::ops::candidates::best_candidates`]), or the whole row
-    /// where it is shorter. Draws exactly what [`Sampler::sample`] draws from the whole row
+    /// [`Sampler::best_needed`] count of `(id, logit)` pairs, best first under the key
+    /// `logit / temperature` (the logit itself for greedy decoding, zeros of either sign
+    /// equal), the lowest id first among equal keys, NaN and -inf logits last; or the whole
+    /// row, in that order, where it is shorter. Draws exactly what [`Sampler::sample`] draws from the whole row
     /// (the same filters, in the same order, on the same pairs) and advances the PRNG alike.
     pub fn sample_from_best(&mut self, best: &[(u32, f32)]) -> u32 {
         let first = best.first().map_or(0, |b| b.0);
