@@ -401,7 +401,7 @@ fn logprobs_are_the_models_log_softmax_in_single_and_batched_decode() {
         // The first token's log-probability, from the prompt's logits on the host.
         let mut cache = model.new_cache(&CacheConfig::default()).expect("cache");
         let logits = model
-            .forward(&[prompt.clone()], &mut cache)
+            .forward(std::slice::from_ref(prompt), &mut cache)
             .expect("forward")
             .squeeze(0)
             .expect("row")
@@ -441,7 +441,7 @@ fn logprobs_are_the_models_log_softmax_in_single_and_batched_decode() {
     let mut batched: Vec<Vec<candle_gemma::StepOutput>> = vec![Vec::new(); 3];
     while !session.is_empty() {
         for (id, step) in session.step().expect("step") {
-            batched[id.0 as usize].push(step);
+            batched[id.0].push(step);
         }
     }
     for (i, (b, s)) in batched.iter().zip(&single_runs).enumerate() {

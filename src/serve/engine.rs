@@ -152,7 +152,7 @@ fn run(model: &Model, config: SchedulerConfig, rx: &Receiver<Command>, shared: &
                     sink,
                 } => {
                     sinks.insert(id, sink);
-                    if let Err(e) = scheduler.submit_as(id, prompt, options) {
+                    if let Err(e) = scheduler.submit_as(id, prompt, *options) {
                         sinks.reject(id, &e, shared);
                     }
                 }

@@ -25,7 +25,8 @@ pub(super) enum Command {
     Submit {
         id: RequestId,
         prompt: Vec<u32>,
-        options: GenOptions,
+        /// Boxed: the options are most of a command's size.
+        options: Box<GenOptions>,
         sink: Sink,
     },
     Cancel(RequestId),
@@ -134,7 +135,7 @@ impl Intake {
         let sent = self.send(Command::Submit {
             id,
             prompt,
-            options,
+            options: Box::new(options),
             sink,
         });
         if !sent {

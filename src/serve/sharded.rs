@@ -265,7 +265,7 @@ fn lead(
                         log.push(Order::Submit {
                             id,
                             prompt,
-                            options,
+                            options: *options,
                         });
                     }
                     Command::Cancel(id) => {
