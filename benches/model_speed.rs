@@ -217,7 +217,7 @@ fn pick_tokens(pick: Pick, logits: &Tensor, samplers: &mut [Sampler]) -> Result<
                 let needed: Vec<(usize, f32)> = samplers
                     .iter()
                     .map(|s| {
-                        s.best_needed()
+                        s.best_needed(&[])
                             .ok_or_else(|| anyhow::anyhow!("a whole-row sampler"))
                     })
                     .collect::<Result<_>>()?;
@@ -231,7 +231,7 @@ fn pick_tokens(pick: Pick, logits: &Tensor, samplers: &mut [Sampler]) -> Result<
                     .zip(ids.into_iter().zip(values))
                     .map(|(s, (i, v))| {
                         let best: Vec<(u32, f32)> = i.into_iter().zip(v).collect();
-                        s.sample_from_best(&best)
+                        s.sample_from_best(&best, &[])
                     })
                     .collect())
             }

@@ -71,6 +71,12 @@ struct Args {
     /// Repetition penalty.
     #[arg(long)]
     repetition_penalty: Option<f32>,
+    /// Frequency penalty (OpenAI's, in [-2, 2]).
+    #[arg(long)]
+    frequency_penalty: Option<f32>,
+    /// Presence penalty (OpenAI's, in [-2, 2]).
+    #[arg(long)]
+    presence_penalty: Option<f32>,
     /// Sampling seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -153,6 +159,8 @@ fn options(args: &Args) -> Result<GenOptions> {
             top_p: args.top_p,
             min_p: args.min_p,
             repetition_penalty: args.repetition_penalty,
+            frequency_penalty: args.frequency_penalty,
+            presence_penalty: args.presence_penalty,
             seed: args.seed,
         },
         stop_strings: args.stop.clone(),

@@ -361,6 +361,8 @@ fn recommended_sampling(
         top_p: num("top_p")?,
         min_p: num("min_p")?,
         repetition_penalty: num("repetition_penalty")?,
+        frequency_penalty: None,
+        presence_penalty: None,
         seed: 0,
     }))
 }

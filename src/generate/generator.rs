@@ -310,10 +310,11 @@ impl Stream<'_, '_> {
                 }
             }
         }
-        if let Some((k, t)) = self.sampler.best_needed().filter(|n| n.0 <= MAX_CANDIDATES) {
+        let needed = self.sampler.best_needed(&self.history);
+        if let Some((k, t)) = needed.filter(|n| n.0 <= MAX_CANDIDATES) {
             if let Some(best) = best_candidates(&rows, &[t], k)? {
                 if let Some(best) = best.first() {
-                    return Ok(self.sampler.sample_from_best(best));
+                    return Ok(self.sampler.sample_from_best(best, &self.history));
                 }
             }
         }

@@ -7,6 +7,7 @@ pub mod detok;
 mod generator;
 mod logprobs;
 mod lookahead;
+mod penalties;
 pub mod sampling;
 pub mod stop;
 mod types;

@@ -1,9 +1,11 @@
-//! Token sampling: repetition penalty, temperature, top-k, top-p and min-p filters, and a
-//! small seeded PRNG so that a given seed always draws the same tokens on every platform.
+//! Token sampling: repetition, frequency and presence penalties, temperature, top-k, top-p and
+//! min-p filters, and a small seeded PRNG so that a given seed always draws the same tokens on
+//! every platform.
 //!
-//! The order of operations follows Hugging Face `transformers`' logits processors:
-//! repetition penalty on the raw logits, then temperature, then top-k, top-p and min-p on
-//! the tempered distribution, then one draw.
+//! The order of operations follows Hugging Face `transformers`' logits processors (with
+//! OpenAI's frequency and presence penalties after the repetition penalty, as vLLM applies
+//! them): penalties on the raw logits, then temperature, then top-k, top-p and min-p on the
+//! tempered distribution, then one draw.
 //!
 //! ```
 //! use candle_gemma::generate::sampling::{Sampler, SamplingOptions};
@@ -17,12 +19,17 @@
 //! assert_eq!(a.sample(&logits, &[]), b.sample(&logits, &[]));
 //! ```
 
+use super::penalties::Penalties;
+
 /// How the next token is chosen from the logits.
 ///
 /// Values that would make a filter meaningless disable it instead of failing:
-/// `top_k: Some(0)`, `top_p >= 1`, `min_p <= 0` and a repetition penalty that is not a
-/// positive finite number (or exactly 1) are all no-ops. A temperature that is `<= 0` or
-/// not finite means greedy decoding.
+/// `top_k: Some(0)`, `top_p >= 1`, `min_p <= 0`, a repetition penalty that is not a
+/// positive finite number (or exactly 1) and frequency or presence penalties that are 0 or not
+/// finite are all no-ops. A temperature that is `<= 0` or not finite means greedy decoding.
+/// The penalties apply before temperature: the repetition penalty over the history (prompt
+/// and generated tokens), then the frequency and presence penalties over the generated tokens
+/// (those the sampler drew), as vLLM orders them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingOptions {
     /// Softmax temperature; `0` selects greedy (argmax) decoding.
@@ -35,6 +42,11 @@ pub struct SamplingOptions {
     pub min_p: Option<f32>,
     /// HF-style repetition penalty (`> 1` discourages tokens already in the history).
     pub repetition_penalty: Option<f32>,
+    /// OpenAI's frequency penalty: subtracted from a token's logit once for every time it was
+    /// generated so far (positive values discourage repeats).
+    pub frequency_penalty: Option<f32>,
+    /// OpenAI's presence penalty: subtracted from the logit of every token generated so far.
+    pub presence_penalty: Option<f32>,
     /// Seed of the PRNG; the same seed and inputs give the same tokens.
     pub seed: u64,
 }
@@ -48,6 +60,8 @@ impl Default for SamplingOptions {
             top_p: None,
             min_p: None,
             repetition_penalty: None,
+            frequency_penalty: None,
+            presence_penalty: None,
             seed: 0,
         }
     }
@@ -68,11 +82,13 @@ impl SamplingOptions {
     }
 }
 
-/// A stateful sampler: the options plus the PRNG state that advances with each draw.
+/// A stateful sampler: the options plus the PRNG state that advances with each draw, and the
+/// counts of the tokens it drew (for the frequency and presence penalties).
 #[derive(Debug, Clone)]
 pub struct Sampler {
     opts: SamplingOptions,
     rng: Xoshiro256,
+    penalties: Penalties,
     /// Scratch `(token id, logit or probability)` pairs, reused across calls.
     scratch: Vec<(u32, f32)>,
 }
@@ -81,9 +97,15 @@ impl Sampler {
     /// Creates a sampler whose PRNG is seeded from `opts.seed`.
     pub fn new(opts: SamplingOptions) -> Self {
         let rng = Xoshiro256::seed_from_u64(opts.seed);
+        let penalties = Penalties::new(
+            opts.repetition_penalty,
+            opts.frequency_penalty,
+            opts.presence_penalty,
+        );
         Self {
             opts,
             rng,
+            penalties,
             scratch: Vec::new(),
         }
     }
@@ -93,74 +115,87 @@ impl Sampler {
         &self.opts
     }
 
-    /// Whether [`Sampler::sample`] is a plain argmax (greedy, no repetition penalty), which the
-    /// caller may then compute where the logits live.
+    /// Whether [`Sampler::sample`] is a plain argmax (greedy, no penalty that changes a logit),
+    /// which the caller may then compute where the logits live.
     pub fn is_plain_greedy(&self) -> bool {
         let t = self.opts.temperature;
-        !(t.is_finite() && t > 0.0) && self.opts.repetition_penalty.is_none()
+        !(t.is_finite() && t > 0.0) && !self.penalties.any()
     }
 
     /// Chooses the next token.
     ///
     /// `logits`: `[vocab]`, one score per token id. `history`: the tokens generated (and, if
     /// the caller wishes, prompted) so far; only used by the repetition penalty, ids outside
-    /// the vocabulary are ignored. NaN logits count as `-inf`. Greedy decoding breaks ties
-    /// toward the lowest id. An empty `logits` slice yields token `0`.
+    /// the vocabulary are ignored. The frequency and presence penalties count the tokens this
+    /// sampler returned. NaN logits count as `-inf`. Greedy decoding breaks ties toward the
+    /// lowest id. An empty `logits` slice yields token `0`.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let mut scores: Vec<f32> = logits
             .iter()
             .map(|&l| if l.is_nan() { f32::NEG_INFINITY } else { l })
             .collect();
-        if let Some(penalty) = self.opts.repetition_penalty {
-            apply_repetition_penalty(&mut scores, history, penalty);
-        }
+        self.penalties.apply(&mut scores, history);
         let t = self.opts.temperature;
-        if !(t.is_finite() && t > 0.0) {
-            return argmax(&scores);
-        }
-        self.sample_tempered(&scores, t)
+        let token = if !(t.is_finite() && t > 0.0) {
+            argmax(&scores)
+        } else {
+            self.sample_tempered(&scores, t)
+        };
+        self.penalties.record(token);
+        token
     }
 
-    /// What this sampler needs of a row where it need not read all of it: its `k` best logits
+    /// What this sampler needs of a row where it need not read all of it: its best logits
     /// under the key `logit / temperature` (the logit itself for greedy decoding, temperature
-    /// 0), to pass to [`Sampler::sample_from_best`]. `None` where it reads the whole row: no
-    /// top-k filter, or a repetition penalty (which changes logits before they are ranked).
-    pub fn best_needed(&self) -> Option<(usize, f32)> {
-        if penalty_applies(self.opts.repetition_penalty) {
-            return None;
-        }
+    /// 0), to pass to [`Sampler::sample_from_best`] with the same `history`. That is `k + m`
+    /// of them for a top-k filter of `k` (1 for greedy decoding), where `m` counts the tokens
+    /// the penalties touch at this step. `None` where it reads the whole row: no top-k filter
+    /// (sampling), or a penalty that can raise a logit (a repetition penalty below 1, negative
+    /// frequency or presence penalties).
+    pub fn best_needed(&self, history: &[u32]) -> Option<(usize, f32)> {
+        let m = self.penalties.lowered(history)?;
         let t = self.opts.temperature;
         if !(t.is_finite() && t > 0.0) {
-            return Some((1, 0.0));
+            return Some((1 + m, 0.0));
         }
-        self.opts.top_k.filter(|&k| k > 0).map(|k| (k, t))
+        self.opts.top_k.filter(|&k| k > 0).map(|k| (k + m, t))
     }
 
     /// Chooses the next token from a row's best logits alone: `best` holds at least the
     /// [`Sampler::best_needed`] count of `(id, logit)` pairs, best first under the key
     /// `logit / temperature` (the logit itself for greedy decoding, zeros of either sign
     /// equal), the lowest id first among equal keys, NaN and -inf logits last; or the whole
-    /// row, in that order, where it is shorter. Draws exactly what [`Sampler::sample`] draws from the whole row
-    /// (the same filters, in the same order, on the same pairs) and advances the PRNG alike.
-    pub fn sample_from_best(&mut self, best: &[(u32, f32)]) -> u32 {
-        let first = best.first().map_or(0, |b| b.0);
+    /// row, in that order, where it is shorter. The penalties lower logits only, so the best
+    /// after them are among those pairs. Draws exactly what [`Sampler::sample`] draws from the
+    /// whole row with the same `history` (the same penalties and filters, in the same order,
+    /// on the same pairs) and advances the PRNG alike.
+    pub fn sample_from_best(&mut self, best: &[(u32, f32)], history: &[u32]) -> u32 {
+        let mut pairs: Vec<(u32, f32)> = best
+            .iter()
+            .map(|&(i, l)| (i, if l.is_nan() { f32::NEG_INFINITY } else { l }))
+            .collect();
+        self.penalties.apply_pairs(&mut pairs, history);
         let t = self.opts.temperature;
-        if !(t.is_finite() && t > 0.0) {
-            return first;
-        }
-        let pool = &mut self.scratch;
-        pool.clear();
-        pool.extend(
-            best.iter()
-                .filter(|(_, s)| *s > f32::NEG_INFINITY)
-                .map(|&(i, s)| (i, s / t)),
-        );
-        if pool.is_empty() {
-            // Every logit is -inf or NaN: the host's argmax then takes id 0, which the device
-            // order puts first.
-            return first;
-        }
-        self.draw_from_pool()
+        let token = if !(t.is_finite() && t > 0.0) {
+            argmax_of_pairs(&mut pairs)
+        } else {
+            let pool = &mut self.scratch;
+            pool.clear();
+            pool.extend(
+                pairs
+                    .iter()
+                    .filter(|(_, s)| *s > f32::NEG_INFINITY)
+                    .map(|&(i, s)| (i, s / t)),
+            );
+            if pool.is_empty() {
+                // Every score is -inf: the host's argmax of the whole row then takes id 0.
+                0
+            } else {
+                self.draw_from_pool()
+            }
+        };
+        self.penalties.record(token);
+        token
     }
 
     fn sample_tempered(&mut self, scores: &[f32], temperature: f32) -> u32 {
@@ -232,26 +267,20 @@ impl Sampler {
     }
 }
 
-/// HF `RepetitionPenaltyLogitsProcessor`: each distinct token of `history` has its score
-/// divided by `penalty` when positive and multiplied by it when negative.
-fn apply_repetition_penalty(scores: &mut [f32], history: &[u32], penalty: f32) {
-    if !penalty_applies(Some(penalty)) {
-        return;
-    }
-    let mut seen = std::collections::HashSet::with_capacity(history.len());
-    for &id in history {
-        if !seen.insert(id) {
-            continue;
-        }
-        if let Some(s) = scores.get_mut(id as usize) {
-            *s = if *s > 0.0 { *s / penalty } else { *s * penalty };
+/// [`argmax`] of a row given as some of its `(id, score)` pairs that hold its largest score:
+/// the lowest id with the largest score, 0 where every score is -inf.
+fn argmax_of_pairs(pairs: &mut [(u32, f32)]) -> u32 {
+    pairs.sort_unstable_by_key(|p| p.0);
+    let mut best: Option<(u32, f32)> = None;
+    for &(i, s) in pairs.iter() {
+        if best.is_none_or(|b| s > b.1) {
+            best = Some((i, s));
         }
     }
-}
-
-/// Whether a repetition penalty changes any logit: a positive finite number other than 1.
-fn penalty_applies(penalty: Option<f32>) -> bool {
-    penalty.is_some_and(|p| p.is_finite() && p > 0.0 && p != 1.0)
+    match best {
+        Some((i, s)) if s > f32::NEG_INFINITY => i,
+        _ => 0,
+    }
 }
 
 /// Index of the largest score, the lowest index among equals; 0 for an empty slice.
@@ -400,7 +429,7 @@ mod tests {
     #[test]
     fn repetition_penalty_divides_positive_and_multiplies_negative() {
         let mut scores = vec![2.0, -2.0, 1.0];
-        apply_repetition_penalty(&mut scores, &[0, 1, 1, 99], 2.0);
+        Penalties::new(Some(2.0), None, None).apply(&mut scores, &[0, 1, 1, 99]);
         assert_eq!(scores, vec![1.0, -4.0, 1.0]);
         // Greedy with penalty: token 0 (2.0 -> 0.8) loses to token 2 (1.5).
         let mut s = Sampler::new(SamplingOptions {
@@ -408,6 +437,24 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(s.sample(&[2.0, 0.0, 1.5], &[0]), 2);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_the_drawn_tokens() {
+        let mut s = Sampler::new(SamplingOptions {
+            frequency_penalty: Some(0.5),
+            presence_penalty: Some(0.25),
+            ..Default::default()
+        });
+        assert!(!s.is_plain_greedy());
+        // 0 wins, then pays 0.75; then 1 (2.6 against 2.25) pays 0.75; 0 (2.25) against 1
+        // (1.85); then 0 pays 0.5 more (1.75) and 1 wins.
+        let logits = [3.0, 2.6, 0.0];
+        let got: Vec<u32> = (0..4).map(|_| s.sample(&logits, &[])).collect();
+        assert_eq!(got, vec![0, 1, 0, 1]);
+        // The prompt (history) does not count.
+        let mut fresh = Sampler::new(s.options().clone());
+        assert_eq!(fresh.sample(&logits, &[0, 0, 0]), 0);
     }
 
     #[test]
@@ -470,18 +517,26 @@ mod tests {
                 top_k: Some([1, 3, 8, 40, 1000][case as usize % 4 + (case as usize / 20) % 2]),
                 top_p: (case % 3 == 0).then_some(0.6),
                 min_p: (case % 4 == 1).then_some(0.2),
-                repetition_penalty: (case % 6 == 5).then_some(1.0),
+                repetition_penalty: [None, Some(1.0), Some(1.3), Some(4.0)][case as usize % 4],
+                frequency_penalty: (case % 3 == 1).then_some(0.4),
+                presence_penalty: (case % 5 == 2).then_some(0.7),
                 seed: case,
             };
             let (mut whole, mut narrowed) = (Sampler::new(o.clone()), Sampler::new(o));
-            let (k, t) = whole
-                .best_needed()
-                .expect("a top-k sampler needs only the best");
+            let history: Vec<u32> = (0..case as u32 % 9)
+                .map(|i| (i * 37 + case as u32) % vocab as u32)
+                .collect();
             // A batch may pick more candidates than this row's sampler keeps.
             for extra in [0, 5] {
-                let best = best_by_order(&row, t, k + extra);
                 for _ in 0..20 {
-                    assert_eq!(whole.sample(&row, &[]), narrowed.sample_from_best(&best));
+                    // Each draw counts for the next one's penalties: ask again every time.
+                    let (k, t) = whole
+                        .best_needed(&history)
+                        .expect("a top-k sampler with lowering penalties needs only the best");
+                    let best = best_by_order(&row, t, k + extra);
+                    let want = whole.sample(&row, &history);
+                    let got = narrowed.sample_from_best(&best, &history);
+                    assert_eq!(want, got, "case {case}");
                     checked += 1;
                 }
             }
@@ -492,18 +547,24 @@ mod tests {
     #[test]
     fn samplers_that_rank_logits_themselves_read_the_whole_row() {
         let mut o = opts(0.8, 1);
-        assert_eq!(Sampler::new(o.clone()).best_needed(), None, "no top-k");
+        assert_eq!(Sampler::new(o.clone()).best_needed(&[]), None, "no top-k");
         o.top_k = Some(0);
-        assert_eq!(
-            Sampler::new(o.clone()).best_needed(),
-            None,
-            "a top-k of 0 is off"
-        );
+        let off = Sampler::new(o.clone()).best_needed(&[]);
+        assert_eq!(off, None, "a top-k of 0 is off");
         o.top_k = Some(5);
-        assert_eq!(Sampler::new(o.clone()).best_needed(), Some((5, 0.8)));
+        assert_eq!(Sampler::new(o.clone()).best_needed(&[]), Some((5, 0.8)));
         o.repetition_penalty = Some(1.3);
-        assert_eq!(Sampler::new(o.clone()).best_needed(), None, "a penalty");
+        let history = [4, 4, 9];
+        let needed = Sampler::new(o.clone()).best_needed(&history);
+        assert_eq!(needed, Some((7, 0.8)), "k and the two repeated tokens");
+        o.repetition_penalty = Some(0.7);
+        let raising = Sampler::new(o.clone()).best_needed(&history);
+        assert_eq!(raising, None, "a raising repetition penalty");
+        o.repetition_penalty = None;
+        o.frequency_penalty = Some(-0.5);
+        let raising = Sampler::new(o.clone()).best_needed(&history);
+        assert_eq!(raising, None, "a raising frequency penalty");
         let greedy = Sampler::new(opts(0.0, 1));
-        assert_eq!(greedy.best_needed(), Some((1, 0.0)));
+        assert_eq!(greedy.best_needed(&history), Some((1, 0.0)));
     }
 }

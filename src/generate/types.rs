@@ -63,7 +63,8 @@ impl Default for GenOptions {
 impl GenOptions {
     /// Checks every value: a temperature that is NaN, infinite or negative, `top_p` outside
     /// (0, 1], `min_p` outside [0, 1], a repetition penalty that is not a positive finite
-    /// number, `max_tokens == 0`, `prefill_chunk == Some(0)`, `logprobs` above
+    /// number, frequency or presence penalties outside [-2, 2] (OpenAI's range),
+    /// `max_tokens == 0`, `prefill_chunk == Some(0)`, `logprobs` above
     /// [`MAX_TOP_LOGPROBS`] and a quantized cache whose group
     /// size is not 32, 64 or 128 are rejected. (The [`Sampler`](super::Sampler) itself stays
     /// lenient and treats such values as "filter off"; this is the check for values that come
@@ -104,6 +105,14 @@ impl GenOptions {
                     "repetition_penalty",
                     format!("must be a finite number > 0, got {r}"),
                 );
+            }
+        }
+        for (field, p) in [
+            ("frequency_penalty", s.frequency_penalty),
+            ("presence_penalty", s.presence_penalty),
+        ] {
+            if let Some(p) = p.filter(|p| !(p.is_finite() && (-2.0..=2.0).contains(p))) {
+                return bad(field, format!("must be a number in [-2, 2], got {p}"));
             }
         }
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {

@@ -100,8 +100,8 @@ fn config(fixture: &str) -> Result<Config> {
 }
 
 /// Sampled generation options; a top-k at least the vocabulary (512) keeps every token, so
-/// `top_k` 512 (picked on the device) and 5000 (above the device's limit: whole rows read)
-/// draw alike.
+/// `top_k` 512 (picked on the device, with the tokens the penalties touch: at most 1,024) and
+/// 5000 (above the device's limit: whole rows read) draw alike.
 fn sampled(top_k: usize, seed: u64) -> GenOptions {
     GenOptions {
         max_tokens: 20,
@@ -110,8 +110,12 @@ fn sampled(top_k: usize, seed: u64) -> GenOptions {
             temperature: 1.0,
             top_k: Some(top_k),
             top_p: Some(0.9),
+            // Odd seeds add penalties that lower logits: the device then picks k plus the
+            // touched tokens, and the host penalizes those.
+            repetition_penalty: (seed % 2 == 1).then_some(1.3),
+            frequency_penalty: (seed % 2 == 1).then_some(0.4),
+            presence_penalty: (seed % 2 == 1).then_some(0.6),
             seed,
-            ..Default::default()
         },
         ..Default::default()
     }
@@ -142,14 +146,17 @@ fn sampling_from_device_picked_candidates_draws_what_whole_rows_draw() -> Result
                 ));
             }
         }
-        // A batch of the three, one of them greedy (the greedy row is picked among the
-        // candidates too).
+        // A batch of the three: sampled with penalties, greedy with a repetition penalty (its
+        // row is picked among the candidates too), sampled without.
         let batch = |top_k: usize| -> Result<Vec<Vec<u32>>> {
             let mut session = BatchSession::new(&model, sampled(top_k, 0));
             for (p, prompt) in prompts.iter().enumerate() {
-                let mut o = sampled(top_k, 40 + p as u64);
+                let mut o = sampled(top_k, [41, 0, 42][p]);
                 if p == 1 {
-                    o.sampling = SamplingOptions::default();
+                    o.sampling = SamplingOptions {
+                        repetition_penalty: Some(1.2),
+                        ..SamplingOptions::default()
+                    };
                 }
                 session.add_with(prompt, o)?;
             }

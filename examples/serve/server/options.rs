@@ -71,6 +71,12 @@ pub struct Knobs {
     /// HF-style repetition penalty, > 0.
     #[serde(default)]
     pub repetition_penalty: Option<f64>,
+    /// OpenAI's frequency penalty, in [-2, 2].
+    #[serde(default)]
+    pub frequency_penalty: Option<f64>,
+    /// OpenAI's presence penalty, in [-2, 2].
+    #[serde(default)]
+    pub presence_penalty: Option<f64>,
     /// Sampling seed.
     #[serde(default)]
     pub seed: Option<u64>,
@@ -188,6 +194,17 @@ impl Knobs {
                 ));
             }
         }
+        for (field, p) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if let Some(p) = p.filter(|p| !(-2.0..=2.0).contains(p)) {
+                return Err(ApiError::invalid(
+                    field,
+                    format!("{field} must be a number in [-2, 2], got {p}"),
+                ));
+            }
+        }
         let top_k = match self.top_k {
             None => model.and_then(|m| m.top_k),
             Some(-1) | Some(0) => None,
@@ -224,6 +241,8 @@ impl Knobs {
                     .repetition_penalty
                     .map(|r| r as f32)
                     .or(model.and_then(|m| m.repetition_penalty)),
+                frequency_penalty: self.frequency_penalty.map(|p| p as f32),
+                presence_penalty: self.presence_penalty.map(|p| p as f32),
                 seed,
             },
             stop_strings,
@@ -360,6 +379,14 @@ mod tests {
             code(serde_json::json!({"logprobs": -1})).as_deref(),
             Some("invalid_logprobs")
         );
+        let penalty = |v: Value| {
+            let o = knobs(v).to_options(&d, 4, 64).expect("valid").sampling;
+            (o.frequency_penalty, o.presence_penalty)
+        };
+        let both = serde_json::json!({"frequency_penalty": 0.5, "presence_penalty": -1.0});
+        assert_eq!(penalty(both), (Some(0.5), Some(-1.0)));
+        let high = serde_json::json!({"presence_penalty": 2.5});
+        assert_eq!(code(high).as_deref(), Some("invalid_presence_penalty"));
         assert_eq!(
             code(serde_json::json!({"logprobs": "yes"})).as_deref(),
             Some("invalid_logprobs")

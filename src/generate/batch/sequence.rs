@@ -83,13 +83,13 @@ impl<'m> Sequence<'m> {
     /// How many of its row's best logits the sampler needs, and the temperature that ranks
     /// them ([`crate::generate::sampling::Sampler::best_needed`]); `None`: the whole row.
     pub fn best_needed(&self) -> Option<(usize, f32)> {
-        self.sampler.best_needed()
+        self.sampler.best_needed(&self.history)
     }
 
     /// Chooses the next token from its row's best `(id, logit)` pairs
     /// ([`crate::generate::sampling::Sampler::sample_from_best`]).
     pub fn choose_from_best(&mut self, best: &[(u32, f32)]) -> u32 {
-        self.sampler.sample_from_best(best)
+        self.sampler.sample_from_best(best, &self.history)
     }
 
     /// Records `token` (the one [`Picked`] names) as the next one and turns it into a step
