@@ -116,6 +116,7 @@ fn sampled(top_k: usize, seed: u64) -> GenOptions {
             frequency_penalty: (seed % 2 == 1).then_some(0.4),
             presence_penalty: (seed % 2 == 1).then_some(0.6),
             seed,
+            ..Default::default()
         },
         ..Default::default()
     }
