@@ -400,16 +400,9 @@ fn logprobs_are_the_models_log_softmax_in_single_and_batched_decode() {
             .expect("steps");
         // The first token's log-probability, from the prompt's logits on the host.
         let mut cache = model.new_cache(&CacheConfig::default()).expect("cache");
-        let logits = model
-            .forward(std::slice::from_ref(prompt), &mut cache)
-            .expect("forward")
-            .squeeze(0)
-            .expect("row")
-            .to_vec1::<f32>()
-            .expect("host");
-        let norm = logits.iter().map(|&v| f64::from(v).exp()).sum::<f64>().ln();
+        let host = log_softmax(&step(&model, &mut cache, prompt));
         let first = steps[0].logprobs.as_ref().expect("logprobs asked");
-        let want = f64::from(logits[steps[0].token as usize]) - norm;
+        let want = host[steps[0].token as usize];
         assert!(
             (f64::from(first.logprob) - want).abs() < 1e-4,
             "{first:?} vs {want}"

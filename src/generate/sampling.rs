@@ -119,7 +119,7 @@ impl Sampler {
     /// which the caller may then compute where the logits live.
     pub fn is_plain_greedy(&self) -> bool {
         let t = self.opts.temperature;
-        !(t.is_finite() && t > 0.0) && !self.penalties.any()
+        !(self.penalties.any() || t.is_finite() && t > 0.0)
     }
 
     /// Chooses the next token.
@@ -273,7 +273,7 @@ fn argmax_of_pairs(pairs: &mut [(u32, f32)]) -> u32 {
     pairs.sort_unstable_by_key(|p| p.0);
     let mut best: Option<(u32, f32)> = None;
     for &(i, s) in pairs.iter() {
-        if best.is_none_or(|b| s > b.1) {
+        if best.map_or(true, |b| s > b.1) {
             best = Some((i, s));
         }
     }

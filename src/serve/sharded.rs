@@ -38,7 +38,7 @@ enum Order {
     Submit {
         id: RequestId,
         prompt: Vec<u32>,
-        options: GenOptions,
+        options: Box<GenOptions>,
     },
     Cancel(RequestId),
     Shutdown,
@@ -265,7 +265,7 @@ fn lead(
                         log.push(Order::Submit {
                             id,
                             prompt,
-                            options: *options,
+                            options,
                         });
                     }
                     Command::Cancel(id) => {
@@ -336,7 +336,7 @@ fn apply(
                 prompt,
                 options,
             } => {
-                if let Err(e) = scheduler.submit_as(id, prompt, options) {
+                if let Err(e) = scheduler.submit_as(id, prompt, *options) {
                     rejected.push((id, e));
                 }
             }

@@ -5,19 +5,9 @@
 
 use anyhow::Result;
 use candle_core::DType;
-use candle_gemma::config::Config;
 use candle_gemma::{GenOptions, Model};
 
-use crate::support::gpu;
-
-fn config(fixture: &str) -> Result<Config> {
-    let path = format!(
-        "{}/fixtures/{fixture}/config.json",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let json = serde_json::from_str(&std::fs::read_to_string(path)?)?;
-    Ok(Config::from_json(&json, None)?)
-}
+use crate::support::{fixture_config as config, gpu};
 
 fn options(lookahead: bool, max_tokens: usize, stop: Option<u32>) -> GenOptions {
     GenOptions {

@@ -6,13 +6,12 @@
 
 use anyhow::Result;
 use candle_core::{DType, Tensor};
-use candle_gemma::config::Config;
 use candle_gemma::generate::sampling::SamplingOptions;
 use candle_gemma::generate::BatchSession;
 use candle_gemma::kernels::cuda::top_k::{top_k_rows, TOP_K_MAX};
 use candle_gemma::{GenOptions, Model};
 
-use crate::support::gpu;
+use crate::support::{fixture_config as config, gpu};
 
 /// The host sampler's order: key `logit / t` (the logit plus 0 where `t` is 0), largest first
 /// by `total_cmp`, the lowest id first, NaN and -inf logits last.
@@ -88,15 +87,6 @@ fn top_k_rows_follow_the_samplers_order() -> Result<()> {
     }
     assert!(failures.is_empty(), "{failures:#?}");
     Ok(())
-}
-
-fn config(fixture: &str) -> Result<Config> {
-    let path = format!(
-        "{}/fixtures/{fixture}/config.json",
-        env!("CARGO_MANIFEST_DIR")
-    );
-    let json = serde_json::from_str(&std::fs::read_to_string(path)?)?;
-    Ok(Config::from_json(&json, None)?)
 }
 
 /// Sampled generation options; a top-k at least the vocabulary (512) keeps every token, so

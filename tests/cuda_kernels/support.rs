@@ -6,9 +6,21 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
+use candle_gemma::config::Config;
 use candle_gemma::kv::{KeyPositions, KvData, KvView, PackedAffine};
 
 use crate::common::close::max_abs_diff;
+
+/// The config of `fixtures/{fixture}` (without its generation config), for random weights at
+/// the fixture's shapes.
+pub fn fixture_config(fixture: &str) -> Result<Config> {
+    let path = format!(
+        "{}/fixtures/{fixture}/config.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let json = serde_json::from_str(&std::fs::read_to_string(path)?)?;
+    Ok(Config::from_json(&json, None)?)
+}
 
 /// The CUDA device, held by one test at a time.
 pub struct Gpu {

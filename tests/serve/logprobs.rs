@@ -6,20 +6,12 @@ use candle_gemma::CacheConfig;
 use reqwest::StatusCode;
 use serde_json::json;
 
+use crate::common;
 use crate::harness::{openai_chunks, prompt_ids, Harness, MODEL};
 
 fn first_logprob(h: &Harness, prompt: &[u32], token: u32) -> f64 {
     let mut cache = h.model.new_cache(&CacheConfig::default()).expect("cache");
-    let logits = h
-        .model
-        .forward(&[prompt.to_vec()], &mut cache)
-        .expect("forward")
-        .squeeze(0)
-        .expect("row")
-        .to_vec1::<f32>()
-        .expect("host");
-    let norm = logits.iter().map(|&v| f64::from(v).exp()).sum::<f64>().ln();
-    f64::from(logits[token as usize]) - norm
+    common::log_softmax(&common::step(&h.model, &mut cache, prompt))[token as usize]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
