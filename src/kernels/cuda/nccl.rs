@@ -1,8 +1,9 @@
 //! The NCCL all-reduce (`nccl` feature): communicators for the GPUs of one host, built in one
 //! call (`ncclCommInitAll`), and the sum and the gather of a candle tensor as custom ops on the
 //! device's own stream, so they are ordered with the kernels around them. Sums up to
-//! [`crate::kernels::policy::LaunchPolicy::peer_all_reduce_max_bytes`] take the crate's
-//! peer-memory kernel instead ([`super::peer_reduce`]) where the GPUs reach each other's memory.
+//! [`crate::kernels::policy::LaunchPolicy::peer_all_reduce_max_bytes`] (and gathers of that
+//! size) take the crate's peer-memory kernels instead ([`super::peer_reduce`]) where the GPUs
+//! reach each other's memory.
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
@@ -80,11 +81,15 @@ pub(crate) fn peer(comm: &RankComm) -> Option<&PeerSum> {
     comm.peer.as_ref()
 }
 
-/// Every rank's `x` (flattened), rank order, in one `[world * elements]` tensor.
+/// Every rank's `x` (flattened), rank order, in one `[world * elements]` tensor: through peer
+/// memory where [`PeerSum::gather`] takes it (a decode step's logits), else NCCL.
 ///
 /// # Errors
 /// As [`all_reduce_sum`].
 pub(crate) fn all_gather(comm: &RankComm, x: &Tensor) -> Result<Tensor, KernelError> {
+    if let Some(y) = comm.peer.as_ref().map(|p| p.gather(x)).transpose()?.flatten() {
+        return Ok(y);
+    }
     let x = x.contiguous()?;
     Ok(x.apply_op1_no_bwd(&NcclOp {
         comm: &comm.comm,

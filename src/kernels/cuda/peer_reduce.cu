@@ -3,8 +3,9 @@
 // packed with the call's epoch into one 8-byte store (which lands whole), so the receiver
 // needs no separate flag: it polls its own memory until every word carries this call's
 // epoch, then sums every rank's words in rank order (so every rank computes the same bits).
-// Used for the small sums of decode steps, where NCCL's latency is most of the cost; launched
-// inside CUDA graphs like any kernel.
+// Used for the small sums of decode steps, where NCCL's latency is most of the cost, and for
+// the head's all-gather of a decode step's logits (`peer_all_gather`: the same words, copied
+// instead of summed); launched inside CUDA graphs like any kernel.
 //
 // Every call of the plain sum runs PEER_MAX_BLOCKS blocks, whatever its size, so block b's
 // epoch (its count of calls, kept in the rank's own memory) is the same on every rank.
@@ -116,6 +117,42 @@ __device__ void peer_all_reduce(const PeerArgs a, const Segments<T> x, unsigned 
     if (threadIdx.x == 0) *epoch_at = epoch;
 }
 
+// Every rank's x (n elements each, whole 4-byte words) in y, rank order ([world][n]): the
+// vocabulary-parallel head's all-gather. A plain call (its blocks, epochs and region): the
+// block's words of x go to every peer as a sum's do, and to this rank's part of y; then each
+// peer's words are waited for and copied to that peer's part.
+template <typename T>
+__device__ void peer_all_gather(const PeerArgs a, const T* x, T* y, unsigned int* epoch_at) {
+    pdl_entry();
+    const unsigned int words = (unsigned int)(((unsigned long long)a.n * sizeof(T)) / 4);
+    const unsigned int per = (words + gridDim.x - 1) / gridDim.x;
+    const unsigned int lo = min(words, blockIdx.x * per);
+    const unsigned int hi = min(words, lo + per);
+    const unsigned int epoch = *epoch_at + 1;
+    const size_t half = (size_t)(epoch & 1u) * a.world * a.cap;
+    const unsigned int* xw = reinterpret_cast<const unsigned int*>(x);
+    unsigned int* yw = reinterpret_cast<unsigned int*>(y);
+    for (unsigned int w = lo + threadIdx.x; w < hi; w += blockDim.x) {
+        const unsigned int word = xw[w];
+        const unsigned long long v = ((unsigned long long)epoch << 32) | word;
+        for (unsigned int p = 0; p < a.world; ++p) {
+            if (p == a.rank) continue;
+            unsigned long long* theirs = reinterpret_cast<unsigned long long*>(a.recv[p]);
+            store_word(theirs + half + (size_t)a.rank * a.cap + w, v);
+        }
+        yw[(size_t)a.rank * words + w] = word;
+    }
+    const unsigned long long* mine = reinterpret_cast<const unsigned long long*>(a.recv[a.rank]);
+    for (unsigned int w = lo + threadIdx.x; w < hi; w += blockDim.x) {
+        for (unsigned int r = 0; r < a.world; ++r) {
+            if (r == a.rank) continue;
+            yw[(size_t)r * words + w] = wait_word(mine + half + (size_t)r * a.cap + w, epoch);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) *epoch_at = epoch;
+}
+
 // The fused kernels: one block sums every word through the fused region, then (the sums
 // visible to the whole block after the barrier that ends the sum) runs the residual add + norm
 // (AddNormParams as in the add_norm kernels).
@@ -163,6 +200,10 @@ __device__ void peer_moe_mix_add_norm(const PeerArgs a, const T* x, const T* ye,
     extern "C" __global__ void peer_all_reduce_##TN(const PeerArgs a, const T* __restrict__ x,  \
                                                     T* __restrict__ y, unsigned int* epochs) {  \
         peer_all_reduce<T>(a, Segments<T>{x, x, y, y, a.n, a.n}, epochs + blockIdx.x, 0, a.cap); \
+    }                                                                                           \
+    extern "C" __global__ void peer_all_gather_##TN(const PeerArgs a, const T* x, T* y,         \
+                                                    unsigned int* epochs) {                     \
+        peer_all_gather<T>(a, x, y, epochs + blockIdx.x);                                       \
     }                                                                                           \
     extern "C" __global__ void __launch_bounds__(ADD_NORM_THREADS)                              \
         peer_add_norm_##TN(const PeerArgs a, const T* x, T* y, unsigned int* epochs,            \

@@ -361,6 +361,48 @@ impl PeerSum {
         })
     }
 
+    /// Every rank's `x` (flattened), rank order, in one `[world * elements]` tensor, as NCCL's
+    /// all-gather returns it; `None` when `x` is larger than the receive buffer or not whole
+    /// 4-byte words (the caller then gathers through NCCL). Every rank must call it as it calls
+    /// [`PeerSum::sum`].
+    ///
+    /// # Errors
+    /// As [`PeerSum::sum`].
+    pub(crate) fn gather(&self, x: &Tensor) -> Result<Option<Tensor>> {
+        let dtype = x.dtype();
+        let elems = x.elem_count();
+        if (elems * dtype.size_in_bytes()) % 4 != 0 {
+            return Ok(None);
+        }
+        let Some(Prepared {
+            dev,
+            args,
+            func,
+            cfg,
+        }) = self.prepare(x, elems, "peer_all_gather", (BLOCKS, THREADS), false)?
+        else {
+            return Ok(None);
+        };
+        let x = x.contiguous()?;
+        let all = self.args.world as usize * elems;
+        by_dtype!(dtype, E, {
+            // SAFETY: the kernel writes every rank's part of the output before any reader on
+            // this stream.
+            let mut out = unsafe { dev.alloc::<E>(all.max(1))? };
+            bind!(xv, x, E);
+            let mut b = func.builder();
+            b.arg(&args);
+            b.arg(&xv);
+            b.arg(&mut out);
+            b.arg(&self.epochs);
+            // SAFETY: arguments match the kernel's signature; `x` holds `n` elements (whole
+            // words, at most `cap`), `out` `world * n`, every rank's receive buffer
+            // `2 * world * cap` words in its plain region.
+            unsafe { b.launch(cfg) }.w()?;
+            Ok(Some(wrap(out, &dev, &[all])))
+        })
+    }
+
     /// `add_norm_ext(res, Σ y, w, eps, extra)`, with the second branch of `extra` summed as well,
     /// in one launch of one block: the sum, then the residual add and norms (the sums and the
     /// add-norm were two launches, plus a copy joining the two branches). `None` where the
