@@ -225,7 +225,7 @@ impl Sampler {
             pool.select_nth_unstable_by(k - 1, order);
             pool.truncate(k);
         }
-        sort_pool(pool, order);
+        pool.sort_unstable_by(order);
         // Softmax over the survivors (max-subtracted; the first entry is the max).
         let max = pool[0].1;
         let mut total = 0.0f64;
@@ -265,78 +265,6 @@ impl Sampler {
         // Rounding left a sliver of mass: the last survivor takes it.
         pool.last().map_or(0, |e| e.0)
     }
-}
-
-/// Pools longer than this are sorted by [`radix_sort_pool`].
-const RADIX_SORT_FROM: usize = 4096;
-
-/// Sorts the pool by `order` (score largest first by `total_cmp`, then id smallest first). A
-/// whole vocabulary (a sampler without a top-k) is sorted by radix, several times faster than
-/// a comparison sort there, in exactly that order.
-fn sort_pool(
-    pool: &mut Vec<(u32, f32)>,
-    order: impl Fn(&(u32, f32), &(u32, f32)) -> std::cmp::Ordering,
-) {
-    if pool.len() > RADIX_SORT_FROM {
-        radix_sort_pool(pool);
-    } else {
-        pool.sort_unstable_by(order);
-    }
-}
-
-/// An f32's bits as a u32 in `total_cmp`'s order (larger float, larger u32), and back.
-fn ordered_bits(v: f32) -> u32 {
-    let b = v.to_bits();
-    if b & 0x8000_0000 != 0 {
-        !b
-    } else {
-        b | 0x8000_0000
-    }
-}
-
-fn from_ordered_bits(a: u32) -> f32 {
-    f32::from_bits(if a & 0x8000_0000 != 0 {
-        a & 0x7fff_ffff
-    } else {
-        !a
-    })
-}
-
-/// The pool sorted score-descending, id-ascending: an LSD radix sort (16 bits a pass, passes
-/// where every key shares the digit skipped) of `(!ordered_bits(score), id)` as one u64.
-fn radix_sort_pool(pool: &mut Vec<(u32, f32)>) {
-    let mut keys: Vec<u64> = pool
-        .iter()
-        .map(|&(id, s)| (u64::from(!ordered_bits(s)) << 32) | u64::from(id))
-        .collect();
-    let mut other = vec![0u64; keys.len()];
-    let mut counts = vec![0usize; 1 << 16];
-    for shift in [0u32, 16, 32, 48] {
-        counts.iter_mut().for_each(|c| *c = 0);
-        for &k in &keys {
-            counts[((k >> shift) & 0xffff) as usize] += 1;
-        }
-        if counts.iter().any(|&c| c == keys.len()) {
-            continue;
-        }
-        let mut at = 0;
-        for c in counts.iter_mut() {
-            let n = *c;
-            *c = at;
-            at += n;
-        }
-        for &k in &keys {
-            let d = ((k >> shift) & 0xffff) as usize;
-            other[counts[d]] = k;
-            counts[d] += 1;
-        }
-        std::mem::swap(&mut keys, &mut other);
-    }
-    pool.clear();
-    pool.extend(
-        keys.iter()
-            .map(|&k| (k as u32, from_ordered_bits(!((k >> 32) as u32)))),
-    );
 }
 
 /// [`argmax`] of a row given as some of its `(id, score)` pairs that hold its largest score:
@@ -638,36 +566,5 @@ mod tests {
         assert_eq!(raising, None, "a raising frequency penalty");
         let greedy = Sampler::new(opts(0.0, 1));
         assert_eq!(greedy.best_needed(&history), Some((1, 0.0)));
-    }
-
-    #[test]
-    fn the_radix_sort_keeps_the_comparison_sorts_order() {
-        let mut rng = Xoshiro256::seed_from_u64(5);
-        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        for n in [1, 2, 5000, 70_000] {
-            // Coarse scores (many ties), signed zeros, infinities and subnormals, ids shuffled.
-            let mut pool: Vec<(u32, f32)> = (0..n as u32)
-                .map(|i| {
-                    let s = match rng.next_u64() % 50 {
-                        0 => f32::INFINITY,
-                        1 => f32::NEG_INFINITY,
-                        2 => -0.0,
-                        3 => 0.0,
-                        4 => f32::from_bits(1),
-                        5 => -f32::from_bits(3),
-                        v => (v as f32 - 25.0) * 0.37,
-                    };
-                    (i.wrapping_mul(2_654_435_761) % 1_000_003, s)
-                })
-                .collect();
-            pool.sort_by_key(|p| p.0);
-            pool.dedup_by_key(|p| p.0);
-            let mut want = pool.clone();
-            want.sort_unstable_by(order);
-            radix_sort_pool(&mut pool);
-            let bits =
-                |v: &[(u32, f32)]| v.iter().map(|p| (p.0, p.1.to_bits())).collect::<Vec<_>>();
-            assert_eq!(bits(&pool), bits(&want), "{n}");
-        }
     }
 }
