@@ -87,7 +87,13 @@ pub(crate) fn peer(comm: &RankComm) -> Option<&PeerSum> {
 /// # Errors
 /// As [`all_reduce_sum`].
 pub(crate) fn all_gather(comm: &RankComm, x: &Tensor) -> Result<Tensor, KernelError> {
-    if let Some(y) = comm.peer.as_ref().map(|p| p.gather(x)).transpose()?.flatten() {
+    if let Some(y) = comm
+        .peer
+        .as_ref()
+        .map(|p| p.gather(x))
+        .transpose()?
+        .flatten()
+    {
         return Ok(y);
     }
     let x = x.contiguous()?;
