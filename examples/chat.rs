@@ -3,8 +3,9 @@
 //! ```text
 //! cargo run --release --example chat -- --model fixtures/e2b-hf
 //! ```
-//! Each turn prefills only its new tokens (the cache is kept across turns). Thinking is shown
-//! dimmed. Ctrl-C stops the current answer, not the program; Ctrl-D (end of input) quits.
+//! Each turn prefills only its new tokens (the cache is kept across turns). Answers are
+//! sampled as the checkpoint's `generation_config.json` recommends (`--greedy` for greedy
+//! decoding, `--temperature` to change the temperature). Thinking is shown dimmed. Ctrl-C stops the current answer, not the program; Ctrl-D (end of input) quits.
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -32,9 +33,17 @@ struct Args {
     /// Most tokens per answer.
     #[arg(long, default_value_t = 512)]
     max_tokens: usize,
-    /// Sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
+    /// Sampling temperature (0 = greedy); the other sampling settings stay the model's
+    /// recommendation.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Greedy decoding instead of the model's recommended sampling (`generation_config.json`;
+    /// Gemma 4: temperature 1, top-k 64, top-p 0.95).
+    #[arg(long)]
+    greedy: bool,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
     /// Run on the CPU even when a GPU feature is built.
     #[arg(long)]
     cpu: bool,
@@ -42,15 +51,6 @@ struct Args {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let options = GenOptions {
-        max_tokens: args.max_tokens,
-        sampling: SamplingOptions {
-            temperature: args.temperature,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    options.validate()?;
     let path = PathBuf::from(&args.model);
     let builder = Model::builder()
         .device(candle_gemma::best_device(args.cpu)?)
@@ -61,6 +61,19 @@ fn main() -> Result<()> {
         builder.repo(&args.model)
     }
     .build()?;
+    let mut sampling = match args.greedy {
+        true => SamplingOptions::default(),
+        false => SamplingOptions::recommended(model.config(), args.seed),
+    };
+    if let Some(t) = args.temperature {
+        sampling.temperature = t;
+    }
+    let options = GenOptions {
+        max_tokens: args.max_tokens,
+        sampling,
+        ..Default::default()
+    };
+    options.validate()?;
 
     let interrupted = Arc::new(AtomicBool::new(false));
     let flag = interrupted.clone();
