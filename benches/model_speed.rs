@@ -86,7 +86,10 @@ struct Args {
     /// Decode: also time each batch with every row sampled as Gemma 4's generation config
     /// recommends (temperature 1, top-k 64, top-p 0.95), once with the samplers reading whole
     /// rows (`"pick": "whole_rows"`) and once from each row's 64 best logits picked on the
-    /// device (`"pick": "device_best"`, CUDA only), as `Generator` and `BatchSession` do.
+    /// device (`"pick": "device_best"`, CUDA only), as `Generator` and `BatchSession` do; and
+    /// with OpenAI's defaults (temperature 1, no filter), once on whole rows
+    /// (`"pick": "whole_rows_plain"`) and once drawn on the device (`"pick": "device_draw"`,
+    /// CUDA only).
     #[arg(long)]
     sampled: bool,
     /// Passed by `cargo bench` to every bench; ignored.
@@ -189,6 +192,10 @@ enum Pick {
     WholeRows,
     /// Host samplers over each row's best logits picked on the device.
     DeviceBest,
+    /// Temperature-only samplers over whole rows read back.
+    WholeRowsPlain,
+    /// Temperature-only samplers drawn on the device, one id a row read back.
+    DeviceDraw,
 }
 
 impl Pick {
@@ -197,7 +204,21 @@ impl Pick {
             Pick::Greedy => "greedy",
             Pick::WholeRows => "whole_rows",
             Pick::DeviceBest => "device_best",
+            Pick::WholeRowsPlain => "whole_rows_plain",
+            Pick::DeviceDraw => "device_draw",
         }
+    }
+
+    /// Row `i`'s sampler: the recommended sampling, or OpenAI's defaults for the plain picks.
+    fn sampler(self, i: u64) -> Sampler {
+        let plain = matches!(self, Pick::WholeRowsPlain | Pick::DeviceDraw);
+        Sampler::new(SamplingOptions {
+            temperature: 1.0,
+            top_k: (!plain).then_some(64),
+            top_p: (!plain).then_some(0.95),
+            seed: i,
+            ..Default::default()
+        })
     }
 }
 
@@ -205,7 +226,7 @@ impl Pick {
 fn pick_tokens(pick: Pick, logits: &Tensor, samplers: &mut [Sampler]) -> Result<Vec<u32>> {
     match pick {
         Pick::Greedy => greedy(logits),
-        Pick::WholeRows => Ok(logits
+        Pick::WholeRows | Pick::WholeRowsPlain => Ok(logits
             .to_vec2::<f32>()?
             .iter()
             .zip(samplers.iter_mut())
@@ -239,6 +260,32 @@ fn pick_tokens(pick: Pick, logits: &Tensor, samplers: &mut [Sampler]) -> Result<
             {
                 let _ = (logits, samplers);
                 anyhow::bail!("device-picked candidates need the cuda feature")
+            }
+        }
+        Pick::DeviceDraw => {
+            #[cfg(feature = "cuda")]
+            {
+                let params: Vec<[u32; 5]> = samplers
+                    .iter()
+                    .map(|s| {
+                        let d = s
+                            .device_draw(&[])
+                            .ok_or_else(|| anyhow::anyhow!("a filtered sampler"))?;
+                        let t = d.temperature.to_bits();
+                        Ok([t, d.key[0], d.key[1], d.draw as u32, (d.draw >> 32) as u32])
+                    })
+                    .collect::<Result<_>>()?;
+                let ids =
+                    candle_gemma::kernels::cuda::reduce::draw_rows(logits, &params)?.to_vec1()?;
+                for (s, &id) in samplers.iter_mut().zip(&ids) {
+                    s.accept_device_draw(id);
+                }
+                Ok(ids)
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                let _ = (logits, samplers);
+                anyhow::bail!("device draws need the cuda feature")
             }
         }
     }
@@ -448,9 +495,9 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
             }
             let mut picks = vec![Pick::Greedy];
             if args.sampled {
-                picks.push(Pick::WholeRows);
+                picks.extend([Pick::WholeRows, Pick::WholeRowsPlain]);
                 if dev.is_cuda() {
-                    picks.push(Pick::DeviceBest);
+                    picks.extend([Pick::DeviceBest, Pick::DeviceDraw]);
                 }
             }
             for (&b, &pick) in args
@@ -459,17 +506,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                 .filter(|&&b| b > 0)
                 .flat_map(|b| picks.iter().map(move |p| (b, p)))
             {
-                let mut samplers: Vec<Sampler> = (0..b as u64)
-                    .map(|i| {
-                        Sampler::new(SamplingOptions {
-                            temperature: 1.0,
-                            top_k: Some(64),
-                            top_p: Some(0.95),
-                            seed: i,
-                            ..Default::default()
-                        })
-                    })
-                    .collect();
+                let mut samplers: Vec<Sampler> = (0..b as u64).map(|i| pick.sampler(i)).collect();
                 let seqs = (0..b)
                     .map(|i| prefill(model, &cc, ctx, i as u32).map(|c| c.cache))
                     .collect::<Result<Vec<_>>>()?;

@@ -297,15 +297,24 @@ impl Stream<'_, '_> {
     }
 
     /// The next token from the current logits. Plain greedy decoding takes the argmax on the
-    /// device where it has a kernel for it and copies one id back; a sampler with a top-k filter
-    /// (and no repetition penalty) gets its best logits picked there and copied back; anything
-    /// else copies the logits to the sampler.
+    /// device where it has a kernel for it and copies one id back, and so does a tempered
+    /// sampler without filters or penalties (the device draws); a sampler with a top-k filter
+    /// (and penalties that only lower logits) gets its best logits picked there and copied
+    /// back; anything else copies the logits to the sampler.
     fn pick(&mut self) -> Result<u32> {
         use crate::kernels::ops::candidates::{best_candidates, MAX_CANDIDATES};
         let rows = self.logits.unsqueeze(0)?;
         if self.sampler.is_plain_greedy() {
             if let Some(ids) = crate::kernels::ops::argmax::argmax_rows(&rows)? {
                 if let Some(&id) = ids.to_vec1::<u32>()?.first() {
+                    return Ok(id);
+                }
+            }
+        }
+        if let Some(d) = self.sampler.device_draw(&self.history) {
+            if let Some(ids) = crate::kernels::ops::argmax::draw_rows(&rows, &[d])? {
+                if let Some(&id) = ids.to_vec1::<u32>()?.first() {
+                    self.sampler.accept_device_draw(id);
                     return Ok(id);
                 }
             }

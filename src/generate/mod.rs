@@ -7,6 +7,7 @@ pub mod detok;
 mod generator;
 mod logprobs;
 mod lookahead;
+pub mod noise;
 mod penalties;
 pub mod sampling;
 pub mod stop;
@@ -15,4 +16,4 @@ pub use types::*;
 
 pub use batch::{BatchSession, Finished, SeqId};
 pub use generator::{Generator, Stream};
-pub use sampling::{Sampler, SamplingOptions};
+pub use sampling::{DeviceDraw, Sampler, SamplingOptions};

@@ -1,6 +1,7 @@
 //! Token sampling: repetition, frequency and presence penalties, temperature, top-k, top-p and
-//! min-p filters, and a small seeded PRNG so that a given seed always draws the same tokens on
-//! every platform.
+//! min-p filters, and a seeded draw (the Gumbel-max trick over counter-based noise,
+//! [`super::noise`]) so that a given seed always draws the same tokens on every platform, and
+//! a device can draw a token from a whole row without copying it to the host.
 //!
 //! The order of operations follows Hugging Face `transformers`' logits processors (with
 //! OpenAI's frequency and presence penalties after the repetition penalty, as vLLM applies
@@ -19,6 +20,7 @@
 //! assert_eq!(a.sample(&logits, &[]), b.sample(&logits, &[]));
 //! ```
 
+use super::noise::{gumbel_argmax, NoiseKey};
 use super::penalties::Penalties;
 
 /// How the next token is chosen from the logits.
@@ -82,21 +84,39 @@ impl SamplingOptions {
     }
 }
 
-/// A stateful sampler: the options plus the PRNG state that advances with each draw, and the
-/// counts of the tokens it drew (for the frequency and presence penalties).
+/// A stateful sampler: the options, the count of its tempered draws (each draw's noise is keyed
+/// by the seed and that count), and the counts of the tokens it drew (for the frequency and
+/// presence penalties).
 #[derive(Debug, Clone)]
 pub struct Sampler {
     opts: SamplingOptions,
-    rng: Xoshiro256,
+    key: NoiseKey,
+    draws: u64,
     penalties: Penalties,
-    /// Scratch `(token id, logit or probability)` pairs, reused across calls.
+    /// Scratch `(token id, logit / temperature)` pairs, reused across calls.
     scratch: Vec<(u32, f32)>,
+    /// Scratch probabilities of the sorted pool (top-p and min-p).
+    probs: Vec<f32>,
+}
+
+/// A tempered draw over a whole row that a device may make itself
+/// ([`Sampler::device_draw`]): the token with the largest `logit / temperature +
+/// noise::gumbel(key, draw, id)`, the lowest id among equal sums, NaN and -inf logits left
+/// out, id 0 where every logit is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceDraw {
+    /// The temperature (above 0 and finite).
+    pub temperature: f32,
+    /// The noise key ([`super::noise::NoiseKey`]'s words).
+    pub key: [u32; 2],
+    /// The draw's index among the sampler's tempered draws.
+    pub draw: u64,
 }
 
 impl Sampler {
     /// Creates a sampler whose PRNG is seeded from `opts.seed`.
     pub fn new(opts: SamplingOptions) -> Self {
-        let rng = Xoshiro256::seed_from_u64(opts.seed);
+        let key = NoiseKey::from_seed(opts.seed);
         let penalties = Penalties::new(
             opts.repetition_penalty,
             opts.frequency_penalty,
@@ -104,9 +124,11 @@ impl Sampler {
         );
         Self {
             opts,
-            rng,
+            key,
+            draws: 0,
             penalties,
             scratch: Vec::new(),
+            probs: Vec::new(),
         }
     }
 
@@ -198,6 +220,31 @@ impl Sampler {
         token
     }
 
+    /// The draw a device may make over this sampler's whole row with the same `history`
+    /// ([`DeviceDraw`]): `Some` for a tempered sampler with no filter (no top-k, top-p or
+    /// min-p) and no penalty, whose draw needs no sorting and no other token's probability.
+    /// Pass the token the device picked to [`Sampler::accept_device_draw`]; it is the token
+    /// [`Sampler::sample`] draws from that row.
+    pub fn device_draw(&self, history: &[u32]) -> Option<DeviceDraw> {
+        let _ = history;
+        let t = self.opts.temperature;
+        let filtered = self.opts.top_k.is_some_and(|k| k > 0)
+            || self.opts.top_p.is_some_and(|p| p.is_finite() && p < 1.0)
+            || self.opts.min_p.is_some_and(|m| m.is_finite() && m > 0.0);
+        (t.is_finite() && t > 0.0 && !filtered && !self.penalties.any()).then_some(DeviceDraw {
+            temperature: t,
+            key: self.key.0,
+            draw: self.draws,
+        })
+    }
+
+    /// Takes `token`, drawn elsewhere as [`Sampler::device_draw`] asked, as this sampler's
+    /// draw: the next draw gets fresh noise, as after [`Sampler::sample`].
+    pub fn accept_device_draw(&mut self, token: u32) {
+        self.draws += 1;
+        self.penalties.record(token);
+    }
+
     fn sample_tempered(&mut self, scores: &[f32], temperature: f32) -> u32 {
         let pool = &mut self.scratch;
         pool.clear();
@@ -214,56 +261,56 @@ impl Sampler {
         self.draw_from_pool()
     }
 
-    /// The top-k, top-p and min-p filters and the draw, on the `(id, logit / temperature)` pairs
-    /// in the scratch pool (not empty).
+    /// The top-k, top-p and min-p filters and the draw, on the `(id, logit / temperature)`
+    /// pairs in the scratch pool (not empty): the Gumbel-max draw over the tokens the filters
+    /// keep. Without filters nothing is sorted.
     fn draw_from_pool(&mut self) -> u32 {
+        let (draw, key) = (self.draws, self.key);
+        self.draws += 1;
+        let top_k = self.opts.top_k.filter(|&k| k > 0);
+        let top_p = self.opts.top_p.filter(|p| p.is_finite() && *p < 1.0);
+        let min_p = self.opts.min_p.filter(|m| m.is_finite() && *m > 0.0);
         let pool = &mut self.scratch;
-        // Descending score, ascending id on ties: every filter below keeps a prefix.
-        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if let Some(k) = self.opts.top_k.filter(|&k| k > 0 && k < pool.len()) {
-            // Partition first so that only the k survivors are sorted (vocab is 262k).
-            pool.select_nth_unstable_by(k - 1, order);
-            pool.truncate(k);
-        }
-        pool.sort_unstable_by(order);
-        // Softmax over the survivors (max-subtracted; the first entry is the max).
-        let max = pool[0].1;
-        let mut total = 0.0f64;
-        for entry in pool.iter_mut() {
-            let p = ((entry.1 - max) as f64).exp();
-            entry.1 = p as f32;
-            total += p;
-        }
-        for entry in pool.iter_mut() {
-            entry.1 = (entry.1 as f64 / total) as f32;
-        }
-        if let Some(p) = self.opts.top_p.filter(|p| p.is_finite() && *p < 1.0) {
-            let mut cumulative = 0.0f32;
+        if top_k.is_some() || top_p.is_some() || min_p.is_some() {
+            // Descending score, ascending id on ties: every filter below keeps a prefix.
+            let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+            if let Some(k) = top_k.filter(|&k| k < pool.len()) {
+                // Partition first so that only the k survivors are sorted (vocab is 262k).
+                pool.select_nth_unstable_by(k - 1, order);
+                pool.truncate(k);
+            }
+            pool.sort_unstable_by(order);
+            // Softmax over the survivors (max-subtracted; the first entry is the max).
+            let probs = &mut self.probs;
+            probs.clear();
+            let max = pool[0].1;
+            let mut total = 0.0f64;
+            for entry in pool.iter() {
+                let p = ((entry.1 - max) as f64).exp();
+                probs.push(p as f32);
+                total += p;
+            }
+            for p in probs.iter_mut() {
+                *p = (*p as f64 / total) as f32;
+            }
             let mut keep = pool.len();
-            for (i, entry) in pool.iter().enumerate() {
-                cumulative += entry.1;
-                if cumulative >= p {
-                    keep = i + 1;
-                    break;
+            if let Some(p) = top_p {
+                let mut cumulative = 0.0f32;
+                for (i, q) in probs.iter().enumerate() {
+                    cumulative += q;
+                    if cumulative >= p {
+                        keep = i + 1;
+                        break;
+                    }
                 }
             }
-            pool.truncate(keep.max(1));
-        }
-        if let Some(min_p) = self.opts.min_p.filter(|m| m.is_finite() && *m > 0.0) {
-            let threshold = pool[0].1 * min_p;
-            let keep = pool.iter().take_while(|e| e.1 >= threshold).count();
-            pool.truncate(keep.max(1));
-        }
-        let total: f64 = pool.iter().map(|e| e.1 as f64).sum();
-        let mut target = self.rng.next_f64() * total;
-        for entry in pool.iter() {
-            target -= entry.1 as f64;
-            if target < 0.0 {
-                return entry.0;
+            if let Some(min_p) = min_p {
+                let threshold = probs[0] * min_p;
+                keep = keep.min(probs.iter().take_while(|&&q| q >= threshold).count());
             }
+            pool.truncate(keep.max(1));
         }
-        // Rounding left a sliver of mass: the last survivor takes it.
-        pool.last().map_or(0, |e| e.0)
+        gumbel_argmax(pool, key, draw).unwrap_or(0)
     }
 }
 
@@ -292,47 +339,6 @@ fn argmax(scores: &[f32]) -> u32 {
         }
     }
     best as u32
-}
-
-/// xoshiro256** seeded through splitmix64 (Blackman & Vigna): small, fast, and identical on
-/// every platform, so a seed reproduces a generation exactly.
-#[derive(Debug, Clone)]
-struct Xoshiro256 {
-    s: [u64; 4],
-}
-
-impl Xoshiro256 {
-    fn seed_from_u64(seed: u64) -> Self {
-        let mut sm = seed;
-        let mut next = || {
-            sm = sm.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = sm;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^ (z >> 31)
-        };
-        Self {
-            s: [next(), next(), next(), next()],
-        }
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        let s = &mut self.s;
-        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = s[1] << 17;
-        s[2] ^= s[0];
-        s[3] ^= s[1];
-        s[1] ^= s[2];
-        s[0] ^= s[3];
-        s[2] ^= t;
-        s[3] = s[3].rotate_left(45);
-        result
-    }
-
-    /// Uniform in `[0, 1)` with 53 random bits.
-    fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-    }
 }
 
 #[cfg(test)]
@@ -466,13 +472,127 @@ mod tests {
     }
 
     #[test]
-    fn prng_is_stable_across_versions() {
-        let mut r = Xoshiro256::seed_from_u64(0);
-        let first: Vec<u64> = (0..2).map(|_| r.next_u64()).collect();
-        let mut again = Xoshiro256::seed_from_u64(0);
-        assert_eq!(first, vec![again.next_u64(), again.next_u64()]);
-        let u = r.next_f64();
-        assert!((0.0..1.0).contains(&u));
+    fn tempered_and_filtered_draws_follow_the_softmax() {
+        let logits = [1.0f32, 0.5, 0.0, -0.5, -1.0, -3.0];
+        let softmax = |t: f32, keep: usize| -> Vec<f64> {
+            let e: Vec<f64> = logits[..keep]
+                .iter()
+                .map(|&l| ((l / t) as f64).exp())
+                .collect();
+            let z: f64 = e.iter().sum();
+            e.iter().map(|x| x / z).collect()
+        };
+        let n = 20_000;
+        for (o, keep) in [
+            (opts(0.8, 4), logits.len()),
+            (
+                SamplingOptions {
+                    top_k: Some(3),
+                    ..opts(1.3, 5)
+                },
+                3,
+            ),
+        ] {
+            let want = softmax(o.temperature, keep);
+            let mut counts = vec![0usize; logits.len()];
+            for t in draws(o, &logits, n) {
+                counts[t as usize] += 1;
+            }
+            for (i, &c) in counts.iter().enumerate() {
+                let p = want.get(i).copied().unwrap_or(0.0);
+                let sd = (p * (1.0 - p) / n as f64).sqrt();
+                let got = c as f64 / n as f64;
+                assert!(
+                    (got - p).abs() <= 5.0 * sd + 1e-9,
+                    "token {i}: {got} against {p}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_device_draw_is_the_whole_rows_draw() {
+        let row: Vec<f32> = (0..400)
+            .map(|i| match i % 37 {
+                0 => f32::NAN,
+                1 => f32::NEG_INFINITY,
+                _ => ((i * 7919) % 101) as f32 * 0.05 - 2.0,
+            })
+            .collect();
+        let o = opts(0.7, 21);
+        let (mut host, mut device) = (Sampler::new(o.clone()), Sampler::new(o));
+        for _ in 0..50 {
+            let want = host.sample(&row, &[]);
+            let d = device.device_draw(&[]).expect("a plain tempered sampler");
+            let key = super::super::noise::NoiseKey(d.key);
+            let pairs: Vec<(u32, f32)> = (0..row.len() as u32)
+                .zip(row.iter().copied())
+                .filter(|p| p.1 > f32::NEG_INFINITY)
+                .map(|(i, l)| (i, l / d.temperature))
+                .collect();
+            let got = gumbel_argmax(&pairs, key, d.draw).unwrap_or(0);
+            device.accept_device_draw(got);
+            assert_eq!(want, got);
+        }
+        for filtered in [
+            SamplingOptions {
+                top_k: Some(5),
+                ..opts(1.0, 1)
+            },
+            SamplingOptions {
+                top_p: Some(0.9),
+                ..opts(1.0, 1)
+            },
+            SamplingOptions {
+                min_p: Some(0.1),
+                ..opts(1.0, 1)
+            },
+            SamplingOptions {
+                presence_penalty: Some(0.5),
+                ..opts(1.0, 1)
+            },
+            opts(0.0, 1),
+        ] {
+            assert_eq!(
+                Sampler::new(filtered.clone()).device_draw(&[]),
+                None,
+                "{filtered:?}"
+            );
+        }
+    }
+
+    /// Test data only: xoshiro256** seeded through splitmix64.
+    struct Xoshiro256 {
+        s: [u64; 4],
+    }
+
+    impl Xoshiro256 {
+        fn seed_from_u64(seed: u64) -> Self {
+            let mut sm = seed;
+            let mut next = || {
+                sm = sm.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = sm;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^ (z >> 31)
+            };
+            Self {
+                s: [next(), next(), next(), next()],
+            }
+        }
+
+        fn next_u64(&mut self) -> u64 {
+            let s = &mut self.s;
+            let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+            let t = s[1] << 17;
+            s[2] ^= s[0];
+            s[3] ^= s[1];
+            s[1] ^= s[2];
+            s[0] ^= s[3];
+            s[2] ^= t;
+            s[3] = s[3].rotate_left(45);
+            result
+        }
     }
 
     /// The documented order of the device's candidates, on the host: key `logit / t` (the

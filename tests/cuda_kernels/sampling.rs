@@ -1,13 +1,15 @@
 //! Sampling from each row's best logits picked on the device: the top-k kernel's candidates
 //! against the host sampler's order (ties, NaN, -inf, signed zeros, keys that overflow, greedy
 //! rows), sampled generation through the narrowed path against the same generation reading
-//! whole rows (`Generator` and `BatchSession`), and token log-probabilities computed on the
-//! device against the host's log-softmax.
+//! whole rows (`Generator` and `BatchSession`), tempered draws made on the device against the
+//! host's draws, and token log-probabilities computed on the device against the host's
+//! log-softmax.
 
 use anyhow::Result;
 use candle_core::{DType, Tensor};
-use candle_gemma::generate::sampling::SamplingOptions;
+use candle_gemma::generate::sampling::{Sampler, SamplingOptions};
 use candle_gemma::generate::BatchSession;
+use candle_gemma::kernels::cuda::reduce::draw_rows;
 use candle_gemma::kernels::cuda::top_k::{top_k_rows, TOP_K_MAX};
 use candle_gemma::{GenOptions, Model};
 
@@ -163,6 +165,127 @@ fn sampling_from_device_picked_candidates_draws_what_whole_rows_draw() -> Result
         }
         if narrowed.iter().all(|t| t.len() != 20) {
             failures.push(format!("{dtype:?} batch: lengths {narrowed:?}"));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    Ok(())
+}
+
+#[test]
+fn draws_on_the_device_equal_the_hosts() -> Result<()> {
+    let Some(gpu) = gpu("draw_rows") else {
+        return Ok(());
+    };
+    let mut failures = Vec::new();
+    let temps = [1.0f32, 0.7, 1e-30, 2.5, 0.05];
+    for cols in [1, 700, 5000, 262_144] {
+        let rows: Vec<Vec<f32>> = (0..temps.len() as u64)
+            .map(|r| row(cols, r * 17 + cols as u64))
+            .collect();
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        let logits = Tensor::from_vec(flat, (rows.len(), cols), &gpu.dev)?;
+        let opts = |r: usize| SamplingOptions {
+            temperature: temps[r],
+            seed: 1000 + r as u64,
+            ..Default::default()
+        };
+        let mut host: Vec<Sampler> = (0..rows.len()).map(|r| Sampler::new(opts(r))).collect();
+        let mut device = host.clone();
+        for step in 0..12 {
+            let params: Vec<[u32; 5]> = device
+                .iter()
+                .map(|s| {
+                    let d = s.device_draw(&[]).expect("a plain tempered sampler");
+                    let t = d.temperature.to_bits();
+                    [t, d.key[0], d.key[1], d.draw as u32, (d.draw >> 32) as u32]
+                })
+                .collect();
+            let ids = draw_rows(&logits, &params)?.to_vec1::<u32>()?;
+            for (r, id) in ids.into_iter().enumerate() {
+                device[r].accept_device_draw(id);
+                let want = host[r].sample(&rows[r], &[]);
+                if want != id {
+                    failures.push(format!(
+                        "cols {cols} t {} step {step}: {id} vs {want}",
+                        temps[r]
+                    ));
+                }
+            }
+        }
+        println!(
+            "draw_rows cols {cols}: checked {} rows x 12 draws",
+            rows.len()
+        );
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    Ok(())
+}
+
+/// Temperature-only sampling (drawn on the device), a top-k of the whole vocabulary (512:
+/// drawn on the host from device-picked candidates) and one above the device's limit (whole
+/// rows on the host) keep every token, so they draw alike.
+fn tempered(top_k: Option<usize>, seed: u64) -> GenOptions {
+    GenOptions {
+        max_tokens: 20,
+        ignore_eos: true,
+        sampling: SamplingOptions {
+            temperature: 0.9,
+            top_k,
+            seed,
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
+#[test]
+fn tempered_sampling_on_the_device_draws_what_the_host_draws() -> Result<()> {
+    let Some(gpu) = gpu("tempered draws") else {
+        return Ok(());
+    };
+    let mut failures = Vec::new();
+    let ways = [None, Some(512), Some(5000)];
+    for dtype in [DType::F32, DType::BF16] {
+        let model = Model::random(config("e2b-hf")?, &gpu.dev, dtype, 6)?;
+        let prompts: Vec<Vec<u32>> = (0..3u32)
+            .map(|p| (0..10 + p).map(|i| (i * 37 + p * 11 + 5) % 500).collect())
+            .collect();
+        for (p, prompt) in prompts.iter().enumerate() {
+            let runs: Vec<Vec<u32>> = ways
+                .iter()
+                .map(|&k| {
+                    Ok(model
+                        .generator(tempered(k, 70 + p as u64))
+                        .generate(prompt)?
+                        .tokens)
+                })
+                .collect::<Result<_>>()?;
+            println!("{dtype:?} prompt {p}: {:?}", runs[0]);
+            if runs[0] != runs[1] || runs[0] != runs[2] || runs[0].len() != 20 {
+                failures.push(format!("{dtype:?} generator {p}: {runs:?}"));
+            }
+        }
+        // One batch whose rows take the three ways at once (a device draw, candidates, a
+        // whole row copied alone), against batches whose rows all take one way.
+        let batch = |ks: [Option<usize>; 3]| -> Result<Vec<Vec<u32>>> {
+            let mut session = BatchSession::new(&model, tempered(None, 0));
+            for (p, prompt) in prompts.iter().enumerate() {
+                session.add_with(prompt, tempered(ks[p], 80 + p as u64))?;
+            }
+            Ok(session
+                .run_to_end()?
+                .into_iter()
+                .map(|(_, t, _)| t)
+                .collect())
+        };
+        let mixed = batch(ways)?;
+        for k in ways {
+            let same = batch([k; 3])?;
+            if same != mixed {
+                failures.push(format!(
+                    "{dtype:?} batch {k:?}: {same:?} vs mixed {mixed:?}"
+                ));
+            }
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

@@ -86,6 +86,18 @@ impl<'m> Sequence<'m> {
         self.sampler.best_needed(&self.history)
     }
 
+    /// The draw a device may make over this sequence's whole row
+    /// ([`crate::generate::sampling::Sampler::device_draw`]); `None`: another way.
+    pub fn device_draw(&self) -> Option<crate::generate::sampling::DeviceDraw> {
+        self.sampler.device_draw(&self.history)
+    }
+
+    /// Takes the token a device drew as [`Sequence::device_draw`] asked.
+    pub fn accept_device_draw(&mut self, token: u32) -> u32 {
+        self.sampler.accept_device_draw(token);
+        token
+    }
+
     /// Chooses the next token from its row's best `(id, logit)` pairs
     /// ([`crate::generate::sampling::Sampler::sample_from_best`]).
     pub fn choose_from_best(&mut self, best: &[(u32, f32)]) -> u32 {

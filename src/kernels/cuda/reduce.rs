@@ -125,50 +125,132 @@ const ARGMAX_THREADS: u32 = 256;
 /// # Errors
 /// Non-f32 input, CUDA errors.
 pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
-    let (rows, cols) = x.dims2()?;
-    if x.dtype() != DType::F32 {
-        candle_core::bail!("argmax_rows: f32 expected, found {:?}", x.dtype());
-    }
-    let dev = cuda_dev(x)?;
-    let x = x.contiguous()?;
-    let cols32 = u32_of(cols, "columns")?;
-    let rows32 = u32_of(rows, "rows")?;
-    let chunks = cols.div_ceil(ARGMAX_CHUNK).max(1);
-    let chunks32 = u32_of(chunks, "column chunks")?;
-    // SAFETY: every (row, chunk) block writes its pair; one warp per row writes its index.
-    let mut best_v = unsafe { dev.alloc::<f32>((rows * chunks).max(1))? };
-    let mut best_i = unsafe { dev.alloc::<u32>((rows * chunks).max(1))? };
-    let mut out = unsafe { dev.alloc::<u32>(rows.max(1))? };
-    if rows > 0 {
-        bind!(xv, x, f32);
-        let func = load_kernel(&dev, "argmax_chunks_f32", &REDUCE)?;
+    let picks = RowPicks::new(x, "argmax_rows")?;
+    if picks.rows > 0 {
+        bind!(xv, picks.x, f32);
+        let func = load_kernel(&picks.dev, "argmax_chunks_f32", &REDUCE)?;
         let mut b = func.builder();
         b.arg(&xv);
-        b.arg(&cols32);
+        b.arg(&picks.cols);
+        let (mut best_v, mut best_i) = (picks.best_v, picks.best_i);
         b.arg(&mut best_v);
         b.arg(&mut best_i);
-        let cfg = LaunchConfig {
-            grid_dim: (chunks32, rows32, 1),
-            block_dim: (ARGMAX_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: arguments match the kernel's signature; the scratch holds rows * chunks pairs.
-        unsafe { b.launch(cfg) }.w()?;
-        let func = load_kernel(&dev, "argmax_merge_f32", &REDUCE)?;
-        let mut b = func.builder();
-        b.arg(&best_v);
-        b.arg(&best_i);
-        b.arg(&chunks32);
-        b.arg(&mut out);
-        let cfg = LaunchConfig {
-            grid_dim: (rows32, 1, 1),
-            block_dim: (32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: as above; one warp per row.
-        unsafe { b.launch(cfg) }.w()?;
+        // SAFETY: arguments match the kernel's signature; the scratch holds rows * chunks
+        // pairs.
+        unsafe { b.launch(picks.first_launch) }.w()?;
+        return merge_picks(&picks.dev, &best_v, &best_i, picks.chunks, picks.rows);
     }
-    Ok(wrap(out, &dev, &[rows]))
+    Ok(wrap(picks.out, &picks.dev, &[0]))
+}
+
+/// Words of one row's draw parameters (`DRAW_WORDS` in `reduce.cu`): the temperature's bits,
+/// the noise key's two words, the draw index's low and high words.
+pub const DRAW_WORDS: usize = 5;
+
+/// One tempered draw of each row of f32 logits `[rows, cols]`, as u32 ids `[rows]`: the
+/// column with the largest `logit / t + gumbel(key, draw, column)` under its row's
+/// [`DRAW_WORDS`] parameters (`crate::generate::noise`), the lowest column among equal sums,
+/// NaN and -inf logits left out (id 0 where every one is). The same float operations as the
+/// host's draw; only `logf` may differ from the host's by an ulp.
+///
+/// # Errors
+/// Non-f32 input, a parameter count other than the rows, CUDA errors.
+pub fn draw_rows(x: &Tensor, params: &[[u32; DRAW_WORDS]]) -> Result<Tensor> {
+    let picks = RowPicks::new(x, "draw_rows")?;
+    if params.len() != picks.rows as usize {
+        candle_core::bail!("draw_rows: {} draws for {} rows", params.len(), picks.rows);
+    }
+    if picks.rows > 0 {
+        let words: Vec<u32> = params.iter().flatten().copied().collect();
+        let words = Tensor::from_vec(words, params.len() * DRAW_WORDS, x.device())?;
+        bind!(xv, picks.x, f32);
+        bind!(wv, words, u32);
+        let func = load_kernel(&picks.dev, "draw_chunks_f32", &REDUCE)?;
+        let mut b = func.builder();
+        b.arg(&xv);
+        b.arg(&picks.cols);
+        b.arg(&wv);
+        let (mut best_v, mut best_i) = (picks.best_v, picks.best_i);
+        b.arg(&mut best_v);
+        b.arg(&mut best_i);
+        // SAFETY: arguments match the kernel's signature; the parameters hold DRAW_WORDS
+        // words a row and the scratch rows * chunks pairs.
+        unsafe { b.launch(picks.first_launch) }.w()?;
+        return merge_picks(&picks.dev, &best_v, &best_i, picks.chunks, picks.rows);
+    }
+    Ok(wrap(picks.out, &picks.dev, &[0]))
+}
+
+/// What a pick of one column a row needs: the contiguous input, its sizes, each chunk's best
+/// (value, column) scratch and the first launch's shape.
+struct RowPicks {
+    dev: candle_core::CudaDevice,
+    x: Tensor,
+    rows: u32,
+    cols: u32,
+    chunks: u32,
+    best_v: candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
+    best_i: candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
+    out: candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
+    first_launch: LaunchConfig,
+}
+
+impl RowPicks {
+    fn new(x: &Tensor, what: &str) -> Result<Self> {
+        let (rows, cols) = x.dims2()?;
+        if x.dtype() != DType::F32 {
+            candle_core::bail!("{what}: f32 expected, found {:?}", x.dtype());
+        }
+        let dev = cuda_dev(x)?;
+        let chunks = cols.div_ceil(ARGMAX_CHUNK).max(1);
+        // SAFETY: every (row, chunk) block of the first launch writes its pair before the
+        // merge reads it; the empty output is only wrapped, never read.
+        let best_v = unsafe { dev.alloc::<f32>((rows * chunks).max(1))? };
+        let best_i = unsafe { dev.alloc::<u32>((rows * chunks).max(1))? };
+        let out = unsafe { dev.alloc::<u32>(1)? };
+        let (rows, chunks) = (u32_of(rows, "rows")?, u32_of(chunks, "column chunks")?);
+        Ok(Self {
+            x: x.contiguous()?,
+            rows,
+            cols: u32_of(cols, "columns")?,
+            chunks,
+            best_v,
+            best_i,
+            out,
+            first_launch: LaunchConfig {
+                grid_dim: (chunks, rows, 1),
+                block_dim: (ARGMAX_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            dev,
+        })
+    }
+}
+
+/// Each row's best of its chunks' (value, column) pairs, as u32 `[rows]`.
+fn merge_picks(
+    dev: &candle_core::CudaDevice,
+    best_v: &candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
+    best_i: &candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>,
+    chunks: u32,
+    rows: u32,
+) -> Result<Tensor> {
+    // SAFETY: one warp a row writes its index before any reader on this stream.
+    let mut out = unsafe { dev.alloc::<u32>(rows as usize)? };
+    let func = load_kernel(dev, "argmax_merge_f32", &REDUCE)?;
+    let mut b = func.builder();
+    b.arg(best_v);
+    b.arg(best_i);
+    b.arg(&chunks);
+    b.arg(&mut out);
+    let cfg = LaunchConfig {
+        grid_dim: (rows, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: arguments match the kernel's signature; the scratch holds rows * chunks pairs.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(wrap(out, dev, &[rows as usize]))
 }
 
 /// Page-locked host slots that u32 ids are copied into on the device's stream, so the host

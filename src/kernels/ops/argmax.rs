@@ -1,5 +1,5 @@
-//! Greedy token choice on the device, so decoding copies one id to the host instead of the
-//! logits.
+//! Token choice on the device, greedy or a tempered draw, so decoding copies one id to the host
+//! instead of the logits.
 
 use candle_core::Tensor;
 
@@ -17,6 +17,37 @@ pub(crate) fn argmax_rows(x: &Tensor) -> Result<Option<Tensor>> {
         return Ok(Some(crate::kernels::cuda::reduce::argmax_rows(x)?));
     }
     let _ = x;
+    Ok(None)
+}
+
+/// One tempered draw of each row of f32 logits `[rows, cols]` as `draws` asks (one a row,
+/// [`crate::generate::sampling::Sampler::device_draw`]), as u32 `[rows]`, computed on the
+/// device where it has a kernel for it (CUDA); `None` elsewhere, where the caller reads the
+/// logits back and draws on the host.
+///
+/// # Errors
+/// Non-f32 input, a draw count other than the rows, device errors.
+pub(crate) fn draw_rows(
+    x: &Tensor,
+    draws: &[crate::generate::sampling::DeviceDraw],
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        let words: Vec<[u32; crate::kernels::cuda::reduce::DRAW_WORDS]> = draws
+            .iter()
+            .map(|d| {
+                [
+                    d.temperature.to_bits(),
+                    d.key[0],
+                    d.key[1],
+                    d.draw as u32,
+                    (d.draw >> 32) as u32,
+                ]
+            })
+            .collect();
+        return Ok(Some(crate::kernels::cuda::reduce::draw_rows(x, &words)?));
+    }
+    let _ = (x, draws);
     Ok(None)
 }
 
