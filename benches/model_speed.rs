@@ -80,7 +80,8 @@ struct Args {
     /// Decode at batch 1 also through the crate's `Generator` (greedy, EOS ignored), with
     /// `GenOptions::lookahead` off and on: the tokens a user's generation loop gets, at the
     /// step time it sees. Prints `"op": "generate"` rows with the first tokens, which must be
-    /// the same with and without lookahead.
+    /// the same with and without lookahead. With `--sampled`, also with temperature 1 and no
+    /// filters (`"sampling": "tempered"`, drawn on the device on CUDA).
     #[arg(long)]
     generator: bool,
     /// Decode: also time each batch with every row sampled as Gemma 4's generation config
@@ -490,7 +491,10 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
         for &ctx in &args.context {
             if args.generator {
                 for lookahead in [false, true] {
-                    generate_point(model, args, p, kv, &cc, ctx, lookahead)?;
+                    generate_point(model, args, p, kv, &cc, ctx, (lookahead, false))?;
+                    if args.sampled {
+                        generate_point(model, args, p, kv, &cc, ctx, (lookahead, true))?;
+                    }
                 }
             }
             let mut picks = vec![Pick::Greedy];
@@ -590,7 +594,7 @@ fn generate_point(
     kv: &str,
     cc: &CacheConfig,
     ctx: usize,
-    lookahead: bool,
+    (lookahead, tempered): (bool, bool),
 ) -> Result<()> {
     let steps = args.steps.max(1);
     let options = GenOptions {
@@ -598,6 +602,10 @@ fn generate_point(
         ignore_eos: true,
         cache: *cc,
         lookahead,
+        sampling: SamplingOptions {
+            temperature: if tempered { 1.0 } else { 0.0 },
+            ..Default::default()
+        },
         ..Default::default()
     };
     let mut generator = model.generator(options);
@@ -628,6 +636,7 @@ fn generate_point(
             "{}",
             json!({"model": p.name, "weights": p.weights, "kv": kv, "tp": model.world(),
                 "op": "generate", "batch": 1, "context": ctx, "lookahead": lookahead,
+                "sampling": if tempered { "tempered" } else { "greedy" },
                 "tok_s": 1.0 / secs, "step_ms": secs * 1e3, "tokens": tokens})
         );
     }

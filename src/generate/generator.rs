@@ -180,11 +180,14 @@ impl<'m> Generator<'m> {
         };
         eos.extend(&options.extra_eos);
         let sampler = Sampler::new(options.sampling.clone());
+        let draw = sampler.device_draw(prompt);
         let lookahead = match &logits {
             Some(l)
-                if options.lookahead && sampler.is_plain_greedy() && options.logprobs.is_none() =>
+                if options.lookahead
+                    && (sampler.is_plain_greedy() || draw.is_some())
+                    && options.logprobs.is_none() =>
             {
-                Lookahead::start(model, l, options.max_tokens)?
+                Lookahead::start(model, l, options.max_tokens, draw)?
             }
             _ => None,
         };
@@ -339,6 +342,10 @@ impl Stream<'_, '_> {
             Some(ahead) => {
                 let (model, cache) = self.generator.model_and_cache()?;
                 let next = ahead.next(model, cache)?;
+                if self.sampler.device_draw(&self.history).is_some() {
+                    // The device drew it: the sampler's next draw takes fresh noise.
+                    self.sampler.accept_device_draw(next.token);
+                }
                 (next.token, next.forwarded)
             }
             None => (self.pick()?, false),

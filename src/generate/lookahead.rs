@@ -1,9 +1,11 @@
-//! Greedy decoding one step ahead of the host ([`crate::GenOptions::lookahead`]).
+//! Decoding one step ahead of the host ([`crate::GenOptions::lookahead`]): greedy decoding, and
+//! tempered sampling that the device draws itself
+//! ([`crate::generate::sampling::Sampler::device_draw`]).
 //!
-//! Plain greedy decoding on CUDA picks each token with an argmax on the device and copies the
+//! Such decoding on CUDA picks each token on the device (an argmax, or a draw) and copies the
 //! id back, and the host enqueues the next step only once it has the id: between two steps
 //! the device waits for the copy, the host's token handling and the next step's launch. Here
-//! the next step takes its id straight from the argmax's output on the device and is enqueued
+//! the next step takes its id straight from the pick's output on the device and is enqueued
 //! before the host waits for the copy, which then waits for that copy alone (a page-locked
 //! slot, [`IdReadback`]): the device always has the next step queued.
 //!
@@ -17,7 +19,8 @@ use std::collections::VecDeque;
 use candle_core::Tensor;
 
 use crate::error::{Error, Result};
-use crate::kernels::ops::argmax::{argmax_rows, IdReadback, PendingIds};
+use crate::generate::sampling::DeviceDraw;
+use crate::kernels::ops::argmax::{argmax_rows, draw_rows, IdReadback, PendingIds};
 use crate::kv::ModelCache;
 use crate::model::Model;
 
@@ -30,6 +33,9 @@ pub(super) struct Lookahead {
     /// Tokens picked so far.
     picked: usize,
     max_tokens: usize,
+    /// The sampler's draw for the first token, `None` for greedy decoding; the `n`-th token
+    /// picked takes draw index `draw + n`.
+    draw: Option<DeviceDraw>,
 }
 
 /// A token picked on the device.
@@ -51,13 +57,19 @@ pub(super) struct Next {
 }
 
 impl Lookahead {
-    /// Starts from the prompt's last logits `[vocab]`: picks the first token on the device.
-    /// `None` where decoding cannot run ahead: not CUDA, or a checkpoint whose per-layer table
-    /// does not cover every id the logits can pick.
+    /// Starts from the prompt's last logits `[vocab]`: picks the first token on the device, by
+    /// argmax or, where `draw` is given, by that draw (later tokens take the next draw
+    /// indices). `None` where decoding cannot run ahead: not CUDA, or a checkpoint whose
+    /// per-layer table does not cover every id the logits can pick.
     ///
     /// # Errors
     /// Device errors.
-    pub(super) fn start(model: &Model, logits: &Tensor, max_tokens: usize) -> Result<Option<Self>> {
+    pub(super) fn start(
+        model: &Model,
+        logits: &Tensor,
+        max_tokens: usize,
+        draw: Option<DeviceDraw>,
+    ) -> Result<Option<Self>> {
         if !model.text_model().takes_device_ids() {
             return Ok(None);
         }
@@ -69,6 +81,7 @@ impl Lookahead {
             queue: VecDeque::new(),
             picked: 0,
             max_tokens,
+            draw,
         };
         match ahead.pick(logits)? {
             Some(p) => {
@@ -79,9 +92,17 @@ impl Lookahead {
         }
     }
 
-    /// Picks the argmax of `logits` `[vocab]` on the device and starts its copy to the host.
+    /// Picks a token from `logits` `[vocab]` on the device and starts its copy to the host.
     fn pick(&mut self, logits: &Tensor) -> Result<Option<Picked>> {
-        let Some(ids) = argmax_rows(&logits.unsqueeze(0)?)? else {
+        let rows = logits.unsqueeze(0)?;
+        let ids = match self.draw {
+            None => argmax_rows(&rows)?,
+            Some(d) => {
+                let draw = d.draw + self.picked as u64;
+                draw_rows(&rows, &[DeviceDraw { draw, ..d }])?
+            }
+        };
+        let Some(ids) = ids else {
             return Ok(None);
         };
         let ids = ids.reshape((1, 1))?;

@@ -24,13 +24,15 @@ pub struct GenOptions {
     pub prefill_chunk: Option<usize>,
     /// Leave special tokens (`<turn|>`, ...) out of the streamed text.
     pub skip_special_tokens: bool,
-    /// Greedy decoding on CUDA runs one step ahead of the host (on by default): each step
-    /// takes its id from the previous step's argmax on the device, and the host reads the id
-    /// back while the next step runs, so the device does not wait for the host between steps.
-    /// The tokens are the same either way. With it, a generation that ends on an EOS token or
-    /// a stop string has also run that last token through the model, so the cache (and
-    /// [`crate::Generator::cached_tokens`]) holds it too. Ignored for sampling, other devices
-    /// and checkpoints whose per-layer table is smaller than the vocabulary.
+    /// Greedy decoding on CUDA runs one step ahead of the host (on by default), and so does
+    /// tempered sampling without filters or penalties, which the device draws itself
+    /// ([`crate::generate::sampling::Sampler::device_draw`]): each step takes its id from the
+    /// previous step's pick on the device, and the host reads the id back while the next step
+    /// runs, so the device does not wait for the host between steps. The tokens are the same
+    /// either way. With it, a generation that ends on an EOS token or a stop string has also
+    /// run that last token through the model, so the cache (and
+    /// [`crate::Generator::cached_tokens`]) holds it too. Ignored for other sampling, other
+    /// devices and checkpoints whose per-layer table is smaller than the vocabulary.
     pub lookahead: bool,
     /// Report each generated token's log-probability and those of the `n` most likely tokens
     /// at its step (`Some(n)`, `n` up to [`MAX_TOP_LOGPROBS`]) in [`StepOutput::logprobs`].
