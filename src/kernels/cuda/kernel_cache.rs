@@ -119,7 +119,7 @@ modules! {
     LAYER_OPS = "layer_ops";
     /// MoE routing, grouped expert products and the mix.
     MOE = "moe";
-    /// Masked softmax and row argmax.
+    /// Masked softmax, row argmax and tempered draws.
     REDUCE = "reduce";
     /// Each row's best logits for sampling.
     TOP_K = "top_k";

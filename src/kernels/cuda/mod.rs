@@ -14,7 +14,7 @@
 //! | `kv_write` | writing new K/V into cache slots, dense or quantized |
 //! | `grouped_gemm` | row blocks of one matrix, each times its own weight, as one cuBLAS grouped product (MoE prefill) |
 //! | `moe` | router top-k, grouped expert products, the weighted mix, the row gather (`moe.cu`) |
-//! | `reduce` | masked softmax, row argmax (`reduce.cu`) |
+//! | `reduce` | masked softmax, row argmax, each row's tempered draw (`reduce.cu`) |
 //! | `top_k` | each row's k best logits for sampling (`top_k.cu`) |
 //! | `quantize` | affine quantization and dequantization (`quantize.cu`) |
 //! | `nccl` | the NCCL all-reduce of tensor-parallel groups (`nccl` feature) |
