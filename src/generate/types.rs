@@ -31,8 +31,10 @@ pub struct GenOptions {
     /// runs, so the device does not wait for the host between steps. The tokens are the same
     /// either way. With it, a generation that ends on an EOS token or a stop string has also
     /// run that last token through the model, so the cache (and
-    /// [`crate::Generator::cached_tokens`]) holds it too. Ignored for other sampling, other
-    /// devices and checkpoints whose per-layer table is smaller than the vocabulary.
+    /// [`crate::Generator::cached_tokens`], or a [`crate::generate::Finished`]'s tokens) holds
+    /// it too. A [`crate::generate::BatchSession`] runs ahead while every live sequence allows it and the
+    /// batch stays as it is. Ignored for other sampling, with logprobs, on other devices and
+    /// for checkpoints whose per-layer table is smaller than the vocabulary.
     pub lookahead: bool,
     /// Report each generated token's log-probability and those of the `n` most likely tokens
     /// at its step (`Some(n)`, `n` up to [`MAX_TOP_LOGPROBS`]) in [`StepOutput::logprobs`].

@@ -10,8 +10,11 @@
 //!   getting a token every step while a long prompt joins.
 //!
 //! Every sequence keeps its own cache inside the batched cache, so batched greedy decode gives
-//! each sequence exactly its single-decode tokens, whatever its neighbours' layouts.
+//! each sequence exactly its single-decode tokens, whatever its neighbours' layouts. On CUDA a
+//! batch whose tokens are all picked on the device decodes one step ahead of the host
+//! (`ahead.rs`).
 
+mod ahead;
 mod mixed;
 mod prefill;
 mod sequence;
@@ -68,6 +71,10 @@ pub struct BatchSession<'m> {
     /// Most prompt tokens a joining sequence prefills per step.
     prefill_chunk: usize,
     next_id: usize,
+    /// Copies of ids picked on the device (decoding one step ahead), made at first use.
+    readback: Option<crate::kernels::ops::argmax::IdReadback>,
+    /// Tokens picked on the device and not handed out yet (decoding one step ahead).
+    ahead: Option<ahead::Ahead>,
     /// Seconds spent in batched decode forwards.
     pub decode_secs: f64,
     /// Seconds spent prefilling joining prompts.
@@ -94,6 +101,8 @@ impl<'m> BatchSession<'m> {
             keep_finished: false,
             prefill_chunk,
             next_id: 0,
+            readback: None,
+            ahead: None,
             decode_secs: 0.0,
             prefill_secs: 0.0,
         }
@@ -325,38 +334,6 @@ impl<'m> BatchSession<'m> {
         let id = SeqId(self.next_id);
         self.next_id += 1;
         id
-    }
-
-    /// One batched decode step of the live sequences.
-    fn decode(&mut self, out: &mut Vec<(SeqId, StepOutput)>) -> Result<()> {
-        let started = Instant::now();
-        let cache = self
-            .cache
-            .as_mut()
-            .ok_or_else(|| Error::Input("live sequences without a batch cache".to_string()))?;
-        let batch: Vec<Vec<u32>> = self.live.iter().map(|s| vec![s.last]).collect();
-        let logits = self.model.forward(&batch, cache)?;
-        let tokens = pick_tokens(&logits, &mut self.live)?;
-        let mut done = Vec::new();
-        for (i, (seq, token)) in self.live.iter_mut().zip(tokens).enumerate() {
-            let step = seq.emit(token)?;
-            if step.finish.is_some() {
-                done.push(i);
-            }
-            out.push((seq.id, step));
-        }
-        let mut leaving = Vec::with_capacity(done.len());
-        for &i in done.iter().rev() {
-            leaving.push((self.live.remove(i), cache.remove_sequence(i)?));
-        }
-        if self.live.is_empty() {
-            self.cache = None;
-        }
-        for (seq, single) in leaving.into_iter().rev() {
-            self.retire(seq, single);
-        }
-        self.decode_secs += started.elapsed().as_secs_f64();
-        Ok(())
     }
 
     /// One prefill chunk for the joining sequences that share it; those whose prompt is then

@@ -30,8 +30,10 @@ pub(super) struct Sequence<'m> {
     pub history: Vec<u32>,
     /// Tokens of the prompt.
     pub prompt_len: usize,
-    /// The token sampled last, fed at the next step.
+    /// The token sampled last, fed at the next step (unless `last_forwarded`).
     pub last: u32,
+    /// Whether a step ahead already ran `last` through the model (decoding one step ahead).
+    pub last_forwarded: bool,
     generated: usize,
     max_tokens: usize,
     eos: Vec<u32>,
@@ -62,6 +64,7 @@ impl<'m> Sequence<'m> {
             history: prompt.to_vec(),
             prompt_len: prompt.len(),
             last: 0,
+            last_forwarded: false,
             generated: 0,
             max_tokens: options.max_tokens.min(room),
             eos,
@@ -110,6 +113,7 @@ impl<'m> Sequence<'m> {
         let Picked { token, logprobs } = picked;
         self.history.push(token);
         self.last = token;
+        self.last_forwarded = false;
         self.generated += 1;
         let mut finish = self
             .eos
@@ -145,10 +149,25 @@ impl<'m> Sequence<'m> {
         })
     }
 
+    /// Whether this sequence may decode one step ahead of the host: its options allow it, it
+    /// asks for no log-probabilities, and its token is picked on the device (plain greedy
+    /// decoding, or a draw the device makes).
+    pub fn runs_ahead(&self) -> bool {
+        self.options.lookahead
+            && self.options.logprobs.is_none()
+            && (self.is_plain_greedy() || self.sampler.device_draw(&self.history).is_some())
+    }
+
+    /// Whether the sequence wants another token after the next one (its budget allows two
+    /// more): only then may a step ahead run the next one through the model.
+    pub fn wants_more_after_next(&self) -> bool {
+        self.generated + 1 < self.max_tokens
+    }
+
     /// The tokens whose K/V the sequence's cache holds: the prompt and every generated token
-    /// but the last (which was sampled, never fed).
+    /// but the last (which was sampled, never fed), unless a step ahead fed that one too.
     pub fn cached_tokens(&self) -> &[u32] {
-        let held = if self.generated > 0 {
+        let held = if self.generated > 0 && !self.last_forwarded {
             self.history.len() - 1
         } else {
             self.history.len()

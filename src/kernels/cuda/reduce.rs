@@ -290,23 +290,34 @@ impl IdSlots {
         let ids = ids.contiguous()?;
         let len = ids.elem_count();
         let stream = dev.cuda_stream();
+        // A copy fills its whole slot, so a slot holds exactly `len` ids: an idle slot of
+        // another length (a batch that changed size) is replaced.
+        let size = len.max(1);
         let free = self
             .slots
             .iter()
-            .position(|(s, _, busy)| !busy && s.len() >= len);
+            .position(|(s, _, busy)| !busy && s.len() == size);
         let slot = match free {
             Some(i) => i,
             None => {
                 let ctx = stream.context();
                 // Plain page-locked memory (not write-combined): the host reads it.
-                // SAFETY: the slot is read only after a copy filled its first `len` ids.
-                let host = unsafe { ctx.alloc_pinned_with_flags::<u32>(len.max(1), 0) }.w()?;
+                // SAFETY: the slot is read only after a copy filled its `len` ids.
+                let host = unsafe { ctx.alloc_pinned_with_flags::<u32>(size, 0) }.w()?;
                 // The host sleeps until the copy is done (it has a whole step to wait).
                 let event = ctx
                     .new_event(Some(CUevent_flags::CU_EVENT_BLOCKING_SYNC))
                     .w()?;
-                self.slots.push((host, event, false));
-                self.slots.len() - 1
+                match self.slots.iter().position(|(_, _, busy)| !busy) {
+                    Some(i) => {
+                        self.slots[i] = (host, event, false);
+                        i
+                    }
+                    None => {
+                        self.slots.push((host, event, false));
+                        self.slots.len() - 1
+                    }
+                }
             }
         };
         let Some((host, copied, busy)) = self.slots.get_mut(slot) else {
