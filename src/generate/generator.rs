@@ -303,9 +303,11 @@ impl Stream<'_, '_> {
     /// device where it has a kernel for it and copies one id back, and so does a tempered
     /// sampler without filters or penalties (the device draws); a sampler with a top-k filter
     /// (and penalties that only lower logits) gets its best logits picked there and copied
-    /// back; anything else copies the logits to the sampler.
+    /// back, and so does one with top-p or min-p and no top-k (with the row's softmax mass)
+    /// where its filters keep fewer than the candidates; anything else copies the logits to
+    /// the sampler.
     fn pick(&mut self) -> Result<u32> {
-        use crate::kernels::ops::candidates::{best_candidates, MAX_CANDIDATES};
+        use crate::kernels::ops::candidates::{best_candidates, tempered_mass, MAX_CANDIDATES};
         let rows = self.logits.unsqueeze(0)?;
         if self.sampler.is_plain_greedy() {
             if let Some(ids) = crate::kernels::ops::argmax::argmax_rows(&rows)? {
@@ -319,6 +321,19 @@ impl Stream<'_, '_> {
                 if let Some(&id) = ids.to_vec1::<u32>()?.first() {
                     self.sampler.accept_device_draw(id);
                     return Ok(id);
+                }
+            }
+        }
+        if let Some(t) = self.sampler.nucleus_needed(&self.history) {
+            let row_len = rows.dim(1)?;
+            if let (Some(best), Some(mass)) = (
+                best_candidates(&rows, &[t], MAX_CANDIDATES)?,
+                tempered_mass(&rows, &[t])?,
+            ) {
+                if let (Some(best), Some(&mass)) = (best.first(), mass.first()) {
+                    if let Some(id) = self.sampler.sample_from_nucleus(best, mass, row_len) {
+                        return Ok(id);
+                    }
                 }
             }
         }

@@ -220,6 +220,73 @@ impl Sampler {
         token
     }
 
+    /// What this sampler needs of a row, where it need not read all of it, for a top-p or
+    /// min-p filter without a top-k: the temperature whose key ranks the row's best logits, to
+    /// pass them with the row's softmax mass to [`Sampler::sample_from_nucleus`]. `Some` for a
+    /// tempered sampler with top-p below 1 or min-p above 0, no top-k and no penalty.
+    pub fn nucleus_needed(&self, history: &[u32]) -> Option<f32> {
+        let _ = history;
+        let t = self.opts.temperature;
+        let nucleus = self.opts.top_p.is_some_and(|p| p.is_finite() && p < 1.0)
+            || self.opts.min_p.is_some_and(|m| m.is_finite() && m > 0.0);
+        let top_k = self.opts.top_k.is_some_and(|k| k > 0);
+        (t.is_finite() && t > 0.0 && nucleus && !top_k && !self.penalties.any()).then_some(t)
+    }
+
+    /// Draws from a row's best logits when the top-p and min-p filters keep only some of them:
+    /// `best` as [`Sampler::sample_from_best`] takes it (best first under `logit /
+    /// temperature`), `mass` the row's softmax mass (the sum over its logits, NaN and -inf left
+    /// out, of `exp((key - max_key) as f64)`), `row_len` the row's length. The same draw as
+    /// [`Sampler::sample`] on the whole row, but for the order of `mass`'s sum; `None` (the
+    /// sampler unchanged) where the filters' cut lies past `best`, or the mass is not a
+    /// positive finite number: the caller then reads the whole row.
+    pub fn sample_from_nucleus(
+        &mut self,
+        best: &[(u32, f32)],
+        mass: f64,
+        row_len: usize,
+    ) -> Option<u32> {
+        let t = self.nucleus_needed(&[])?;
+        if !(mass.is_finite() && mass > 0.0) {
+            return None;
+        }
+        let whole = best.len() >= row_len;
+        let pool: Vec<(u32, f32)> = best
+            .iter()
+            .filter(|(_, l)| *l > f32::NEG_INFINITY)
+            .map(|&(i, l)| (i, l / t))
+            .collect();
+        let max = pool.first()?.1;
+        let probs: Vec<f32> = pool
+            .iter()
+            .map(|e| {
+                let p = ((e.1 - max) as f64).exp() as f32;
+                (p as f64 / mass) as f32
+            })
+            .collect();
+        // Each filter's cut, `None` where it lies past the candidates.
+        let mut cuts = Vec::new();
+        if let Some(p) = self.opts.top_p.filter(|p| p.is_finite() && *p < 1.0) {
+            let mut cumulative = 0.0f32;
+            let reached = probs.iter().position(|q| {
+                cumulative += q;
+                cumulative >= p
+            });
+            cuts.push(reached.map(|i| i + 1).or(whole.then_some(pool.len())));
+        }
+        if let Some(min_p) = self.opts.min_p.filter(|m| m.is_finite() && *m > 0.0) {
+            let threshold = probs[0] * min_p;
+            let kept = probs.iter().take_while(|&&q| q >= threshold).count();
+            cuts.push((kept < pool.len() || whole).then_some(kept));
+        }
+        let keep = cuts.iter().flatten().min().copied()?;
+        let (draw, key) = (self.draws, self.key);
+        self.draws += 1;
+        let token = gumbel_argmax(&pool[..keep.max(1)], key, draw).unwrap_or(0);
+        self.penalties.record(token);
+        Some(token)
+    }
+
     /// The draw a device may make over this sampler's whole row with the same `history`
     /// ([`DeviceDraw`]): `Some` for a tempered sampler with no filter (no top-k, top-p or
     /// min-p) and no penalty, whose draw needs no sorting and no other token's probability.
@@ -662,6 +729,64 @@ mod tests {
             }
         }
         assert_eq!(checked, 60 * 2 * 20);
+    }
+
+    #[test]
+    fn nucleus_draws_from_the_best_logits_and_the_mass_equal_whole_row_draws() {
+        let mut rng = Xoshiro256::seed_from_u64(5);
+        let (mut narrowed_draws, mut fallbacks) = (0, 0);
+        for case in 0..48u64 {
+            let vocab = 300 + (case as usize % 5) * 350;
+            // Peaked rows (a few large logits) and flat ones; a few NaN and -inf.
+            let peaked = case % 2 == 0;
+            let row: Vec<f32> = (0..vocab)
+                .map(|_| match rng.next_u64() % 60 {
+                    0 => f32::NAN,
+                    1 => f32::NEG_INFINITY,
+                    2 | 3 if peaked => 8.0 + (rng.next_u64() % 16) as f32 * 0.25,
+                    _ => (rng.next_u64() % 24) as f32 * 0.25 - 3.0,
+                })
+                .collect();
+            let o = SamplingOptions {
+                top_p: (case % 3 != 1).then_some([0.5, 0.9, 0.99][case as usize % 3]),
+                min_p: (case % 3 != 0).then_some([0.05, 0.3][case as usize % 2]),
+                ..opts([0.7, 1.0, 1.6][case as usize % 3], case)
+            };
+            let (mut whole, mut narrowed) = (Sampler::new(o.clone()), Sampler::new(o));
+            for k in [8, 64, 1000] {
+                for _ in 0..10 {
+                    let t = narrowed.nucleus_needed(&[]).expect("a nucleus sampler");
+                    let best = best_by_order(&row, t, k);
+                    let pool: Vec<f32> = best_by_order(&row, t, vocab)
+                        .iter()
+                        .filter(|p| p.1 > f32::NEG_INFINITY)
+                        .map(|p| p.1 / t)
+                        .collect();
+                    let mass: f64 = pool.iter().map(|&s| ((s - pool[0]) as f64).exp()).sum();
+                    let want = whole.sample(&row, &[]);
+                    let got = match narrowed.sample_from_nucleus(&best, mass, vocab) {
+                        Some(id) => {
+                            narrowed_draws += 1;
+                            id
+                        }
+                        None => {
+                            fallbacks += 1;
+                            narrowed.sample(&row, &[])
+                        }
+                    };
+                    assert_eq!(want, got, "case {case} k {k}");
+                }
+            }
+        }
+        assert!(
+            narrowed_draws > 200 && fallbacks > 50,
+            "{narrowed_draws} / {fallbacks}"
+        );
+        let mut greedy = Sampler::new(opts(0.0, 1));
+        assert_eq!(greedy.nucleus_needed(&[]), None);
+        assert_eq!(greedy.sample_from_nucleus(&[(0, 1.0)], 1.0, 1), None);
+        let plain = Sampler::new(opts(1.0, 1));
+        assert_eq!(plain.nucleus_needed(&[]), None, "no filter: a device draw");
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! against the host sampler's order (ties, NaN, -inf, signed zeros, keys that overflow, greedy
 //! rows), sampled generation through the narrowed path against the same generation reading
 //! whole rows (`Generator` and `BatchSession`), tempered draws made on the device against the
-//! host's draws, and token log-probabilities computed on the device against the host's
+//! host's draws, top-p and min-p draws from the candidates and the row's softmax mass against
+//! whole rows, and token log-probabilities computed on the device against the host's
 //! log-softmax.
 
 use anyhow::Result;
@@ -10,7 +11,7 @@ use candle_core::{DType, Tensor};
 use candle_gemma::generate::sampling::{Sampler, SamplingOptions};
 use candle_gemma::generate::BatchSession;
 use candle_gemma::kernels::cuda::reduce::draw_rows;
-use candle_gemma::kernels::cuda::top_k::{top_k_rows, TOP_K_MAX};
+use candle_gemma::kernels::cuda::top_k::{key_mass_chunks, top_k_rows, TOP_K_MAX};
 use candle_gemma::{GenOptions, Model};
 
 use crate::support::{fixture_config as config, gpu};
@@ -289,6 +290,129 @@ fn tempered_sampling_on_the_device_draws_what_the_host_draws() -> Result<()> {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+    Ok(())
+}
+
+#[test]
+fn nucleus_draws_from_device_candidates_and_mass_equal_the_hosts() -> Result<()> {
+    let Some(gpu) = gpu("nucleus draws") else {
+        return Ok(());
+    };
+    let mut failures = Vec::new();
+    let (mut narrowed, mut fallbacks) = (0, 0);
+    let temps = [1.0f32, 0.7, 0.25, 2.0];
+    for cols in [1, 700, 5000, 262_144] {
+        // Rows of `row`'s coarse values, some sharpened (a low temperature) so that the
+        // filters cut inside the candidates, some flat so that they cut past them.
+        let rows: Vec<Vec<f32>> = (0..temps.len() as u64)
+            .map(|r| {
+                row(cols, r * 7 + cols as u64)
+                    .into_iter()
+                    .map(|v| if v.abs() < 1e30 { v * 4.0 } else { v })
+                    .collect()
+            })
+            .collect();
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        let logits = Tensor::from_vec(flat, (rows.len(), cols), &gpu.dev)?;
+        let sums = key_mass_chunks(&logits, &temps)?.to_vec2::<f64>()?;
+        let (values, ids) = top_k_rows(&logits, &temps, TOP_K_MAX)?;
+        let (values, ids) = (values.to_vec2::<f32>()?, ids.to_vec2::<u32>()?);
+        for (r, row) in rows.iter().enumerate() {
+            let t = temps[r];
+            let mass: f64 = sums[r].iter().sum();
+            let mut keys: Vec<f32> = row
+                .iter()
+                .filter(|l| **l > f32::NEG_INFINITY)
+                .map(|l| l / t)
+                .collect();
+            keys.sort_by(|a, b| b.total_cmp(a));
+            let host: f64 = keys.iter().map(|&k| ((k - keys[0]) as f64).exp()).sum();
+            if (mass - host).abs() > 1e-12 * host.abs() {
+                failures.push(format!("cols {cols} t {t}: mass {mass} against {host}"));
+            }
+            let best: Vec<(u32, f32)> = ids[r]
+                .iter()
+                .copied()
+                .zip(values[r].iter().copied())
+                .collect();
+            for (c, (top_p, min_p)) in [
+                (Some(0.9), None),
+                (None, Some(0.1)),
+                (Some(0.6), Some(0.02)),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let o = SamplingOptions {
+                    temperature: t,
+                    top_p,
+                    min_p,
+                    seed: 90 + c as u64,
+                    ..Default::default()
+                };
+                let (mut host, mut device) = (Sampler::new(o.clone()), Sampler::new(o));
+                for draw in 0..6 {
+                    let want = host.sample(row, &[]);
+                    let got = match device.sample_from_nucleus(&best, mass, cols) {
+                        Some(id) => {
+                            narrowed += 1;
+                            id
+                        }
+                        None => {
+                            fallbacks += 1;
+                            device.sample(row, &[])
+                        }
+                    };
+                    if want != got {
+                        failures.push(format!(
+                            "cols {cols} t {t} filters {c} draw {draw}: {got} vs {want}"
+                        ));
+                    }
+                }
+            }
+        }
+        println!(
+            "nucleus cols {cols}: {narrowed} drawn from candidates, {fallbacks} whole rows so far"
+        );
+    }
+    assert!(narrowed > 0 && fallbacks > 0, "{narrowed} / {fallbacks}");
+    assert!(failures.is_empty(), "{failures:#?}");
+    // Through `Generator` and `BatchSession`: top-p alone (candidates and mass: the fixture's
+    // 512 tokens are fewer than the candidates) against a top-k of 5000, which keeps every
+    // token and reads whole rows.
+    let model = Model::random(config("e2b-hf")?, &gpu.dev, DType::BF16, 8)?;
+    let nucleus = |top_k: Option<usize>, seed: u64| GenOptions {
+        max_tokens: 16,
+        ignore_eos: true,
+        sampling: SamplingOptions {
+            temperature: 0.5,
+            top_k,
+            top_p: Some(0.8),
+            min_p: Some(0.01),
+            seed,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let prompt: Vec<u32> = (0..11).map(|i| (i * 41 + 9) % 500).collect();
+    let narrowed = model.generator(nucleus(None, 3)).generate(&prompt)?.tokens;
+    let whole = model
+        .generator(nucleus(Some(5000), 3))
+        .generate(&prompt)?
+        .tokens;
+    assert_eq!(narrowed, whole, "generator");
+    let batch = |top_k: Option<usize>| -> Result<Vec<Vec<u32>>> {
+        let mut session = BatchSession::new(&model, nucleus(top_k, 0));
+        for p in 0..3u64 {
+            session.add_with(&prompt[p as usize..], nucleus(top_k, 30 + p))?;
+        }
+        Ok(session
+            .run_to_end()?
+            .into_iter()
+            .map(|(_, t, _)| t)
+            .collect())
+    };
+    assert_eq!(batch(None)?, batch(Some(5000))?, "batch");
     Ok(())
 }
 

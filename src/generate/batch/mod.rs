@@ -28,7 +28,7 @@ use super::types::{GenOptions, StepOutput};
 use crate::error::{Error, Result};
 use crate::generate::sampling::DeviceDraw;
 use crate::kernels::ops::argmax::draw_rows;
-use crate::kernels::ops::candidates::{best_candidates, MAX_CANDIDATES};
+use crate::kernels::ops::candidates::{best_candidates, tempered_mass, MAX_CANDIDATES};
 use crate::kv::ModelCache;
 use crate::model::Model;
 use prefill::Joiner;
@@ -481,6 +481,9 @@ enum RowPlan {
     Draw(DeviceDraw),
     /// The sampler's `k` best logits under temperature `t`, picked on the device.
     Best(usize, f32),
+    /// The most candidates the device picks under temperature `t`, and the row's softmax
+    /// mass, for top-p or min-p without a top-k (the whole row where the cut lies past them).
+    Nucleus(f32),
     /// The whole row, on the host.
     Whole,
 }
@@ -496,11 +499,14 @@ fn choose_tokens(logits: &Tensor, seqs: &mut [Sequence<'_>]) -> Result<Vec<u32>>
     }
     let plans: Vec<RowPlan> = seqs
         .iter()
-        .map(|s| match (s.device_draw(), s.best_needed()) {
-            (Some(d), _) => RowPlan::Draw(d),
-            (None, Some((k, t))) if k <= MAX_CANDIDATES => RowPlan::Best(k, t),
-            _ => RowPlan::Whole,
-        })
+        .map(
+            |s| match (s.device_draw(), s.best_needed(), s.nucleus_needed()) {
+                (Some(d), _, _) => RowPlan::Draw(d),
+                (None, Some((k, t)), _) if k <= MAX_CANDIDATES => RowPlan::Best(k, t),
+                (None, _, Some(t)) => RowPlan::Nucleus(t),
+                _ => RowPlan::Whole,
+            },
+        )
         .collect();
     let mut chosen: Vec<Option<u32>> = vec![None; seqs.len()];
     if plans.iter().any(|p| matches!(p, RowPlan::Draw(_))) {
@@ -526,18 +532,38 @@ fn choose_tokens(logits: &Tensor, seqs: &mut [Sequence<'_>]) -> Result<Vec<u32>>
     }
     let best = plans.iter().filter_map(|p| match p {
         RowPlan::Best(k, _) => Some(*k),
+        RowPlan::Nucleus(_) => Some(MAX_CANDIDATES),
         _ => None,
     });
     if let Some(k) = best.max() {
         let temps: Vec<f32> = plans
             .iter()
-            .map(|p| if let RowPlan::Best(_, t) = p { *t } else { 0.0 })
+            .map(|p| match p {
+                RowPlan::Best(_, t) | RowPlan::Nucleus(t) => *t,
+                _ => 0.0,
+            })
             .collect();
+        let nucleus = plans.iter().any(|p| matches!(p, RowPlan::Nucleus(_)));
+        let masses = if nucleus {
+            // Any positive temperature serves the rows that are not drawn this way.
+            let temps: Vec<f32> = temps
+                .iter()
+                .map(|&t| if t > 0.0 { t } else { 1.0 })
+                .collect();
+            tempered_mass(logits, &temps)?
+        } else {
+            None
+        };
+        let row_len = logits.dim(1)?;
         if let Some(rows) = best_candidates(logits, &temps, k)? {
             for (i, row) in rows.iter().enumerate() {
-                if matches!(plans[i], RowPlan::Best(..)) {
-                    chosen[i] = Some(seqs[i].choose_from_best(row));
-                }
+                chosen[i] = match (&plans[i], &masses) {
+                    (RowPlan::Best(..), _) => Some(seqs[i].choose_from_best(row)),
+                    (RowPlan::Nucleus(_), Some(m)) => {
+                        seqs[i].choose_from_nucleus(row, m[i], row_len)
+                    }
+                    _ => chosen[i],
+                };
             }
         }
     }

@@ -101,6 +101,23 @@ impl<'m> Sequence<'m> {
         token
     }
 
+    /// The temperature ranking the best logits its top-p or min-p filter without a top-k needs
+    /// ([`crate::generate::sampling::Sampler::nucleus_needed`]); `None`: another way.
+    pub fn nucleus_needed(&self) -> Option<f32> {
+        self.sampler.nucleus_needed(&self.history)
+    }
+
+    /// Draws from its row's best pairs and softmax mass where the filters' cut lies among them
+    /// ([`crate::generate::sampling::Sampler::sample_from_nucleus`]); `None`: read the row.
+    pub fn choose_from_nucleus(
+        &mut self,
+        best: &[(u32, f32)],
+        mass: f64,
+        row_len: usize,
+    ) -> Option<u32> {
+        self.sampler.sample_from_nucleus(best, mass, row_len)
+    }
+
     /// Chooses the next token from its row's best `(id, logit)` pairs
     /// ([`crate::generate::sampling::Sampler::sample_from_best`]).
     pub fn choose_from_best(&mut self, best: &[(u32, f32)]) -> u32 {

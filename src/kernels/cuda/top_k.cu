@@ -1,5 +1,6 @@
 // Each row's k best logits for sampling, so that a sampled decode step copies k (id, logit)
-// pairs a row to the host instead of the whole vocabulary. The order is the host sampler's:
+// pairs a row to the host instead of the whole vocabulary, and each row's softmax mass (for
+// top-p and min-p filters drawn from those candidates). The order is the host sampler's:
 // the key s / t (t the row's temperature, IEEE division), largest first, the lowest id first
 // among equal keys, NaN and -inf logits last. One block a row:
 //   1. a radix select over the keys' order-preserving bits, 8 bits a pass from the top, finds
@@ -236,5 +237,63 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
         const uint32_t id = ~(uint32_t)cand[i];
         out_v[(size_t)blockIdx.x * k + i] = r[id];
         out_i[(size_t)blockIdx.x * k + i] = id;
+    }
+}
+
+// Each row's softmax mass under the sampler's key, for top-p and min-p filters drawn from the
+// candidates above: the sum over the row's logits (NaN and -inf left out) of
+// exp((s / t - M) as f64), M the row's largest key, the f32 difference then the f64
+// exponential, as the host sampler sums them. Two launches of (chunk, row) blocks: each
+// chunk's largest key, then each chunk's sum against the row's largest (the merge of the
+// first launch's chunk maxima); the host adds the chunks' sums. t > 0.
+constexpr int MASS_THREADS = 256;
+constexpr int MASS_CHUNK = 4096;
+
+extern "C" __global__ void __launch_bounds__(MASS_THREADS)
+    key_max_chunks_f32(const float* x, uint32_t cols, const float* temps,
+                       float* __restrict__ chunk_max) {
+    pdl_entry();
+    __shared__ float warp_max[MASS_THREADS / 32];
+    const float* r = x + (size_t)blockIdx.y * cols;
+    const float t = temps[blockIdx.y];
+    const uint32_t c0 = blockIdx.x * MASS_CHUNK, c1 = min(c0 + MASS_CHUNK, cols);
+    float m = -INFINITY;
+    for (uint32_t j = c0 + threadIdx.x; j < c1; j += MASS_THREADS) {
+        const float s = r[j];
+        if (s > -INFINITY) m = fmaxf(m, __fdiv_rn(s, t));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < MASS_THREADS / 32; ++w) m = fmaxf(m, warp_max[w]);
+        chunk_max[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = m;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MASS_THREADS)
+    key_mass_chunks_f32(const float* x, uint32_t cols, const float* temps, const float* chunk_max,
+                        double* __restrict__ chunk_sum) {
+    pdl_entry();
+    __shared__ double warp_sum[MASS_THREADS / 32];
+    const float* r = x + (size_t)blockIdx.y * cols;
+    const float t = temps[blockIdx.y];
+    float top = -INFINITY;
+    for (uint32_t c = 0; c < gridDim.x; ++c)
+        top = fmaxf(top, chunk_max[(size_t)blockIdx.y * gridDim.x + c]);
+    const uint32_t c0 = blockIdx.x * MASS_CHUNK, c1 = min(c0 + MASS_CHUNK, cols);
+    double acc = 0.0;
+    for (uint32_t j = c0 + threadIdx.x; j < c1; j += MASS_THREADS) {
+        const float s = r[j];
+        if (s > -INFINITY) acc += exp((double)__fsub_rn(__fdiv_rn(s, t), top));
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if ((threadIdx.x & 31) == 0) warp_sum[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < MASS_THREADS / 32; ++w) acc += warp_sum[w];
+        chunk_sum[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = acc;
     }
 }

@@ -109,3 +109,75 @@ pub fn top_k_rows(logits: &Tensor, temps: &[f32], k: usize) -> Result<(Tensor, T
         wrap(ids, &dev, &[rows, kept]),
     ))
 }
+
+/// Columns of a block of the mass launches (`MASS_CHUNK` in `top_k.cu`).
+const MASS_CHUNK: usize = 4096;
+/// Threads of a block of the mass launches (`MASS_THREADS`).
+const MASS_THREADS: u32 = 256;
+
+/// Each row's softmax mass under the sampler's key, in chunks: f64 `[rows, chunks]` whose
+/// row sums are `sum(exp((logit / temps[row] - M) as f64))` over the row's logits (NaN and -inf
+/// left out), `M` the row's largest key, the f32 difference then the f64 exponential, as the
+/// host sampler computes its softmax. Every temperature must be above 0.
+///
+/// # Errors
+/// Non-f32 logits, a temperature count other than the rows, a temperature not above 0, CUDA
+/// errors.
+pub fn key_mass_chunks(logits: &Tensor, temps: &[f32]) -> Result<Tensor> {
+    let (rows, cols) = logits.dims2()?;
+    if logits.dtype() != DType::F32 {
+        candle_core::bail!(
+            "key_mass_chunks: f32 logits expected, found {:?}",
+            logits.dtype()
+        );
+    }
+    if temps.len() != rows
+        || temps
+            .iter()
+            .any(|t| t.partial_cmp(&0.0) != Some(std::cmp::Ordering::Greater))
+    {
+        candle_core::bail!(
+            "key_mass_chunks: {} temperatures (each above 0) for {rows} rows",
+            temps.len()
+        );
+    }
+    let dev = cuda_dev(logits)?;
+    let logits = logits.contiguous()?;
+    let chunks = cols.div_ceil(MASS_CHUNK).max(1);
+    let (cols32, rows32, chunks32) = (
+        u32_of(cols, "columns")?,
+        u32_of(rows, "rows")?,
+        u32_of(chunks, "column chunks")?,
+    );
+    // SAFETY: every (chunk, row) block writes its slot of each buffer before any reader.
+    let mut maxima = unsafe { dev.alloc::<f32>((rows * chunks).max(1))? };
+    let mut sums = unsafe { dev.alloc::<f64>((rows * chunks).max(1))? };
+    if rows > 0 {
+        let temps = Tensor::from_slice(temps, rows, logits.device())?;
+        bind!(xv, logits, f32);
+        bind!(tv, temps, f32);
+        let cfg = LaunchConfig {
+            grid_dim: (chunks32, rows32, 1),
+            block_dim: (MASS_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let func = load_kernel(&dev, "key_max_chunks_f32", &TOP_K)?;
+        let mut b = func.builder();
+        b.arg(&xv);
+        b.arg(&cols32);
+        b.arg(&tv);
+        b.arg(&mut maxima);
+        // SAFETY: arguments match the kernel's signature; `maxima` holds rows * chunks floats.
+        unsafe { b.launch(cfg) }.w()?;
+        let func = load_kernel(&dev, "key_mass_chunks_f32", &TOP_K)?;
+        let mut b = func.builder();
+        b.arg(&xv);
+        b.arg(&cols32);
+        b.arg(&tv);
+        b.arg(&maxima);
+        b.arg(&mut sums);
+        // SAFETY: as above; `sums` holds rows * chunks doubles.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(wrap(sums, &dev, &[rows, chunks]))
+}

@@ -1,7 +1,9 @@
 //! Each row's best logits picked on the device for the host samplers: a sampled step copies
 //! `k` (id, logit) pairs a row to the host instead of the whole vocabulary (a megabyte a row at
 //! Gemma 4's 262,144 tokens), and the sampler works on those alone
-//! ([`crate::generate::sampling::Sampler::sample_from_best`]).
+//! ([`crate::generate::sampling::Sampler::sample_from_best`]); a top-p or min-p filter without
+//! a top-k also needs the row's softmax mass ([`tempered_mass`],
+//! [`crate::generate::sampling::Sampler::sample_from_nucleus`]).
 
 use candle_core::Tensor;
 
@@ -45,5 +47,28 @@ pub(crate) fn best_candidates(
         ));
     }
     let _ = (logits, temps, k);
+    Ok(None)
+}
+
+/// For each row of f32 `logits` `[rows, vocab]`, its softmax mass under the sampler's key
+/// `logit / temps[row]`: the sum over the row's logits (NaN and -inf left out) of
+/// `exp((key - max_key) as f64)`, the f32 difference then the f64 exponential, as
+/// [`crate::generate::sampling::Sampler`] sums them (in another order). Computed where the
+/// logits live when that is a CUDA device; `None` elsewhere.
+///
+/// # Errors
+/// Non-f32 logits, a temperature count other than the rows or one not above 0, device errors.
+pub(crate) fn tempered_mass(logits: &Tensor, temps: &[f32]) -> Result<Option<Vec<f64>>> {
+    #[cfg(feature = "cuda")]
+    if logits.device().is_cuda() {
+        let sums = crate::kernels::cuda::top_k::key_mass_chunks(logits, temps)?;
+        return Ok(Some(
+            sums.to_vec2::<f64>()?
+                .iter()
+                .map(|row| row.iter().sum())
+                .collect(),
+        ));
+    }
+    let _ = (logits, temps);
     Ok(None)
 }
