@@ -90,7 +90,9 @@ struct Args {
     /// device (`"pick": "device_best"`, CUDA only), as `Generator` and `BatchSession` do; and
     /// with OpenAI's defaults (temperature 1, no filter), once on whole rows
     /// (`"pick": "whole_rows_plain"`) and once drawn on the device (`"pick": "device_draw"`,
-    /// CUDA only).
+    /// CUDA only); and with top-p 0.9 alone at temperature 0.5 from the device's candidates
+    /// and each row's mass (`"pick": "device_nucleus"`, CUDA only; `"nucleus_whole_rows"`
+    /// counts the rows whose cut lay past the candidates, read whole).
     #[arg(long)]
     sampled: bool,
     /// Passed by `cargo bench` to every bench; ignored.
@@ -197,7 +199,14 @@ enum Pick {
     WholeRowsPlain,
     /// Temperature-only samplers drawn on the device, one id a row read back.
     DeviceDraw,
+    /// Top-p samplers without a top-k (temperature 0.5, top-p 0.9) from the device's 1,024
+    /// candidates and each row's softmax mass; a row whose cut lies past them is read whole
+    /// ([`NUCLEUS_WHOLE_ROWS`] counts them).
+    DeviceNucleus,
 }
+
+/// Rows that [`Pick::DeviceNucleus`] read whole.
+static NUCLEUS_WHOLE_ROWS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 impl Pick {
     fn name(self) -> &'static str {
@@ -207,11 +216,20 @@ impl Pick {
             Pick::DeviceBest => "device_best",
             Pick::WholeRowsPlain => "whole_rows_plain",
             Pick::DeviceDraw => "device_draw",
+            Pick::DeviceNucleus => "device_nucleus",
         }
     }
 
     /// Row `i`'s sampler: the recommended sampling, or OpenAI's defaults for the plain picks.
     fn sampler(self, i: u64) -> Sampler {
+        if self == Pick::DeviceNucleus {
+            return Sampler::new(SamplingOptions {
+                temperature: 0.5,
+                top_p: Some(0.9),
+                seed: i,
+                ..Default::default()
+            });
+        }
         let plain = matches!(self, Pick::WholeRowsPlain | Pick::DeviceDraw);
         Sampler::new(SamplingOptions {
             temperature: 1.0,
@@ -261,6 +279,45 @@ fn pick_tokens(pick: Pick, logits: &Tensor, samplers: &mut [Sampler]) -> Result<
             {
                 let _ = (logits, samplers);
                 anyhow::bail!("device-picked candidates need the cuda feature")
+            }
+        }
+        Pick::DeviceNucleus => {
+            #[cfg(feature = "cuda")]
+            {
+                use candle_gemma::kernels::cuda::top_k::{key_mass_chunks, top_k_rows, TOP_K_MAX};
+                let temps: Vec<f32> = samplers
+                    .iter()
+                    .map(|s| {
+                        s.nucleus_needed(&[])
+                            .ok_or_else(|| anyhow::anyhow!("not a nucleus sampler"))
+                    })
+                    .collect::<Result<_>>()?;
+                let (values, ids) = top_k_rows(logits, &temps, TOP_K_MAX)?;
+                let masses = key_mass_chunks(logits, &temps)?.to_vec2::<f64>()?;
+                let (values, ids) = (values.to_vec2::<f32>()?, ids.to_vec2::<u32>()?);
+                let cols = logits.dim(1)?;
+                let mut out = Vec::with_capacity(samplers.len());
+                for (r, s) in samplers.iter_mut().enumerate() {
+                    let best: Vec<(u32, f32)> = ids[r]
+                        .iter()
+                        .copied()
+                        .zip(values[r].iter().copied())
+                        .collect();
+                    let mass: f64 = masses[r].iter().sum();
+                    out.push(match s.sample_from_nucleus(&best, mass, cols) {
+                        Some(id) => id,
+                        None => {
+                            NUCLEUS_WHOLE_ROWS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            s.sample(&logits.get(r)?.to_vec1::<f32>()?, &[])
+                        }
+                    });
+                }
+                Ok(out)
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                let _ = (logits, samplers);
+                anyhow::bail!("device candidates need the cuda feature")
             }
         }
         Pick::DeviceDraw => {
@@ -501,7 +558,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
             if args.sampled {
                 picks.extend([Pick::WholeRows, Pick::WholeRowsPlain]);
                 if dev.is_cuda() {
-                    picks.extend([Pick::DeviceBest, Pick::DeviceDraw]);
+                    picks.extend([Pick::DeviceBest, Pick::DeviceDraw, Pick::DeviceNucleus]);
                 }
             }
             for (&b, &pick) in args
@@ -568,6 +625,7 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
                             "spread_routing": args.spread_routing,
                             "op": "decode", "batch": b, "context": ctx, "cuda_graph": graph,
                             "pick": pick.name(),
+                            "nucleus_whole_rows": NUCLEUS_WHOLE_ROWS.swap(0, std::sync::atomic::Ordering::Relaxed),
                             "pipelined": args.pipelined,
                             "tok_s": b as f64 / secs, "step_ms": secs * 1e3, "host_ms": host_ms,
                             "bytes_per_step": bytes, "bandwidth_fraction": (bytes as f64 / secs) / bw,
