@@ -14,22 +14,6 @@ use candle_gemma::{GenOptions, Model};
 
 use crate::support::{fixture_config as config, gpu};
 
-/// Greedy decoding, or tempered sampling (temperature 0.8, no filters: drawn on the device).
-fn options(lookahead: bool, max_tokens: usize, stop: Option<u32>, tempered: bool) -> GenOptions {
-    GenOptions {
-        max_tokens,
-        ignore_eos: true,
-        extra_eos: stop.into_iter().collect(),
-        lookahead,
-        sampling: SamplingOptions {
-            temperature: if tempered { 0.8 } else { 0.0 },
-            seed: 17,
-            ..Default::default()
-        },
-        ..Default::default()
-    }
-}
-
 #[test]
 fn lookahead_gives_plain_greedy_tokens_and_caches_the_last_one() -> Result<()> {
     let Some(gpu) = gpu("lookahead") else {
@@ -41,7 +25,8 @@ fn lookahead_gives_plain_greedy_tokens_and_caches_the_last_one() -> Result<()> {
             .into_iter()
             .flat_map(move |d| [false, true].map(|t| (f, d, t)))
     }) {
-        let options = |l, m, s| options(l, m, s, tempered);
+        // Greedy, or tempered with seed 17 (drawn on the device).
+        let options = |l, m, s| row(l, tempered.then_some(17), m, s);
         let model = Model::random(config(fixture)?, &gpu.dev, dtype, 11)?;
         let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 500).collect();
         let case = format!("{fixture} {dtype:?} tempered {tempered}");
@@ -107,7 +92,8 @@ fn lookahead_gives_plain_greedy_tokens_and_caches_the_last_one() -> Result<()> {
     Ok(())
 }
 
-/// Options of one batch row: greedy or tempered (drawn on the device), a budget, a stop token.
+/// Options of one generation: greedy, or tempered with this seed (temperature 0.8, no filters:
+/// drawn on the device); a budget; a stop token.
 fn row(lookahead: bool, tempered: Option<u64>, max_tokens: usize, stop: Option<u32>) -> GenOptions {
     GenOptions {
         max_tokens,
