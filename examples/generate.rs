@@ -77,6 +77,9 @@ struct Args {
     /// Presence penalty (OpenAI's, in [-2, 2]).
     #[arg(long)]
     presence_penalty: Option<f32>,
+    /// A logit bias `ID:BIAS` (OpenAI's, bias in [-100, 100]); repeat for several tokens.
+    #[arg(long, value_parser = parse_bias)]
+    logit_bias: Vec<(u32, f32)>,
     /// Sampling seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -161,6 +164,7 @@ fn options(args: &Args) -> Result<GenOptions> {
             repetition_penalty: args.repetition_penalty,
             frequency_penalty: args.frequency_penalty,
             presence_penalty: args.presence_penalty,
+            logit_bias: args.logit_bias.clone(),
             seed: args.seed,
         },
         stop_strings: args.stop.clone(),
@@ -378,4 +382,20 @@ fn run_batch(args: &Args, model: &Model, opts: GenOptions, prompts: &[Vec<u32>])
         eprintln!("batch of {}: prefill {prefill_tok_s:.1} tok/s, decode {decode_tok_s:.1} tok/s (aggregate), KV peak {kv_peak} bytes", prompts.len());
     }
     Ok(())
+}
+
+/// `ID:BIAS` as a `(token id, bias)` pair.
+fn parse_bias(s: &str) -> Result<(u32, f32), String> {
+    let (id, bias) = s
+        .split_once(':')
+        .ok_or_else(|| format!("expected ID:BIAS, got {s:?}"))?;
+    let id = id
+        .trim()
+        .parse()
+        .map_err(|e| format!("token id {id:?}: {e}"))?;
+    let bias = bias
+        .trim()
+        .parse()
+        .map_err(|e| format!("bias {bias:?}: {e}"))?;
+    Ok((id, bias))
 }

@@ -363,6 +363,7 @@ fn recommended_sampling(
         repetition_penalty: num("repetition_penalty")?,
         frequency_penalty: None,
         presence_penalty: None,
+        logit_bias: Vec::new(),
         seed: 0,
     }))
 }

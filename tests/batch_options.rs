@@ -270,6 +270,14 @@ fn invalid_options_name_the_field() {
             "repetition_penalty",
             with(&|o| o.sampling.repetition_penalty = Some(f32::NAN)),
         ),
+        (
+            "logit_bias",
+            with(&|o| o.sampling.logit_bias = vec![(3, 1.0), (4, 100.5)]),
+        ),
+        (
+            "logit_bias",
+            with(&|o| o.sampling.logit_bias = vec![(3, f32::NAN)]),
+        ),
         ("max_tokens", with(&|o| o.max_tokens = 0)),
         ("prefill_chunk", with(&|o| o.prefill_chunk = Some(0))),
         (
@@ -321,6 +329,7 @@ fn invalid_options_name_the_field() {
             top_p: Some(1.0),
             min_p: Some(0.0),
             repetition_penalty: Some(1.0),
+            logit_bias: vec![(0, -100.0), (1, 100.0)],
             ..Default::default()
         },
         max_tokens: 1,

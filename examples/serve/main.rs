@@ -219,6 +219,7 @@ fn main() -> Result<()> {
             } else {
                 served.model().config().recommended_sampling.clone()
             },
+            vocab_size: served.model().config().vocab_size,
         },
         engine: EngineSettings {
             max_batch: args.max_batch,

@@ -1,9 +1,11 @@
-//! The logit penalties of [`super::SamplingOptions`], applied before temperature in this
-//! order: transformers' repetition penalty over the history (prompt and generated tokens),
-//! then OpenAI's frequency and presence penalties over the tokens the sampler drew.
+//! The logit bias and penalties of [`super::SamplingOptions`], applied before temperature in
+//! this order: OpenAI's logit bias, transformers' repetition penalty over the history (prompt
+//! and generated tokens), then OpenAI's frequency and presence penalties over the tokens the
+//! sampler drew.
 //!
-//! A sampler whose penalties can only lower logits (a repetition penalty above 1, frequency
-//! and presence penalties of at least 0) may rank its row on the device without them: the best
+//! A sampler whose bias and penalties can only lower logits (biases below 0, a repetition
+//! penalty above 1, frequency and presence penalties of at least 0) may rank its row on the
+//! device without them: the best
 //! `k` after the penalties are among the best `k + m` before them, where `m` counts the tokens
 //! the penalties touch (each of the `k + m` first ones it passes over is a touched token).
 
@@ -15,6 +17,8 @@ pub(super) struct Penalties {
     repetition: Option<f32>,
     frequency: Option<f32>,
     presence: Option<f32>,
+    /// The logit bias, by id (finite and not 0).
+    bias: HashMap<u32, f32>,
     /// How often the sampler drew each token.
     drawn: HashMap<u32, u32>,
 }
@@ -25,23 +29,34 @@ fn active(p: Option<f32>, none: f32, positive: bool) -> Option<f32> {
 }
 
 impl Penalties {
-    /// The active penalties of the options (no-op values dropped).
+    /// The active penalties of the options (no-op values dropped; a later bias for an id
+    /// replaces an earlier one).
     pub(super) fn new(
         repetition: Option<f32>,
         frequency: Option<f32>,
         presence: Option<f32>,
+        bias: &[(u32, f32)],
     ) -> Self {
+        let mut by_id = HashMap::new();
+        for &(id, b) in bias {
+            by_id.insert(id, b);
+        }
+        by_id.retain(|_, b| b.is_finite() && *b != 0.0);
         Self {
             repetition: active(repetition, 1.0, true),
             frequency: active(frequency, 0.0, false),
             presence: active(presence, 0.0, false),
+            bias: by_id,
             drawn: HashMap::new(),
         }
     }
 
-    /// Whether any penalty changes logits.
+    /// Whether any bias or penalty changes logits.
     pub(super) fn any(&self) -> bool {
-        self.repetition.is_some() || self.frequency.is_some() || self.presence.is_some()
+        self.repetition.is_some()
+            || self.frequency.is_some()
+            || self.presence.is_some()
+            || !self.bias.is_empty()
     }
 
     /// Records a drawn token (frequency and presence count these).
@@ -54,6 +69,11 @@ impl Penalties {
     /// Applies the penalties to `scores` (indexed by id); `history` for the repetition
     /// penalty (ids outside the scores are ignored).
     pub(super) fn apply(&self, scores: &mut [f32], history: &[u32]) {
+        for (&id, &b) in &self.bias {
+            if let Some(s) = scores.get_mut(id as usize) {
+                *s += b;
+            }
+        }
         if let Some(p) = self.repetition {
             let mut seen = HashSet::with_capacity(history.len());
             for &id in history {
@@ -78,6 +98,9 @@ impl Penalties {
             None => HashSet::new(),
         };
         for (id, s) in pairs.iter_mut() {
+            if let Some(&b) = self.bias.get(id) {
+                *s += b;
+            }
             if let (Some(p), true) = (self.repetition, repeated.contains(id)) {
                 *s = repeat(*s, p);
             }
@@ -93,10 +116,12 @@ impl Penalties {
         if self.repetition.is_some_and(|p| p < 1.0)
             || self.frequency.is_some_and(|f| f < 0.0)
             || self.presence.is_some_and(|p| p < 0.0)
+            || self.bias.values().any(|&b| b > 0.0)
         {
             return None;
         }
         let mut touched: HashSet<u32> = self.drawn.keys().copied().collect();
+        touched.extend(self.bias.keys().copied());
         if self.repetition.is_some() {
             touched.extend(history.iter().copied());
         }

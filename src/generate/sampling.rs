@@ -4,9 +4,9 @@
 //! a device can draw a token from a whole row without copying it to the host.
 //!
 //! The order of operations follows Hugging Face `transformers`' logits processors (with
-//! OpenAI's frequency and presence penalties after the repetition penalty, as vLLM applies
-//! them): penalties on the raw logits, then temperature, then top-k, top-p and min-p on the
-//! tempered distribution, then one draw.
+//! OpenAI's logit bias first, and its frequency and presence penalties after the repetition
+//! penalty, as vLLM applies them): bias and penalties on the raw logits, then temperature,
+//! then top-k, top-p and min-p on the tempered distribution, then one draw.
 //!
 //! ```
 //! use candle_gemma::generate::sampling::{Sampler, SamplingOptions};
@@ -27,11 +27,12 @@ use super::penalties::Penalties;
 ///
 /// Values that would make a filter meaningless disable it instead of failing:
 /// `top_k: Some(0)`, `top_p >= 1`, `min_p <= 0`, a repetition penalty that is not a
-/// positive finite number (or exactly 1) and frequency or presence penalties that are 0 or not
-/// finite are all no-ops. A temperature that is `<= 0` or not finite means greedy decoding.
-/// The penalties apply before temperature: the repetition penalty over the history (prompt
-/// and generated tokens), then the frequency and presence penalties over the generated tokens
-/// (those the sampler drew), as vLLM orders them.
+/// positive finite number (or exactly 1), frequency or presence penalties that are 0 or not
+/// finite, and biases that are 0 or not finite are all no-ops. A temperature that is `<= 0` or
+/// not finite means greedy decoding. The logit bias and the penalties apply before
+/// temperature: the bias, the repetition penalty over the history (prompt and generated
+/// tokens), then the frequency and presence penalties over the generated tokens (those the
+/// sampler drew), as vLLM orders them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingOptions {
     /// Softmax temperature; `0` selects greedy (argmax) decoding.
@@ -49,6 +50,10 @@ pub struct SamplingOptions {
     pub frequency_penalty: Option<f32>,
     /// OpenAI's presence penalty: subtracted from the logit of every token generated so far.
     pub presence_penalty: Option<f32>,
+    /// OpenAI's logit bias: `(token id, bias)` pairs added to those tokens' logits before the
+    /// penalties (-100 in effect bans a token, +100 in effect forces it). A later pair for the
+    /// same id replaces an earlier one; ids outside the vocabulary are ignored.
+    pub logit_bias: Vec<(u32, f32)>,
     /// Seed of the PRNG; the same seed and inputs give the same tokens.
     pub seed: u64,
 }
@@ -64,6 +69,7 @@ impl Default for SamplingOptions {
             repetition_penalty: None,
             frequency_penalty: None,
             presence_penalty: None,
+            logit_bias: Vec::new(),
             seed: 0,
         }
     }
@@ -121,6 +127,7 @@ impl Sampler {
             opts.repetition_penalty,
             opts.frequency_penalty,
             opts.presence_penalty,
+            &opts.logit_bias,
         );
         Self {
             opts,
@@ -502,7 +509,7 @@ mod tests {
     #[test]
     fn repetition_penalty_divides_positive_and_multiplies_negative() {
         let mut scores = vec![2.0, -2.0, 1.0];
-        Penalties::new(Some(2.0), None, None).apply(&mut scores, &[0, 1, 1, 99]);
+        Penalties::new(Some(2.0), None, None, &[]).apply(&mut scores, &[0, 1, 1, 99]);
         assert_eq!(scores, vec![1.0, -4.0, 1.0]);
         // Greedy with penalty: token 0 (2.0 -> 0.8) loses to token 2 (1.5).
         let mut s = Sampler::new(SamplingOptions {
@@ -510,6 +517,48 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(s.sample(&[2.0, 0.0, 1.5], &[0]), 2);
+    }
+
+    #[test]
+    fn logit_bias_bans_and_forces_tokens() {
+        let logits = [2.0, 1.0, 0.5, -1.0];
+        let bias = |b: Vec<(u32, f32)>, t: f32| SamplingOptions {
+            logit_bias: b,
+            ..opts(t, 3)
+        };
+        // Greedy: 0 banned, so 1; 3 forced.
+        assert_eq!(draws(bias(vec![(0, -100.0)], 0.0), &logits, 3), vec![1; 3]);
+        assert_eq!(draws(bias(vec![(3, 100.0)], 0.0), &logits, 3), vec![3; 3]);
+        // Sampled: a banned token never comes; the last bias for an id counts.
+        let got = draws(
+            bias(vec![(1, 5.0), (1, -100.0), (2, -100.0)], 1.0),
+            &logits,
+            300,
+        );
+        assert!(got.iter().all(|&t| t == 0 || t == 3), "{got:?}");
+        assert!(got.contains(&0) && got.contains(&3));
+        // Biases that lower logits keep a top-k sampler on candidates; raising ones do not.
+        let ranked = |b: Vec<(u32, f32)>| {
+            Sampler::new(SamplingOptions {
+                top_k: Some(2),
+                ..bias(b, 1.0)
+            })
+            .best_needed(&[])
+        };
+        assert_eq!(ranked(vec![(0, -3.0), (9, -1.0)]), Some((4, 1.0)));
+        assert_eq!(ranked(vec![(0, 3.0)]), None);
+        assert_eq!(
+            ranked(vec![(0, 0.0)]),
+            Some((2, 1.0)),
+            "a zero bias is a no-op"
+        );
+        let plain = Sampler::new(bias(vec![(0, -1.0)], 1.0));
+        assert_eq!(
+            plain.device_draw(&[]),
+            None,
+            "a bias is not drawn on the device"
+        );
+        assert!(!Sampler::new(bias(vec![(0, -1.0)], 0.0)).is_plain_greedy());
     }
 
     #[test]
@@ -707,6 +756,11 @@ mod tests {
                 repetition_penalty: [None, Some(1.0), Some(1.3), Some(4.0)][case as usize % 4],
                 frequency_penalty: (case % 3 == 1).then_some(0.4),
                 presence_penalty: (case % 5 == 2).then_some(0.7),
+                // Biases that lower logits (one bans its token), twice for one id.
+                logit_bias: match case % 6 {
+                    4 => vec![(3, -1.5), (7, 2.0), (7, -100.0), (vocab as u32 + 5, -1.0)],
+                    _ => Vec::new(),
+                },
                 seed: case,
             };
             let (mut whole, mut narrowed) = (Sampler::new(o.clone()), Sampler::new(o));

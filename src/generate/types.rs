@@ -119,6 +119,16 @@ impl GenOptions {
                 return bad(field, format!("must be a number in [-2, 2], got {p}"));
             }
         }
+        if let Some((id, b)) = s
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(b.is_finite() && (-100.0..=100.0).contains(b)))
+        {
+            return bad(
+                "logit_bias",
+                format!("the bias of token {id} must be in [-100, 100], got {b}"),
+            );
+        }
         if let Some(n) = self.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
             return bad(
                 "logprobs",

@@ -35,6 +35,7 @@ pub fn config(model: &Model) -> ServerConfig {
             max_tokens: 16,
             head_dims: head_dims(model),
             sampling: model.config().recommended_sampling.clone(),
+            vocab_size: model.config().vocab_size,
         },
         engine: EngineSettings {
             max_batch: 8,

@@ -1,6 +1,7 @@
 //! `logprobs` on both OpenAI endpoints, streaming and not: one entry a generated token, the
 //! chosen token's log-probability against the library's log-softmax of the prompt's logits,
-//! the alternatives most likely first, and the field errors.
+//! the alternatives most likely first, and the field errors; `logit_bias` forcing and banning
+//! tokens.
 
 use candle_gemma::CacheConfig;
 use reqwest::StatusCode;
@@ -137,4 +138,39 @@ async fn completions_and_chat_report_each_tokens_logprobs() {
         assert_eq!(status, StatusCode::BAD_REQUEST, "{err}");
         assert_eq!(err["error"]["code"], code, "{err}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_forces_and_bans_tokens() {
+    let h = Harness::start(|_| {}).await;
+    let prompt = prompt_ids(10, 5);
+    let body = |bias: serde_json::Value| {
+        json!({
+            "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": true, "return_token_ids": true, "logit_bias": bias,
+        })
+    };
+    let ids = |v: &serde_json::Value| -> Vec<u64> {
+        v["choices"][0]["token_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|i| i.as_u64().expect("id"))
+            .collect()
+    };
+    let plain = ids(&h.ok("/v1/completions", &body(json!({}))).await);
+    let forced = ids(&h.ok("/v1/completions", &body(json!({"77": 100}))).await);
+    assert_eq!(forced, vec![77; 4], "a +100 bias forces its token");
+    let banned = ids(&h
+        .ok(
+            "/v1/completions",
+            &body(json!({plain[0].to_string(): -100})),
+        )
+        .await);
+    assert_ne!(banned[0], plain[0], "a -100 bias bans the greedy token");
+    let (status, err) = h
+        .post("/v1/completions", &body(json!({"1000000": 1})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{err}");
+    assert_eq!(err["error"]["param"], "logit_bias", "{err}");
 }

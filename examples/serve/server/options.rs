@@ -31,6 +31,8 @@ pub struct Defaults {
     /// The model's recommended sampling (`generation_config.json`), which fills the sampling
     /// fields a request omits; `None`: OpenAI's defaults (temperature 1, no filters).
     pub sampling: Option<SamplingOptions>,
+    /// The model's vocabulary size (`logit_bias` ids must be below it).
+    pub vocab_size: usize,
 }
 
 /// Head dimensions of the model's KV-owning layers.
@@ -77,6 +79,9 @@ pub struct Knobs {
     /// OpenAI's presence penalty, in [-2, 2].
     #[serde(default)]
     pub presence_penalty: Option<f64>,
+    /// OpenAI's logit bias: token ids (as strings) to biases in [-100, 100].
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
     /// Sampling seed.
     #[serde(default)]
     pub seed: Option<u64>,
@@ -243,6 +248,7 @@ impl Knobs {
                     .or(model.and_then(|m| m.repetition_penalty)),
                 frequency_penalty: self.frequency_penalty.map(|p| p as f32),
                 presence_penalty: self.presence_penalty.map(|p| p as f32),
+                logit_bias: self.logit_bias(defaults.vocab_size)?,
                 seed,
             },
             stop_strings,
@@ -251,6 +257,36 @@ impl Knobs {
             logprobs,
             ..GenOptions::default()
         })
+    }
+
+    /// `logit_bias` as `(id, bias)` pairs: each key a token id below `vocab`, each bias in
+    /// [-100, 100].
+    fn logit_bias(&self, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        map.iter()
+            .map(|(key, &bias)| {
+                let id = key
+                    .trim()
+                    .parse::<u32>()
+                    .ok()
+                    .filter(|&id| (id as usize) < vocab)
+                    .ok_or_else(|| {
+                        ApiError::invalid(
+                            "logit_bias",
+                            format!("{key:?} is not a token id below the vocabulary size {vocab}"),
+                        )
+                    })?;
+                if !(bias.is_finite() && (-100.0..=100.0).contains(&bias)) {
+                    return Err(ApiError::invalid(
+                        "logit_bias",
+                        format!("the bias of token {id} must be in [-100, 100], got {bias}"),
+                    ));
+                }
+                Ok((id, bias as f32))
+            })
+            .collect()
     }
 
     /// `logprobs` and `top_logprobs` as [`GenOptions::logprobs`].
@@ -350,6 +386,27 @@ mod tests {
             max_tokens: 16,
             head_dims: vec![32, 64],
             sampling: None,
+            vocab_size: 512,
+        }
+    }
+
+    #[test]
+    fn logit_bias_takes_token_ids_and_bounded_biases() {
+        let d = defaults();
+        let opts = |v: Value| knobs(v).to_options(&d, 4, 64);
+        let bias = |v: Value| opts(v).expect("valid").sampling.logit_bias;
+        assert_eq!(bias(serde_json::json!({})), vec![]);
+        let mut got = bias(serde_json::json!({"logit_bias": {"7": -100, "300": 2.5}}));
+        got.sort_by_key(|b| b.0);
+        assert_eq!(got, vec![(7, -100.0), (300, 2.5)]);
+        for bad in [
+            serde_json::json!({"logit_bias": {"512": 1}}),
+            serde_json::json!({"logit_bias": {"abc": 1}}),
+            serde_json::json!({"logit_bias": {"-1": 1}}),
+            serde_json::json!({"logit_bias": {"5": 101}}),
+        ] {
+            let err = opts(bad.clone()).expect_err("rejected");
+            assert_eq!(err.param.as_deref(), Some("logit_bias"), "{bad}");
         }
     }
 
