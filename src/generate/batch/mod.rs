@@ -44,7 +44,9 @@ pub struct SeqId(pub usize);
 pub struct Finished {
     /// The sequence.
     pub id: SeqId,
-    /// The tokens whose K/V `cache` holds: the prompt and every generated token but the last.
+    /// The tokens whose K/V `cache` holds: the prompt and every generated token but the last
+    /// (the last too where a step ahead ran it through the model: see
+    /// [`GenOptions::lookahead`]).
     pub tokens: Vec<u32>,
     /// Its single-sequence cache.
     pub cache: ModelCache,
