@@ -1,7 +1,7 @@
 //! `logprobs` on both OpenAI endpoints, streaming and not: one entry a generated token, the
 //! chosen token's log-probability against the library's log-softmax of the prompt's logits,
 //! the alternatives most likely first, and the field errors; `logit_bias` forcing and banning
-//! tokens.
+//! tokens; `n` choices.
 
 use candle_gemma::CacheConfig;
 use reqwest::StatusCode;
@@ -173,4 +173,51 @@ async fn logit_bias_forces_and_bans_tokens() {
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{err}");
     assert_eq!(err["error"]["param"], "logit_bias", "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_choices_decode_side_by_side() {
+    let h = Harness::start(|_| {}).await;
+    let prompt = prompt_ids(9, 2);
+    let body = |n: u32| {
+        json!({
+            "model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 1.0, "seed": 40,
+            "ignore_eos": true, "return_token_ids": true, "n": n,
+        })
+    };
+    let ids = |c: &serde_json::Value| -> Vec<u64> {
+        c["token_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|i| i.as_u64().expect("id"))
+            .collect()
+    };
+    let v = h.ok("/v1/completions", &body(3)).await;
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3, "{v}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{v}");
+        assert_eq!(ids(c).len(), 5, "{v}");
+    }
+    assert_eq!(v["usage"]["completion_tokens"], 15, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], prompt.len(), "{v}");
+    // Choice i draws with seed 40 + i: choice 0 is the single request's answer, and the
+    // others differ from it (random weights leave the noise to decide).
+    let single = h.ok("/v1/completions", &body(1)).await;
+    assert_eq!(ids(&choices[0]), ids(&single["choices"][0]), "{v}");
+    assert!(
+        choices[1..].iter().any(|c| ids(c) != ids(&choices[0])),
+        "{v}"
+    );
+    let chat = json!({
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+        "ignore_eos": true, "n": 2,
+    });
+    let v = h.ok("/v1/chat/completions", &chat).await;
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 2, "{v}");
+    assert_eq!(choices[1]["index"], 1, "{v}");
+    assert_eq!(choices[1]["message"]["role"], "assistant", "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 6, "{v}");
 }

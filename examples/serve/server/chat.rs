@@ -1,6 +1,7 @@
 //! `POST /v1/chat/completions`: the conversation through the chat template into the engine,
 //! the answer split into `content`, `reasoning_content` and `tool_calls`, whole or as
-//! `chat.completion.chunk` deltas ending with `data: [DONE]`.
+//! `chat.completion.chunk` deltas ending with `data: [DONE]`. `n` choices (not streamed)
+//! decode side by side, each with the seed moved by its index.
 
 use std::sync::Arc;
 
@@ -10,10 +11,11 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::engine::Event;
+use super::engine::{Collected, Event};
 use super::error::ApiError;
 use super::logprobs;
 use super::openai::{self, ChatRequest};
+use super::options::Knobs;
 use super::split::{Gathered, OutputSplit, Piece};
 use super::sse::{self, Frame, Translate};
 use super::{body, new_id, unix_now, AppState};
@@ -51,7 +53,7 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             .to_options(&state.config.defaults, prompt.len(), state.context())?;
     // The split needs the tags; other special tokens are dropped by id.
     options.skip_special_tokens = false;
-    let submission = state.engine.submit(prompt, options)?;
+    let choices = req.knobs.choices(req.stream)?;
     let stream = ChatStream::new(
         state.model_id(),
         req.stream_options.is_some_and(|o| o.include_usage),
@@ -60,10 +62,39 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     )
     .with_logprobs(state.clone());
     if req.stream {
+        let submission = state.engine.submit(prompt, options)?;
         return Ok(sse::respond(submission, stream));
     }
-    let done = submission.collect().await?;
-    let mut split = stream.split;
+    // Every choice is submitted before any is awaited, so that they decode together.
+    let submissions = (0..choices)
+        .map(|i| {
+            state
+                .engine
+                .submit(prompt.clone(), Knobs::for_choice(&options, i))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let done =
+        futures_util::future::try_join_all(submissions.into_iter().map(|s| s.collect())).await?;
+    let listed: Vec<Value> = done
+        .iter()
+        .enumerate()
+        .map(|(i, d)| choice(&state, stream.return_ids, i, d))
+        .collect();
+    let mut response = openai::envelope(
+        "chat.completion",
+        &stream.id,
+        stream.created,
+        &stream.model,
+        Value::from(listed),
+    );
+    response["usage"] = openai::usage_of_choices(done.iter().map(|d| &d.usage));
+    Ok(Json(response).into_response())
+}
+
+/// Choice `index` of a finished chat answer: its text split into content, reasoning and tool
+/// calls.
+fn choice(state: &AppState, return_ids: bool, index: usize, done: &Collected) -> Value {
+    let mut split = OutputSplit::new(state.hidden.clone());
     let mut all = Gathered::default();
     for step in &done.steps {
         all.extend(split.push(step.token, &step.text));
@@ -97,23 +128,15 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         json!({ "content": entries })
     };
     let mut choice = json!({
-        "index": 0,
+        "index": index,
         "message": message,
         "logprobs": logprobs,
         "finish_reason": openai::finish_reason(done.finish, !calls.is_empty()),
     });
-    if stream.return_ids {
+    if return_ids {
         choice["token_ids"] = json!(done.steps.iter().map(|s| s.token).collect::<Vec<_>>());
     }
-    let mut response = openai::envelope(
-        "chat.completion",
-        &stream.id,
-        stream.created,
-        &stream.model,
-        json!([choice]),
-    );
-    response["usage"] = openai::usage(&done.usage);
-    Ok(Json(response).into_response())
+    choice
 }
 
 /// Translates one chat answer into `chat.completion.chunk` events.

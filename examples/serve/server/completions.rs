@@ -1,7 +1,8 @@
 //! `POST /v1/completions`: a text prompt (encoded with `<bos>` first) or token ids (used as
 //! given, the load generator's way) into the engine; the text back whole or as
 //! `text_completion` chunks, one per generated token, ending with `data: [DONE]`. A model
-//! without a tokenizer (`--random-weights`) returns `token_ids` whether asked or not.
+//! without a tokenizer (`--random-weights`) returns `token_ids` whether asked or not. `n`
+//! choices (not streamed) decode side by side, each with the seed moved by its index.
 
 use std::sync::Arc;
 
@@ -13,10 +14,11 @@ use serde_json::{json, Value};
 
 use candle_gemma::generate::TokenLogprobs;
 
-use super::engine::Event;
+use super::engine::{Collected, Event};
 use super::error::ApiError;
 use super::logprobs;
 use super::openai::{self, CompletionRequest, Prompt};
+use super::options::Knobs;
 use super::sse::{self, Frame, Translate};
 use super::{body, new_id, unix_now, AppState};
 
@@ -63,7 +65,7 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let options = req
         .knobs
         .to_options(&state.config.defaults, prompt.len(), state.context())?;
-    let submission = state.engine.submit(prompt, options)?;
+    let choices = req.knobs.choices(req.stream)?;
     let stream = CompletionStream {
         state: state.clone(),
         offset: 0,
@@ -75,9 +77,31 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         return_ids: req.knobs.return_token_ids || state.model().tokenizer().is_none(),
     };
     if req.stream {
+        let submission = state.engine.submit(prompt, options)?;
         return Ok(sse::respond(submission, stream));
     }
-    let done = submission.collect().await?;
+    // Every choice is submitted before any is awaited, so that they decode together.
+    let submissions = (0..choices)
+        .map(|i| {
+            state
+                .engine
+                .submit(prompt.clone(), Knobs::for_choice(&options, i))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let done =
+        futures_util::future::try_join_all(submissions.into_iter().map(|s| s.collect())).await?;
+    let listed: Vec<Value> = done
+        .iter()
+        .enumerate()
+        .map(|(i, d)| choice(&state, stream.return_ids, i, d))
+        .collect();
+    let mut response = stream.envelope(Value::from(listed));
+    response["usage"] = openai::usage_of_choices(done.iter().map(|d| &d.usage));
+    Ok(Json(response).into_response())
+}
+
+/// Choice `index` of a finished completion.
+fn choice(state: &AppState, return_ids: bool, index: usize, done: &Collected) -> Value {
     let text: String = done.steps.iter().map(|s| s.text.as_str()).collect();
     let mut offset = 0;
     let listed: Vec<(u32, &TokenLogprobs, usize)> = done
@@ -95,17 +119,15 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         logprobs::completion_lists(state.model(), &listed)
     };
     let mut choice = json!({
-        "index": 0,
+        "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": openai::finish_reason(done.finish, false),
     });
-    if stream.return_ids {
+    if return_ids {
         choice["token_ids"] = json!(done.steps.iter().map(|s| s.token).collect::<Vec<_>>());
     }
-    let mut response = stream.envelope(json!([choice]));
-    response["usage"] = openai::usage(&done.usage);
-    Ok(Json(response).into_response())
+    choice
 }
 
 /// Translates one completion into `text_completion` chunks.

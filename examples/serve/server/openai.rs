@@ -217,6 +217,20 @@ pub fn usage(u: &Usage) -> Value {
     })
 }
 
+/// The `usage` object of several choices of one prompt: the prompt counted once, every
+/// choice's generated tokens.
+pub fn usage_of_choices<'a>(choices: impl Iterator<Item = &'a Usage>) -> Value {
+    let mut total = Usage::default();
+    for (i, u) in choices.enumerate() {
+        if i == 0 {
+            total.prompt_tokens = u.prompt_tokens;
+            total.cached_tokens = u.cached_tokens;
+        }
+        total.completion_tokens += u.completion_tokens;
+    }
+    usage(&total)
+}
+
 /// One tool call in OpenAI's shape, arguments as a JSON string.
 pub fn tool_call(id: &str, name: &str, arguments: &Value) -> Value {
     json!({

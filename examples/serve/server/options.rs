@@ -100,7 +100,7 @@ pub struct Knobs {
     /// Group size of a quantized KV cache.
     #[serde(default)]
     pub kv_group_size: Option<i64>,
-    /// Number of choices (1 only).
+    /// Number of choices, 1 to [`MAX_CHOICES`] (more than 1 only without streaming).
     #[serde(default)]
     pub n: Option<i64>,
     /// Log-probabilities: `true`/`false` (chat, with `top_logprobs` alternatives) or the
@@ -127,7 +127,36 @@ fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
     Value::deserialize(d).map(Some)
 }
 
+/// Most choices (`n`) a request may ask for.
+pub const MAX_CHOICES: usize = 16;
+
 impl Knobs {
+    /// The choices asked for (`n`, 1 when absent), after [`Knobs::to_options`] checked it;
+    /// a 400 when a streamed request asks for more than one.
+    ///
+    /// # Errors
+    /// `n` above 1 with `stream: true`.
+    pub fn choices(&self, stream: bool) -> Result<usize, ApiError> {
+        let n = self
+            .n
+            .map_or(1, |n| n.clamp(1, MAX_CHOICES as i64) as usize);
+        if stream && n > 1 {
+            return Err(ApiError::unsupported(
+                "n",
+                "more than one choice needs stream: false",
+            ));
+        }
+        Ok(n)
+    }
+
+    /// The options of choice `i` of [`Knobs::choices`]: `options` with its seed moved by `i`,
+    /// so that sampled choices differ.
+    pub fn for_choice(options: &GenOptions, i: usize) -> GenOptions {
+        let mut o = options.clone();
+        o.sampling.seed = o.sampling.seed.wrapping_add(i as u64);
+        o
+    }
+
     /// Checks every field and builds the options for a prompt of `prompt_len` tokens in a
     /// context of `context` tokens.
     ///
@@ -140,10 +169,10 @@ impl Knobs {
         context: usize,
     ) -> Result<GenOptions, ApiError> {
         if let Some(n) = self.n {
-            if n != 1 {
+            if !(1..=MAX_CHOICES as i64).contains(&n) {
                 return Err(ApiError::invalid(
                     "n",
-                    format!("n must be 1 (one choice per request), got {n}"),
+                    format!("n must be in [1, {MAX_CHOICES}], got {n}"),
                 ));
             }
         }
