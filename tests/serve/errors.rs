@@ -38,7 +38,6 @@ async fn bad_inputs_get_400_with_an_error_object_and_the_server_keeps_answering(
         (CHAT, chat(json!({"min_p": 2.0})), 400, "invalid_min_p"),
         (CHAT, chat(json!({"repetition_penalty": 0.0})), 400, "invalid_repetition_penalty"),
         (CHAT, chat(json!({"n": 17})), 400, "invalid_n"),
-        (CHAT, chat(json!({"n": 2, "stream": true})), 400, "unsupported"),
         (CHAT, chat(json!({"max_tokens": 0})), 400, "invalid_max_tokens"),
         (CHAT, chat(json!({"tool_choice": "required"})), 400, "unsupported"),
         (CHAT, json!({"max_tokens": 2}).to_string(), 400, "missing_required_parameter"),

@@ -201,6 +201,7 @@ async fn several_choices_decode_side_by_side() {
         assert_eq!(ids(c).len(), 5, "{v}");
     }
     assert_eq!(v["usage"]["completion_tokens"], 15, "{v}");
+    let whole: Vec<Vec<u64>> = choices.iter().map(ids).collect();
     assert_eq!(v["usage"]["prompt_tokens"], prompt.len(), "{v}");
     // Choice i draws with seed 40 + i: choice 0 is the single request's answer, and the
     // others differ from it (random weights leave the noise to decide).
@@ -215,9 +216,46 @@ async fn several_choices_decode_side_by_side() {
         "ignore_eos": true, "n": 2,
     });
     let v = h.ok("/v1/chat/completions", &chat).await;
-    let choices = v["choices"].as_array().expect("choices");
-    assert_eq!(choices.len(), 2, "{v}");
-    assert_eq!(choices[1]["index"], 1, "{v}");
-    assert_eq!(choices[1]["message"]["role"], "assistant", "{v}");
+    let answers = v["choices"].as_array().expect("choices");
+    assert_eq!(answers.len(), 2, "{v}");
+    assert_eq!(answers[1]["index"], 1, "{v}");
+    assert_eq!(answers[1]["message"]["role"], "assistant", "{v}");
     assert_eq!(v["usage"]["completion_tokens"], 6, "{v}");
+    // Streamed: every choice's chunks carry its index, and they give the whole answers'
+    // tokens; one usage chunk, then one [DONE].
+    let mut streamed = body(3);
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let chunks = openai_chunks(&h.stream("/v1/completions", &streamed).await);
+    let mut got = vec![Vec::new(); 3];
+    let mut usage = Vec::new();
+    for c in &chunks {
+        for choice in c["choices"].as_array().expect("choices") {
+            let i = choice["index"].as_u64().expect("index") as usize;
+            // The finishing chunk carries no ids.
+            if !choice["token_ids"].is_null() {
+                got[i].extend(ids(choice));
+            }
+        }
+        if !c["usage"].is_null() {
+            usage.push(c["usage"].clone());
+        }
+    }
+    assert_eq!(got, whole, "{chunks:?}");
+    assert_eq!(usage.len(), 1, "{usage:?}");
+    assert_eq!(usage[0]["completion_tokens"], 15, "{usage:?}");
+    // Streamed chat: both choices' chunks, each ending with its finish reason.
+    let mut chat = chat;
+    chat["stream"] = json!(true);
+    let chunks = openai_chunks(&h.stream("/v1/chat/completions", &chat).await);
+    let mut finished = [0, 0];
+    for c in &chunks {
+        for choice in c["choices"].as_array().expect("choices") {
+            let i = choice["index"].as_u64().expect("index") as usize;
+            if !choice["finish_reason"].is_null() {
+                finished[i] += 1;
+            }
+        }
+    }
+    assert_eq!(finished, [1, 1], "{chunks:?}");
 }

@@ -1,7 +1,7 @@
 //! `POST /v1/chat/completions`: the conversation through the chat template into the engine,
 //! the answer split into `content`, `reasoning_content` and `tool_calls`, whole or as
-//! `chat.completion.chunk` deltas ending with `data: [DONE]`. `n` choices (not streamed)
-//! decode side by side, each with the seed moved by its index.
+//! `chat.completion.chunk` deltas ending with `data: [DONE]`. `n` choices decode side by
+//! side, each with the seed moved by its index.
 
 use std::sync::Arc;
 
@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::engine::{Collected, Event};
+use super::engine::{Collected, Event, Submission};
 use super::error::ApiError;
 use super::logprobs;
 use super::openai::{self, ChatRequest};
@@ -53,7 +53,7 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             .to_options(&state.config.defaults, prompt.len(), state.context())?;
     // The split needs the tags; other special tokens are dropped by id.
     options.skip_special_tokens = false;
-    let choices = req.knobs.choices(req.stream)?;
+    let choices = req.knobs.choices();
     let stream = ChatStream::new(
         state.model_id(),
         req.stream_options.is_some_and(|o| o.include_usage),
@@ -61,10 +61,6 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         OutputSplit::new(state.hidden.clone()),
     )
     .with_logprobs(state.clone());
-    if req.stream {
-        let submission = state.engine.submit(prompt, options)?;
-        return Ok(sse::respond(submission, stream));
-    }
     // Every choice is submitted before any is awaited, so that they decode together.
     let submissions = (0..choices)
         .map(|i| {
@@ -73,6 +69,29 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
                 .submit(prompt.clone(), Knobs::for_choice(&options, i))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    if req.stream {
+        let mut streams: Vec<(Submission, ChatStream)> = Vec::with_capacity(choices);
+        for submission in submissions {
+            // One completion id for every choice's chunks.
+            let mut each = ChatStream::new(
+                state.model_id(),
+                stream.include_usage,
+                stream.return_ids,
+                OutputSplit::new(state.hidden.clone()),
+            )
+            .with_logprobs(state.clone());
+            each.id = stream.id.clone();
+            each.created = stream.created;
+            streams.push((submission, each));
+        }
+        return Ok(match streams.len() {
+            1 => {
+                let (submission, stream) = streams.remove(0);
+                sse::respond(submission, stream)
+            }
+            _ => sse::respond_choices(streams),
+        });
+    }
     let done =
         futures_util::future::try_join_all(submissions.into_iter().map(|s| s.collect())).await?;
     let listed: Vec<Value> = done

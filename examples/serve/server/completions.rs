@@ -2,7 +2,7 @@
 //! given, the load generator's way) into the engine; the text back whole or as
 //! `text_completion` chunks, one per generated token, ending with `data: [DONE]`. A model
 //! without a tokenizer (`--random-weights`) returns `token_ids` whether asked or not. `n`
-//! choices (not streamed) decode side by side, each with the seed moved by its index.
+//! choices decode side by side, each with the seed moved by its index.
 
 use std::sync::Arc;
 
@@ -65,7 +65,7 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let options = req
         .knobs
         .to_options(&state.config.defaults, prompt.len(), state.context())?;
-    let choices = req.knobs.choices(req.stream)?;
+    let choices = req.knobs.choices();
     let stream = CompletionStream {
         state: state.clone(),
         offset: 0,
@@ -76,10 +76,6 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         // Without a tokenizer the text is empty: the ids are all a client can read.
         return_ids: req.knobs.return_token_ids || state.model().tokenizer().is_none(),
     };
-    if req.stream {
-        let submission = state.engine.submit(prompt, options)?;
-        return Ok(sse::respond(submission, stream));
-    }
     // Every choice is submitted before any is awaited, so that they decode together.
     let submissions = (0..choices)
         .map(|i| {
@@ -88,6 +84,19 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
                 .submit(prompt.clone(), Knobs::for_choice(&options, i))
         })
         .collect::<Result<Vec<_>, _>>()?;
+    if req.stream {
+        let mut streams: Vec<_> = submissions
+            .into_iter()
+            .map(|s| (s, stream.clone()))
+            .collect();
+        return Ok(match streams.len() {
+            1 => {
+                let (submission, stream) = streams.remove(0);
+                sse::respond(submission, stream)
+            }
+            _ => sse::respond_choices(streams),
+        });
+    }
     let done =
         futures_util::future::try_join_all(submissions.into_iter().map(|s| s.collect())).await?;
     let listed: Vec<Value> = done
@@ -131,7 +140,7 @@ fn choice(state: &AppState, return_ids: bool, index: usize, done: &Collected) ->
 }
 
 /// Translates one completion into `text_completion` chunks.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct CompletionStream {
     /// The server (the tokenizer names the tokens of log-probabilities).
     state: Arc<AppState>,

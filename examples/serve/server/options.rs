@@ -100,7 +100,7 @@ pub struct Knobs {
     /// Group size of a quantized KV cache.
     #[serde(default)]
     pub kv_group_size: Option<i64>,
-    /// Number of choices, 1 to [`MAX_CHOICES`] (more than 1 only without streaming).
+    /// Number of choices, 1 to [`MAX_CHOICES`].
     #[serde(default)]
     pub n: Option<i64>,
     /// Log-probabilities: `true`/`false` (chat, with `top_logprobs` alternatives) or the
@@ -131,22 +131,10 @@ fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
 pub const MAX_CHOICES: usize = 16;
 
 impl Knobs {
-    /// The choices asked for (`n`, 1 when absent), after [`Knobs::to_options`] checked it;
-    /// a 400 when a streamed request asks for more than one.
-    ///
-    /// # Errors
-    /// `n` above 1 with `stream: true`.
-    pub fn choices(&self, stream: bool) -> Result<usize, ApiError> {
-        let n = self
-            .n
-            .map_or(1, |n| n.clamp(1, MAX_CHOICES as i64) as usize);
-        if stream && n > 1 {
-            return Err(ApiError::unsupported(
-                "n",
-                "more than one choice needs stream: false",
-            ));
-        }
-        Ok(n)
+    /// The choices asked for (`n`, 1 when absent), after [`Knobs::to_options`] checked it.
+    pub fn choices(&self) -> usize {
+        self.n
+            .map_or(1, |n| n.clamp(1, MAX_CHOICES as i64) as usize)
     }
 
     /// The options of choice `i` of [`Knobs::choices`]: `options` with its seed moved by `i`,
