@@ -1,7 +1,9 @@
-//! Token sampling: repetition, frequency and presence penalties, temperature, top-k, top-p and
-//! min-p filters, and a seeded draw (the Gumbel-max trick over counter-based noise,
-//! [`super::noise`]) so that a given seed always draws the same tokens on every platform, and
-//! a device can draw a token from a whole row without copying it to the host.
+//! Token sampling: logit bias, repetition, frequency and presence penalties, temperature,
+//! top-k, top-p and min-p filters, and a seeded draw (the Gumbel-max trick over counter-based
+//! noise, [`super::noise`]), so that a given seed draws the same tokens from the same logits
+//! wherever it runs (but where two tokens' sums lie within the rounding of the platform's
+//! logarithm or exponential), and a device can draw a token from a whole row without copying
+//! it to the host.
 //!
 //! The order of operations follows Hugging Face `transformers`' logits processors (with
 //! OpenAI's logit bias first, and its frequency and presence penalties after the repetition
