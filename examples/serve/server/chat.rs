@@ -11,11 +11,10 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::engine::{Collected, Event, Submission};
+use super::engine::{collect_all, Collected, Event};
 use super::error::ApiError;
 use super::logprobs;
 use super::openai::{self, ChatRequest};
-use super::options::Knobs;
 use super::split::{Gathered, OutputSplit, Piece};
 use super::sse::{self, Frame, Translate};
 use super::{body, new_id, unix_now, AppState};
@@ -53,47 +52,32 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
             .to_options(&state.config.defaults, prompt.len(), state.context())?;
     // The split needs the tags; other special tokens are dropped by id.
     options.skip_special_tokens = false;
-    let choices = req.knobs.choices();
-    let stream = ChatStream::new(
-        state.model_id(),
-        req.stream_options.is_some_and(|o| o.include_usage),
-        req.knobs.return_token_ids,
-        OutputSplit::new(state.hidden.clone()),
-    )
-    .with_logprobs(state.clone());
-    // Every choice is submitted before any is awaited, so that they decode together.
-    let submissions = (0..choices)
-        .map(|i| {
-            state
-                .engine
-                .submit(prompt.clone(), Knobs::for_choice(&options, i))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+    let return_ids = req.knobs.return_token_ids;
+    // One completion id for every choice's chunks.
+    let new_stream = |id: &str, created: u64| {
+        let mut each = ChatStream::new(
+            state.model_id(),
+            include_usage,
+            return_ids,
+            OutputSplit::new(state.hidden.clone()),
+        )
+        .with_logprobs(state.clone());
+        each.id = id.to_string();
+        each.created = created;
+        each
+    };
+    let stream = new_stream(&new_id("chatcmpl-"), unix_now());
+    let submissions = state
+        .engine
+        .submit_choices(&prompt, &options, req.knobs.choices())?;
     if req.stream {
-        let mut streams: Vec<(Submission, ChatStream)> = Vec::with_capacity(choices);
-        for submission in submissions {
-            // One completion id for every choice's chunks.
-            let mut each = ChatStream::new(
-                state.model_id(),
-                stream.include_usage,
-                stream.return_ids,
-                OutputSplit::new(state.hidden.clone()),
-            )
-            .with_logprobs(state.clone());
-            each.id = stream.id.clone();
-            each.created = stream.created;
-            streams.push((submission, each));
-        }
-        return Ok(match streams.len() {
-            1 => {
-                let (submission, stream) = streams.remove(0);
-                sse::respond(submission, stream)
-            }
-            _ => sse::respond_choices(streams),
-        });
+        let streams = submissions
+            .into_iter()
+            .map(|s| (s, new_stream(&stream.id, stream.created)));
+        return Ok(sse::respond_choices(streams.collect()));
     }
-    let done =
-        futures_util::future::try_join_all(submissions.into_iter().map(|s| s.collect())).await?;
+    let done = collect_all(submissions).await?;
     let listed: Vec<Value> = done
         .iter()
         .enumerate()

@@ -14,11 +14,10 @@ use serde_json::{json, Value};
 
 use candle_gemma::generate::TokenLogprobs;
 
-use super::engine::{Collected, Event};
+use super::engine::{collect_all, Collected, Event};
 use super::error::ApiError;
 use super::logprobs;
 use super::openai::{self, CompletionRequest, Prompt};
-use super::options::Knobs;
 use super::sse::{self, Frame, Translate};
 use super::{body, new_id, unix_now, AppState};
 
@@ -65,7 +64,6 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let options = req
         .knobs
         .to_options(&state.config.defaults, prompt.len(), state.context())?;
-    let choices = req.knobs.choices();
     let stream = CompletionStream {
         state: state.clone(),
         offset: 0,
@@ -76,29 +74,14 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         // Without a tokenizer the text is empty: the ids are all a client can read.
         return_ids: req.knobs.return_token_ids || state.model().tokenizer().is_none(),
     };
-    // Every choice is submitted before any is awaited, so that they decode together.
-    let submissions = (0..choices)
-        .map(|i| {
-            state
-                .engine
-                .submit(prompt.clone(), Knobs::for_choice(&options, i))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let submissions = state
+        .engine
+        .submit_choices(&prompt, &options, req.knobs.choices())?;
     if req.stream {
-        let mut streams: Vec<_> = submissions
-            .into_iter()
-            .map(|s| (s, stream.clone()))
-            .collect();
-        return Ok(match streams.len() {
-            1 => {
-                let (submission, stream) = streams.remove(0);
-                sse::respond(submission, stream)
-            }
-            _ => sse::respond_choices(streams),
-        });
+        let streams = submissions.into_iter().map(|s| (s, stream.clone()));
+        return Ok(sse::respond_choices(streams.collect()));
     }
-    let done =
-        futures_util::future::try_join_all(submissions.into_iter().map(|s| s.collect())).await?;
+    let done = collect_all(submissions).await?;
     let listed: Vec<Value> = done
         .iter()
         .enumerate()

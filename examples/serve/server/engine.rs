@@ -93,6 +93,14 @@ pub struct Collected {
     pub usage: Usage,
 }
 
+/// Every submission's whole answer, in order.
+///
+/// # Errors
+/// The first failed answer.
+pub async fn collect_all(submissions: Vec<Submission>) -> Result<Vec<Collected>, ApiError> {
+    futures_util::future::try_join_all(submissions.into_iter().map(Submission::collect)).await
+}
+
 impl Submission {
     /// Marks the request complete, so dropping it cancels nothing.
     pub fn complete(&mut self) {
@@ -188,6 +196,26 @@ impl EngineHandle {
                 armed: true,
             },
         })
+    }
+
+    /// `n` choices of one prompt, choice i with the seed moved by i so that sampled choices
+    /// differ, all queued before any is awaited so that they decode together.
+    ///
+    /// # Errors
+    /// As [`Engine::submit`]; the choices queued before the failing one are cancelled.
+    pub fn submit_choices(
+        &self,
+        prompt: &[u32],
+        options: &GenOptions,
+        n: usize,
+    ) -> Result<Vec<Submission>, ApiError> {
+        (0..n.max(1))
+            .map(|i| {
+                let mut o = options.clone();
+                o.sampling.seed = o.sampling.seed.wrapping_add(i as u64);
+                self.submit(prompt.to_vec(), o)
+            })
+            .collect()
     }
 
     /// The engine's load.

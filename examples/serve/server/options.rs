@@ -137,14 +137,6 @@ impl Knobs {
             .map_or(1, |n| n.clamp(1, MAX_CHOICES as i64) as usize)
     }
 
-    /// The options of choice `i` of [`Knobs::choices`]: `options` with its seed moved by `i`,
-    /// so that sampled choices differ.
-    pub fn for_choice(options: &GenOptions, i: usize) -> GenOptions {
-        let mut o = options.clone();
-        o.sampling.seed = o.sampling.seed.wrapping_add(i as u64);
-        o
-    }
-
     /// Checks every field and builds the options for a prompt of `prompt_len` tokens in a
     /// context of `context` tokens.
     ///

@@ -96,8 +96,13 @@ type ChoiceFrames = (usize, Vec<Frame>, Option<Usage>, bool);
 /// translator (one shared completion id): every chunk's choices get the submission's index,
 /// and once every choice is done the usage chunk (where the translators send one) comes once,
 /// the prompt counted once, then `data: [DONE]`. Dropping the response cancels every choice.
-pub fn respond_choices<T: Translate>(choices: Vec<(Submission, T)>) -> Response {
+/// One choice is [`respond`]'s response.
+pub fn respond_choices<T: Translate>(mut choices: Vec<(Submission, T)>) -> Response {
     use futures_util::StreamExt;
+    if choices.len() == 1 {
+        let (submission, translate) = choices.remove(0);
+        return respond(submission, translate);
+    }
     let n = choices.len();
     let per_choice = choices
         .into_iter()
