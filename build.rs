@@ -31,7 +31,7 @@ const MODULES: [&str; 13] = [
 ];
 
 /// Device code the kernel files include.
-const HEADERS: [&str; 10] = [
+const HEADERS: [&str; 11] = [
     "async_copy.cuh",
     "gate.cuh",
     "common.cuh",
@@ -42,6 +42,7 @@ const HEADERS: [&str; 10] = [
     "peer.cuh",
     "moe_tc.cuh",
     "wgmma.cuh",
+    "draw.cuh",
 ];
 
 fn main() {

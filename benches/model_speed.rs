@@ -81,13 +81,15 @@ struct Args {
     /// `GenOptions::lookahead` off and on: the tokens a user's generation loop gets, at the
     /// step time it sees. Prints `"op": "generate"` rows with the first tokens, which must be
     /// the same with and without lookahead. With `--sampled`, also with temperature 1 and no
-    /// filters (`"sampling": "tempered"`, drawn on the device on CUDA).
+    /// filters (`"sampling": "tempered"`) and with Gemma 4's recommended top-k 64 and top-p
+    /// 0.95 (`"sampling": "recommended"`), both drawn on the device on CUDA.
     #[arg(long)]
     generator: bool,
     /// Decode: also time each batch with every row sampled as Gemma 4's generation config
     /// recommends (temperature 1, top-k 64, top-p 0.95), once with the samplers reading whole
     /// rows (`"pick": "whole_rows"`) and once from each row's 64 best logits picked on the
-    /// device (`"pick": "device_best"`, CUDA only), as `Generator` and `BatchSession` do; and
+    /// device (`"pick": "device_best"`, CUDA only), and drawn on the device from those
+    /// (`"pick": "device_filtered_draw"`, CUDA only, as `Generator` and `BatchSession` do); and
     /// with OpenAI's defaults (temperature 1, no filter), once on whole rows
     /// (`"pick": "whole_rows_plain"`) and once drawn on the device (`"pick": "device_draw"`,
     /// CUDA only); and with top-p 0.9 alone at temperature 0.5 from the device's candidates
@@ -199,6 +201,9 @@ enum Pick {
     WholeRowsPlain,
     /// Temperature-only samplers drawn on the device, one id a row read back.
     DeviceDraw,
+    /// The recommended samplers (top-k 64, top-p 0.95) drawn on the device from each row's
+    /// best logits, one id a row read back.
+    DeviceFiltered,
     /// Top-p samplers without a top-k (temperature 0.5, top-p 0.9) from the device's 1,024
     /// candidates and each row's softmax mass; a row whose cut lies past them is read whole
     /// ([`NUCLEUS_WHOLE_ROWS`] counts them).
@@ -216,6 +221,7 @@ impl Pick {
             Pick::DeviceBest => "device_best",
             Pick::WholeRowsPlain => "whole_rows_plain",
             Pick::DeviceDraw => "device_draw",
+            Pick::DeviceFiltered => "device_filtered_draw",
             Pick::DeviceNucleus => "device_nucleus",
         }
     }
@@ -320,21 +326,28 @@ fn pick_tokens(pick: Pick, logits: &Tensor, samplers: &mut [Sampler]) -> Result<
                 anyhow::bail!("device candidates need the cuda feature")
             }
         }
-        Pick::DeviceDraw => {
+        Pick::DeviceDraw | Pick::DeviceFiltered => {
             #[cfg(feature = "cuda")]
             {
-                let params: Vec<[u32; 5]> = samplers
+                use candle_gemma::kernels::cuda::{reduce, top_k};
+                let draws = samplers
                     .iter()
                     .map(|s| {
-                        let d = s
-                            .device_draw(&[])
-                            .ok_or_else(|| anyhow::anyhow!("a filtered sampler"))?;
-                        let t = d.temperature.to_bits();
-                        Ok([t, d.key[0], d.key[1], d.draw as u32, (d.draw >> 32) as u32])
+                        s.device_draw(&[])
+                            .ok_or_else(|| anyhow::anyhow!("a sampler the device cannot draw for"))
                     })
-                    .collect::<Result<_>>()?;
-                let ids =
-                    candle_gemma::kernels::cuda::reduce::draw_rows(logits, &params)?.to_vec1()?;
+                    .collect::<Result<Vec<_>>>()?;
+                let params: Vec<[u32; reduce::DRAW_WORDS]> =
+                    draws.iter().map(reduce::draw_words).collect();
+                let ids: Vec<u32> =
+                    match draws.iter().filter_map(|d| d.filter).map(|f| f.top_k).max() {
+                        None => reduce::draw_rows(logits, &params)?.to_vec1()?,
+                        Some(k) => {
+                            let temps: Vec<f32> = draws.iter().map(|d| d.temperature).collect();
+                            let (values, best) = top_k::top_k_rows(logits, &temps, k)?;
+                            top_k::draw_from_best(&values, &best, &params)?.to_vec1()?
+                        }
+                    };
                 for (s, &id) in samplers.iter_mut().zip(&ids) {
                     s.accept_device_draw(id);
                 }
@@ -548,9 +561,11 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
         for &ctx in &args.context {
             if args.generator {
                 for lookahead in [false, true] {
-                    generate_point(model, args, p, kv, &cc, ctx, (lookahead, false))?;
+                    generate_point(model, args, p, kv, &cc, ctx, (lookahead, "greedy"))?;
                     if args.sampled {
-                        generate_point(model, args, p, kv, &cc, ctx, (lookahead, true))?;
+                        for sampling in ["tempered", "recommended"] {
+                            generate_point(model, args, p, kv, &cc, ctx, (lookahead, sampling))?;
+                        }
                     }
                 }
             }
@@ -558,7 +573,12 @@ fn measure(model: &Model, args: &Args, p: &Point<'_>) -> Result<()> {
             if args.sampled {
                 picks.extend([Pick::WholeRows, Pick::WholeRowsPlain]);
                 if dev.is_cuda() {
-                    picks.extend([Pick::DeviceBest, Pick::DeviceDraw, Pick::DeviceNucleus]);
+                    picks.extend([
+                        Pick::DeviceBest,
+                        Pick::DeviceFiltered,
+                        Pick::DeviceDraw,
+                        Pick::DeviceNucleus,
+                    ]);
                 }
             }
             for (&b, &pick) in args
@@ -652,8 +672,9 @@ fn generate_point(
     kv: &str,
     cc: &CacheConfig,
     ctx: usize,
-    (lookahead, tempered): (bool, bool),
+    (lookahead, sampling): (bool, &str),
 ) -> Result<()> {
+    let (tempered, filtered) = (sampling != "greedy", sampling == "recommended");
     let steps = args.steps.max(1);
     let options = GenOptions {
         max_tokens: steps + 1,
@@ -662,6 +683,8 @@ fn generate_point(
         lookahead,
         sampling: SamplingOptions {
             temperature: if tempered { 1.0 } else { 0.0 },
+            top_k: filtered.then_some(64),
+            top_p: filtered.then_some(0.95),
             ..Default::default()
         },
         ..Default::default()
@@ -694,7 +717,7 @@ fn generate_point(
             "{}",
             json!({"model": p.name, "weights": p.weights, "kv": kv, "tp": model.world(),
                 "op": "generate", "batch": 1, "context": ctx, "lookahead": lookahead,
-                "sampling": if tempered { "tempered" } else { "greedy" },
+                "sampling": sampling,
                 "tok_s": 1.0 / secs, "step_ms": secs * 1e3, "tokens": tokens})
         );
     }

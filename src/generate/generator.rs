@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::time::Instant;
 
+use super::choose::{accept_device_pick, choose_tokens, device_pick, SamplerRow};
 use super::detok::StreamDecoder;
 use super::logprobs::token_logprobs;
 use super::lookahead::Lookahead;
@@ -180,13 +181,8 @@ impl<'m> Generator<'m> {
         };
         eos.extend(&options.extra_eos);
         let sampler = Sampler::new(options.sampling.clone());
-        let draw = sampler.device_draw(prompt);
-        let lookahead = match &logits {
-            Some(l)
-                if options.lookahead
-                    && (sampler.is_plain_greedy() || draw.is_some())
-                    && options.logprobs.is_none() =>
-            {
+        let lookahead = match (&logits, device_pick(&sampler, prompt)) {
+            (Some(l), Some(draw)) if options.lookahead && options.logprobs.is_none() => {
                 Lookahead::start(model, l, options.max_tokens, draw)?
             }
             _ => None,
@@ -299,54 +295,19 @@ impl Stream<'_, '_> {
         s
     }
 
-    /// The next token from the current logits. Plain greedy decoding takes the argmax on the
-    /// device where it has a kernel for it and copies one id back, and so does a tempered
-    /// sampler without filters or penalties (the device draws); a sampler with a top-k filter
-    /// (and penalties that only lower logits) gets its best logits picked there and copied
-    /// back, and so does one with top-p or min-p and no top-k (with the row's softmax mass)
-    /// where its filters keep fewer than the candidates; anything else copies the logits to
-    /// the sampler.
+    /// The next token from the current logits, chosen as the sampler allows
+    /// ([`crate::generate::choose`]: on the device where it can, one id copied back; from the
+    /// row's best logits picked there; or from the whole row copied to the host).
     fn pick(&mut self) -> Result<u32> {
-        use crate::kernels::ops::candidates::{best_candidates, tempered_mass, MAX_CANDIDATES};
         let rows = self.logits.unsqueeze(0)?;
-        if self.sampler.is_plain_greedy() {
-            if let Some(ids) = crate::kernels::ops::argmax::argmax_rows(&rows)? {
-                if let Some(&id) = ids.to_vec1::<u32>()?.first() {
-                    return Ok(id);
-                }
-            }
-        }
-        if let Some(d) = self.sampler.device_draw(&self.history) {
-            if let Some(ids) = crate::kernels::ops::argmax::draw_rows(&rows, &[d])? {
-                if let Some(&id) = ids.to_vec1::<u32>()?.first() {
-                    self.sampler.accept_device_draw(id);
-                    return Ok(id);
-                }
-            }
-        }
-        if let Some(t) = self.sampler.nucleus_needed(&self.history) {
-            let row_len = rows.dim(1)?;
-            if let (Some(best), Some(mass)) = (
-                best_candidates(&rows, &[t], MAX_CANDIDATES)?,
-                tempered_mass(&rows, &[t])?,
-            ) {
-                if let (Some(best), Some(&mass)) = (best.first(), mass.first()) {
-                    if let Some(id) = self.sampler.sample_from_nucleus(best, mass, row_len) {
-                        return Ok(id);
-                    }
-                }
-            }
-        }
-        let needed = self.sampler.best_needed(&self.history);
-        if let Some((k, t)) = needed.filter(|n| n.0 <= MAX_CANDIDATES) {
-            if let Some(best) = best_candidates(&rows, &[t], k)? {
-                if let Some(best) = best.first() {
-                    return Ok(self.sampler.sample_from_best(best, &self.history));
-                }
-            }
-        }
-        let host = self.logits.to_vec1::<f32>()?;
-        Ok(self.sampler.sample(&host, &self.history))
+        let mut row = [SamplerRow {
+            sampler: &mut self.sampler,
+            history: &self.history,
+        }];
+        let ids = choose_tokens(&rows, &mut row)?;
+        ids.first()
+            .copied()
+            .ok_or_else(|| Error::Input("no token was chosen".to_string()))
     }
 
     fn next_step(&mut self) -> Result<Option<StepOutput>> {
@@ -357,10 +318,11 @@ impl Stream<'_, '_> {
             Some(ahead) => {
                 let (model, cache) = self.generator.model_and_cache()?;
                 let next = ahead.next(model, cache)?;
-                if self.sampler.device_draw(&self.history).is_some() {
-                    // The device drew it: the sampler's next draw takes fresh noise.
-                    self.sampler.accept_device_draw(next.token);
-                }
+                let mut row = SamplerRow {
+                    sampler: &mut self.sampler,
+                    history: &self.history,
+                };
+                accept_device_pick(&mut row, next.token);
                 (next.token, next.forwarded)
             }
             None => (self.pick()?, false),

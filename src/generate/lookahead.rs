@@ -1,5 +1,5 @@
 //! Decoding one step ahead of the host ([`crate::GenOptions::lookahead`]): greedy decoding, and
-//! tempered sampling that the device draws itself
+//! tempered sampling that the device draws itself, filtered or not
 //! ([`crate::generate::sampling::Sampler::device_draw`]).
 //!
 //! Such decoding on CUDA picks each token on the device (an argmax, or a draw) and copies the
@@ -20,7 +20,7 @@ use candle_core::Tensor;
 
 use crate::error::{Error, Result};
 use crate::generate::sampling::DeviceDraw;
-use crate::kernels::ops::argmax::{argmax_rows, draw_rows, IdReadback, PendingIds};
+use crate::kernels::ops::argmax::{pick_rows, IdReadback, PendingIds};
 use crate::kv::ModelCache;
 use crate::model::Model;
 
@@ -95,14 +95,11 @@ impl Lookahead {
     /// Picks a token from `logits` `[vocab]` on the device and starts its copy to the host.
     fn pick(&mut self, logits: &Tensor) -> Result<Option<Picked>> {
         let rows = logits.unsqueeze(0)?;
-        let ids = match self.draw {
-            None => argmax_rows(&rows)?,
-            Some(d) => {
-                let draw = d.draw + self.picked as u64;
-                draw_rows(&rows, &[DeviceDraw { draw, ..d }])?
-            }
-        };
-        let Some(ids) = ids else {
+        let pick = self.draw.map(|d| DeviceDraw {
+            draw: d.draw + self.picked as u64,
+            ..d
+        });
+        let Some(ids) = pick_rows(&rows, &[pick])? else {
             return Ok(None);
         };
         let ids = ids.reshape((1, 1))?;

@@ -3,6 +3,7 @@
 //! detokenization.
 
 mod batch;
+pub(crate) mod choose;
 pub mod detok;
 mod generator;
 mod logprobs;

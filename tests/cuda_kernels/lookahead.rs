@@ -1,5 +1,5 @@
 //! Decoding one step ahead (`GenOptions::lookahead`), greedy and with tempered sampling drawn
-//! on the device, against the same decoding without it on the same model: the same tokens,
+//! on the device (with and without filters), against the same decoding without it on the same model: the same tokens,
 //! with and without a stop token, in f32 and bf16 (bf16 steps replay CUDA graphs fed the
 //! previous step's ids on the device); the cache holds the last token too after a stop (which
 //! shows that the generation ran ahead), and the next prompt that reuses it continues as a
@@ -23,13 +23,14 @@ fn lookahead_gives_plain_greedy_tokens_and_caches_the_last_one() -> Result<()> {
     for (fixture, dtype, tempered) in ["e2b-hf", "moe-mlx"].into_iter().flat_map(|f| {
         [DType::F32, DType::BF16]
             .into_iter()
-            .flat_map(move |d| [false, true].map(|t| (f, d, t)))
+            .flat_map(move |d| [None, Some(18), Some(17)].map(|t| (f, d, t)))
     }) {
-        // Greedy, or tempered with seed 17 (drawn on the device).
-        let options = |l, m, s| row(l, tempered.then_some(17), m, s);
+        // Greedy, or tempered with seed 18 (drawn on the device over the whole row) or 17
+        // (drawn on the device under filters).
+        let options = |l, m, s| row(l, tempered, m, s);
         let model = Model::random(config(fixture)?, &gpu.dev, dtype, 11)?;
         let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 500).collect();
-        let case = format!("{fixture} {dtype:?} tempered {tempered}");
+        let case = format!("{fixture} {dtype:?} tempered {tempered:?}");
         let plain = model
             .generator(options(false, 24, None))
             .generate(&prompt)?;
@@ -92,9 +93,11 @@ fn lookahead_gives_plain_greedy_tokens_and_caches_the_last_one() -> Result<()> {
     Ok(())
 }
 
-/// Options of one generation: greedy, or tempered with this seed (temperature 0.8, no filters:
-/// drawn on the device); a budget; a stop token.
+/// Options of one generation: greedy, or tempered with this seed (temperature 0.8, drawn on the
+/// device: odd seeds under top-k 40, top-p 0.9 and min-p 0.02, even ones without filters); a
+/// budget; a stop token.
 fn row(lookahead: bool, tempered: Option<u64>, max_tokens: usize, stop: Option<u32>) -> GenOptions {
+    let filtered = tempered.is_some_and(|s| s % 2 == 1);
     GenOptions {
         max_tokens,
         ignore_eos: true,
@@ -102,6 +105,9 @@ fn row(lookahead: bool, tempered: Option<u64>, max_tokens: usize, stop: Option<u
         lookahead,
         sampling: SamplingOptions {
             temperature: if tempered.is_some() { 0.8 } else { 0.0 },
+            top_k: filtered.then_some(40),
+            top_p: filtered.then_some(0.9),
+            min_p: filtered.then_some(0.02),
             seed: tempered.unwrap_or(0),
             ..Default::default()
         },
@@ -113,8 +119,8 @@ fn row(lookahead: bool, tempered: Option<u64>, max_tokens: usize, stop: Option<u
 /// caches' lengths.
 type BatchRun = (Vec<(SeqId, Vec<u32>)>, Vec<(SeqId, Vec<u32>, Vec<usize>)>);
 
-/// A batch with churn: four rows of different budgets and samplings (greedy and tempered side
-/// by side), one with a stop token; a prompt that joins in chunks after step 3 and another
+/// A batch with churn: four rows of different budgets and samplings (greedy, filtered and
+/// unfiltered draws side by side), one with a stop token; a prompt that joins in chunks after step 3 and another
 /// added at once after step 5; a row cancelled after step 7.
 fn churn(model: &Model, lookahead: bool, stop: u32) -> Result<BatchRun> {
     let prompt =

@@ -1,8 +1,8 @@
 //! Sampling from each row's best logits picked on the device: the top-k kernel's candidates
 //! against the host sampler's order (ties, NaN, -inf, signed zeros, keys that overflow, greedy
-//! rows), sampled generation through the narrowed path against the same generation reading
-//! whole rows (`Generator` and `BatchSession`), tempered draws made on the device against the
-//! host's draws, top-p and min-p draws from the candidates and the row's softmax mass against
+//! rows), sampled generation through the narrowed paths against the same generation reading
+//! whole rows (`Generator` and `BatchSession`), tempered draws made on the device (over whole
+//! rows, and from the candidates under top-k, top-p and min-p) against the host's draws, top-p and min-p draws from the candidates and the row's softmax mass against
 //! whole rows, and token log-probabilities computed on the device against the host's
 //! log-softmax.
 
@@ -10,8 +10,8 @@ use anyhow::Result;
 use candle_core::{DType, Tensor};
 use candle_gemma::generate::sampling::{Sampler, SamplingOptions};
 use candle_gemma::generate::BatchSession;
-use candle_gemma::kernels::cuda::reduce::draw_rows;
-use candle_gemma::kernels::cuda::top_k::{key_mass_chunks, top_k_rows, TOP_K_MAX};
+use candle_gemma::kernels::cuda::reduce::{draw_rows, draw_words, DRAW_WORDS};
+use candle_gemma::kernels::cuda::top_k::{draw_from_best, key_mass_chunks, top_k_rows, TOP_K_MAX};
 use candle_gemma::{GenOptions, Model};
 
 use crate::support::{fixture_config as config, gpu};
@@ -93,8 +93,9 @@ fn top_k_rows_follow_the_samplers_order() -> Result<()> {
 }
 
 /// Sampled generation options; a top-k at least the vocabulary (512) keeps every token, so
-/// `top_k` 512 (picked on the device, with the tokens the penalties touch: at most 1,024) and
-/// 5000 (above the device's limit: whole rows read) draw alike.
+/// `top_k` 512 and 5000 (above the device's limit: whole rows read) draw alike. At 512 a
+/// sampler with penalties draws on the host from candidates picked on the device (k plus the
+/// tokens the penalties touch: at most 1,024), one without draws on the device.
 fn sampled(top_k: usize, seed: u64) -> GenOptions {
     GenOptions {
         max_tokens: 20,
@@ -193,13 +194,9 @@ fn draws_on_the_device_equal_the_hosts() -> Result<()> {
         let mut host: Vec<Sampler> = (0..rows.len()).map(|r| Sampler::new(opts(r))).collect();
         let mut device = host.clone();
         for step in 0..12 {
-            let params: Vec<[u32; 5]> = device
+            let params: Vec<[u32; DRAW_WORDS]> = device
                 .iter()
-                .map(|s| {
-                    let d = s.device_draw(&[]).expect("a plain tempered sampler");
-                    let t = d.temperature.to_bits();
-                    [t, d.key[0], d.key[1], d.draw as u32, (d.draw >> 32) as u32]
-                })
+                .map(|s| draw_words(&s.device_draw(&[]).expect("a plain tempered sampler")))
                 .collect();
             let ids = draw_rows(&logits, &params)?.to_vec1::<u32>()?;
             for (r, id) in ids.into_iter().enumerate() {
@@ -222,9 +219,83 @@ fn draws_on_the_device_equal_the_hosts() -> Result<()> {
     Ok(())
 }
 
-/// Temperature-only sampling (drawn on the device), a top-k of the whole vocabulary (512:
-/// drawn on the host from device-picked candidates) and one above the device's limit (whole
-/// rows on the host) keep every token, so they draw alike.
+/// The filters of the draws from candidates: (top-k, top-p, min-p).
+const FILTERS: [(usize, Option<f32>, Option<f32>); 6] = [
+    (1, None, None),
+    (64, Some(0.95), None),
+    (64, None, Some(0.05)),
+    (1000, Some(0.5), Some(0.2)),
+    (TOP_K_MAX, Some(0.99), None),
+    (40, Some(0.9), Some(0.01)),
+];
+
+#[test]
+fn filtered_draws_on_the_device_equal_the_hosts() -> Result<()> {
+    let Some(gpu) = gpu("draw_from_best") else {
+        return Ok(());
+    };
+    let mut failures = Vec::new();
+    let temps = [1.0f32, 0.7, 2.5, 0.05];
+    for cols in [1, 700, 5000, 262_144] {
+        // Coarse rows (flat: top-p cuts late) and the same scaled by 6 (peaked: it cuts early);
+        // each row takes another filter, so one launch mixes top-k sizes.
+        let rows: Vec<Vec<f32>> = (0..2 * temps.len())
+            .map(|r| {
+                let scale = if r % 2 == 0 { 1.0 } else { 6.0 };
+                row(cols, r as u64 * 13 + cols as u64)
+                    .into_iter()
+                    .map(|v| v * scale)
+                    .collect()
+            })
+            .collect();
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        let logits = Tensor::from_vec(flat, (rows.len(), cols), &gpu.dev)?;
+        let opts = |r: usize| {
+            let (top_k, top_p, min_p) = FILTERS[r % FILTERS.len()];
+            SamplingOptions {
+                temperature: temps[r / 2],
+                top_k: Some(top_k),
+                top_p,
+                min_p,
+                seed: 2000 + r as u64,
+                ..Default::default()
+            }
+        };
+        let mut host: Vec<Sampler> = (0..rows.len()).map(|r| Sampler::new(opts(r))).collect();
+        let mut device = host.clone();
+        for step in 0..12 {
+            let draws: Vec<_> = device
+                .iter()
+                .map(|s| s.device_draw(&[]).expect("a filtered tempered sampler"))
+                .collect();
+            let k = draws.iter().filter_map(|d| d.filter).map(|f| f.top_k).max();
+            let temps: Vec<f32> = draws.iter().map(|d| d.temperature).collect();
+            let (values, ids) = top_k_rows(&logits, &temps, k.unwrap_or(1))?;
+            let params: Vec<[u32; DRAW_WORDS]> = draws.iter().map(draw_words).collect();
+            let got = draw_from_best(&values, &ids, &params)?.to_vec1::<u32>()?;
+            for (r, id) in got.into_iter().enumerate() {
+                device[r].accept_device_draw(id);
+                let want = host[r].sample(&rows[r], &[]);
+                if want != id {
+                    failures.push(format!(
+                        "cols {cols} row {r} ({:?}) step {step}: {id} vs {want}",
+                        opts(r)
+                    ));
+                }
+            }
+        }
+        println!(
+            "draw_from_best cols {cols}: checked {} rows x 12 draws",
+            rows.len()
+        );
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    Ok(())
+}
+
+/// Temperature-only sampling (drawn on the device over the whole row), a top-k of the whole
+/// vocabulary (512: drawn on the device from its candidates) and one above the device's limit
+/// (whole rows on the host) keep every token, so they draw alike.
 fn tempered(top_k: Option<usize>, seed: u64) -> GenOptions {
     GenOptions {
         max_tokens: 20,
@@ -266,8 +337,9 @@ fn tempered_sampling_on_the_device_draws_what_the_host_draws() -> Result<()> {
                 failures.push(format!("{dtype:?} generator {p}: {runs:?}"));
             }
         }
-        // One batch whose rows take the three ways at once (a device draw, candidates, a
-        // whole row copied alone), against batches whose rows all take one way.
+        // One batch whose rows take the three ways at once (a draw over the whole row, one from
+        // the candidates, a whole row copied alone), against batches whose rows all take one
+        // way.
         let batch = |ks: [Option<usize>; 3]| -> Result<Vec<Vec<u32>>> {
             let mut session = BatchSession::new(&model, tempered(None, 0));
             for (p, prompt) in prompts.iter().enumerate() {

@@ -1,7 +1,7 @@
 //! Batched decoding one step ahead of the host ([`crate::GenOptions::lookahead`]).
 //!
 //! Where every live sequence's token is picked on the device (plain greedy decoding, or a
-//! tempered draw the device makes), a step's picks stay on the device as the next step's
+//! tempered draw the device makes, filtered or not), a step's picks stay on the device as the next step's
 //! input: the host enqueues the step that runs them through the model, and the picks after
 //! it, before it waits for their copy to the host, so the device has the next step queued
 //! while the host hands out tokens, detokenizes and checks stops.
@@ -18,9 +18,10 @@ use candle_core::Tensor;
 use super::sequence::{Picked, Sequence};
 use super::{BatchSession, SeqId};
 use crate::error::{Error, Result};
+use crate::generate::choose::accept_device_pick;
 use crate::generate::sampling::DeviceDraw;
 use crate::generate::types::StepOutput;
-use crate::kernels::ops::argmax::{argmax_rows, draw_rows, IdReadback, PendingIds};
+use crate::kernels::ops::argmax::{pick_rows, IdReadback, PendingIds};
 
 /// Tokens picked on the device for the live sequences, neither handed out nor run through the
 /// model yet.
@@ -114,39 +115,19 @@ impl<'m> BatchSession<'m> {
     /// or its draw `skip` draws past the next one its sampler makes) and starts their copy.
     fn pick_on_device(&mut self, logits: &Tensor, skip: u64) -> Result<Ahead> {
         let rows = self.live.len();
-        let draws: Vec<Option<DeviceDraw>> = self
+        let unavailable = || Error::Input("no device pick for a batch decoding ahead".to_string());
+        let picks: Vec<Option<DeviceDraw>> = self
             .live
             .iter()
             .map(|s| {
-                s.device_draw().map(|d| DeviceDraw {
+                let pick = s.device_pick().ok_or_else(unavailable)?;
+                Ok(pick.map(|d| DeviceDraw {
                     draw: d.draw + skip,
                     ..d
-                })
+                }))
             })
-            .collect();
-        let unavailable = || Error::Input("no device pick for a batch decoding ahead".to_string());
-        let ids = if draws.iter().all(Option::is_none) {
-            argmax_rows(logits)?.ok_or_else(unavailable)?
-        } else {
-            let params: Vec<DeviceDraw> = draws
-                .iter()
-                .map(|d| {
-                    d.unwrap_or(DeviceDraw {
-                        temperature: 1.0,
-                        key: [0, 0],
-                        draw: 0,
-                    })
-                })
-                .collect();
-            let drawn = draw_rows(logits, &params)?.ok_or_else(unavailable)?;
-            if draws.iter().all(Option::is_some) {
-                drawn
-            } else {
-                let greedy = argmax_rows(logits)?.ok_or_else(unavailable)?;
-                let mask: Vec<u8> = draws.iter().map(|d| u8::from(d.is_some())).collect();
-                Tensor::from_vec(mask, rows, logits.device())?.where_cond(&drawn, &greedy)?
-            }
-        };
+            .collect::<Result<_>>()?;
+        let ids = pick_rows(logits, &picks)?.ok_or_else(unavailable)?;
         let ids = ids.reshape((rows, 1))?;
         let readback = self.readback.as_mut().ok_or_else(unavailable)?;
         let pending = readback.start(&ids)?;
@@ -176,9 +157,7 @@ impl<'m> BatchSession<'m> {
             .map(|s| {
                 let row = a.rows.iter().position(|&id| id == s.id)?;
                 let token = *ids.get(row)?;
-                if s.device_draw().is_some() {
-                    s.accept_device_draw(token);
-                }
+                accept_device_pick(s, token);
                 Some(Picked {
                     token,
                     logprobs: None,

@@ -26,9 +26,7 @@ use candle_core::Tensor;
 use super::logprobs::token_logprobs;
 use super::types::{GenOptions, StepOutput};
 use crate::error::{Error, Result};
-use crate::generate::sampling::DeviceDraw;
-use crate::kernels::ops::argmax::draw_rows;
-use crate::kernels::ops::candidates::{best_candidates, tempered_mass, MAX_CANDIDATES};
+use crate::generate::choose::choose_tokens;
 use crate::kv::ModelCache;
 use crate::model::Model;
 use prefill::Joiner;
@@ -445,13 +443,10 @@ fn check_prompt(model: &Model, prompt: &[u32]) -> Result<()> {
     Ok(())
 }
 
-/// The next token of each sequence from `logits` (`[seqs.len(), vocab]`). When every sequence
-/// decodes greedily, the argmax is taken on the device where it has a kernel (one id per row
-/// copied back, as single decode does). Otherwise, where the device has the kernels, each row
-/// is chosen as its sampler allows: a tempered sampler without filters or penalties draws on
-/// the device (one id copied back), one with a top-k filter (and penalties that only lower
-/// logits) gets its best logits picked there, and only the remaining rows are copied to their
-/// samplers. Sequences whose options ask for log-probabilities get them with their token.
+/// The next token of each sequence from `logits` (`[seqs.len(), vocab]`), each row chosen as
+/// its sampler allows ([`crate::generate::choose`]: on the device where it can, that row
+/// alone copied to the host where not). Sequences whose options ask for log-probabilities get
+/// them with their token.
 fn pick_tokens(logits: &Tensor, seqs: &mut [Sequence<'_>]) -> Result<Vec<Picked>> {
     let tokens = choose_tokens(logits, seqs)?;
     let Some(top) = seqs.iter().filter_map(|s| s.options.logprobs).max() else {
@@ -475,161 +470,4 @@ fn pick_tokens(logits: &Tensor, seqs: &mut [Sequence<'_>]) -> Result<Vec<Picked>
             }),
         })
         .collect())
-}
-
-/// How one row's token is chosen (see [`pick_tokens`]).
-enum RowPlan {
-    /// A tempered draw the device makes over the whole row.
-    Draw(DeviceDraw),
-    /// The sampler's `k` best logits under temperature `t`, picked on the device.
-    Best(usize, f32),
-    /// The most candidates the device picks under temperature `t`, and the row's softmax
-    /// mass, for top-p or min-p without a top-k (the whole row where the cut lies past them).
-    Nucleus(f32),
-    /// The whole row, on the host.
-    Whole,
-}
-
-/// Each sequence's next token (see [`pick_tokens`]). Rows that can are chosen on the device
-/// (a tempered draw, or the best logits a top-k sampler needs); only the rest are copied to
-/// the host, and only those rows.
-fn choose_tokens(logits: &Tensor, seqs: &mut [Sequence<'_>]) -> Result<Vec<u32>> {
-    if seqs.iter().all(Sequence::is_plain_greedy) {
-        if let Some(ids) = crate::kernels::ops::argmax::argmax_rows(logits)? {
-            return Ok(ids.to_vec1::<u32>()?);
-        }
-    }
-    let plans: Vec<RowPlan> = seqs
-        .iter()
-        .map(
-            |s| match (s.device_draw(), s.best_needed(), s.nucleus_needed()) {
-                (Some(d), _, _) => RowPlan::Draw(d),
-                (None, Some((k, t)), _) if k <= MAX_CANDIDATES => RowPlan::Best(k, t),
-                (None, _, Some(t)) => RowPlan::Nucleus(t),
-                _ => RowPlan::Whole,
-            },
-        )
-        .collect();
-    let mut chosen: Vec<Option<u32>> = vec![None; seqs.len()];
-    if plans.iter().any(|p| matches!(p, RowPlan::Draw(_))) {
-        // Rows drawn another way get placeholder parameters; their ids are not read.
-        let params: Vec<DeviceDraw> = plans
-            .iter()
-            .map(|p| match p {
-                RowPlan::Draw(d) => *d,
-                _ => DeviceDraw {
-                    temperature: 1.0,
-                    key: [0, 0],
-                    draw: 0,
-                },
-            })
-            .collect();
-        if let Some(ids) = draw_rows(logits, &params)? {
-            for (i, id) in ids.to_vec1::<u32>()?.into_iter().enumerate() {
-                if matches!(plans[i], RowPlan::Draw(_)) {
-                    chosen[i] = Some(seqs[i].accept_device_draw(id));
-                }
-            }
-        }
-    }
-    let best = plans.iter().filter_map(|p| match p {
-        RowPlan::Best(k, _) => Some(*k),
-        RowPlan::Nucleus(_) => Some(MAX_CANDIDATES),
-        _ => None,
-    });
-    if let Some(k) = best.max() {
-        let temps: Vec<f32> = plans
-            .iter()
-            .map(|p| match p {
-                RowPlan::Best(_, t) | RowPlan::Nucleus(t) => *t,
-                _ => 0.0,
-            })
-            .collect();
-        let nucleus = plans.iter().any(|p| matches!(p, RowPlan::Nucleus(_)));
-        let masses = if nucleus {
-            // Any positive temperature serves the rows that are not drawn this way.
-            let temps: Vec<f32> = temps
-                .iter()
-                .map(|&t| if t > 0.0 { t } else { 1.0 })
-                .collect();
-            tempered_mass(logits, &temps)?
-        } else {
-            None
-        };
-        let row_len = logits.dim(1)?;
-        if let Some(rows) = best_candidates(logits, &temps, k)? {
-            for (i, row) in rows.iter().enumerate() {
-                chosen[i] = match (&plans[i], &masses) {
-                    (RowPlan::Best(..), _) => Some(seqs[i].choose_from_best(row)),
-                    (RowPlan::Nucleus(_), Some(m)) => {
-                        seqs[i].choose_from_nucleus(row, m[i], row_len)
-                    }
-                    _ => chosen[i],
-                };
-            }
-        }
-    }
-    let rest: Vec<usize> = (0..seqs.len()).filter(|&i| chosen[i].is_none()).collect();
-    if !rest.is_empty() {
-        let rows = if rest.len() == seqs.len() {
-            logits.to_vec2::<f32>()?
-        } else {
-            let ids: Vec<u32> = rest.iter().map(|&i| i as u32).collect();
-            let ids = Tensor::from_vec(ids, rest.len(), logits.device())?;
-            logits.index_select(&ids, 0)?.to_vec2::<f32>()?
-        };
-        let mut left: Vec<&mut Sequence<'_>> = seqs
-            .iter_mut()
-            .enumerate()
-            .filter(|(i, _)| chosen[*i].is_none())
-            .map(|(_, s)| s)
-            .collect();
-        let tokens = sample_whole_rows(rows, &mut left)?;
-        for (&i, t) in rest.iter().zip(tokens) {
-            chosen[i] = Some(t);
-        }
-    }
-    Ok(chosen.into_iter().map(|t| t.unwrap_or(0)).collect())
-}
-
-/// Most threads that sample whole rows of one step.
-const SAMPLING_THREADS: usize = 16;
-
-/// Each sequence's token from its whole row, on up to [`SAMPLING_THREADS`] threads (a tempered
-/// draw without a top-k sorts the whole vocabulary: milliseconds a row at 262,144 tokens).
-fn sample_whole_rows(rows: Vec<Vec<f32>>, seqs: &mut [&mut Sequence<'_>]) -> Result<Vec<u32>> {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let threads = seqs.len().min(cores).clamp(1, SAMPLING_THREADS);
-    if threads == 1 {
-        return Ok(seqs
-            .iter_mut()
-            .zip(rows)
-            .map(|(s, row)| s.choose(&row))
-            .collect());
-    }
-    let chunk = seqs.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = seqs
-            .chunks_mut(chunk)
-            .zip(rows.chunks(chunk))
-            .map(|(ss, rs)| {
-                scope.spawn(move || {
-                    ss.iter_mut()
-                        .zip(rs)
-                        .map(|(s, row)| s.choose(row))
-                        .collect::<Vec<u32>>()
-                })
-            })
-            .collect();
-        let mut out = Vec::with_capacity(rows.len());
-        for h in handles {
-            out.extend(h.join().map_err(|_| {
-                Error::Candle(candle_core::Error::Msg(
-                    "a thread sampling a batch's rows panicked".to_string(),
-                ))
-            })?);
-        }
-        Ok(out)
-    })
 }

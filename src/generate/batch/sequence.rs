@@ -2,8 +2,9 @@
 //! how a chosen token becomes a [`StepOutput`].
 
 use crate::error::Result;
+use crate::generate::choose::{device_pick, Chooser};
 use crate::generate::detok::StreamDecoder;
-use crate::generate::sampling::Sampler;
+use crate::generate::sampling::{DeviceDraw, Sampler};
 use crate::generate::stop::StopStrings;
 use crate::generate::types::{FinishReason, GenOptions, StepOutput, TokenLogprobs};
 use crate::model::Model;
@@ -72,58 +73,6 @@ impl<'m> Sequence<'m> {
         }
     }
 
-    /// Whether the next token is a plain argmax of the logits, which may then be taken where
-    /// the logits live.
-    pub fn is_plain_greedy(&self) -> bool {
-        self.sampler.is_plain_greedy()
-    }
-
-    /// Chooses the next token from `logits` (`[vocab]`).
-    pub fn choose(&mut self, logits: &[f32]) -> u32 {
-        self.sampler.sample(logits, &self.history)
-    }
-
-    /// How many of its row's best logits the sampler needs, and the temperature that ranks
-    /// them ([`crate::generate::sampling::Sampler::best_needed`]); `None`: the whole row.
-    pub fn best_needed(&self) -> Option<(usize, f32)> {
-        self.sampler.best_needed(&self.history)
-    }
-
-    /// The draw a device may make over this sequence's whole row
-    /// ([`crate::generate::sampling::Sampler::device_draw`]); `None`: another way.
-    pub fn device_draw(&self) -> Option<crate::generate::sampling::DeviceDraw> {
-        self.sampler.device_draw(&self.history)
-    }
-
-    /// Takes the token a device drew as [`Sequence::device_draw`] asked.
-    pub fn accept_device_draw(&mut self, token: u32) -> u32 {
-        self.sampler.accept_device_draw(token);
-        token
-    }
-
-    /// The temperature ranking the best logits its top-p or min-p filter without a top-k needs
-    /// ([`crate::generate::sampling::Sampler::nucleus_needed`]); `None`: another way.
-    pub fn nucleus_needed(&self) -> Option<f32> {
-        self.sampler.nucleus_needed(&self.history)
-    }
-
-    /// Draws from its row's best pairs and softmax mass where the filters' cut lies among them
-    /// ([`crate::generate::sampling::Sampler::sample_from_nucleus`]); `None`: read the row.
-    pub fn choose_from_nucleus(
-        &mut self,
-        best: &[(u32, f32)],
-        mass: f64,
-        row_len: usize,
-    ) -> Option<u32> {
-        self.sampler.sample_from_nucleus(best, mass, row_len)
-    }
-
-    /// Chooses the next token from its row's best `(id, logit)` pairs
-    /// ([`crate::generate::sampling::Sampler::sample_from_best`]).
-    pub fn choose_from_best(&mut self, best: &[(u32, f32)]) -> u32 {
-        self.sampler.sample_from_best(best, &self.history)
-    }
-
     /// Records `token` (the one [`Picked`] names) as the next one and turns it into a step
     /// (text, finish, its log-probabilities where asked).
     pub fn emit(&mut self, picked: Picked) -> Result<StepOutput> {
@@ -167,12 +116,16 @@ impl<'m> Sequence<'m> {
     }
 
     /// Whether this sequence may decode one step ahead of the host: its options allow it, it
-    /// asks for no log-probabilities, and its token is picked on the device (plain greedy
-    /// decoding, or a draw the device makes).
+    /// asks for no log-probabilities, and its token is picked on the device
+    /// ([`crate::generate::choose::device_pick`]).
     pub fn runs_ahead(&self) -> bool {
-        self.options.lookahead
-            && self.options.logprobs.is_none()
-            && (self.is_plain_greedy() || self.sampler.device_draw(&self.history).is_some())
+        self.options.lookahead && self.options.logprobs.is_none() && self.device_pick().is_some()
+    }
+
+    /// How the device picks this sequence's next token, where it can
+    /// ([`crate::generate::choose::device_pick`]).
+    pub fn device_pick(&self) -> Option<Option<DeviceDraw>> {
+        device_pick(&self.sampler, &self.history)
     }
 
     /// Whether the sequence wants another token after the next one (its budget allows two
@@ -190,5 +143,17 @@ impl<'m> Sequence<'m> {
             self.history.len()
         };
         &self.history[..held]
+    }
+}
+
+impl Chooser for Sequence<'_> {
+    fn sampler(&self) -> &Sampler {
+        &self.sampler
+    }
+    fn history(&self) -> &[u32] {
+        &self.history
+    }
+    fn parts(&mut self) -> (&mut Sampler, &[u32]) {
+        (&mut self.sampler, &self.history)
     }
 }

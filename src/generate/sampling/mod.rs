@@ -2,8 +2,8 @@
 //! top-k, top-p and min-p filters, and a seeded draw (the Gumbel-max trick over counter-based
 //! noise, [`super::noise`]), so that a given seed draws the same tokens from the same logits
 //! wherever it runs (but where two tokens' sums lie within the rounding of the platform's
-//! logarithm or exponential), and a device can draw a token from a whole row without copying
-//! it to the host.
+//! logarithm or exponential), and a device can draw a token from a whole row, or from its best
+//! logits under the filters, without copying it to the host.
 //!
 //! The order of operations follows Hugging Face `transformers`' logits processors (with
 //! OpenAI's logit bias first, and its frequency and presence penalties after the repetition
@@ -107,10 +107,10 @@ pub struct Sampler {
     probs: Vec<f32>,
 }
 
-/// A tempered draw over a whole row that a device may make itself
-/// ([`Sampler::device_draw`]): the token with the largest `logit / temperature +
-/// noise::gumbel(key, draw, id)`, the lowest id among equal sums, NaN and -inf logits left
-/// out, id 0 where every logit is.
+/// A tempered draw that a device may make itself ([`Sampler::device_draw`]): the token with
+/// the largest `logit / temperature + noise::gumbel(key, draw, id)` among those the filters
+/// keep, the lowest id among equal sums, NaN and -inf logits left out, id 0 where every logit
+/// is.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DeviceDraw {
     /// The temperature (above 0 and finite).
@@ -119,7 +119,27 @@ pub struct DeviceDraw {
     pub key: [u32; 2],
     /// The draw's index among the sampler's tempered draws.
     pub draw: u64,
+    /// The filters, drawn from the row's best logits; `None`: a draw over the whole row, which
+    /// needs no sorting and no other token's probability.
+    pub filter: Option<DrawFilter>,
 }
+
+/// The filters of a [`DeviceDraw`] from a row's best logits: its `top_k` best under the key
+/// `logit / temperature`, then the top-p and min-p filters on their softmax, as
+/// [`Sampler::sample`] applies them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DrawFilter {
+    /// The top-k: 1 to [`DEVICE_TOP_K_MAX`].
+    pub top_k: usize,
+    /// The top-p, below 1 (`None`: off).
+    pub top_p: Option<f32>,
+    /// The min-p, above 0 (`None`: off).
+    pub min_p: Option<f32>,
+}
+
+/// The largest top-k a [`DeviceDraw`] filters with (the most candidates a device picks a row);
+/// samplers with a larger one are drawn on the host.
+pub const DEVICE_TOP_K_MAX: usize = crate::kernels::ops::candidates::MAX_CANDIDATES;
 
 impl Sampler {
     /// Creates a sampler whose PRNG is seeded from `opts.seed`.
@@ -296,21 +316,37 @@ impl Sampler {
         Some(token)
     }
 
-    /// The draw a device may make over this sampler's whole row with the same `history`
-    /// ([`DeviceDraw`]): `Some` for a tempered sampler with no filter (no top-k, top-p or
-    /// min-p) and no penalty, whose draw needs no sorting and no other token's probability.
-    /// Pass the token the device picked to [`Sampler::accept_device_draw`]; it is the token
-    /// [`Sampler::sample`] draws from that row.
+    /// The draw a device may make for this sampler with the same `history` ([`DeviceDraw`]):
+    /// `Some` for a tempered sampler without penalties (and without a logit bias) whose
+    /// filters, if any, include a top-k of at most [`DEVICE_TOP_K_MAX`] (top-p and min-p then
+    /// cut among those); a top-p or min-p without a top-k needs the whole row's distribution,
+    /// and is drawn another way. Pass the token the device picked to
+    /// [`Sampler::accept_device_draw`]; it is the token [`Sampler::sample`] draws from that
+    /// row.
     pub fn device_draw(&self, history: &[u32]) -> Option<DeviceDraw> {
         let _ = history;
         let t = self.opts.temperature;
-        let filtered = self.opts.top_k.is_some_and(|k| k > 0)
-            || self.opts.top_p.is_some_and(|p| p.is_finite() && p < 1.0)
-            || self.opts.min_p.is_some_and(|m| m.is_finite() && m > 0.0);
-        (t.is_finite() && t > 0.0 && !filtered && !self.penalties.any()).then_some(DeviceDraw {
+        if !(t.is_finite() && t > 0.0) || self.penalties.any() {
+            return None;
+        }
+        let top_k = self.opts.top_k.filter(|&k| k > 0);
+        let top_p = self.opts.top_p.filter(|p| p.is_finite() && *p < 1.0);
+        let min_p = self.opts.min_p.filter(|m| m.is_finite() && *m > 0.0);
+        let filter = match top_k {
+            Some(k) if k <= DEVICE_TOP_K_MAX => Some(DrawFilter {
+                top_k: k,
+                top_p,
+                min_p,
+            }),
+            Some(_) => return None,
+            None if top_p.is_some() || min_p.is_some() => return None,
+            None => None,
+        };
+        Some(DeviceDraw {
             temperature: t,
             key: self.key.0,
             draw: self.draws,
+            filter,
         })
     }
 

@@ -234,11 +234,7 @@ fn a_device_draw_is_the_whole_rows_draw() {
         device.accept_device_draw(got);
         assert_eq!(want, got);
     }
-    for filtered in [
-        SamplingOptions {
-            top_k: Some(5),
-            ..opts(1.0, 1)
-        },
+    for host_only in [
         SamplingOptions {
             top_p: Some(0.9),
             ..opts(1.0, 1)
@@ -248,17 +244,60 @@ fn a_device_draw_is_the_whole_rows_draw() {
             ..opts(1.0, 1)
         },
         SamplingOptions {
+            top_k: Some(DEVICE_TOP_K_MAX + 1),
+            ..opts(1.0, 1)
+        },
+        SamplingOptions {
+            top_k: Some(5),
             presence_penalty: Some(0.5),
             ..opts(1.0, 1)
         },
         opts(0.0, 1),
     ] {
         assert_eq!(
-            Sampler::new(filtered.clone()).device_draw(&[]),
+            Sampler::new(host_only.clone()).device_draw(&[]),
             None,
-            "{filtered:?}"
+            "{host_only:?}"
         );
     }
+}
+
+#[test]
+fn a_top_k_sampler_is_drawn_on_the_device_with_its_filters() {
+    let filter = |o: SamplingOptions| Sampler::new(o).device_draw(&[]).and_then(|d| d.filter);
+    assert_eq!(
+        filter(SamplingOptions {
+            top_k: Some(64),
+            top_p: Some(0.95),
+            min_p: Some(0.05),
+            ..opts(1.0, 3)
+        }),
+        Some(DrawFilter {
+            top_k: 64,
+            top_p: Some(0.95),
+            min_p: Some(0.05),
+        })
+    );
+    // Filters that keep everything are off; a top-k of 0 is no top-k.
+    assert_eq!(
+        filter(SamplingOptions {
+            top_k: Some(DEVICE_TOP_K_MAX),
+            top_p: Some(1.0),
+            min_p: Some(0.0),
+            ..opts(0.5, 3)
+        }),
+        Some(DrawFilter {
+            top_k: DEVICE_TOP_K_MAX,
+            top_p: None,
+            min_p: None,
+        })
+    );
+    let unfiltered = Sampler::new(SamplingOptions {
+        top_k: Some(0),
+        ..opts(0.5, 3)
+    })
+    .device_draw(&[]);
+    assert!(unfiltered.is_some_and(|d| d.filter.is_none()));
 }
 
 /// Test data only: xoshiro256** seeded through splitmix64.

@@ -1,12 +1,13 @@
 // Row reductions: the softmax of attention scores under a causal / sliding mask built from key
 // positions inside the kernel, the argmax of each row (greedy decoding), and each row's
-// tempered draw (the Gumbel-max argmax of src/generate/noise.rs).
+// tempered draw over the whole row (the Gumbel-max argmax of src/generate/noise.rs).
 //
 // SoftmaxParams must match `src/kernels/cuda/reduce.rs` field for field (#[repr(C)]).
 
 #include <stdint.h>
 
 #include "common.cuh"
+#include "draw.cuh"
 #include "norm_tail.cuh"
 
 struct SoftmaxParams {
@@ -120,32 +121,19 @@ __device__ __forceinline__ void masked_softmax_reg_body(const SoftmaxParams p,
 // wins), in two launches: block (c, r) takes the best of chunk c of row r (ARGMAX_CHUNK
 // columns, eight loads a thread in flight), then one warp a row merges the chunks' bests. One
 // block a whole vocabulary row was bound by one multiprocessor's bandwidth (about 0.1 ms).
+// A tempered draw of each row (the host sampler's, src/generate/noise.rs) takes the same two
+// launches over the sums s / t + g(j) (draw.cuh), the lowest column among equal sums, NaN and
+// -inf logits left out; argmax_merge_f32 picks each row's (id 0 where every logit is NaN or
+// -inf).
 constexpr int ARGMAX_THREADS = 256;
 constexpr int ARGMAX_CHUNK = 4096;
 
-// (value, index) argmax of a block, left in thread 0.
-__device__ __forceinline__ void block_argmax(float& bv, uint32_t& bi) {
-    __shared__ float sv[32];
-    __shared__ uint32_t si[32];
-    warp_argmax(bv, bi);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) {
-        sv[warp] = bv;
-        si[warp] = bi;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const int nw = blockDim.x / 32;
-        bv = lane < nw ? sv[lane] : -INFINITY;
-        bi = lane < nw ? si[lane] : 0xffffffffu;
-        warp_argmax(bv, bi);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
-    argmax_chunks_f32(const float* __restrict__ x, uint32_t cols, float* __restrict__ best_v,
-                      uint32_t* __restrict__ best_i) {
-    pdl_entry();
+// Block (c, r)'s best (value, column) of chunk c of row r, where `consider(bv, bi, v, j)`
+// folds column j's logit v into the thread's best pair.
+template <typename Consider>
+__device__ __forceinline__ void chunk_best(const float* x, uint32_t cols, Consider consider,
+                                           float* __restrict__ best_v,
+                                           uint32_t* __restrict__ best_i) {
     const float* r = x + (size_t)blockIdx.y * cols;
     const uint32_t c0 = blockIdx.x * ARGMAX_CHUNK;
     const uint32_t c1 = min(c0 + ARGMAX_CHUNK, cols);
@@ -162,7 +150,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const uint32_t j = j0 + u * ARGMAX_THREADS;
-            if (j < c1) argmax_step(bv, bi, v[u], j);
+            if (j < c1) consider(bv, bi, v[u], j);
         }
     }
     block_argmax(bv, bi);
@@ -171,6 +159,33 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
         best_v[o] = bv;
         best_i[o] = bi;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_chunks_f32(const float* x, uint32_t cols, float* __restrict__ best_v,
+                      uint32_t* __restrict__ best_i) {
+    pdl_entry();
+    chunk_best(
+        x, cols, [](float& bv, uint32_t& bi, float v, uint32_t j) { argmax_step(bv, bi, v, j); },
+        best_v, best_i);
+}
+
+// Each row's parameters are DRAW_WORDS words (draw.cuh); the filter words are not read.
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+    draw_chunks_f32(const float* x, uint32_t cols, const uint32_t* draws, float* __restrict__ best_v,
+                    uint32_t* __restrict__ best_i) {
+    pdl_entry();
+    const uint32_t* d = draws + (size_t)blockIdx.y * DRAW_WORDS;
+    const float t = __uint_as_float(d[0]);
+    chunk_best(
+        x, cols,
+        [&](float& bv, uint32_t& bi, float v, uint32_t j) {
+            if (!(v > -INFINITY)) return;
+            const float key = __fdiv_rn(v, t);
+            if (__fadd_rn(key, DRAW_GUMBEL_MAX) < bv) return;
+            argmax_step(bv, bi, __fadd_rn(key, draw_noise(d, j)), j);
+        },
+        best_v, best_i);
 }
 
 extern "C" __global__ void argmax_merge_f32(const float* __restrict__ best_v,
@@ -184,75 +199,6 @@ extern "C" __global__ void argmax_merge_f32(const float* __restrict__ best_v,
         argmax_step(bv, bi, best_v[row * chunks + c], best_i[row * chunks + c]);
     warp_argmax(bv, bi);
     if (threadIdx.x == 0) out[row] = bi == 0xffffffffu ? 0u : bi;
-}
-
-// A tempered draw of each row, the host sampler's (src/generate/noise.rs): the largest
-// s / t + g(j), g the Gumbel noise of Philox4x32-10 at the counter (j, draw, draw >> 32, 0)
-// under the row's key, the lowest column among equal sums, NaN and -inf logits left out. The
-// same float operations as the host, rounded the same way (no contraction): only logf may
-// differ by an ulp. Each row's parameters are five words (DRAW_WORDS): the temperature's
-// bits, the key, the draw's low and high words. The first launch writes each chunk's best
-// pair; argmax_merge_f32 picks each row's (id 0 where every logit is NaN or -inf).
-constexpr int DRAW_WORDS = 5;
-// Above every Gumbel value (GUMBEL_MAX in noise.rs): a column whose key plus this is below the
-// thread's best sum cannot win, and skips its noise.
-constexpr float DRAW_GUMBEL_MAX = 17.0f;
-
-__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint32_t k0, uint32_t k1) {
-#pragma unroll
-    for (int r = 0; r < 10; ++r) {
-        if (r > 0) {
-            k0 += 0x9E3779B9u;
-            k1 += 0xBB67AE85u;
-        }
-        const uint32_t hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
-        const uint32_t hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
-        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
-    }
-    return c;
-}
-
-__device__ __forceinline__ float gumbel_of_bits(uint32_t bits) {
-    const float u = __fmul_rn(__fadd_rn((float)(bits >> 9), 0.5f), 1.0f / 8388608.0f);
-    return -logf(-logf(u));
-}
-
-extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
-    draw_chunks_f32(const float* x, uint32_t cols, const uint32_t* draws, float* __restrict__ best_v,
-                    uint32_t* __restrict__ best_i) {
-    pdl_entry();
-    const float* r = x + (size_t)blockIdx.y * cols;
-    const uint32_t* d = draws + (size_t)blockIdx.y * DRAW_WORDS;
-    const float t = __uint_as_float(d[0]);
-    const uint32_t k0 = d[1], k1 = d[2], draw_lo = d[3], draw_hi = d[4];
-    const uint32_t c0 = blockIdx.x * ARGMAX_CHUNK;
-    const uint32_t c1 = min(c0 + ARGMAX_CHUNK, cols);
-    float bv = -INFINITY;
-    uint32_t bi = 0xffffffffu;
-    constexpr int U = 8;
-    for (uint32_t j0 = c0 + threadIdx.x; j0 < c1; j0 += ARGMAX_THREADS * U) {
-        float v[U];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const uint32_t j = j0 + u * ARGMAX_THREADS;
-            v[u] = j < c1 ? r[j] : -INFINITY;
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const uint32_t j = j0 + u * ARGMAX_THREADS;
-            if (j >= c1 || !(v[u] > -INFINITY)) continue;
-            const float key = __fdiv_rn(v[u], t);
-            if (__fadd_rn(key, DRAW_GUMBEL_MAX) < bv) continue;
-            const uint4 bits = philox4x32_10(make_uint4(j, draw_lo, draw_hi, 0u), k0, k1);
-            argmax_step(bv, bi, __fadd_rn(key, gumbel_of_bits(bits.x)), j);
-        }
-    }
-    block_argmax(bv, bi);
-    if (threadIdx.x == 0) {
-        const size_t o = (size_t)blockIdx.y * gridDim.x + blockIdx.x;
-        best_v[o] = bv;
-        best_i[o] = bi;
-    }
 }
 
 #define REDUCE_INST(TN, T)                                                                     \

@@ -1,9 +1,10 @@
 //! Row reductions on CUDA (`reduce.cu`): the masked softmax of attention scores with the mask
-//! built from key positions inside the kernel, and the argmax of each row for greedy decoding.
+//! built from key positions inside the kernel, the argmax of each row for greedy decoding, and
+//! each row's tempered draw over the whole row.
 
 use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaEvent, DeviceRepr, LaunchConfig, PinnedHostSlice,
+    CudaEvent, CudaView, DeviceRepr, LaunchConfig, PinnedHostSlice,
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{DType, Result, Tensor};
@@ -11,6 +12,7 @@ use candle_core::{DType, Result, Tensor};
 use super::device::{bind, by_dtype, check_dtype, cuda_dev, tn, u32_of, wrap};
 use super::kernel_cache::{load_kernel, REDUCE};
 use super::layer_ops::NORM_THREADS;
+use crate::generate::sampling::DeviceDraw;
 use crate::kernels::plan::{PositionCode, QsdpaParams};
 
 /// `struct SoftmaxParams` in `reduce.cu`.
@@ -125,33 +127,38 @@ const ARGMAX_THREADS: u32 = 256;
 /// # Errors
 /// Non-f32 input, CUDA errors.
 pub fn argmax_rows(x: &Tensor) -> Result<Tensor> {
-    let picks = RowPicks::new(x, "argmax_rows")?;
-    if picks.rows > 0 {
-        bind!(xv, picks.x, f32);
-        let func = load_kernel(&picks.dev, "argmax_chunks_f32", &REDUCE)?;
-        let mut b = func.builder();
-        b.arg(&xv);
-        b.arg(&picks.cols);
-        let (mut best_v, mut best_i) = (picks.best_v, picks.best_i);
-        b.arg(&mut best_v);
-        b.arg(&mut best_i);
-        // SAFETY: arguments match the kernel's signature; the scratch holds rows * chunks
-        // pairs.
-        unsafe { b.launch(picks.first_launch) }.w()?;
-        return merge_picks(&picks.dev, &best_v, &best_i, picks.chunks, picks.rows);
-    }
-    Ok(wrap(picks.out, &picks.dev, &[0]))
+    RowPicks::new(x, "argmax_rows")?.run("argmax_chunks_f32", None)
 }
 
-/// Words of one row's draw parameters (`DRAW_WORDS` in `reduce.cu`): the temperature's bits,
-/// the noise key's two words, the draw index's low and high words.
-pub const DRAW_WORDS: usize = 5;
+/// Words of one row's draw parameters (`DRAW_WORDS` in `draw.cuh`): the temperature's bits,
+/// the noise key's two words, the draw index's low and high words, then the filters of a draw
+/// from the row's best logits ([`super::top_k::draw_from_best`]): the top-k (0 without
+/// filters), the top-p's and the min-p's bits (NaN where that filter is off).
+pub const DRAW_WORDS: usize = 8;
+
+/// The [`DRAW_WORDS`] parameters of `draw`.
+pub fn draw_words(draw: &DeviceDraw) -> [u32; DRAW_WORDS] {
+    let (top_k, top_p, min_p) = match &draw.filter {
+        Some(f) => (f.top_k as u32, f.top_p, f.min_p),
+        None => (0, None, None),
+    };
+    [
+        draw.temperature.to_bits(),
+        draw.key[0],
+        draw.key[1],
+        draw.draw as u32,
+        (draw.draw >> 32) as u32,
+        top_k,
+        top_p.unwrap_or(f32::NAN).to_bits(),
+        min_p.unwrap_or(f32::NAN).to_bits(),
+    ]
+}
 
 /// One tempered draw of each row of f32 logits `[rows, cols]`, as u32 ids `[rows]`: the
 /// column with the largest `logit / t + gumbel(key, draw, column)` under its row's
-/// [`DRAW_WORDS`] parameters (`crate::generate::noise`), the lowest column among equal sums,
-/// NaN and -inf logits left out (id 0 where every one is). The same float operations as the
-/// host's draw; only `logf` may differ from the host's by an ulp.
+/// [`DRAW_WORDS`] parameters (`crate::generate::noise`; the filter words are not read), the
+/// lowest column among equal sums, NaN and -inf logits left out (id 0 where every one is). The
+/// same float operations as the host's draw; only `logf` may differ from the host's by an ulp.
 ///
 /// # Errors
 /// Non-f32 input, a parameter count other than the rows, CUDA errors.
@@ -160,25 +167,10 @@ pub fn draw_rows(x: &Tensor, params: &[[u32; DRAW_WORDS]]) -> Result<Tensor> {
     if params.len() != picks.rows as usize {
         candle_core::bail!("draw_rows: {} draws for {} rows", params.len(), picks.rows);
     }
-    if picks.rows > 0 {
-        let words: Vec<u32> = params.iter().flatten().copied().collect();
-        let words = Tensor::from_vec(words, params.len() * DRAW_WORDS, x.device())?;
-        bind!(xv, picks.x, f32);
-        bind!(wv, words, u32);
-        let func = load_kernel(&picks.dev, "draw_chunks_f32", &REDUCE)?;
-        let mut b = func.builder();
-        b.arg(&xv);
-        b.arg(&picks.cols);
-        b.arg(&wv);
-        let (mut best_v, mut best_i) = (picks.best_v, picks.best_i);
-        b.arg(&mut best_v);
-        b.arg(&mut best_i);
-        // SAFETY: arguments match the kernel's signature; the parameters hold DRAW_WORDS
-        // words a row and the scratch rows * chunks pairs.
-        unsafe { b.launch(picks.first_launch) }.w()?;
-        return merge_picks(&picks.dev, &best_v, &best_i, picks.chunks, picks.rows);
-    }
-    Ok(wrap(picks.out, &picks.dev, &[0]))
+    let words: Vec<u32> = params.iter().flatten().copied().collect();
+    let words = Tensor::from_vec(words, params.len() * DRAW_WORDS, x.device())?;
+    bind!(wv, words, u32);
+    picks.run("draw_chunks_f32", Some(&wv))
 }
 
 /// What a pick of one column a row needs: the contiguous input, its sizes, each chunk's best
@@ -224,6 +216,32 @@ impl RowPicks {
             },
             dev,
         })
+    }
+}
+
+impl RowPicks {
+    /// Runs the first launch `kernel` (arguments: the logits, the column count, then `params`
+    /// where given, then the chunks' best values and columns), then the merge: each row's
+    /// column as u32 `[rows]`.
+    fn run(self, kernel: &str, params: Option<&CudaView<'_, u32>>) -> Result<Tensor> {
+        if self.rows == 0 {
+            return Ok(wrap(self.out, &self.dev, &[0]));
+        }
+        bind!(xv, self.x, f32);
+        let func = load_kernel(&self.dev, kernel, &REDUCE)?;
+        let mut b = func.builder();
+        b.arg(&xv);
+        b.arg(&self.cols);
+        if let Some(p) = params {
+            b.arg(p);
+        }
+        let (mut best_v, mut best_i) = (self.best_v, self.best_i);
+        b.arg(&mut best_v);
+        b.arg(&mut best_i);
+        // SAFETY: arguments match the kernel's signature (the draw kernel's parameters hold
+        // DRAW_WORDS words a row); the scratch holds rows * chunks pairs.
+        unsafe { b.launch(self.first_launch) }.w()?;
+        merge_picks(&self.dev, &best_v, &best_i, self.chunks, self.rows)
     }
 }
 

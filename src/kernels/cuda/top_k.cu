@@ -1,6 +1,7 @@
 // Each row's k best logits for sampling, so that a sampled decode step copies k (id, logit)
-// pairs a row to the host instead of the whole vocabulary, and each row's softmax mass (for
-// top-p and min-p filters drawn from those candidates). The order is the host sampler's:
+// pairs a row to the host instead of the whole vocabulary (or draws from them on the device,
+// `draw_best_f32`), and each row's softmax mass (for top-p and min-p filters drawn from those
+// candidates). The order is the host sampler's:
 // the key s / t (t the row's temperature, IEEE division), largest first, the lowest id first
 // among equal keys, NaN and -inf logits last. One block a row:
 //   1. a radix select over the keys' order-preserving bits, 8 bits a pass from the top, finds
@@ -14,6 +15,7 @@
 // The logits and temperatures are read through plain pointers: a `const __restrict__` load may
 // be moved above the dependent-launch wait (common.cuh).
 #include "common.cuh"
+#include "draw.cuh"
 
 constexpr int TOPK_THREADS = 1024;
 constexpr int TOPK_WARPS = TOPK_THREADS / 32;
@@ -296,4 +298,93 @@ extern "C" __global__ void __launch_bounds__(MASS_THREADS)
         for (int w = 1; w < MASS_THREADS / 32; ++w) acc += warp_sum[w];
         chunk_sum[(size_t)blockIdx.y * gridDim.x + blockIdx.x] = acc;
     }
+}
+
+// A tempered draw from each row's best logits (top_k_rows_f32's or top_k_merge_f32's output:
+// `k` raw logits and ids a row, in the sampler's order) under the row's top-k, top-p and min-p
+// filters: the host sampler's draw_from_pool on those pairs (src/generate/sampling/mod.rs), the
+// same operations in the same order. One block a row, a thread a candidate:
+//   - the pool: the row's first min(k, top-k) pairs whose logit is neither NaN nor -inf (they
+//     come last), keys s / t;
+//   - with top-p or min-p: each key's exp((key - first key) as f64), rounded to f32; their f64
+//     sum in order (one thread); each probability (p as f64 / sum) rounded to f32; the top-p
+//     cut where the f32 running sum first reaches top-p, the min-p cut after the leading
+//     probabilities at least min-p times the first (one thread), the smaller kept, at least 1;
+//   - the Gumbel-max argmax over the kept pairs (draw.cuh), id 0 for an empty pool.
+// Only exp and logf may differ from the host's, by an ulp.
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS)
+    draw_best_f32(const float* values, const uint32_t* ids, uint32_t k, const uint32_t* draws,
+                  uint32_t* __restrict__ out) {
+    pdl_entry();
+    __shared__ double mass[TOPK_MAX];
+    __shared__ float prob[TOPK_MAX];
+    __shared__ float first_key;
+    __shared__ double total;
+    __shared__ uint32_t kept;
+    const size_t row = blockIdx.x;
+    const uint32_t* d = draws + row * DRAW_WORDS;
+    const float t = __uint_as_float(d[0]);
+    const float top_p = __uint_as_float(d[6]), min_p = __uint_as_float(d[7]);
+    const uint32_t i = threadIdx.x;
+    const uint32_t lim = min(k, d[5]);
+    float s = -INFINITY;
+    uint32_t id = 0;
+    if (i < lim) {
+        s = values[row * k + i];
+        id = ids[row * k + i];
+    }
+    const bool valid = i < lim && s > -INFINITY;
+    const uint32_t n = __syncthreads_count(valid);
+    if (n == 0) {
+        if (i == 0) out[row] = 0;
+        return;
+    }
+    const float key = valid ? __fdiv_rn(s, t) : -INFINITY;
+    uint32_t keep = n;
+    const bool cut_p = !isnan(top_p), cut_min = !isnan(min_p);
+    if (cut_p || cut_min) {
+        if (i == 0) first_key = key;
+        __syncthreads();
+        if (valid) {
+            const double p = exp((double)__fsub_rn(key, first_key));
+            mass[i] = p;
+            prob[i] = __double2float_rn(p);
+        }
+        __syncthreads();
+        if (i == 0) {
+            double sum = 0.0;
+            for (uint32_t j = 0; j < n; ++j) sum = __dadd_rn(sum, mass[j]);
+            total = sum;
+        }
+        __syncthreads();
+        if (valid) prob[i] = __double2float_rn(__ddiv_rn((double)prob[i], total));
+        __syncthreads();
+        if (i == 0) {
+            uint32_t cut = n;
+            if (cut_p) {
+                float cumulative = 0.f;
+                for (uint32_t j = 0; j < n; ++j) {
+                    cumulative = __fadd_rn(cumulative, prob[j]);
+                    if (cumulative >= top_p) {
+                        cut = j + 1;
+                        break;
+                    }
+                }
+            }
+            if (cut_min) {
+                const float threshold = __fmul_rn(prob[0], min_p);
+                uint32_t m = 0;
+                while (m < n && prob[m] >= threshold) ++m;
+                cut = min(cut, m);
+            }
+            kept = max(cut, 1u);
+        }
+        __syncthreads();
+        keep = kept;
+    }
+    float bv = -INFINITY;
+    uint32_t bi = 0xffffffffu;
+    if (i < keep) argmax_step(bv, bi, __fadd_rn(key, draw_noise(d, id)), id);
+    block_argmax(bv, bi);
+    if (i == 0) out[row] = bi == 0xffffffffu ? 0u : bi;
 }

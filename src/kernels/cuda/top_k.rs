@@ -1,5 +1,6 @@
 //! Each row's k best logits for sampling (`top_k.cu`): a sampled decode step then copies k
-//! (id, logit) pairs a row to the host instead of the whole vocabulary.
+//! (id, logit) pairs a row to the host instead of the whole vocabulary, or draws from them on
+//! the device under the sampler's filters ([`draw_from_best`]); and each row's softmax mass.
 
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
 use candle_core::cuda_backend::WrapErr;
@@ -108,6 +109,72 @@ pub fn top_k_rows(logits: &Tensor, temps: &[f32], k: usize) -> Result<(Tensor, T
         wrap(values, &dev, &[rows, kept]),
         wrap(ids, &dev, &[rows, kept]),
     ))
+}
+
+/// One tempered draw of each row from its best logits ([`top_k_rows`]' output: `values` f32
+/// and `ids` u32, `[rows, k]`, each row in the sampler's order) under the row's
+/// [`super::reduce::DRAW_WORDS`] parameters, as u32 ids `[rows]`: the pool is the row's first
+/// `min(k, top-k)` pairs whose logit is neither NaN nor -inf, keyed `logit / t`; the top-p and
+/// min-p filters cut it as the host sampler does, and the Gumbel-max draw picks among the
+/// pairs kept (id 0 for an empty pool). The host sampler's operations on those pairs, in its
+/// order; only `exp` and `logf` may differ from the host's by an ulp.
+///
+/// # Errors
+/// Other dtypes or shapes, `k` above [`TOP_K_MAX`], a parameter count other than the rows,
+/// CUDA errors.
+pub fn draw_from_best(
+    values: &Tensor,
+    ids: &Tensor,
+    params: &[[u32; super::reduce::DRAW_WORDS]],
+) -> Result<Tensor> {
+    let (rows, k) = values.dims2()?;
+    if values.dtype() != DType::F32 || ids.dtype() != DType::U32 || ids.dims2()? != (rows, k) {
+        candle_core::bail!(
+            "draw_from_best: f32 values and u32 ids of one shape expected, found {:?} {:?} and {:?} {:?}",
+            values.dtype(),
+            values.dims(),
+            ids.dtype(),
+            ids.dims()
+        );
+    }
+    if k > TOP_K_MAX || params.len() != rows {
+        candle_core::bail!(
+            "draw_from_best: {k} candidates (at most {TOP_K_MAX}) and {} draws for {rows} rows",
+            params.len()
+        );
+    }
+    let dev = cuda_dev(values)?;
+    // SAFETY: one block a row writes its id before any reader on this stream.
+    let mut out = unsafe { dev.alloc::<u32>(rows.max(1))? };
+    if rows > 0 {
+        let (values, ids) = (values.contiguous()?, ids.contiguous()?);
+        let words: Vec<u32> = params.iter().flatten().copied().collect();
+        let words = Tensor::from_vec(
+            words,
+            params.len() * super::reduce::DRAW_WORDS,
+            values.device(),
+        )?;
+        bind!(vv, values, f32);
+        bind!(iv, ids, u32);
+        bind!(wv, words, u32);
+        let k32 = u32_of(k, "candidates")?;
+        let func = load_kernel(&dev, "draw_best_f32", &TOP_K)?;
+        let mut b = func.builder();
+        b.arg(&vv);
+        b.arg(&iv);
+        b.arg(&k32);
+        b.arg(&wv);
+        b.arg(&mut out);
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(rows, "rows")?, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: arguments match the kernel's signature; a thread a candidate (k is at most
+        // the block's threads) and DRAW_WORDS words a row.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    Ok(wrap(out, &dev, &[rows]))
 }
 
 /// Columns of a block of the mass launches (`MASS_CHUNK` in `top_k.cu`).
