@@ -4,7 +4,8 @@
         (reference top-2 margin < 0.01), as scripts/gpu_tokens_check.py does at one GPU;
   bf16  the first golden prompt of every fixture at --tp 2 against --tp 1 of the same binary;
   kv    each cache kind (simple, rotating, quantized 8/4-bit) at --tp 2 against --tp 1 (f32);
-  batch three prompts as one batch at --tp 2 against --tp 1 (f32).
+  batch three prompts as one batch at --tp 2 against --tp 1 (f32), greedy and sampled (top-k
+        40, top-p 0.9 and min-p 0.02 at temperature 1: drawn on each rank's GPU).
     python3 scripts/gpu_tp_check.py path/to/generate fixtures   # generate built with --features nccl
 """
 import json, subprocess, sys
@@ -83,6 +84,9 @@ def main():
         for fx in ("moe-mlx", "e2b-hf", "dense-sharded") if "batch".startswith(ONLY) else ():
             cs = json.load(open(FIX / fx / "golden.json"))["cases"]
             extra.append(ex.submit(pair, "batch-of-3", FIX / fx, [x["prompt_ids"] for x in cs], 16))
+            sampled = ["--temperature", "1", "--top-k", "40", "--top-p", "0.9", "--min-p", "0.02", "--seed", "7"]
+            extra.append(ex.submit(pair, "batch-of-3 sampled", FIX / fx, [x["prompt_ids"] for x in cs], 16,
+                                   "f32", sampled))
         for f in extra:
             r = f.result(); print(json.dumps(r), flush=True); results.append(r)
     bad = [r for r in results if not r["ok"]]
