@@ -40,6 +40,11 @@ async fn bad_inputs_get_400_with_an_error_object_and_the_server_keeps_answering(
         (CHAT, chat(json!({"n": 17})), 400, "invalid_n"),
         (CHAT, chat(json!({"max_tokens": 0})), 400, "invalid_max_tokens"),
         (CHAT, chat(json!({"tool_choice": "required"})), 400, "unsupported"),
+        (CHAT, chat(json!({"response_format": {"type": "json_object"}})), 400, "unsupported"),
+        (CHAT, chat(json!({"functions": [{"name": "f", "parameters": {}}]})), 400, "unsupported"),
+        (COMPLETIONS, json!({"prompt": "Hi", "echo": true}).to_string(), 400, "unsupported"),
+        (COMPLETIONS, json!({"prompt": "Hi", "suffix": "end"}).to_string(), 400, "unsupported"),
+        (COMPLETIONS, json!({"prompt": "Hi", "n": 2, "best_of": 4}).to_string(), 400, "unsupported"),
         (CHAT, json!({"max_tokens": 2}).to_string(), 400, "missing_required_parameter"),
         (CHAT, json!({"messages": []}).to_string(), 400, "invalid_messages"),
         (COMPLETIONS, too_long, 400, "context_length_exceeded"),
@@ -66,6 +71,22 @@ async fn bad_inputs_get_400_with_an_error_object_and_the_server_keeps_answering(
     // A field error names its field.
     let (_, v) = h.post_raw(CHAT, &chat(json!({"top_p": 2}))).await;
     assert_eq!(v["error"]["param"], "top_p");
+    let (_, v) = h
+        .post_raw(
+            CHAT,
+            &chat(json!({"response_format": {"type": "json_schema"}})),
+        )
+        .await;
+    assert_eq!(v["error"]["param"], "response_format");
+    // Those fields at their defaults are served.
+    let (status, v) = h
+        .post(
+            CHAT,
+            &json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                "response_format": {"type": "text"}, "functions": []}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "response_format text: {v}");
 
     let (status, v) = h
         .post(

@@ -39,6 +39,7 @@ pub mod options;
 pub mod prompt;
 pub mod split;
 pub mod sse;
+pub mod unimplemented;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;

@@ -14,6 +14,7 @@ use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
 use super::error::ApiError;
+use super::unimplemented::Unimplemented;
 
 /// The server's defaults for what a request leaves out.
 #[derive(Debug, Clone)]
@@ -110,6 +111,9 @@ pub struct Knobs {
     /// Alternatives a token's log-probabilities list (chat; needs `logprobs: true`).
     #[serde(default)]
     pub top_logprobs: Option<i64>,
+    /// Fields that would change the answer but are not implemented (refused unless default).
+    #[serde(flatten)]
+    pub unimplemented: Unimplemented,
 }
 
 /// `stop` as OpenAI takes it.
@@ -156,6 +160,7 @@ impl Knobs {
                 ));
             }
         }
+        self.unimplemented.check(self.choices())?;
         let room = context.saturating_sub(prompt_len).max(1);
         let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
             None => defaults.max_tokens.min(room),
