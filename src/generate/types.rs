@@ -25,16 +25,15 @@ pub struct GenOptions {
     /// Leave special tokens (`<turn|>`, ...) out of the streamed text.
     pub skip_special_tokens: bool,
     /// Greedy decoding on CUDA runs one step ahead of the host (on by default), and so does
-    /// tempered sampling without penalties (unfiltered, or under a top-k with top-p and
-    /// min-p), which the device draws itself
+    /// tempered sampling without filters or penalties, which the device draws itself
     /// ([`crate::generate::sampling::Sampler::device_draw`]): each step takes its id from the
     /// previous step's pick on the device, and the host reads the id back while the next step
     /// runs, so the device does not wait for the host between steps. The tokens are the same
     /// either way. With it, a generation that ends on an EOS token or a stop string has also
     /// run that last token through the model, so the cache (and
     /// [`crate::Generator::cached_tokens`], or a [`crate::generate::Finished`]'s tokens) holds
-    /// it too. A [`crate::generate::BatchSession`] runs ahead while every live sequence allows it,
-    /// through sequences joining, finishing and being cancelled. Ignored for other sampling, with logprobs, on other devices and
+    /// it too. A [`crate::generate::BatchSession`] runs ahead while every live sequence allows it and the
+    /// batch stays as it is. Ignored for other sampling, with logprobs, on other devices and
     /// for checkpoints whose per-layer table is smaller than the vocabulary.
     pub lookahead: bool,
     /// Report each generated token's log-probability and those of the `n` most likely tokens

@@ -4,8 +4,7 @@
 //! previous step's ids on the device); the cache holds the last token too after a stop (which
 //! shows that the generation ran ahead), and the next prompt that reuses it continues as a
 //! fresh generation. A `BatchSession` decoding ahead, with rows joining, finishing and being
-//! cancelled, gives the tokens it gives without it, and keeps running ahead through those
-//! changes.
+//! cancelled, gives the tokens it gives without it.
 
 use anyhow::Result;
 use candle_core::DType;
@@ -116,13 +115,9 @@ fn row(lookahead: bool, tempered: Option<u64>, max_tokens: usize, stop: Option<u
     }
 }
 
-/// Every token each sequence got, by id, the finished sequences' cached tokens with their
-/// caches' lengths, and the decode steps fed from the host and from the device.
-type BatchRun = (
-    Vec<(SeqId, Vec<u32>)>,
-    Vec<(SeqId, Vec<u32>, Vec<usize>)>,
-    (usize, usize),
-);
+/// Every token each sequence got, by id, and the finished sequences' cached tokens with their
+/// caches' lengths.
+type BatchRun = (Vec<(SeqId, Vec<u32>)>, Vec<(SeqId, Vec<u32>, Vec<usize>)>);
 
 /// A batch with churn: four rows of different budgets and samplings (greedy, filtered and
 /// unfiltered draws side by side), one with a stop token; a prompt that joins in chunks after step 3 and another
@@ -164,11 +159,7 @@ fn churn(model: &Model, lookahead: bool, stop: u32) -> Result<BatchRun> {
     }
     tokens.sort_by_key(|t| t.0);
     finished.sort_by_key(|f| f.0);
-    Ok((
-        tokens,
-        finished,
-        (session.steps_from_host, session.steps_ahead),
-    ))
+    Ok((tokens, finished))
 }
 
 #[test]
@@ -181,20 +172,13 @@ fn batches_decoding_ahead_give_the_same_tokens() -> Result<()> {
         let model = Model::random(config("e2b-hf")?, &gpu.dev, dtype, 12)?;
         // The stop token: the third row's first token from its third on that it had not
         // given before (so that it stops on a step that ran ahead).
-        let (plain, _, _) = churn(&model, false, u32::MAX)?;
+        let (plain, _) = churn(&model, false, u32::MAX)?;
         let third = plain.get(2).map(|t| t.1.clone()).unwrap_or_default();
         let fresh = (2..third.len()).find(|&i| !third[..i].contains(&third[i]));
         let stop = fresh.map_or(u32::MAX, |i| third[i]);
-        let (plain, plain_done, plain_steps) = churn(&model, false, stop)?;
-        let (ahead, ahead_done, ahead_steps) = churn(&model, true, stop)?;
-        println!("{dtype:?}: {plain:?}; steps from the host / ahead: {plain_steps:?} without, {ahead_steps:?} with");
-        // Joins, finishes and the cancel do not stop the run ahead: only the first decode step
-        // (and one after the batch ran out of wanted tokens, if any) is fed from the host.
-        if plain_steps.1 != 0 || ahead_steps.0 > 2 || ahead_steps.1 < 10 {
-            failures.push(format!(
-                "{dtype:?}: steps (host, ahead) {plain_steps:?} without lookahead, {ahead_steps:?} with"
-            ));
-        }
+        let (plain, plain_done) = churn(&model, false, stop)?;
+        let (ahead, ahead_done) = churn(&model, true, stop)?;
+        println!("{dtype:?}: {plain:?}");
         if ahead != plain {
             failures.push(format!("{dtype:?}: ahead {ahead:?} against {plain:?}"));
         }

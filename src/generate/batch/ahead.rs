@@ -129,7 +129,6 @@ impl<'m> BatchSession<'m> {
             .as_mut()
             .ok_or_else(|| Error::Input("live sequences without a batch cache".to_string()))?;
         let batch: Vec<Vec<u32>> = self.live.iter().map(|s| vec![s.last]).collect();
-        self.steps_from_host += 1;
         self.model.forward(&batch, cache)
     }
 
@@ -146,7 +145,6 @@ impl<'m> BatchSession<'m> {
         let fits = cache.offsets().iter().all(|&o| o < max);
         let next = if fits && self.live.iter().any(Sequence::wants_more_after_next) {
             let logits = self.model.text_model().forward_device_ids(&a.ids, cache)?;
-            self.steps_ahead += 1;
             // A sequence whose token `a` holds draws its next one a draw further; one that
             // joined since has taken its token on the host already.
             let skip: Vec<u64> = self

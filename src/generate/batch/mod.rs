@@ -79,11 +79,6 @@ pub struct BatchSession<'m> {
     pub decode_secs: f64,
     /// Seconds spent prefilling joining prompts.
     pub prefill_secs: f64,
-    /// Decode steps whose input came from the host's tokens.
-    pub steps_from_host: usize,
-    /// Decode steps whose input came from the previous step's picks on the device (decoding
-    /// one step ahead).
-    pub steps_ahead: usize,
 }
 
 impl<'m> BatchSession<'m> {
@@ -110,8 +105,6 @@ impl<'m> BatchSession<'m> {
             ahead: None,
             decode_secs: 0.0,
             prefill_secs: 0.0,
-            steps_from_host: 0,
-            steps_ahead: 0,
         }
     }
 
