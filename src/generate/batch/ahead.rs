@@ -6,15 +6,12 @@
 //! it, before it waits for their copy to the host, so the device has the next step queued
 //! while the host hands out tokens, detokenizes and checks stops.
 //!
-//! The batch may change between steps and still run ahead: sequences that finish or are
-//! cancelled leave (the picks of those still live are gathered on the device), and sequences
-//! that join are appended with the token the host picked for them after their prefill. Only a
-//! batch in another order, or a sequence whose token the device cannot pick, hands the picks
-//! in flight out and restarts from the host's tokens. A sequence whose last token was run
-//! through the model ahead (a stop the host saw after the step ahead was queued, or its
-//! last token by budget run with the others) has that token in its cache too (as with
-//! [`crate::Generator`]). No step is run ahead past the context, nor when no sequence wants a
-//! token after its next one. The tokens are those of decoding without it.
+//! A step ahead runs only while the batch is as it was when its tokens were picked. After a
+//! sequence joins, finishes or is cancelled, the picks in flight are handed out to the
+//! sequences still live and the batch restarts from the host's tokens; a sequence whose last
+//! token was run through the model ahead has that token in its cache too (as with
+//! [`crate::Generator`]). No step is run ahead for a batch in which a sequence is at its last
+//! token, nor past the context. The tokens are those of decoding without it.
 
 use candle_core::Tensor;
 
@@ -30,9 +27,9 @@ use crate::kernels::ops::argmax::{pick_rows, IdReadback, PendingIds};
 /// model yet.
 #[derive(Debug)]
 pub(super) struct Ahead {
-    /// The sequences they were picked for, in the readback's order.
+    /// The sequences they were picked for, in batch order.
     rows: Vec<SeqId>,
-    /// `[live, 1]` u32: the next step's input, in the batch's order.
+    /// `[rows, 1]` u32.
     ids: Tensor,
     pending: PendingIds,
 }
@@ -43,15 +40,22 @@ impl<'m> BatchSession<'m> {
         let started = std::time::Instant::now();
         let runs = self.runs_ahead();
         match self.ahead.take() {
-            Some(a) if runs => match self.carry_over(&a)? {
-                Some(ids) => self.advance(Ahead { ids, ..a }, out)?,
-                None => self.restart(a, out)?,
-            },
-            Some(a) => self.restart(a, out)?,
+            Some(a) if runs && self.live.iter().map(|s| s.id).eq(a.rows.iter().copied()) => {
+                self.advance(a, out)?;
+            }
+            Some(a) => {
+                // The batch changed since these were picked: hand them out, then start again
+                // from the host's tokens (sequences that just joined get theirs next step).
+                self.hand_out(a, false, out)?;
+                if runs && !self.live.is_empty() {
+                    let logits = self.forward_last()?;
+                    self.ahead = Some(self.pick_on_device(&logits, 0)?);
+                }
+            }
             None => {
                 let logits = self.forward_last()?;
                 if runs {
-                    let a = self.pick_on_device(&logits, &[])?;
+                    let a = self.pick_on_device(&logits, 0)?;
                     self.advance(a, out)?;
                 } else {
                     let tokens = super::pick_tokens(&logits, &mut self.live)?;
@@ -61,53 +65,6 @@ impl<'m> BatchSession<'m> {
         }
         self.decode_secs += started.elapsed().as_secs_f64();
         Ok(())
-    }
-
-    /// The batch changed in a way a step ahead cannot follow: hands `a`'s tokens out, then
-    /// starts again from the host's tokens (sequences that just joined get theirs next step).
-    fn restart(&mut self, a: Ahead, out: &mut Vec<(SeqId, StepOutput)>) -> Result<()> {
-        self.hand_out(a, false, out)?;
-        if self.runs_ahead() && !self.live.is_empty() {
-            let logits = self.forward_last()?;
-            self.ahead = Some(self.pick_on_device(&logits, &[])?);
-        }
-        Ok(())
-    }
-
-    /// The next step's input after the batch changed since `a` was picked, where the step
-    /// ahead can go on: the live sequences are `a`'s still live (sequences that finished or
-    /// were cancelled left, the order kept) followed by sequences that joined since, whose
-    /// last token the host holds. Their ids, in the batch's order: the picks on the device,
-    /// then the joiners' tokens. `None` where the batch is in another order.
-    fn carry_over(&self, a: &Ahead) -> Result<Option<Tensor>> {
-        let mut picked = Vec::new();
-        let mut joined = Vec::new();
-        let mut from = 0;
-        for s in &self.live {
-            match a.rows[from..].iter().position(|&r| r == s.id) {
-                Some(p) if joined.is_empty() => {
-                    picked.push((from + p) as u32);
-                    from += p + 1;
-                }
-                None if !s.last_forwarded => joined.push(s.last),
-                _ => return Ok(None),
-            }
-        }
-        if joined.is_empty() && picked.len() == a.rows.len() {
-            return Ok(Some(a.ids.clone()));
-        }
-        let device = a.ids.device();
-        let mut parts = Vec::new();
-        if !picked.is_empty() {
-            let n = picked.len();
-            let at = Tensor::from_vec(picked, n, device)?;
-            parts.push(a.ids.index_select(&at, 0)?);
-        }
-        if !joined.is_empty() {
-            let n = joined.len();
-            parts.push(Tensor::from_vec(joined, (n, 1), device)?);
-        }
-        Ok(Some(Tensor::cat(&parts, 0)?))
     }
 
     /// Whether this step may run ahead: a CUDA device that takes ids it picked, and live
@@ -132,10 +89,9 @@ impl<'m> BatchSession<'m> {
         self.model.forward(&batch, cache)
     }
 
-    /// Enqueues the step that runs `a`'s input through the model and picks the tokens after it
-    /// (unless no sequence wants a token after its next one, or the context is full), then
-    /// hands `a`'s tokens out. A sequence at its last token runs it through the model with the
-    /// others (its cache then holds it too).
+    /// Enqueues the step that runs `a`'s tokens through the model and picks the tokens after
+    /// them (unless a sequence is at its last token or the context is full), then hands `a`'s
+    /// tokens out.
     fn advance(&mut self, a: Ahead, out: &mut Vec<(SeqId, StepOutput)>) -> Result<()> {
         let cache = self
             .cache
@@ -143,16 +99,9 @@ impl<'m> BatchSession<'m> {
             .ok_or_else(|| Error::Input("live sequences without a batch cache".to_string()))?;
         let max = self.model.config().max_position_embeddings;
         let fits = cache.offsets().iter().all(|&o| o < max);
-        let next = if fits && self.live.iter().any(Sequence::wants_more_after_next) {
+        let next = if fits && self.live.iter().all(Sequence::wants_more_after_next) {
             let logits = self.model.text_model().forward_device_ids(&a.ids, cache)?;
-            // A sequence whose token `a` holds draws its next one a draw further; one that
-            // joined since has taken its token on the host already.
-            let skip: Vec<u64> = self
-                .live
-                .iter()
-                .map(|s| u64::from(a.rows.contains(&s.id)))
-                .collect();
-            Some(self.pick_on_device(&logits, &skip)?)
+            Some(self.pick_on_device(&logits, 1)?)
         } else {
             None
         };
@@ -163,19 +112,17 @@ impl<'m> BatchSession<'m> {
     }
 
     /// Picks each live sequence's token from `logits` `[live, vocab]` on the device (its argmax,
-    /// or its draw `skip[row]` draws past the next one its sampler makes; none where `skip` is
-    /// short) and starts their copy.
-    fn pick_on_device(&mut self, logits: &Tensor, skip: &[u64]) -> Result<Ahead> {
+    /// or its draw `skip` draws past the next one its sampler makes) and starts their copy.
+    fn pick_on_device(&mut self, logits: &Tensor, skip: u64) -> Result<Ahead> {
         let rows = self.live.len();
         let unavailable = || Error::Input("no device pick for a batch decoding ahead".to_string());
         let picks: Vec<Option<DeviceDraw>> = self
             .live
             .iter()
-            .enumerate()
-            .map(|(i, s)| {
+            .map(|s| {
                 let pick = s.device_pick().ok_or_else(unavailable)?;
                 Ok(pick.map(|d| DeviceDraw {
-                    draw: d.draw + skip.get(i).copied().unwrap_or(0),
+                    draw: d.draw + skip,
                     ..d
                 }))
             })
