@@ -260,3 +260,121 @@ fn sample_whole_rows<R: Chooser + Send>(
         Ok(out)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::sampling::{DrawFilter, SamplingOptions, DEVICE_TOP_K_MAX};
+
+    fn plan_of(o: SamplingOptions, history: &[u32]) -> RowPlan {
+        let mut sampler = Sampler::new(o);
+        plan(&SamplerRow {
+            sampler: &mut sampler,
+            history,
+        })
+    }
+
+    fn tempered(t: f32) -> SamplingOptions {
+        SamplingOptions {
+            temperature: t,
+            seed: 3,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn each_sampler_takes_the_cheapest_way_it_allows() {
+        assert!(matches!(
+            plan_of(SamplingOptions::default(), &[]),
+            RowPlan::Device(None)
+        ));
+        assert!(matches!(
+            plan_of(tempered(0.7), &[]),
+            RowPlan::Device(Some(d)) if d.filter.is_none() && d.temperature == 0.7
+        ));
+        let recommended = SamplingOptions {
+            top_k: Some(64),
+            top_p: Some(0.95),
+            ..tempered(1.0)
+        };
+        assert!(matches!(
+            plan_of(recommended, &[]),
+            RowPlan::Device(Some(d)) if d.filter == Some(DrawFilter { top_k: 64, top_p: Some(0.95), min_p: None })
+        ));
+        // Penalties that only lower logits: the k best plus the touched tokens, on the host.
+        let penalized = SamplingOptions {
+            top_k: Some(8),
+            repetition_penalty: Some(1.3),
+            ..tempered(1.0)
+        };
+        assert!(matches!(plan_of(penalized, &[5, 6, 5]), RowPlan::Best(10, t) if t == 1.0));
+        // Greedy with a penalty: the best one plus the touched tokens.
+        let greedy_penalized = SamplingOptions {
+            repetition_penalty: Some(1.3),
+            ..Default::default()
+        };
+        assert!(matches!(
+            plan_of(greedy_penalized, &[5]),
+            RowPlan::Best(2, t) if t == 0.0
+        ));
+        let nucleus = SamplingOptions {
+            top_p: Some(0.9),
+            ..tempered(0.5)
+        };
+        assert!(matches!(plan_of(nucleus, &[]), RowPlan::Nucleus(t) if t == 0.5));
+        // More candidates than the device picks, or a penalty that can raise logits: whole rows.
+        let wide = SamplingOptions {
+            top_k: Some(DEVICE_TOP_K_MAX + 1),
+            ..tempered(1.0)
+        };
+        assert!(matches!(plan_of(wide, &[]), RowPlan::Whole));
+        let raised = SamplingOptions {
+            top_k: Some(8),
+            logit_bias: vec![(3, 5.0)],
+            ..tempered(1.0)
+        };
+        assert!(matches!(plan_of(raised, &[]), RowPlan::Whole));
+    }
+
+    #[test]
+    fn on_the_cpu_each_row_draws_what_its_sampler_draws_from_the_whole_row() -> Result<()> {
+        let vocab = 300;
+        let logits: Vec<f32> = (0..2 * vocab)
+            .map(|i| ((i * 7919) % 97) as f32 * 0.1 - 4.0)
+            .collect();
+        let t = Tensor::from_vec(logits.clone(), (2, vocab), &candle_core::Device::Cpu)?;
+        let options = [
+            SamplingOptions::default(),
+            SamplingOptions {
+                top_k: Some(64),
+                top_p: Some(0.95),
+                ..tempered(1.0)
+            },
+        ];
+        let (mut a, mut b) = (
+            Sampler::new(options[0].clone()),
+            Sampler::new(options[1].clone()),
+        );
+        let history = [1u32, 2];
+        let mut rows = [
+            SamplerRow {
+                sampler: &mut a,
+                history: &history,
+            },
+            SamplerRow {
+                sampler: &mut b,
+                history: &history,
+            },
+        ];
+        let got = choose_tokens(&t, &mut rows)?;
+        let want: Vec<u32> = options
+            .iter()
+            .zip(logits.chunks(vocab))
+            .map(|(o, row)| Sampler::new(o.clone()).sample(row, &history))
+            .collect();
+        assert_eq!(got, want);
+        // A row count other than the logits' is an error, not a panic.
+        assert!(choose_tokens(&t, &mut rows[..1]).is_err());
+        Ok(())
+    }
+}
