@@ -78,19 +78,19 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         return Ok(sse::respond_choices(streams.collect()));
     }
     let done = collect_all(submissions).await?;
-    let listed: Vec<Value> = done
-        .iter()
-        .enumerate()
-        .map(|(i, d)| choice(&state, stream.return_ids, i, d))
-        .collect();
-    let mut response = openai::envelope(
-        "chat.completion",
-        &stream.id,
-        stream.created,
-        &stream.model,
-        Value::from(listed),
+    let response = openai::choices_answer(
+        &done,
+        |i, d| choice(&state, stream.return_ids, i, d),
+        |choices| {
+            openai::envelope(
+                "chat.completion",
+                &stream.id,
+                stream.created,
+                &stream.model,
+                choices,
+            )
+        },
     );
-    response["usage"] = openai::usage_of_choices(done.iter().map(|d| &d.usage));
     Ok(Json(response).into_response())
 }
 

@@ -82,13 +82,11 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         return Ok(sse::respond_choices(streams.collect()));
     }
     let done = collect_all(submissions).await?;
-    let listed: Vec<Value> = done
-        .iter()
-        .enumerate()
-        .map(|(i, d)| choice(&state, stream.return_ids, i, d))
-        .collect();
-    let mut response = stream.envelope(Value::from(listed));
-    response["usage"] = openai::usage_of_choices(done.iter().map(|d| &d.usage));
+    let response = openai::choices_answer(
+        &done,
+        |i, d| choice(&state, stream.return_ids, i, d),
+        |choices| stream.envelope(choices),
+    );
     Ok(Json(response).into_response())
 }
 

@@ -6,7 +6,7 @@ use candle_gemma::generate::FinishReason;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::engine::Usage;
+use super::engine::{Collected, Usage};
 use super::error::ApiError;
 use super::options::Knobs;
 
@@ -229,6 +229,20 @@ pub fn usage_of_choices<'a>(choices: impl Iterator<Item = &'a Usage>) -> Value {
         total.completion_tokens += u.completion_tokens;
     }
     usage(&total)
+}
+
+/// The whole (not streamed) answer to one prompt's choices: each choice's object
+/// (`choice(index, collected)`) in a list, wrapped by `envelope`, with their `usage`
+/// ([`usage_of_choices`]).
+pub fn choices_answer(
+    done: &[Collected],
+    choice: impl Fn(usize, &Collected) -> Value,
+    envelope: impl FnOnce(Value) -> Value,
+) -> Value {
+    let listed: Vec<Value> = done.iter().enumerate().map(|(i, d)| choice(i, d)).collect();
+    let mut response = envelope(Value::from(listed));
+    response["usage"] = usage_of_choices(done.iter().map(|d| &d.usage));
+    response
 }
 
 /// One tool call in OpenAI's shape, arguments as a JSON string.

@@ -48,11 +48,16 @@ fn cuda_pick_rows(x: &Tensor, picks: &[Option<DeviceDraw>]) -> Result<Tensor> {
         Some(d) if d.filter.is_none() => Way::Whole,
         Some(_) => Way::Filtered,
     };
-    // Rows picked another way get placeholder parameters; their ids are not kept.
-    let words: Vec<[u32; reduce::DRAW_WORDS]> = picks
-        .iter()
-        .map(|p| reduce::draw_words(&p.unwrap_or(PLACEHOLDER)))
-        .collect();
+    // Rows picked another way get placeholder parameters; their ids are not kept. A greedy
+    // batch needs none.
+    let words: Vec<[u32; reduce::DRAW_WORDS]> = if picks.iter().any(Option::is_some) {
+        picks
+            .iter()
+            .map(|p| reduce::draw_words(&p.unwrap_or(PLACEHOLDER)))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let mut ids: Option<Tensor> = None;
     for w in [Way::Greedy, Way::Whole, Way::Filtered] {
         if !picks.iter().any(|p| way(p) == w) {
