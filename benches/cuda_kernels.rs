@@ -233,11 +233,11 @@ fn main() -> Result<()> {
     let only_keys = arg_value("--keys").and_then(|k| k.parse::<usize>().ok());
     for &(name, nh, kvh, hd) in shapes
         .iter()
-        .filter(|s| attention && only_shape.as_deref().map_or(true, |o| o == s.0))
+        .filter(|s| attention && only_shape.as_deref().is_none_or(|o| o == s.0))
     {
         for &keys in key_counts
             .iter()
-            .filter(|&&k| only_keys.map_or(true, |o| o == k))
+            .filter(|&&k| only_keys.is_none_or(|o| o == k))
         {
             for q_len in [1usize, 512] {
                 if q_len > 1 && keys > 32768 {
@@ -343,13 +343,13 @@ fn main() -> Result<()> {
     let only_rows = arg_value("--rows").and_then(|r| r.parse::<usize>().ok());
     for &(name, out, inp) in projs
         .iter()
-        .filter(|p| only_proj.as_deref().map_or(true, |o| o == p.0))
+        .filter(|p| only_proj.as_deref().is_none_or(|o| o == p.0))
     {
         // Weight copies rotated so that L2 (50 MB) cannot hold them: 200 MB of 4-bit codes.
         let rot = 200_000_000usize.div_ceil(out * inp / 2).clamp(4, 16);
         for rows in [1usize, 8, 512]
             .into_iter()
-            .filter(|&r| only_rows.map_or(true, |o| o == r))
+            .filter(|&r| only_rows.is_none_or(|o| o == r))
         {
             let iters = if rows <= 8 { 40 } else { 5 };
             let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev)?.to_dtype(DType::BF16)?;

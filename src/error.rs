@@ -91,6 +91,10 @@ pub enum Error {
         /// What is wrong with its value.
         reason: String,
     },
+    /// A generation's output constraint cannot run: it does not compile, the tokenizer cannot
+    /// spell it, or its parser failed ([`crate::generate::Constraint`]).
+    #[error("output constraint: {0}")]
+    Constraint(String),
     /// A token id is outside the vocabulary.
     #[error("token id {id} at position {position} is outside the vocabulary of {vocab_size}")]
     TokenOutOfVocab {

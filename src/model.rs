@@ -9,6 +9,7 @@ use tokenizers::Tokenizer;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::gemma4::TextModel;
+use crate::generate::constraint::{Constraint, Grammars, TokenConstraint};
 use crate::generate::{GenOptions, Generator};
 use crate::kernels::policy::LaunchPolicy;
 use crate::kv::{CacheConfig, ModelCache};
@@ -190,6 +191,7 @@ impl ModelBuilder {
         Ok(Model {
             text,
             tokenizer: load_tokenizer(&dir)?,
+            grammars: Grammars::default(),
             fingerprint,
             dir,
             checkpoint_bytes: store.file_bytes(),
@@ -248,6 +250,7 @@ impl ModelBuilder {
             Ok(Model {
                 text: TextModel::new(local, &store)?,
                 tokenizer: tokenizer.clone(),
+                grammars: Grammars::default(),
                 fingerprint: format!("{fingerprint}-tp{rank}of{world}"),
                 dir: dir.clone(),
                 checkpoint_bytes: store.file_bytes(),
@@ -303,6 +306,8 @@ fn load_tokenizer(dir: &Path) -> Result<Option<Tokenizer>> {
 pub struct Model {
     text: TextModel,
     tokenizer: Option<Tokenizer>,
+    /// The grammar compiler of constrained generations, built on first use.
+    grammars: Grammars,
     fingerprint: String,
     dir: PathBuf,
     checkpoint_bytes: usize,
@@ -427,6 +432,7 @@ impl Model {
         Ok(Model {
             text,
             tokenizer: None,
+            grammars: Grammars::default(),
             fingerprint: format!("random-{seed}-{:?}", store.dtype()),
             dir: PathBuf::new(),
             checkpoint_bytes: store.generated_bytes(),
@@ -461,6 +467,20 @@ impl Model {
     /// The decoder stack.
     pub fn text_model(&self) -> &TextModel {
         &self.text
+    }
+
+    /// The running form of `constraint` for one generation over this model's tokenizer.
+    ///
+    /// # Errors
+    /// As [`Grammars::start`].
+    pub(crate) fn start_constraint(&self, constraint: &Constraint) -> Result<TokenConstraint> {
+        let config = self.config();
+        self.grammars.start(
+            constraint,
+            self.tokenizer.as_ref(),
+            &config.eos_token_ids,
+            config.vocab_size,
+        )
     }
 
     /// The tokenizer, when the checkpoint has a `tokenizer.json`.

@@ -41,7 +41,7 @@ const U: f64 = 1.0 / (1u64 << 24) as f64;
 /// `p`'s `Q4_1` blocks as a candle `QTensor` on the CPU, or `None` where the mapping is not
 /// exact or candle's CPU dot product cannot take the width (an odd number of blocks).
 fn q4_1_tensor(p: &PackedAffine) -> Option<QTensor> {
-    if (p.in_dim() / BLOCK) % 2 != 0 {
+    if !(p.in_dim() / BLOCK).is_multiple_of(2) {
         return None;
     }
     let bytes = q4_1_blocks(p).expect("blocks read")?;

@@ -11,10 +11,13 @@
 //!   without a top-k, with the row's softmax mass ([`Sampler::nucleus_needed`]);
 //! - the whole row copied to the host, that row alone.
 //!
-//! Every way draws the token [`Sampler::sample`] draws from the whole row.
+//! Every way draws the token [`Sampler::sample`] draws from the whole row. A row under an
+//! output constraint ([`super::constraint`]) has the logits of the tokens it does not allow
+//! set to -inf first, then goes its sampler's way; the chosen token advances the constraint.
 
 use candle_core::Tensor;
 
+use super::constraint::TokenConstraint;
 use super::sampling::{DeviceDraw, Sampler};
 use crate::error::{Error, Result};
 use crate::kernels::ops::argmax::pick_rows;
@@ -28,6 +31,10 @@ pub(crate) trait Chooser {
     fn history(&self) -> &[u32];
     /// The sampler, to draw with, and the history.
     fn parts(&mut self) -> (&mut Sampler, &[u32]);
+    /// The row's output constraint, where it has one.
+    fn constraint(&mut self) -> Option<&mut TokenConstraint> {
+        None
+    }
 }
 
 /// One row's sampler and history, borrowed ([`crate::Generator`]'s single row).
@@ -36,6 +43,8 @@ pub(crate) struct SamplerRow<'a> {
     pub sampler: &'a mut Sampler,
     /// The prompt and the tokens generated so far.
     pub history: &'a [u32],
+    /// The output constraint, where the generation has one.
+    pub constraint: Option<&'a mut TokenConstraint>,
 }
 
 impl Chooser for SamplerRow<'_> {
@@ -47,6 +56,9 @@ impl Chooser for SamplerRow<'_> {
     }
     fn parts(&mut self) -> (&mut Sampler, &[u32]) {
         (self.sampler, self.history)
+    }
+    fn constraint(&mut self) -> Option<&mut TokenConstraint> {
+        self.constraint.as_deref_mut()
     }
 }
 
@@ -112,6 +124,8 @@ pub(crate) fn choose_tokens<R: Chooser + Send>(
             rows.len()
         )));
     }
+    let constrained = constrain(logits, rows)?;
+    let logits = constrained.as_ref().unwrap_or(logits);
     let plans: Vec<RowPlan> = rows.iter().map(plan).collect();
     let mut chosen: Vec<Option<u32>> = vec![None; rows.len()];
     let device: Vec<Option<DeviceDraw>> = plans
@@ -160,7 +174,41 @@ pub(crate) fn choose_tokens<R: Chooser + Send>(
             chosen[i] = Some(t);
         }
     }
-    Ok(chosen.into_iter().map(|t| t.unwrap_or(0)).collect())
+    let chosen: Vec<u32> = chosen.into_iter().map(|t| t.unwrap_or(0)).collect();
+    for (row, &token) in rows.iter_mut().zip(&chosen) {
+        if let Some(c) = row.constraint() {
+            c.accept(token)?;
+        }
+    }
+    Ok(chosen)
+}
+
+/// `logits` with each constrained row's disallowed tokens at -inf; `None` where no row has a
+/// constraint.
+fn constrain<R: Chooser>(logits: &Tensor, rows: &mut [R]) -> Result<Option<Tensor>> {
+    if !rows.iter_mut().any(|r| r.constraint().is_some()) {
+        return Ok(None);
+    }
+    let vocab = logits.dim(1)?;
+    let mut mask = Vec::with_capacity(rows.len() * vocab);
+    for row in rows.iter_mut() {
+        match row.constraint() {
+            Some(c) => {
+                let allowed = c.allowed()?;
+                if allowed.len() != vocab {
+                    return Err(Error::Input(format!(
+                        "a constraint over {} tokens for logits of {vocab}",
+                        allowed.len()
+                    )));
+                }
+                mask.extend(allowed);
+            }
+            None => mask.resize(mask.len() + vocab, 1u8),
+        }
+    }
+    let mask = Tensor::from_vec(mask, (rows.len(), vocab), logits.device())?;
+    let blocked = Tensor::full(f32::NEG_INFINITY, (rows.len(), vocab), logits.device())?;
+    Ok(Some(mask.where_cond(logits, &blocked)?))
 }
 
 /// The rows planned [`RowPlan::Best`] and [`RowPlan::Nucleus`], drawn from their best logits
@@ -271,6 +319,7 @@ mod tests {
         plan(&SamplerRow {
             sampler: &mut sampler,
             history,
+            constraint: None,
         })
     }
 
@@ -360,10 +409,12 @@ mod tests {
             SamplerRow {
                 sampler: &mut a,
                 history: &history,
+                constraint: None,
             },
             SamplerRow {
                 sampler: &mut b,
                 history: &history,
+                constraint: None,
             },
         ];
         let got = choose_tokens(&t, &mut rows)?;

@@ -5,6 +5,7 @@ use std::path::Path;
 use std::time::Instant;
 
 use super::choose::{accept_device_pick, choose_tokens, device_pick, SamplerRow};
+use super::constraint::TokenConstraint;
 use super::detok::StreamDecoder;
 use super::logprobs::token_logprobs;
 use super::lookahead::Lookahead;
@@ -181,14 +182,22 @@ impl<'m> Generator<'m> {
         };
         eos.extend(&options.extra_eos);
         let sampler = Sampler::new(options.sampling.clone());
+        let constraint = options
+            .constraint
+            .as_ref()
+            .map(|c| model.start_constraint(c))
+            .transpose()?;
         let lookahead = match (&logits, device_pick(&sampler, prompt)) {
-            (Some(l), Some(draw)) if options.lookahead && options.logprobs.is_none() => {
+            (Some(l), Some(draw))
+                if options.lookahead && options.logprobs.is_none() && constraint.is_none() =>
+            {
                 Lookahead::start(model, l, options.max_tokens, draw)?
             }
             _ => None,
         };
         Ok(Stream {
             lookahead,
+            constraint,
             logprobs: options.logprobs,
             sampler,
             decoder: model
@@ -275,6 +284,8 @@ pub struct Stream<'g, 'm> {
     decode_started: Option<Instant>,
     /// Greedy decoding one step ahead ([`GenOptions::lookahead`]), where it applies.
     lookahead: Option<Lookahead>,
+    /// The output constraint ([`GenOptions::constraint`]).
+    constraint: Option<TokenConstraint>,
     /// Alternatives reported with each token's log-probability ([`GenOptions::logprobs`]).
     logprobs: Option<usize>,
 }
@@ -303,6 +314,7 @@ impl Stream<'_, '_> {
         let mut row = [SamplerRow {
             sampler: &mut self.sampler,
             history: &self.history,
+            constraint: self.constraint.as_mut(),
         }];
         let ids = choose_tokens(&rows, &mut row)?;
         ids.first()
@@ -321,6 +333,7 @@ impl Stream<'_, '_> {
                 let mut row = SamplerRow {
                     sampler: &mut self.sampler,
                     history: &self.history,
+                    constraint: None,
                 };
                 accept_device_pick(&mut row, next.token);
                 (next.token, next.forwarded)

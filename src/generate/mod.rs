@@ -4,6 +4,7 @@
 
 mod batch;
 pub(crate) mod choose;
+pub mod constraint;
 pub mod detok;
 mod generator;
 mod logprobs;
@@ -16,5 +17,6 @@ mod types;
 pub use types::*;
 
 pub use batch::{BatchSession, Finished, SeqId};
+pub use constraint::Constraint;
 pub use generator::{Generator, Stream};
 pub use sampling::{DeviceDraw, Sampler, SamplingOptions};

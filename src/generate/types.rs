@@ -42,6 +42,11 @@ pub struct GenOptions {
     /// filters (vLLM's default). Costs a reduction over each row a step; greedy decoding with
     /// it does not run ahead.
     pub logprobs: Option<usize>,
+    /// Hold the output to a JSON schema, a JSON object, a regular expression or a Lark grammar
+    /// ([`crate::generate::constraint`]): each step only tokens that can continue a valid
+    /// output may be chosen, and the end-of-sequence tokens only once it is complete. Such a
+    /// generation does not decode one step ahead.
+    pub constraint: Option<super::Constraint>,
 }
 
 /// Most alternatives [`GenOptions::logprobs`] reports a token (OpenAI's `top_logprobs` limit).
@@ -60,6 +65,7 @@ impl Default for GenOptions {
             skip_special_tokens: true,
             lookahead: true,
             logprobs: None,
+            constraint: None,
         }
     }
 }

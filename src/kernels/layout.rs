@@ -23,7 +23,7 @@ pub(crate) fn last_dim_contiguous(t: &Tensor) -> candle_core::Result<(Tensor, u6
 pub(crate) fn last_dim_contiguous_aligned16(t: &Tensor) -> candle_core::Result<(Tensor, u64, u64)> {
     let (t, s1, s2) = last_dim_contiguous(t)?;
     let chunk = (16 / t.dtype().size_in_bytes()).max(1);
-    let ok = |x: usize| x % chunk == 0;
+    let ok = |x: usize| x.is_multiple_of(chunk);
     if ok(t.layout().start_offset()) && ok(s1 as usize) && ok(s2 as usize) {
         Ok((t, s1, s2))
     } else {

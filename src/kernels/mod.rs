@@ -57,7 +57,7 @@ pub struct QueryPlan {
 /// for a window `W`, `query - W < key` (W keys including the query's own).
 #[inline]
 pub fn visible(key: usize, query: usize, window: Option<usize>) -> bool {
-    key <= query && window.map_or(true, |w| key.saturating_add(w) > query)
+    key <= query && window.is_none_or(|w| key.saturating_add(w) > query)
 }
 
 /// Attention of `q` over the keys and values of a cache view.
@@ -228,7 +228,7 @@ pub(crate) fn check_view(
         && k_dims == v_dims
         && k_dims[0] == 1
         && k_dims[1] > 0
-        && n_heads % k_dims[1] == 0
+        && n_heads.is_multiple_of(k_dims[1])
         && k_dims[2] == positions.len()
         && k_dims[3] == head_dim;
     if !ok {
@@ -243,7 +243,7 @@ pub(crate) fn check_view(
     }
     if let KvData::Packed { k, v } = data {
         for p in [k, v] {
-            if p.group_size == 0 || head_dim % p.group_size != 0 {
+            if p.group_size == 0 || !head_dim.is_multiple_of(p.group_size) {
                 return Err(KernelError::BadGroupSize {
                     group_size: p.group_size,
                     dim: head_dim,

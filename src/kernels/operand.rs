@@ -15,7 +15,7 @@ pub const GROUP_SIZES: [usize; 3] = [32, 64, 128];
 /// # Errors
 /// [`KernelError::BadGroupSize`] otherwise.
 pub fn check_group_size(group_size: usize, dim: usize) -> Result<(), KernelError> {
-    if GROUP_SIZES.contains(&group_size) && dim % group_size == 0 && dim > 0 {
+    if GROUP_SIZES.contains(&group_size) && dim.is_multiple_of(group_size) && dim > 0 {
         Ok(())
     } else {
         Err(KernelError::BadGroupSize { group_size, dim })
@@ -158,7 +158,7 @@ impl PackedAffine {
         };
         let bits =
             QuantBits::from_bits(bits).map_err(|e| packed_err("packed weight", e.to_string()))?;
-        let group_size = if in_dim % groups == 0 {
+        let group_size = if in_dim.is_multiple_of(groups) {
             in_dim / groups
         } else {
             0

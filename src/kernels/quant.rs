@@ -202,7 +202,7 @@ pub(crate) fn dequantize_host(p: &PackedAffine, rows: &[usize]) -> Result<Vec<f3
         *last = n_groups;
     }
     if p.group_size == 0
-        || dim % p.group_size != 0
+        || !dim.is_multiple_of(p.group_size)
         || p.scales.dims() != sdims
         || p.biases.dims() != sdims
     {

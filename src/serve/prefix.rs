@@ -135,7 +135,7 @@ impl LayoutKey {
                 (KindKey::Simple, LayerCache::Simple(_)) => true,
                 (KindKey::Rotating, LayerCache::Simple(_)) => true,
                 (KindKey::Rotating, LayerCache::Rotating(r)) => {
-                    self.window.map_or(true, |w| w == r.window())
+                    self.window.is_none_or(|w| w == r.window())
                 }
                 (
                     KindKey::Quantized {
@@ -150,7 +150,7 @@ impl LayoutKey {
                         && s.group_size == group_size
                         && s.start == start
                         && q.window()
-                            .map_or(true, |w| self.window.map_or(true, |mine| mine == w))
+                            .is_none_or(|w| self.window.is_none_or(|mine| mine == w))
                 }
                 _ => false,
             };

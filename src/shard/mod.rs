@@ -118,7 +118,7 @@ pub fn partition_in(len: usize, world: usize, finest: usize) -> Vec<Range<usize>
     let even = [128, 64, 32, 16, 8, 4, 2, 1]
         .into_iter()
         .filter(|&u| u >= finest.max(1))
-        .any(|u| len > 0 && len % (u * world) == 0);
+        .any(|u| len > 0 && len.is_multiple_of(u * world));
     if even {
         let part = len / world;
         return (0..world).map(|r| r * part..(r + 1) * part).collect();
@@ -188,7 +188,7 @@ impl ShardPlan {
             });
         }
         let nh = config.num_attention_heads;
-        if nh % world != 0 {
+        if !nh.is_multiple_of(world) {
             return Err(Error::Config {
                 field: "num_attention_heads".to_string(),
                 reason: format!("{nh} query heads do not split over {world} devices"),
@@ -204,7 +204,7 @@ impl ShardPlan {
                 let kvh = plan.kv_heads;
                 let kv = if kvh % world == 0 {
                     rank * kvh / world..(rank + 1) * kvh / world
-                } else if kvh > 0 && world % kvh == 0 {
+                } else if kvh > 0 && world.is_multiple_of(kvh) {
                     // world / kvh ranks share each KV head; their query heads all read it.
                     let h = rank / (world / kvh);
                     h..h + 1

@@ -201,7 +201,7 @@ impl WeightStore {
             return Ok(None);
         };
         let b = bits.bits();
-        if inp % group != 0 || (inp * b) % 32 != 0 {
+        if !inp.is_multiple_of(group) || !(inp * b).is_multiple_of(32) {
             return Ok(None);
         }
         let words = inp * b / 32;

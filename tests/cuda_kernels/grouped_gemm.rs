@@ -43,7 +43,8 @@ fn check(
         BlockWeights::Each(&each)
     };
     let case = format!("grouped_matmul {dtype:?} rows {rows:?} n {n} k {k} stacked {stacked}");
-    let aligned = (n * dtype.size_in_bytes()) % 16 == 0 && (k * dtype.size_in_bytes()) % 16 == 0;
+    let aligned = (n * dtype.size_in_bytes()).is_multiple_of(16)
+        && (k * dtype.size_in_bytes()).is_multiple_of(16);
     let Some(got) = grouped_matmul(&x.to_device(dev)?, rows, blocks)? else {
         checks.exact(
             format!("{case}: declined (rows not 16-byte multiples)"),

@@ -414,7 +414,7 @@ fn masked_softmax_matches_the_host() -> Result<()> {
         let mut want = Vec::with_capacity(rows.len());
         for (r, row) in rows.iter().enumerate() {
             let qpos = q_offset + r % q_len;
-            let visible = |j: usize| j <= qpos && window.map_or(true, |w| j + w > qpos);
+            let visible = |j: usize| j <= qpos && window.is_none_or(|w| j + w > qpos);
             let m = (0..keys)
                 .filter(|&j| visible(j))
                 .map(|j| row[j] * scale)

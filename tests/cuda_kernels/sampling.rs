@@ -49,7 +49,7 @@ fn row(cols: usize, seed: u64) -> Vec<f32> {
                 2 => -0.0,
                 3 => 0.0,
                 4 => 3.0e38,
-                v => (v % 40) as f32 * 0.125 - 2.0 + if s % 5 == 0 { 1e-3 } else { 0.0 },
+                v => (v % 40) as f32 * 0.125 - 2.0 + if s.is_multiple_of(5) { 1e-3 } else { 0.0 },
             }
         })
         .collect()

@@ -189,7 +189,7 @@ impl<'m> BatchSession<'m> {
             logits = Some(self.model.forward(&[piece.to_vec()], &mut single)?);
         }
         let id = self.new_id();
-        let mut seq = Sequence::new(self.model, id, prompt, options);
+        let mut seq = Sequence::new(self.model, id, prompt, options)?;
         self.prefill_secs += started.elapsed().as_secs_f64();
         let logits = logits.ok_or_else(|| Error::Input("the prompt is empty".to_string()))?;
         let token = pick_tokens(&logits, std::slice::from_mut(&mut seq))?
@@ -232,7 +232,7 @@ impl<'m> BatchSession<'m> {
         };
         let id = self.new_id();
         self.joining.push(Joiner {
-            seq: Sequence::new(self.model, id, &prompt, options),
+            seq: Sequence::new(self.model, id, &prompt, options)?,
             done,
             cache: Some(cache),
         });

@@ -3,6 +3,7 @@
 
 use crate::error::Result;
 use crate::generate::choose::{device_pick, Chooser};
+use crate::generate::constraint::TokenConstraint;
 use crate::generate::detok::StreamDecoder;
 use crate::generate::sampling::{DeviceDraw, Sampler};
 use crate::generate::stop::StopStrings;
@@ -25,6 +26,8 @@ pub(super) struct Sequence<'m> {
     /// The options this sequence was added with (its own sampling, stops, cache layout).
     pub options: GenOptions,
     sampler: Sampler,
+    /// The output constraint ([`GenOptions::constraint`]).
+    constraint: Option<TokenConstraint>,
     decoder: Option<StreamDecoder<'m>>,
     stops: StopStrings,
     /// Prompt, then every generated token.
@@ -42,8 +45,11 @@ pub(super) struct Sequence<'m> {
 
 impl<'m> Sequence<'m> {
     /// A sequence about to generate after `prompt`, sampling with `options.sampling` as given
-    /// (seed included) and stopping after `max_tokens`.
-    pub fn new(model: &'m Model, id: SeqId, prompt: &[u32], options: GenOptions) -> Self {
+    /// (seed included), held to `options.constraint`, and stopping after `max_tokens`.
+    ///
+    /// # Errors
+    /// A constraint that cannot run ([`crate::Error::Constraint`]).
+    pub fn new(model: &'m Model, id: SeqId, prompt: &[u32], options: GenOptions) -> Result<Self> {
         let mut eos = if options.ignore_eos {
             Vec::new()
         } else {
@@ -55,9 +61,15 @@ impl<'m> Sequence<'m> {
         let room = (model.config().max_position_embeddings + 1)
             .saturating_sub(prompt.len())
             .max(1);
-        Self {
+        let constraint = options
+            .constraint
+            .as_ref()
+            .map(|c| model.start_constraint(c))
+            .transpose()?;
+        Ok(Self {
             id,
             sampler: Sampler::new(options.sampling.clone()),
+            constraint,
             decoder: model
                 .tokenizer()
                 .map(|t| StreamDecoder::new(t, options.skip_special_tokens)),
@@ -70,7 +82,7 @@ impl<'m> Sequence<'m> {
             max_tokens: options.max_tokens.min(room),
             eos,
             options,
-        }
+        })
     }
 
     /// Records `token` (the one [`Picked`] names) as the next one and turns it into a step
@@ -116,10 +128,13 @@ impl<'m> Sequence<'m> {
     }
 
     /// Whether this sequence may decode one step ahead of the host: its options allow it, it
-    /// asks for no log-probabilities, and its token is picked on the device
-    /// ([`crate::generate::choose::device_pick`]).
+    /// asks for no log-probabilities and has no output constraint, and its token is picked on
+    /// the device ([`crate::generate::choose::device_pick`]).
     pub fn runs_ahead(&self) -> bool {
-        self.options.lookahead && self.options.logprobs.is_none() && self.device_pick().is_some()
+        self.options.lookahead
+            && self.options.logprobs.is_none()
+            && self.constraint.is_none()
+            && self.device_pick().is_some()
     }
 
     /// How the device picks this sequence's next token, where it can
@@ -155,5 +170,8 @@ impl Chooser for Sequence<'_> {
     }
     fn parts(&mut self) -> (&mut Sampler, &[u32]) {
         (&mut self.sampler, &self.history)
+    }
+    fn constraint(&mut self) -> Option<&mut TokenConstraint> {
+        self.constraint.as_mut()
     }
 }

@@ -432,7 +432,7 @@ fn argmax_of_pairs(pairs: &mut [(u32, f32)]) -> u32 {
     pairs.sort_unstable_by_key(|p| p.0);
     let mut best: Option<(u32, f32)> = None;
     for &(i, s) in pairs.iter() {
-        if best.map_or(true, |b| s > b.1) {
+        if best.is_none_or(|b| s > b.1) {
             best = Some((i, s));
         }
     }

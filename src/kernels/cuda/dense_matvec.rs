@@ -176,7 +176,7 @@ const SV_ROWS_PER_WARP: usize = 2;
 pub fn dense_matvec_geglu(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     let (stacked, in_dim) = w.dims2()?;
     let dtype = x.dtype();
-    let aligned = |t: &Tensor| t.layout().start_offset() % 8 == 0;
+    let aligned = |t: &Tensor| t.layout().start_offset().is_multiple_of(8);
     if !matches!(dtype, DType::BF16 | DType::F16)
         || w.dtype() != dtype
         || x.dims().last() != Some(&in_dim)
@@ -286,7 +286,7 @@ fn dense_mv_with(
     let (out_dim, in_dim) = w.dims2()?;
     let dtype = x.dtype();
     let rows = x.elem_count() / in_dim.max(1);
-    let aligned = |t: &Tensor| t.layout().start_offset() % 8 == 0;
+    let aligned = |t: &Tensor| t.layout().start_offset().is_multiple_of(8);
     if !matches!(dtype, DType::BF16 | DType::F16)
         || w.dtype() != dtype
         || gate.is_some_and(|g| g.dtype() != dtype)

@@ -90,7 +90,7 @@ pub(super) fn compute_major(stream: &CudaStream) -> i32 {
 /// `t` itself when contiguous and starting on a 16-byte boundary, else a copy into a fresh
 /// buffer (`contiguous` alone keeps a contiguous view's start).
 pub(super) fn contiguous_aligned16(t: &Tensor) -> Result<Tensor> {
-    let aligned = (t.layout().start_offset() * t.dtype().size_in_bytes()) % 16 == 0;
+    let aligned = (t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(16);
     if t.is_contiguous() && aligned {
         Ok(t.clone())
     } else {

@@ -18,7 +18,7 @@ use super::layer_ops::GeluMulParams;
 pub fn device_copy(src: &Tensor, dst: &Tensor) -> Result<()> {
     let bytes = src.elem_count() * src.dtype().size_in_bytes();
     if bytes != dst.elem_count() * dst.dtype().size_in_bytes()
-        || bytes % 16 != 0
+        || !bytes.is_multiple_of(16)
         || src.dtype() != DType::F32
         || dst.dtype() != DType::F32
         || !src.is_contiguous()

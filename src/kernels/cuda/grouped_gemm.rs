@@ -119,11 +119,14 @@ pub fn grouped_matmul(
     // Rows of whole 16-byte units, and blocks starting on them, keep every operand of every
     // product aligned the way cuBLAS's tensor-core kernels want.
     let elem = x.dtype().size_in_bytes();
-    if (k * elem) % 16 != 0 || (n * elem) % 16 != 0 || offsets.iter().any(|o| o * elem % 16 != 0) {
+    if !(k * elem).is_multiple_of(16)
+        || !(n * elem).is_multiple_of(16)
+        || offsets.iter().any(|o| !(o * elem).is_multiple_of(16))
+    {
         return Ok(None);
     }
     let x = x.contiguous()?;
-    if x.layout().start_offset() * elem % 16 != 0 {
+    if !(x.layout().start_offset() * elem).is_multiple_of(16) {
         return Ok(None);
     }
     run(&x, rows, weights, n)

@@ -87,9 +87,9 @@ pub(crate) fn copy_token_rows(dst: &Tensor, src: &Tensor) -> Result<bool> {
     let on16 = |t: &Tensor, st: &[usize]| {
         t.rank() == 4
             && st[3] == 1
-            && (t.layout().start_offset() * elem) % 16 == 0
-            && (st[1] * elem) % 16 == 0
-            && (st[2] * elem) % 16 == 0
+            && (t.layout().start_offset() * elem).is_multiple_of(16)
+            && (st[1] * elem).is_multiple_of(16)
+            && (st[2] * elem).is_multiple_of(16)
     };
     if graph::recording()
         || !matches!(
@@ -100,7 +100,7 @@ pub(crate) fn copy_token_rows(dst: &Tensor, src: &Tensor) -> Result<bool> {
         || dst.dtype() != src.dtype()
         || !on16(dst, ds)
         || !on16(src, ss)
-        || (src.dim(3)? * elem) % 16 != 0
+        || !(src.dim(3)? * elem).is_multiple_of(16)
     {
         return Ok(false);
     }
@@ -473,7 +473,11 @@ pub(crate) fn kvq_destination(
     let (Ok((_, kvh, n, words)), Ok((_, _, _, groups))) = (kc.dims4(), ks.dims4()) else {
         return Ok(None);
     };
-    if head_dim == 0 || groups == 0 || (words * 32) % head_dim != 0 || head_dim % groups != 0 {
+    if head_dim == 0
+        || groups == 0
+        || (words * 32) % head_dim != 0
+        || !head_dim.is_multiple_of(groups)
+    {
         return Ok(None);
     }
     let (bits, group_size) = (words * 32 / head_dim, head_dim / groups);

@@ -119,9 +119,9 @@ pub(super) fn add_norm_params(
 ) -> Result<AddNormParams> {
     let dtype = res.dtype();
     let dim = w.dim(0)?;
-    let branch_ok = extra.second_branch.map_or(true, |(b, wa, wb)| {
-        b.dims() == y.dims() && wa.dims() == [dim] && wb.dims() == [dim]
-    });
+    let branch_ok = extra
+        .second_branch
+        .is_none_or(|(b, wa, wb)| b.dims() == y.dims() && wa.dims() == [dim] && wb.dims() == [dim]);
     if res.dims() != y.dims() || res.dims().last() != Some(&dim) || !branch_ok {
         candle_core::bail!(
             "add_norm: residual {:?}, branch {:?}, weight [{dim}], second branch {:?}",
@@ -170,7 +170,7 @@ const ADD_NORM_ROWS_MIN: usize = 64;
 fn rows_form(rows: usize, dim: usize, dtype: DType, ts: [Option<&Tensor>; 5]) -> bool {
     rows >= ADD_NORM_ROWS_MIN
         && matches!(dtype, DType::BF16 | DType::F16)
-        && dim % 8 == 0
+        && dim.is_multiple_of(8)
         && ts
             .iter()
             .flatten()
@@ -314,7 +314,9 @@ pub fn gelu_mul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     let n = rows * width;
     // Eight 16-bit elements a thread where every row starts on 16 bytes (`gelu_mul8`).
     let on16 = |t: &Tensor, stride: usize| {
-        (t.layout().start_offset() % 8 == 0) && stride % 8 == 0 && dtype.size_in_bytes() == 2
+        t.layout().start_offset().is_multiple_of(8)
+            && stride.is_multiple_of(8)
+            && dtype.size_in_bytes() == 2
     };
     let by8 = width % 8 == 0 && on16(&a, sa) && on16(&b, sb) && rows <= 65_535;
     let (name, cfg) = if by8 {
@@ -474,13 +476,13 @@ pub fn qkv_prep_into(
         None => None,
     };
     // 256- and 512-wide heads whose rows start 16 bytes aligned take a warp a head.
-    let aligned = |t: &Tensor| t.layout().start_offset() % 8 == 0;
+    let aligned = |t: &Tensor| t.layout().start_offset().is_multiple_of(8);
     let warp = matches!(head_dim, 256 | 512)
         && [qs, ks, vs, params.kv_head_stride as usize]
             .iter()
             .all(|st| st % 8 == 0)
         && [&q, &k, &v, &qw, &kw, &cos, &sin].into_iter().all(aligned)
-        && kv_dst.map_or(true, |(kd, vd)| aligned(kd) && aligned(vd));
+        && kv_dst.is_none_or(|(kd, vd)| aligned(kd) && aligned(vd));
     let variant = if warp {
         format!("_w{}", head_dim / 32)
     } else {

@@ -138,7 +138,7 @@ fn uses_tensor_core_matvec(
 ) -> bool {
     matches!(x_dtype, DType::BF16 | DType::F16)
         && matches!(group_size, 32 | 64 | 128)
-        && in_dim % group_size == 0
+        && in_dim.is_multiple_of(group_size)
         && (rows > 1 || (bits == 4 && group_size > 32))
 }
 
@@ -160,8 +160,8 @@ pub(super) fn dequantizes_before_mma(
         && bias_dtype == x_dtype
         && bits == 4
         && group_size >= 32
-        && group_size % 32 == 0
-        && in_dim % group_size == 0
+        && group_size.is_multiple_of(32)
+        && in_dim.is_multiple_of(group_size)
 }
 
 /// Most activation rows [`super::matvec::qmatvec`] takes for `x_dtype` through `w`: 32 where
@@ -338,7 +338,7 @@ mod tests {
         for (out, inp) in [(1, 32), (5376, 21504), (64, 1 << 20), (262144, 5376)] {
             let s = row_matvec_split_for(out, inp, 132);
             assert!(
-                matches!(s, 1 | 2 | 4) && QROW_MAX_WARPS % s == 0,
+                matches!(s, 1 | 2 | 4) && QROW_MAX_WARPS.is_multiple_of(s),
                 "{out}x{inp}: {s}"
             );
         }

@@ -215,7 +215,9 @@ impl ExpertStack<'_> {
     /// tile 32-input slices with scales and biases of the activations' type.
     fn tensor_cores_take(&self, dtype: DType, in_dim: usize) -> bool {
         match *self {
-            ExpertStack::Dense(_) => matches!(dtype, DType::BF16 | DType::F16) && in_dim % 32 == 0,
+            ExpertStack::Dense(_) => {
+                matches!(dtype, DType::BF16 | DType::F16) && in_dim.is_multiple_of(32)
+            }
             ExpertStack::Packed(w, _) => super::matvec_plan::dequantizes_before_mma(
                 dtype,
                 w.scales.dtype(),
@@ -573,7 +575,7 @@ pub fn gather_rows(src: &Tensor, idx: &Tensor) -> Result<Option<Tensor>> {
     }
     let src = src.contiguous()?;
     let elem = src.dtype().size_in_bytes();
-    if bytes % 16 != 0 || (src.layout().start_offset() * elem) % 16 != 0 {
+    if !bytes.is_multiple_of(16) || (src.layout().start_offset() * elem) % 16 != 0 {
         return Ok(None);
     }
     let n = idx.dim(0)?;

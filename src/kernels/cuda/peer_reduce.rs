@@ -305,7 +305,7 @@ impl PeerSum {
         fuse: &NormFuse<'_>,
     ) -> Result<Option<super::norm_tail::AddNormOut>> {
         let res = fuse.res;
-        if !matches!(res.dtype(), DType::F16 | DType::BF16) || res.elem_count() % 2 != 0 {
+        if !matches!(res.dtype(), DType::F16 | DType::BF16) || !res.elem_count().is_multiple_of(2) {
             return Ok(None);
         }
         let Some((_, args)) = self.args_for(res, res.elem_count(), true)? else {
@@ -371,7 +371,7 @@ impl PeerSum {
     pub(crate) fn gather(&self, x: &Tensor) -> Result<Option<Tensor>> {
         let dtype = x.dtype();
         let elems = x.elem_count();
-        if (elems * dtype.size_in_bytes()) % 4 != 0 {
+        if !(elems * dtype.size_in_bytes()).is_multiple_of(4) {
             return Ok(None);
         }
         let Some(Prepared {
@@ -456,7 +456,7 @@ impl PeerSum {
         };
         let parts = if extra.second_branch.is_some() { 2 } else { 1 };
         if params.rows as usize > PEER_ADD_NORM_MAX_ROWS
-            || (dtype.size_in_bytes() == 2 && elems % 2 != 0)
+            || (dtype.size_in_bytes() == 2 && !elems.is_multiple_of(2))
         {
             return Ok(None);
         }

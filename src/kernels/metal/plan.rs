@@ -201,7 +201,7 @@ pub fn plan_matvec(rows: usize, x_dtype: DType, w: &PackedAffine) -> Option<Matv
     let sn = type_name(w.scales.dtype())?;
     let bits = w.bits.bits();
     let variant = *MATVEC_ROW_VARIANTS.iter().find(|&&r| r >= rows)?;
-    if rows == 0 || w.in_dim() % (128 / bits) != 0 {
+    if rows == 0 || !w.in_dim().is_multiple_of(128 / bits) {
         return None;
     }
     Some(MatvecLaunch {
@@ -422,7 +422,7 @@ pub fn plan_moe_product(
     format: ExpertFormat,
 ) -> Option<MoeProductLaunch> {
     let tn = type_name(x_dtype)?;
-    if in_dim == 0 || in_dim % 32 != 0 {
+    if in_dim == 0 || !in_dim.is_multiple_of(32) {
         return None;
     }
     let (kernel, group_size) = match format {
@@ -432,7 +432,10 @@ pub fn plan_moe_product(
             group_size,
             scale_dtype,
         } => {
-            if group_size == 0 || in_dim % group_size != 0 || group_size % (32 / bits.bits()) != 0 {
+            if group_size == 0
+                || !in_dim.is_multiple_of(group_size)
+                || group_size % (32 / bits.bits()) != 0
+            {
                 return None;
             }
             let sn = type_name(scale_dtype)?;

@@ -52,7 +52,10 @@ fn f16_exact(v: f32) -> bool {
 /// # Errors
 /// Candle errors reading the tensors; [`KernelError::Shape`] when codes and scales disagree.
 pub fn q4_1_blocks(p: &PackedAffine) -> Result<Option<Vec<u8>>, KernelError> {
-    if p.bits != QuantBits::Four || p.in_dim() % BLOCK != 0 || p.group_size % BLOCK != 0 {
+    if p.bits != QuantBits::Four
+        || !p.in_dim().is_multiple_of(BLOCK)
+        || !p.group_size.is_multiple_of(BLOCK)
+    {
         return Ok(None);
     }
     let (out, dim) = (p.out_dim(), p.in_dim());
@@ -222,7 +225,7 @@ impl PackedAffine {
     pub fn with_candle_q4_1(mut self) -> Self {
         let device = self.codes.device().clone();
         // candle's CPU dot product takes blocks in pairs (it asserts an even block count).
-        let even_blocks = (self.in_dim() / BLOCK) % 2 == 0;
+        let even_blocks = (self.in_dim() / BLOCK).is_multiple_of(2);
         let wanted = match &device {
             Device::Metal(_) => true,
             Device::Cpu => {

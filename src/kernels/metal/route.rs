@@ -72,7 +72,7 @@ pub fn product(rows: usize, x_dtype: DType, w: WeightFormat, kernels_on: bool) -
     }
     let fits_matvec = rows > 0
         && MATVEC_ROW_VARIANTS.iter().any(|&r| r >= rows)
-        && w.in_dim % (128 / w.bits.bits()) == 0;
+        && w.in_dim.is_multiple_of(128 / w.bits.bits());
     if fits_matvec {
         Route::Kernel(Family::Qmatvec)
     } else {
@@ -122,9 +122,7 @@ pub fn moe(
     kernels_on: bool,
 ) -> Route {
     let fits = |w: Option<WeightFormat>| {
-        w.map_or(true, |w| {
-            type_name(w.scale_dtype).is_some() && w.in_dim % 32 == 0
-        })
+        w.is_none_or(|w| type_name(w.scale_dtype).is_some() && w.in_dim % 32 == 0)
     };
     if kernels_on && type_name(dtype).is_some() && fits(gate_up) && fits(down) {
         Route::Kernel(Family::Moe)

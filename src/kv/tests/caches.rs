@@ -14,10 +14,7 @@ fn chunked_prefill_and_long_generation_match_full_history() {
             // Chunks smaller, equal and larger than the window, then decode far past it.
             let chunks = [3, 1, window, 2 * window + 1, 1, 7];
             let mut seed = 100;
-            for &n in chunks
-                .iter()
-                .chain(std::iter::repeat(&1).take(3 * window + 4))
-            {
+            for &n in chunks.iter().chain(std::iter::repeat_n(&1, 3 * window + 4)) {
                 let d = step(&mut cache, &mut hist, win, n, seed);
                 assert!(
                     d < TOL,

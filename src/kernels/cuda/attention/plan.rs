@@ -137,7 +137,7 @@ pub(super) fn kernel_side(side: KvOperand<'_>, dtype: DType) -> candle_core::Res
             // key's words, head_dim * bits / 32, are a multiple of 4 for every head dim.
             // (`contiguous` would keep a contiguous view's misaligned start.)
             let (mut words, mut words_sh, mut words_sk) = last_dim_contiguous(&p.codes)?;
-            let aligned = |x: usize| x % 4 == 0;
+            let aligned = |x: usize| x.is_multiple_of(4);
             if !(aligned(words.layout().start_offset())
                 && aligned(words_sh as usize)
                 && aligned(words_sk as usize))
@@ -362,7 +362,7 @@ fn uses_tensor_core_attention(dtype: DType, head_dim: usize, bits: usize, group:
     matches!(dtype, DType::F16 | DType::BF16)
         && matches!(head_dim, 256 | 512)
         && match bits {
-            4 | 8 => group % 32 == 0 && group > 0,
+            4 | 8 => group.is_multiple_of(32) && group > 0,
             16 => true,
             _ => false,
         }

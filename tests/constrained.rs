@@ -1,0 +1,215 @@
+//! Constrained decoding on a fixture (random weights, the real tokenizer structure): a JSON
+//! schema, a regular expression and a Lark grammar hold the output, greedy and sampled, alone
+//! and in a batch beside unconstrained rows (which decode as they would alone), and a
+//! constraint that cannot run is a typed error.
+
+mod common;
+
+use candle_gemma::generate::{BatchSession, Constraint, SamplingOptions};
+use candle_gemma::{Error, FinishReason, GenOptions, Model};
+use common::*;
+use serde_json::{json, Value};
+
+/// A schema whose values are all bounded, so a random model's output ends within a short
+/// budget; compact (no free whitespace).
+fn bounded_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "count": {"type": "integer", "minimum": 0, "maximum": 99},
+            "ok": {"type": "boolean"}
+        },
+        "required": ["color", "count", "ok"],
+        "additionalProperties": false,
+        "x-guidance": {"whitespace_flexible": false}
+    })
+}
+
+fn options(constraint: Option<Constraint>, sampling: SamplingOptions) -> GenOptions {
+    GenOptions {
+        max_tokens: 80,
+        constraint,
+        sampling,
+        ..Default::default()
+    }
+}
+
+fn tempered(seed: u64) -> SamplingOptions {
+    SamplingOptions {
+        temperature: 1.0,
+        top_k: Some(64),
+        top_p: Some(0.95),
+        seed,
+        ..Default::default()
+    }
+}
+
+fn generate(model: &Model, prompt: &str, opts: GenOptions) -> candle_gemma::generate::Output {
+    let ids = model.encode(prompt, true).expect("encode");
+    model.generator(opts).generate(&ids).expect("generate")
+}
+
+/// The schema's fields, checked on the parsed text.
+fn assert_bounded_object(text: &str) {
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    let o = v
+        .as_object()
+        .unwrap_or_else(|| panic!("not an object: {text}"));
+    assert_eq!(o.len(), 3, "{text}");
+    assert!(
+        matches!(o["color"].as_str(), Some("red" | "green" | "blue")),
+        "{text}"
+    );
+    assert!(o["count"].as_u64().is_some_and(|n| n <= 99), "{text}");
+    assert!(o["ok"].is_boolean(), "{text}");
+}
+
+#[test]
+fn a_json_schema_holds_greedy_and_sampled_output() {
+    let model = load("e2b-hf");
+    let free = generate(
+        &model,
+        "Describe it",
+        options(None, SamplingOptions::default()),
+    );
+    assert!(
+        serde_json::from_str::<Value>(&free.text).is_err(),
+        "the unconstrained output should not already be JSON: {:?}",
+        free.text
+    );
+    let schema = Constraint::JsonSchema(bounded_schema());
+    let greedy = generate(
+        &model,
+        "Describe it",
+        options(Some(schema.clone()), SamplingOptions::default()),
+    );
+    assert!(matches!(greedy.finish, FinishReason::Eos(_)), "{greedy:?}");
+    assert_bounded_object(&greedy.text);
+    for seed in [1, 2, 3] {
+        let out = generate(
+            &model,
+            "Describe it",
+            options(Some(schema.clone()), tempered(seed)),
+        );
+        assert!(matches!(out.finish, FinishReason::Eos(_)), "{out:?}");
+        assert_bounded_object(&out.text);
+    }
+}
+
+#[test]
+fn a_regex_and_a_lark_grammar_hold_the_whole_output() {
+    let model = load("e2b-hf");
+    let rx = generate(
+        &model,
+        "Code:",
+        options(
+            Some(Constraint::Regex("[a-c]{3}-[0-9]{2}".to_string())),
+            tempered(7),
+        ),
+    );
+    assert!(matches!(rx.finish, FinishReason::Eos(_)), "{rx:?}");
+    let t = rx.text.as_bytes();
+    assert_eq!(t.len(), 6, "{:?}", rx.text);
+    assert!(
+        t[..3].iter().all(|c| (b'a'..=b'c').contains(c)),
+        "{:?}",
+        rx.text
+    );
+    assert_eq!(t[3], b'-');
+    assert!(t[4..].iter().all(u8::is_ascii_digit), "{:?}", rx.text);
+
+    let lark = r#"start: "yes" | "no" | "maybe""#;
+    let out = generate(
+        &model,
+        "Answer:",
+        options(Some(Constraint::Lark(lark.to_string())), tempered(9)),
+    );
+    assert!(
+        matches!(out.text.as_str(), "yes" | "no" | "maybe"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn a_constrained_row_leaves_the_other_rows_of_a_batch_as_they_decode_alone() {
+    let model = load("e2b-hf");
+    let prompts = ["Tell me", "Describe it", "Once upon"];
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| generate(&model, p, options(None, SamplingOptions::default())).tokens)
+        .collect();
+    let mut batch = BatchSession::new(&model, options(None, SamplingOptions::default()));
+    let mut ids = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let prompt = model.encode(p, true).expect("encode");
+        let constraint = (i == 1).then(|| Constraint::JsonSchema(bounded_schema()));
+        let opts = options(constraint, SamplingOptions::default());
+        ids.push(batch.add_with(&prompt, opts).expect("add"));
+    }
+    let mut tokens = vec![Vec::new(); prompts.len()];
+    let mut texts = vec![String::new(); prompts.len()];
+    let mut done = 0;
+    while done < prompts.len() {
+        for (id, step) in batch.step().expect("step") {
+            let row = ids.iter().position(|&s| s == id).expect("known id");
+            tokens[row].push(step.token);
+            texts[row].push_str(&step.text);
+            done += usize::from(step.finish.is_some());
+        }
+    }
+    assert_eq!(tokens[0], alone[0]);
+    assert_eq!(tokens[2], alone[2]);
+    assert_bounded_object(&texts[1]);
+}
+
+#[test]
+fn a_constraint_that_cannot_run_is_a_typed_error() {
+    let model = load("e2b-hf");
+    let ids = model.encode("Hi", true).expect("encode");
+    let bad = options(
+        Some(Constraint::Regex("([a-z".to_string())),
+        SamplingOptions::default(),
+    );
+    let err = model
+        .generator(bad)
+        .generate(&ids)
+        .expect_err("a malformed pattern");
+    assert!(matches!(err, Error::Constraint(_)), "{err}");
+    let unknown = json!({"type": "object", "properties": {"a": {"type": "no-such-type"}}});
+    let err = model
+        .generator(options(
+            Some(Constraint::JsonSchema(unknown)),
+            SamplingOptions::default(),
+        ))
+        .generate(&ids)
+        .expect_err("an unknown schema type");
+    assert!(matches!(err, Error::Constraint(_)), "{err}");
+    let mut batch = BatchSession::new(&model, options(None, SamplingOptions::default()));
+    let bad = options(
+        Some(Constraint::Lark("start: (".to_string())),
+        SamplingOptions::default(),
+    );
+    assert!(matches!(
+        batch.add_with(&ids, bad),
+        Err(Error::Constraint(_))
+    ));
+
+    // No tokenizer: nothing to spell the output with.
+    let config = model.config().clone();
+    let random = Model::random(
+        config,
+        &candle_core::Device::Cpu,
+        candle_core::DType::F32,
+        1,
+    )
+    .expect("random model");
+    let err = random
+        .generator(options(
+            Some(Constraint::JsonObject),
+            SamplingOptions::default(),
+        ))
+        .generate(&ids)
+        .expect_err("no tokenizer");
+    assert!(matches!(err, Error::Constraint(_)), "{err}");
+}
