@@ -483,6 +483,16 @@ impl Model {
         )
     }
 
+    /// Compiles `constraint` against this model's tokenizer as a generation would, without
+    /// generating: a server checks a request's constraint this way before queueing it.
+    ///
+    /// # Errors
+    /// [`Error::Constraint`]: no tokenizer, a tokenizer that cannot spell constrained output,
+    /// or a schema, pattern or grammar that does not compile.
+    pub fn check_constraint(&self, constraint: &Constraint) -> Result<()> {
+        self.start_constraint(constraint).map(drop)
+    }
+
     /// The tokenizer, when the checkpoint has a `tokenizer.json`.
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
         self.tokenizer.as_ref()

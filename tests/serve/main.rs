@@ -2,8 +2,8 @@
 //! with a real HTTP client (reqwest): both OpenAI endpoints and Anthropic Messages, streaming
 //! and not; greedy ids against the library's single-sequence decode; concurrency across KV
 //! layouts; prefix reuse; cancellation; every bad input; the API key; a load of 200 requests;
-//! a teacher-forced streaming tool call; and a model sharded over two CPU ranks. Every server
-//! stops when its test ends.
+//! a teacher-forced streaming tool call; structured output; and a model sharded over two CPU
+//! ranks. Every server stops when its test ends.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -21,4 +21,5 @@ mod load;
 mod logprobs;
 mod reuse;
 mod sharded;
+mod structured;
 mod tool_stream;

@@ -50,6 +50,7 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let mut options =
         req.knobs
             .to_options(&state.config.defaults, prompt.len(), state.context())?;
+    super::structured::check(state.model(), &options)?;
     // The split needs the tags; other special tokens are dropped by id.
     options.skip_special_tokens = false;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);

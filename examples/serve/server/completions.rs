@@ -64,6 +64,7 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let options = req
         .knobs
         .to_options(&state.config.defaults, prompt.len(), state.context())?;
+    super::structured::check(state.model(), &options)?;
     let stream = CompletionStream {
         state: state.clone(),
         offset: 0,

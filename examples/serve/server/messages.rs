@@ -49,6 +49,7 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let mut options =
         req.knobs
             .to_options(&state.config.defaults, prompt.len(), state.context())?;
+    super::structured::check(state.model(), &options)?;
     options.skip_special_tokens = false;
     let submission = state.engine.submit(prompt, options)?;
     let mut stream = MessagesStream::new(

@@ -23,7 +23,7 @@
 //! [`anthropic`] (wire types and response builders), [`chat`], [`completions`] and
 //! [`messages`] (the route handlers), [`split`] (thinking and tool calls out of the token
 //! stream), [`prompt`] (chat template), [`sse`] (event streams), [`auth`], [`body`],
-//! [`error`], [`options`].
+//! [`error`], [`options`], [`structured`] (`response_format` and the guided fields).
 
 pub mod anthropic;
 pub mod auth;
@@ -39,6 +39,7 @@ pub mod options;
 pub mod prompt;
 pub mod split;
 pub mod sse;
+pub mod structured;
 pub mod unimplemented;
 
 use std::collections::HashSet;

@@ -111,6 +111,16 @@ pub struct Knobs {
     /// Alternatives a token's log-probabilities list (chat; needs `logprobs: true`).
     #[serde(default)]
     pub top_logprobs: Option<i64>,
+    /// Structured output: `{"type": "text" | "json_object" | "json_schema", ..}`
+    /// ([`super::structured`]).
+    #[serde(default)]
+    pub response_format: Option<Value>,
+    /// vLLM's schema constraint (a JSON schema object).
+    #[serde(default)]
+    pub guided_json: Option<Value>,
+    /// vLLM's pattern constraint (a regular expression the whole answer matches).
+    #[serde(default)]
+    pub guided_regex: Option<Value>,
     /// Fields that would change the answer but are not implemented (refused unless default).
     #[serde(flatten)]
     pub unimplemented: Unimplemented,
@@ -269,6 +279,11 @@ impl Knobs {
             ignore_eos: self.ignore_eos,
             cache: self.cache(defaults)?,
             logprobs,
+            constraint: super::structured::constraint(
+                self.response_format.as_ref(),
+                self.guided_json.as_ref(),
+                self.guided_regex.as_ref(),
+            )?,
             ..GenOptions::default()
         })
     }

@@ -1,8 +1,8 @@
 //! Request fields that would change what an answer means but that this server does not
 //! implement. A request that sets one of them to anything but its default gets a 400
 //! `unsupported` naming the field, instead of an answer that silently ignores it (serde
-//! ignores fields a request struct does not name, so without this a client asking for JSON
-//! output would get free text and no error). Fields that only label a request (`user`,
+//! ignores fields a request struct does not name, so without this a client asking for
+//! `echo` would get an answer without its prompt and no error). Fields that only label a request (`user`,
 //! `metadata`, `store`, `service_tier`) are still ignored.
 
 use serde::Deserialize;
@@ -13,10 +13,6 @@ use super::error::ApiError;
 /// The unimplemented fields of OpenAI's chat and completion requests, as sent.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct Unimplemented {
-    /// Structured output; only `{"type": "text"}` (the default) is served: there is no
-    /// constrained decoding.
-    #[serde(default)]
-    pub response_format: Option<Value>,
     /// The legacy function-calling API (use `tools`).
     #[serde(default)]
     pub functions: Option<Value>,
@@ -41,19 +37,6 @@ impl Unimplemented {
     /// A 400 `unsupported` naming the first field set to something this server does not do.
     pub fn check(&self, n: usize) -> Result<(), ApiError> {
         let set = |v: &Option<Value>| !matches!(v, None | Some(Value::Null));
-        if let Some(format) = self.response_format.as_ref().filter(|v| !v.is_null()) {
-            let kind = format.get("type").and_then(Value::as_str);
-            if kind != Some("text") {
-                return Err(ApiError::unsupported(
-                    "response_format",
-                    format!(
-                        "response_format of type {} is not supported: this server has no \
-                         constrained decoding (only \"text\")",
-                        kind.map_or_else(|| format.to_string(), |k| format!("\"{k}\""))
-                    ),
-                ));
-            }
-        }
         for (param, value) in [
             ("functions", &self.functions),
             ("function_call", &self.function_call),
@@ -101,21 +84,12 @@ mod tests {
     fn defaults_pass_and_anything_else_names_its_field() {
         for ok in [
             json!({}),
-            json!({"response_format": {"type": "text"}, "echo": false, "suffix": "", "best_of": 2}),
-            json!({"response_format": null, "functions": [], "function_call": null}),
+            json!({"echo": false, "suffix": "", "best_of": 2}),
+            json!({"functions": [], "function_call": null}),
         ] {
             assert_eq!(check(ok.clone(), 2), Ok(()), "{ok}");
         }
         for (bad, field) in [
-            (
-                json!({"response_format": {"type": "json_object"}}),
-                "response_format",
-            ),
-            (
-                json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
-                "response_format",
-            ),
-            (json!({"response_format": "json"}), "response_format"),
             (json!({"functions": [{"name": "f"}]}), "functions"),
             (json!({"function_call": "auto"}), "function_call"),
             (json!({"echo": true}), "echo"),
