@@ -10,22 +10,6 @@ use candle_gemma::{Error, FinishReason, GenOptions, Model};
 use common::*;
 use serde_json::{json, Value};
 
-/// A schema whose values are all bounded, so a random model's output ends within a short
-/// budget; compact (no free whitespace).
-fn bounded_schema() -> Value {
-    json!({
-        "type": "object",
-        "properties": {
-            "color": {"enum": ["red", "green", "blue"]},
-            "count": {"type": "integer", "minimum": 0, "maximum": 99},
-            "ok": {"type": "boolean"}
-        },
-        "required": ["color", "count", "ok"],
-        "additionalProperties": false,
-        "x-guidance": {"whitespace_flexible": false}
-    })
-}
-
 fn options(constraint: Option<Constraint>, sampling: SamplingOptions) -> GenOptions {
     GenOptions {
         max_tokens: 80,
@@ -50,19 +34,9 @@ fn generate(model: &Model, prompt: &str, opts: GenOptions) -> candle_gemma::gene
     model.generator(opts).generate(&ids).expect("generate")
 }
 
-/// The schema's fields, checked on the parsed text.
+/// The text fits [`bounded_schema`].
 fn assert_bounded_object(text: &str) {
-    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
-    let o = v
-        .as_object()
-        .unwrap_or_else(|| panic!("not an object: {text}"));
-    assert_eq!(o.len(), 3, "{text}");
-    assert!(
-        matches!(o["color"].as_str(), Some("red" | "green" | "blue")),
-        "{text}"
-    );
-    assert!(o["count"].as_u64().is_some_and(|n| n <= 99), "{text}");
-    assert!(o["ok"].is_boolean(), "{text}");
+    assert!(fits_bounded_schema(text), "{text:?}");
 }
 
 #[test]

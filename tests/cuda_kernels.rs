@@ -13,6 +13,8 @@
 //! * `moe`: expert routing and the grouped expert products, dense and packed.
 //! * `qmatmul`: the packed matmul (matvec and GEMM paths) and embedding lookup.
 //! * `lookahead`: greedy generation one step ahead against plain greedy generation.
+//! * `constrained`: constrained decoding on the device (masked logits, then the usual picks)
+//!   against the CPU, and beside unconstrained rows of a batch decoding ahead.
 //! * `sampling`: each row's best logits picked on the device against the host sampler's order,
 //!   and sampled generation from them against generation reading whole rows.
 //! * `dense_matvec`: the tensor-core dense matvec family and the packed product with the
@@ -47,6 +49,8 @@ mod common;
 mod attention;
 #[path = "cuda_kernels/caches.rs"]
 mod caches;
+#[path = "cuda_kernels/constrained.rs"]
+mod constrained;
 #[path = "cuda_kernels/dense_matvec.rs"]
 mod dense_matvec;
 #[path = "cuda_kernels/grouped_gemm.rs"]

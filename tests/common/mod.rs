@@ -295,3 +295,27 @@ pub fn cache_layouts() -> Vec<(&'static str, CacheConfig)> {
         ("4-bit", quantized(QuantBits::Four)),
     ]
 }
+
+/// A JSON schema whose values are all bounded (a random-weight model's output under it ends
+/// within a short budget), without free whitespace: the constrained-decoding tests' schema.
+pub fn bounded_schema() -> Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "count": {"type": "integer", "minimum": 0, "maximum": 99}
+        },
+        "required": ["color", "count"],
+        "additionalProperties": false,
+        "x-guidance": {"whitespace_flexible": false}
+    })
+}
+
+/// Whether `text` is a JSON object valid under [`bounded_schema`].
+pub fn fits_bounded_schema(text: &str) -> bool {
+    serde_json::from_str::<Value>(text).is_ok_and(|v| {
+        v.as_object().is_some_and(|o| o.len() == 2)
+            && matches!(v["color"].as_str(), Some("red" | "green" | "blue"))
+            && v["count"].as_u64().is_some_and(|n| n <= 99)
+    })
+}

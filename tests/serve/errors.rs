@@ -40,7 +40,7 @@ async fn bad_inputs_get_400_with_an_error_object_and_the_server_keeps_answering(
         (CHAT, chat(json!({"n": 17})), 400, "invalid_n"),
         (CHAT, chat(json!({"max_tokens": 0})), 400, "invalid_max_tokens"),
         (CHAT, chat(json!({"tool_choice": "required"})), 400, "unsupported"),
-        (CHAT, chat(json!({"response_format": {"type": "json_object"}})), 400, "unsupported"),
+        (CHAT, chat(json!({"response_format": {"type": "yaml"}})), 400, "invalid_response_format"),
         (CHAT, chat(json!({"functions": [{"name": "f", "parameters": {}}]})), 400, "unsupported"),
         (COMPLETIONS, json!({"prompt": "Hi", "echo": true}).to_string(), 400, "unsupported"),
         (COMPLETIONS, json!({"prompt": "Hi", "suffix": "end"}).to_string(), 400, "unsupported"),

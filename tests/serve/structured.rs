@@ -4,38 +4,19 @@
 //! answering.
 
 use reqwest::StatusCode;
-use serde_json::{json, Value};
+use serde_json::json;
 
+use crate::common;
 use crate::harness::{openai_chunks, Harness, MODEL};
 
-/// Every value bounded (a random model's answer ends within the budget), compact.
-fn schema() -> Value {
-    json!({
-        "type": "object",
-        "properties": {
-            "color": {"enum": ["red", "green", "blue"]},
-            "count": {"type": "integer", "minimum": 0, "maximum": 99}
-        },
-        "required": ["color", "count"],
-        "additionalProperties": false,
-        "x-guidance": {"whitespace_flexible": false}
-    })
-}
-
 fn assert_matches_schema(text: &str) {
-    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
-    assert!(
-        matches!(v["color"].as_str(), Some("red" | "green" | "blue")),
-        "{text}"
-    );
-    assert!(v["count"].as_u64().is_some_and(|n| n <= 99), "{text}");
-    assert_eq!(v.as_object().map(|o| o.len()), Some(2), "{text}");
+    assert!(common::fits_bounded_schema(text), "{text:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn json_schemas_and_patterns_hold_answers_and_bad_ones_are_400() {
     let h = Harness::start(|_| {}).await;
-    let format = json!({"type": "json_schema", "json_schema": {"name": "thing", "schema": schema(), "strict": true}});
+    let format = json!({"type": "json_schema", "json_schema": {"name": "thing", "schema": common::bounded_schema(), "strict": true}});
     let body = json!({
         "model": MODEL, "prompt": "Describe it", "max_tokens": 60, "temperature": 0,
         "response_format": format,
