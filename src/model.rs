@@ -469,11 +469,14 @@ impl Model {
         &self.text
     }
 
-    /// The running form of `constraint` for one generation over this model's tokenizer.
+    /// The running form of `constraint` for one generation over this model's tokenizer, for a
+    /// decoding loop of the caller's own ([`GenOptions::constraint`] does this for
+    /// [`Generator`] and `BatchSession`). The token trie is built on the first call and kept.
     ///
     /// # Errors
-    /// As [`Grammars::start`].
-    pub(crate) fn start_constraint(&self, constraint: &Constraint) -> Result<TokenConstraint> {
+    /// [`Error::Constraint`]: no tokenizer, a tokenizer that cannot spell constrained output,
+    /// or a schema, pattern or grammar that does not compile.
+    pub fn constraint(&self, constraint: &Constraint) -> Result<TokenConstraint> {
         let config = self.config();
         self.grammars.start(
             constraint,
@@ -487,10 +490,9 @@ impl Model {
     /// generating: a server checks a request's constraint this way before queueing it.
     ///
     /// # Errors
-    /// [`Error::Constraint`]: no tokenizer, a tokenizer that cannot spell constrained output,
-    /// or a schema, pattern or grammar that does not compile.
+    /// As [`Model::constraint`].
     pub fn check_constraint(&self, constraint: &Constraint) -> Result<()> {
-        self.start_constraint(constraint).map(drop)
+        self.constraint(constraint).map(drop)
     }
 
     /// The tokenizer, when the checkpoint has a `tokenizer.json`.

@@ -101,8 +101,11 @@ impl Grammars {
     }
 }
 
-/// One generation's constraint as it runs: the parser's state after the tokens so far.
-pub(crate) struct TokenConstraint {
+/// One generation's constraint as it runs: the parser's state after the tokens so far. For
+/// callers that run their own decoding loop over [`crate::Model::forward`]: ask
+/// [`TokenConstraint::allowed`] before each pick and give the pick to
+/// [`TokenConstraint::accept`]. Made by [`crate::Model::constraint`] or [`compile`].
+pub struct TokenConstraint {
     matcher: Matcher,
     vocab: usize,
 }
@@ -122,7 +125,7 @@ impl TokenConstraint {
     /// # Errors
     /// [`Error::Constraint`] where the parser failed, or where no token can continue (a
     /// grammar the vocabulary cannot spell).
-    pub(crate) fn allowed(&mut self) -> Result<Vec<u8>> {
+    pub fn allowed(&mut self) -> Result<Vec<u8>> {
         let set = self
             .matcher
             .compute_mask_or_eos()
@@ -147,7 +150,7 @@ impl TokenConstraint {
     ///
     /// # Errors
     /// [`Error::Constraint`] for a token the constraint does not allow here.
-    pub(crate) fn accept(&mut self, token: u32) -> Result<()> {
+    pub fn accept(&mut self, token: u32) -> Result<()> {
         // A complete output allows only the end-of-sequence tokens, which end the generation
         // (or, past `ignore_eos`, leave nothing more to parse).
         if self.matcher.is_stopped() && !self.matcher.is_error() {
@@ -157,6 +160,21 @@ impl TokenConstraint {
             .consume_token(token)
             .map_err(|e| Error::Constraint(format!("token {token}: {e}")))
     }
+}
+
+/// `constraint` over `tokenizer`'s tokens, with `eos` ending a complete output and masks
+/// `vocab` wide, compiled from scratch: each call builds the token trie again, which
+/// [`crate::Model::constraint`] builds once per model.
+///
+/// # Errors
+/// As [`crate::Model::constraint`].
+pub fn compile(
+    constraint: &Constraint,
+    tokenizer: &Tokenizer,
+    eos: &[u32],
+    vocab: usize,
+) -> Result<TokenConstraint> {
+    Grammars::default().start(constraint, Some(tokenizer), eos, vocab)
 }
 
 /// The grammar compiler over `tokenizer`'s tokens, with `eos` (those below `vocab`; the

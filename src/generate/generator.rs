@@ -185,7 +185,7 @@ impl<'m> Generator<'m> {
         let constraint = options
             .constraint
             .as_ref()
-            .map(|c| model.start_constraint(c))
+            .map(|c| model.constraint(c))
             .transpose()?;
         let lookahead = match (&logits, device_pick(&sampler, prompt)) {
             (Some(l), Some(draw))

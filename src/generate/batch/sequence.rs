@@ -64,7 +64,7 @@ impl<'m> Sequence<'m> {
         let constraint = options
             .constraint
             .as_ref()
-            .map(|c| model.start_constraint(c))
+            .map(|c| model.constraint(c))
             .transpose()?;
         Ok(Self {
             id,
