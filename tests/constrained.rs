@@ -187,3 +187,42 @@ fn a_constraint_that_cannot_run_is_a_typed_error() {
         .expect_err("no tokenizer");
     assert!(matches!(err, Error::Constraint(_)), "{err}");
 }
+
+#[test]
+fn constrained_rows_batched_together_give_what_each_gives_alone() {
+    let model = load("e2b-hf");
+    let prompt = model.encode("Describe it", true).expect("encode");
+    let schema = Constraint::JsonSchema(bounded_schema());
+    let alone: Vec<String> = (1..=4)
+        .map(|seed| {
+            model
+                .generator(options(Some(schema.clone()), tempered(seed)))
+                .generate(&prompt)
+                .expect("generate")
+                .text
+        })
+        .collect();
+    let mut batch = BatchSession::new(&model, options(None, SamplingOptions::default()));
+    let ids: Vec<_> = (1..=4)
+        .map(|seed| {
+            batch
+                .add_with(&prompt, options(Some(schema.clone()), tempered(seed)))
+                .expect("add")
+        })
+        .collect();
+    let mut texts = vec![String::new(); ids.len()];
+    let mut done = 0;
+    while done < ids.len() {
+        for (id, step) in batch.step().expect("step") {
+            let row = ids.iter().position(|&s| s == id).expect("known id");
+            texts[row].push_str(&step.text);
+            done += usize::from(step.finish.is_some());
+        }
+    }
+    assert_eq!(texts, alone);
+    assert!(texts.iter().all(|t| fits_bounded_schema(t)), "{texts:?}");
+    assert!(
+        texts.iter().any(|t| *t != texts[0]),
+        "seeds should differ: {texts:?}"
+    );
+}

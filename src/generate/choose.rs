@@ -184,30 +184,61 @@ pub(crate) fn choose_tokens<R: Chooser + Send>(
 }
 
 /// `logits` with each constrained row's disallowed tokens at -inf; `None` where no row has a
-/// constraint.
-fn constrain<R: Chooser>(logits: &Tensor, rows: &mut [R]) -> Result<Option<Tensor>> {
-    if !rows.iter_mut().any(|r| r.constraint().is_some()) {
+/// constraint. The rows' masks are computed on up to [`SAMPLING_THREADS`] threads (a
+/// fraction of a millisecond each at 262,144 tokens).
+fn constrain<R: Chooser + Send>(logits: &Tensor, rows: &mut [R]) -> Result<Option<Tensor>> {
+    let mut constrained: Vec<(usize, &mut TokenConstraint)> = rows
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(i, r)| r.constraint().map(|c| (i, c)))
+        .collect();
+    if constrained.is_empty() {
         return Ok(None);
     }
-    let vocab = logits.dim(1)?;
-    let mut mask = Vec::with_capacity(rows.len() * vocab);
-    for row in rows.iter_mut() {
-        match row.constraint() {
-            Some(c) => {
-                let allowed = c.allowed()?;
-                if allowed.len() != vocab {
-                    return Err(Error::Input(format!(
-                        "a constraint over {} tokens for logits of {vocab}",
-                        allowed.len()
-                    )));
-                }
-                mask.extend(allowed);
-            }
-            None => mask.resize(mask.len() + vocab, 1u8),
-        }
+    let (n, vocab) = logits.dims2()?;
+    let threads = constrained.len().min(cores()).clamp(1, SAMPLING_THREADS);
+    let chunk = constrained.len().div_ceil(threads);
+    let masks: Vec<(usize, Result<Vec<u8>>)> = if threads == 1 {
+        constrained
+            .iter_mut()
+            .map(|(i, c)| (*i, c.allowed()))
+            .collect()
+    } else {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = constrained
+                .chunks_mut(chunk)
+                .map(|part| {
+                    scope.spawn(move || {
+                        part.iter_mut()
+                            .map(|(i, c)| (*i, c.allowed()))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_default())
+                .collect()
+        })
+    };
+    if masks.len() != constrained.len() {
+        return Err(Error::Candle(candle_core::Error::Msg(
+            "a thread computing token masks panicked".to_string(),
+        )));
     }
-    let mask = Tensor::from_vec(mask, (rows.len(), vocab), logits.device())?;
-    let blocked = Tensor::full(f32::NEG_INFINITY, (rows.len(), vocab), logits.device())?;
+    let mut mask = vec![1u8; n * vocab];
+    for (i, allowed) in masks {
+        let allowed = allowed?;
+        if allowed.len() != vocab {
+            return Err(Error::Input(format!(
+                "a constraint over {} tokens for logits of {vocab}",
+                allowed.len()
+            )));
+        }
+        mask[i * vocab..(i + 1) * vocab].copy_from_slice(&allowed);
+    }
+    let mask = Tensor::from_vec(mask, (n, vocab), logits.device())?;
+    let blocked = Tensor::full(f32::NEG_INFINITY, (n, vocab), logits.device())?;
     Ok(Some(mask.where_cond(logits, &blocked)?))
 }
 
@@ -260,8 +291,14 @@ fn choose_from_candidates<R: Chooser>(
     Ok(())
 }
 
-/// Most threads that sample whole rows of one step.
+/// Most threads that sample whole rows, or compute constrained rows' masks, of one step.
 const SAMPLING_THREADS: usize = 16;
+
+/// The machine's hardware threads, read once.
+fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
 
 /// Each row's token from its whole logits, on up to [`SAMPLING_THREADS`] threads (a tempered
 /// draw with filters sorts its pool: milliseconds a row at 262,144 tokens).
@@ -269,9 +306,7 @@ fn sample_whole_rows<R: Chooser + Send>(
     host: Vec<Vec<f32>>,
     rows: &mut [&mut R],
 ) -> Result<Vec<u32>> {
-    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let threads = rows.len().min(cores).clamp(1, SAMPLING_THREADS);
+    let threads = rows.len().min(cores()).clamp(1, SAMPLING_THREADS);
     let sample = |r: &mut &mut R, logits: &Vec<f32>| {
         let (sampler, history) = r.parts();
         sampler.sample(logits, history)

@@ -51,30 +51,66 @@ impl Constraint {
     }
 }
 
-/// The grammar compiler of one model's tokenizer, built on first use (the token trie of a
-/// 262,144-token vocabulary takes a moment) and shared by every constrained generation.
-#[derive(Default)]
-pub(crate) struct Grammars(OnceLock<std::result::Result<Arc<ParserFactory>, String>>);
+/// Compiles constraints over one tokenizer's tokens: the token trie (built once, a moment for
+/// a 262,144-token vocabulary) shared by every constrained generation it starts.
+pub struct ConstraintCompiler {
+    factory: ParserFactory,
+    vocab: usize,
+}
 
-impl std::fmt::Debug for Grammars {
+impl std::fmt::Debug for ConstraintCompiler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let state = match self.0.get() {
-            None => "not built",
-            Some(Ok(_)) => "built",
-            Some(Err(_)) => "failed",
-        };
-        f.debug_tuple("Grammars").field(&state).finish()
+        f.debug_struct("ConstraintCompiler")
+            .field("vocab", &self.vocab)
+            .finish()
     }
 }
 
-impl Grammars {
-    /// The running form of `constraint` for one generation: `tokenizer` gives each token's
-    /// bytes, `eos` the ids that end a complete output, `vocab` the logits' width.
+impl ConstraintCompiler {
+    /// The compiler over `tokenizer`'s tokens, with `eos` (those below `vocab`; the tokenizer's
+    /// `<eos>` where none are) ending a complete output, and masks `vocab` wide (the logits'
+    /// width).
     ///
     /// # Errors
-    /// [`Error::Constraint`] without a tokenizer, for a tokenizer whose tokens are not
-    /// SentencePiece-style pieces with byte fallback (Gemma's), or for a constraint that does
-    /// not compile (an unsupported schema keyword, a malformed pattern or grammar).
+    /// [`Error::Constraint`] for a tokenizer whose tokens are not SentencePiece-style pieces
+    /// with byte fallback (Gemma's), or without an end-of-sequence token in the vocabulary.
+    pub fn new(tokenizer: &Tokenizer, eos: &[u32], vocab: usize) -> Result<Self> {
+        let factory = factory(tokenizer, eos, vocab).map_err(Error::Constraint)?;
+        Ok(Self { factory, vocab })
+    }
+
+    /// The running form of `constraint` for one generation.
+    ///
+    /// # Errors
+    /// [`Error::Constraint`] for a constraint that does not compile (an unsupported schema
+    /// keyword, a malformed pattern or grammar).
+    pub fn start(&self, constraint: &Constraint) -> Result<TokenConstraint> {
+        let parser = self
+            .factory
+            .create_parser(constraint.grammar())
+            .map_err(|e| Error::Constraint(e.to_string()))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(Error::Constraint(e));
+        }
+        Ok(TokenConstraint {
+            matcher,
+            vocab: self.vocab,
+        })
+    }
+}
+
+/// A model's [`ConstraintCompiler`], built on its first constrained generation.
+#[derive(Debug, Default)]
+pub(crate) struct Grammars(OnceLock<std::result::Result<Arc<ConstraintCompiler>, String>>);
+
+impl Grammars {
+    /// [`ConstraintCompiler::start`] on the model's compiler, built first where this is the
+    /// first call (over `tokenizer`, with `eos` and `vocab` as [`ConstraintCompiler::new`]).
+    ///
+    /// # Errors
+    /// [`Error::Constraint`] without a tokenizer, and as [`ConstraintCompiler::new`] and
+    /// [`ConstraintCompiler::start`].
     pub(crate) fn start(
         &self,
         constraint: &Constraint,
@@ -82,29 +118,25 @@ impl Grammars {
         eos: &[u32],
         vocab: usize,
     ) -> Result<TokenConstraint> {
-        let factory = self
+        let compiler = self
             .0
             .get_or_init(|| {
                 let tokenizer = tokenizer.ok_or("the checkpoint has no tokenizer.json")?;
-                factory(tokenizer, eos, vocab).map(Arc::new)
+                ConstraintCompiler::new(tokenizer, eos, vocab)
+                    .map(Arc::new)
+                    .map_err(|e| e.to_string())
             })
             .as_ref()
             .map_err(|e| Error::Constraint(e.clone()))?;
-        let parser = factory
-            .create_parser(constraint.grammar())
-            .map_err(|e| Error::Constraint(e.to_string()))?;
-        let matcher = Matcher::new(Ok(parser));
-        if let Some(e) = matcher.get_error() {
-            return Err(Error::Constraint(e));
-        }
-        Ok(TokenConstraint { matcher, vocab })
+        compiler.start(constraint)
     }
 }
 
 /// One generation's constraint as it runs: the parser's state after the tokens so far. For
 /// callers that run their own decoding loop over [`crate::Model::forward`]: ask
 /// [`TokenConstraint::allowed`] before each pick and give the pick to
-/// [`TokenConstraint::accept`]. Made by [`crate::Model::constraint`] or [`compile`].
+/// [`TokenConstraint::accept`]. Made by [`crate::Model::constraint`] or
+/// [`ConstraintCompiler::start`].
 pub struct TokenConstraint {
     matcher: Matcher,
     vocab: usize,
@@ -160,21 +192,6 @@ impl TokenConstraint {
             .consume_token(token)
             .map_err(|e| Error::Constraint(format!("token {token}: {e}")))
     }
-}
-
-/// `constraint` over `tokenizer`'s tokens, with `eos` ending a complete output and masks
-/// `vocab` wide, compiled from scratch: each call builds the token trie again, which
-/// [`crate::Model::constraint`] builds once per model.
-///
-/// # Errors
-/// As [`crate::Model::constraint`].
-pub fn compile(
-    constraint: &Constraint,
-    tokenizer: &Tokenizer,
-    eos: &[u32],
-    vocab: usize,
-) -> Result<TokenConstraint> {
-    Grammars::default().start(constraint, Some(tokenizer), eos, vocab)
 }
 
 /// The grammar compiler over `tokenizer`'s tokens, with `eos` (those below `vocab`; the

@@ -17,6 +17,6 @@ mod types;
 pub use types::*;
 
 pub use batch::{BatchSession, Finished, SeqId};
-pub use constraint::Constraint;
+pub use constraint::{Constraint, ConstraintCompiler, TokenConstraint};
 pub use generator::{Generator, Stream};
 pub use sampling::{DeviceDraw, Sampler, SamplingOptions};
