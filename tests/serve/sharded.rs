@@ -1,7 +1,7 @@
 //! The server over a model sharded on two CPU ranks (what `serve --tp 2 --device cpu` runs):
 //! one scheduler per rank fed the same steps. Greedy ids over HTTP equal mlx-lm's goldens and
-//! the unsharded library decode, while a 4-bit KV request runs in the same batch; `/health`
-//! reports the load.
+//! the unsharded library decode, while a 4-bit KV request runs in the same batch; a request
+//! under a JSON schema gives the unsharded model's answer; `/health` reports the load.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -59,6 +59,37 @@ async fn two_rank_server_gives_the_goldens_beside_a_4_bit_request() {
         assert_eq!(ids_of(&b).len(), n, "case {i}: the 4-bit request's tokens");
         assert_eq!(b["usage"]["completion_tokens"], n);
     }
+    // A constrained request: every rank masks and picks alike, so the answer is the one the
+    // unsharded model gives.
+    let prompt = single.encode("Describe it", true).expect("encode");
+    let body = json!({
+        "model": FIXTURE, "prompt": prompt, "max_tokens": 60, "temperature": 1.0, "seed": 4,
+        "top_k": 64, "top_p": 0.95, "return_token_ids": true,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": common::bounded_schema()}},
+    });
+    let v = h.ok("/v1/completions", &body).await;
+    let text = v["choices"][0]["text"].as_str().expect("text");
+    assert!(common::fits_bounded_schema(text), "{text:?}");
+    let options = candle_gemma::GenOptions {
+        max_tokens: 60,
+        constraint: Some(candle_gemma::generate::Constraint::JsonSchema(
+            common::bounded_schema(),
+        )),
+        sampling: candle_gemma::generate::SamplingOptions {
+            temperature: 1.0,
+            top_k: Some(64),
+            top_p: Some(0.95),
+            seed: 4,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let alone = single.generator(options).generate(&prompt).expect("alone");
+    assert_eq!(
+        ids_of(&v),
+        alone.tokens,
+        "constrained: 2 ranks against one model"
+    );
     // The ranks publish their load after each step; the last one may trail the answers.
     let mut running = None;
     for _ in 0..40 {
