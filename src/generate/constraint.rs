@@ -158,11 +158,25 @@ impl TokenConstraint {
     /// [`Error::Constraint`] where the parser failed, or where no token can continue (a
     /// grammar the vocabulary cannot spell).
     pub fn allowed(&mut self) -> Result<Vec<u8>> {
+        let mut mask = vec![0u8; self.vocab];
+        self.allowed_into(&mut mask)?;
+        Ok(mask)
+    }
+
+    /// [`Self::allowed`] written into `mask` (the logits' width; every byte is set).
+    pub(crate) fn allowed_into(&mut self, mask: &mut [u8]) -> Result<()> {
+        if mask.len() != self.vocab {
+            return Err(Error::Input(format!(
+                "a constraint over {} tokens for logits of {}",
+                self.vocab,
+                mask.len()
+            )));
+        }
         let set = self
             .matcher
             .compute_mask_or_eos()
             .map_err(|e| Error::Constraint(e.to_string()))?;
-        let mut mask = vec![0u8; self.vocab];
+        mask.fill(0);
         let mut any = false;
         set.iter_set_entries(|t| {
             if let Some(m) = mask.get_mut(t) {
@@ -175,7 +189,7 @@ impl TokenConstraint {
                 "no token of the vocabulary can continue the output".to_string(),
             ));
         }
-        Ok(mask)
+        Ok(())
     }
 
     /// Advances the parser past `token`, the one chosen from [`Self::allowed`].

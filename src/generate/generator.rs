@@ -137,12 +137,20 @@ impl<'m> Generator<'m> {
     ///
     /// # Errors
     /// Invalid options ([`GenOptions::validate`]), an empty prompt, invalid ids, a prompt
-    /// longer than the context, cache errors.
+    /// longer than the context, cache errors, a constraint that cannot run
+    /// ([`Error::Constraint`]).
     pub fn stream(&mut self, prompt: &[u32]) -> Result<Stream<'_, 'm>> {
         self.options.validate()?;
         if prompt.is_empty() {
             return Err(Error::Input("the prompt is empty".to_string()));
         }
+        // Before the prefill: a constraint that does not compile costs no forward pass.
+        let constraint = self
+            .options
+            .constraint
+            .as_ref()
+            .map(|c| self.model.constraint(c))
+            .transpose()?;
         let started = Instant::now();
         let reused = self.reuse_prefix(prompt)?;
         let mut cache = match self.cache.take() {
@@ -182,11 +190,6 @@ impl<'m> Generator<'m> {
         };
         eos.extend(&options.extra_eos);
         let sampler = Sampler::new(options.sampling.clone());
-        let constraint = options
-            .constraint
-            .as_ref()
-            .map(|c| model.constraint(c))
-            .transpose()?;
         let lookahead = match (&logits, device_pick(&sampler, prompt)) {
             (Some(l), Some(draw))
                 if options.lookahead && options.logprobs.is_none() && constraint.is_none() =>
