@@ -1,6 +1,7 @@
-// Dense-weight decode products: x · Wᵀ for at most 8 rows of f16/bf16 on the tensor cores, or
-// one row on the CUDA cores (`_sv2`), with gated, RMS-normed and stacked-GeGLU inputs computed
-// inside and the residual add + norm of the output folded into the last block (`_norm`).
+// Dense-weight decode products: x · Wᵀ for at most 8 rows of f16/bf16 on the tensor cores
+// (RMS-normed inputs computed inside), or one row on the CUDA cores (`_sv2`), with gated,
+// RMS-normed and stacked-GeGLU inputs computed inside and the residual add + norm of the
+// output folded into the last block (`_norm`).
 //
 // DenseMvParams must match `src/kernels/cuda/dense_matvec.rs` field for field (#[repr(C)]).
 
@@ -40,8 +41,8 @@ constexpr int DMV_UNROLL = 4;
 // of its W rows and of its x row per chunk, the first 4 for the first mma, the rest for the
 // second. W is streamed past L1; in_dim must be a multiple of 8 (16-byte aligned rows).
 //
-// DMV_GATED / DMV_NORMED: the block computes its input rows into dynamic shared memory
-// (rows * in_dim elements) instead of a launch of their own doing it.
+// DMV_NORMED (and DMV_GATED in the one-row kernels): the block computes its input rows into
+// dynamic shared memory (rows * in_dim elements) instead of a launch of their own doing it.
 // The staged input of the gated and normed products, written once a block to shared memory
 // `sx` (p.rows rows of in_dim, rows strided by x_stride and b_stride): gelu_tanh(x) * xb, or
 // rms_norm(x) * xb with xb the norm weight. Callers issue their first weight loads before.
@@ -148,40 +149,23 @@ __device__ __forceinline__ void dense_mv_body(const DenseMvParams p, const T* __
                                   y);
 }
 
-// Kernels dense_mv_{T}_{MT}_{WARPS}: more warps per block for few output tiles (more loads in
-// flight per multiprocessor), two tiles per block for many. `_gated`: gated input; `_norm`: the
-// residual add + norm of the output folded in.
+// The folded add + norm's arguments (the one-row `_norm` kernels).
 #define DMV_NORM_ARGS(T)                                                                       \
     const T *res, const T *nw, const T *scalar, const T *w2, const T *w3, T *out, T *out2,     \
         T *out3, uint32_t *counter, const MvNormParams np
+// Kernels dense_mv_{T}_{MT}_{WARPS}: more warps per block for few output tiles (more loads in
+// flight per multiprocessor), two tiles per block for many. `_normed`: the RMS-normed input.
+// (A gated input and the folded add + norm are one-row kernels' only: at more rows each block
+// would gate every row again, and one block would normalise the rows in turn.)
 #define DMV_INST(TN, T, MT, WARPS)                                                             \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))            \
         dense_mv_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* w, T* y) {  \
-        dense_mv_body<T, MT, WARPS, DMV_PLAIN>(p, x, x, w, y);                                     \
+        dense_mv_body<T, MT, WARPS, DMV_PLAIN>(p, x, x, w, y);                                 \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
-        dense_mv_gated_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* xb,   \
-                                             const T* w, T* y) {                               \
-        dense_mv_body<T, MT, WARPS, DMV_GATED>(p, x, xb, w, y);                                     \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))            \
         dense_mv_normed_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x, const T* nw,  \
                                               const T* w, T* y) {                              \
         dense_mv_body<T, MT, WARPS, DMV_NORMED>(p, x, nw, w, y);                               \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS)) dense_mv_norm_##TN##_##MT##_##WARPS( \
-        const DenseMvParams p, const T* x, const T* w, T* y, DMV_NORM_ARGS(T)) {                  \
-        dense_mv_body<T, MT, WARPS, DMV_PLAIN>(p, x, x, w, y);                                     \
-        last_block_add_norm<T, WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2, out3, \
-                                           counter);                                           \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32, DMV_MIN_BLOCKS(WARPS))                                   \
-        dense_mv_gated_norm_##TN##_##MT##_##WARPS(const DenseMvParams p, const T* x,           \
-                                                  const T* xb, const T* w, T* y,               \
-                                                  DMV_NORM_ARGS(T)) {                             \
-        dense_mv_body<T, MT, WARPS, DMV_GATED>(p, x, xb, w, y);                                     \
-        last_block_add_norm<T, WARPS * 32>(p, np, y, res, nw, scalar, w2, w3, out, out2, out3, \
-                                           counter);                                           \
     }
 #define DMV_INST_T(TN, T)     \
     DMV_INST(TN, T, 1, 16)    \

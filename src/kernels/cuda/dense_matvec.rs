@@ -46,15 +46,14 @@ unsafe impl DeviceRepr for DenseMvParams {}
 /// tensor-core kernel (one row takes the one-row kernels at any size).
 pub const DENSE_MV_MAX_BYTES: usize = 24 << 20;
 
-/// Weights up to this size take [`dense_matvec_gated`] for gated decode products. Larger than
-/// [`DENSE_MV_MAX_BYTES`] because the gated kernel also saves the gate's own launch (and
-/// cuBLAS's split-K reduce), which outweighs cuBLAS's edge on weights of this size.
-pub const GATED_MV_MAX_BYTES: usize = 64 << 20;
-
-/// Whether a gated decode product of `rows` rows with a dense weight of `bytes` takes
-/// [`dense_matvec_gated`]: one row always, else up to [`GATED_MV_MAX_BYTES`].
-pub fn gated_matvec_wanted(bytes: usize, rows: usize) -> bool {
-    bytes <= GATED_MV_MAX_BYTES || one_row_kernel(rows)
+/// Whether a decode product of `rows` rows computes its gated input ([`dense_matvec_gated`])
+/// or folds in the residual add + norm of its output ([`dense_matvec_add_norm`]): one row only.
+/// Past one row every block of the tensor-core kernel would gate all the rows again, and the
+/// folded add + norm's single last block normalises the rows one after another; the separate
+/// gate and `add_norm` launches (a block a row) measured faster at 2-8 rows (E2B batch 8
+/// +12%, E4B +9%, 26B-A4B +2%; `docs/performance.md`).
+pub fn folds_into_matvec(rows: usize) -> bool {
+    one_row_kernel(rows)
 }
 
 /// Whether a product of `rows` activation rows takes the one-row (`_sv`) kernels, which stream
@@ -86,10 +85,10 @@ pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
 /// launch of the norm-fused kernels).
 pub const GATED_MV_MAX_SMEM: usize = (40 << 10) - 256;
 
-/// `(gelu_tanh(a) * b) · Wᵀ`, the gate computed inside the product (no launch of its own);
-/// `a` and `b` have one shape `[.., in]` and may have strided rows (the two halves of a stacked
-/// gate/up product). `None` where [`dense_matvec`] would not apply or the gated rows exceed
-/// [`GATED_MV_MAX_SMEM`].
+/// `(gelu_tanh(a) * b) · Wᵀ` for one row, the gate computed inside the product (no launch of
+/// its own); `a` and `b` have one shape `[.., in]` and may have strided rows (the two halves of
+/// a stacked gate/up product). `None` for more rows ([`folds_into_matvec`]), where
+/// [`dense_matvec`] would not apply, or where the gated row exceeds [`GATED_MV_MAX_SMEM`].
 ///
 /// # Errors
 /// Shapes that disagree, CUDA errors.
@@ -100,11 +99,12 @@ pub fn dense_matvec_gated(a: &Tensor, b: &Tensor, w: &Tensor) -> Result<Option<T
     Ok(dense_mv(a, Some(b), w, None)?.map(|r| r.0))
 }
 
-/// `add_norm_ext(res, y, norm_w, eps, extra)` of the product `y = x · Wᵀ` (with `gate`, the
-/// gated product of [`dense_matvec_gated`]) in one launch: the block that finishes last adds
-/// and normalises the rows once every block has stored its outputs. Returns the sum and the
-/// norms asked for; `None` where the product kernels do not apply (or `extra` has a second
-/// branch), so the caller runs the product and the add + norm apart.
+/// `add_norm_ext(res, y, norm_w, eps, extra)` of the one-row product `y = x · Wᵀ` (with
+/// `gate`, the gated product of [`dense_matvec_gated`]) in one launch: the block that finishes
+/// last adds and normalises the row once every block has stored its outputs. Returns the sum
+/// and the norms asked for; `None` for more rows ([`folds_into_matvec`]), where the product
+/// kernels do not apply, or where `extra` has a second branch, so the caller runs the product
+/// and the add + norm apart.
 ///
 /// # Errors
 /// Shapes or dtypes that disagree, CUDA errors.
@@ -316,7 +316,10 @@ fn dense_mv_with(
     {
         return Ok(None);
     }
-    if peer.is_some() && !(one_row_kernel(rows) && gate.is_none() && norm.is_some()) {
+    if (gate.is_some() || norm.is_some()) && !folds_into_matvec(rows) {
+        return Ok(None);
+    }
+    if peer.is_some() && !(gate.is_none() && norm.is_some()) {
         return Ok(None);
     }
     let Some((xc, x_stride)) = rows_of(x)? else {
@@ -335,13 +338,15 @@ fn dense_mv_with(
         eps: normed.map_or(0.0, |n| n.1 as f32),
     };
     // Two 16-row tiles a block share each x fragment (half the activation traffic) once there
-    // are enough rows to keep two waves of blocks on the device; below one such wave, 16 warps
-    // split each tile's input instead of 8 (more loads in flight).
+    // are enough rows to keep two waves of blocks on the device. Up to one 16-row tile a
+    // multiprocessor, 16 warps split each tile's input instead of 8 (more loads in flight);
+    // past that 8, since the 16-warp kernels' registers leave room for one block a
+    // multiprocessor and a second wave of blocks would run on a fraction of them.
     let sms = sm_count(&dev);
     let simt_rows = one_row_kernel(rows).then_some(SV_ROWS_PER_WARP);
     let (tiles, warps) = if out_dim >= 32 * 2 * sms {
         (2, 8)
-    } else if out_dim >= 16 * 2 * sms {
+    } else if out_dim > 16 * sms {
         (1, 8)
     } else {
         (1, 16)

@@ -135,10 +135,7 @@ fn gated_decode_product(a: &Tensor, b: &Tensor, w: &Tensor) -> Result<Option<Ten
     #[cfg(feature = "cuda")]
     {
         if super::fused(a.device())
-            && crate::kernels::cuda::dense_matvec::gated_matvec_wanted(
-                tensor_bytes(w),
-                super::rows_of(a),
-            )
+            && crate::kernels::cuda::dense_matvec::folds_into_matvec(super::rows_of(a))
         {
             return Ok(crate::kernels::cuda::dense_matvec::dense_matvec_gated(
                 a, b, w,

@@ -355,12 +355,7 @@ fn folded(
     match w {
         Weight::Dense(l) => {
             let wd = l.weight();
-            let bytes = super::tensor_bytes(wd);
-            let wanted = match gate {
-                Some(_) => crate::kernels::cuda::dense_matvec::gated_matvec_wanted(bytes, rows),
-                None => crate::kernels::cuda::dense_matvec::dense_matvec_wanted(bytes, rows),
-            };
-            if !wanted {
+            if !crate::kernels::cuda::dense_matvec::folds_into_matvec(rows) {
                 return Ok(None);
             }
             Ok(crate::kernels::cuda::dense_matvec::dense_matvec_add_norm(
