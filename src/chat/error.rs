@@ -57,6 +57,13 @@ pub enum ChatError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A forced tool choice that cannot be held ([`super::tool_call_constraint`]): no tools,
+    /// a named tool that is not declared, or a tokenizer without Gemma 4's tool-call tokens.
+    #[error("tool choice: {reason}")]
+    ToolChoice {
+        /// What is wrong.
+        reason: String,
+    },
     /// Tool-call text in Gemma syntax (`call:NAME{key:value}`) could not be parsed.
     #[error("tool call syntax at byte {position}: {reason}")]
     ToolCallSyntax {

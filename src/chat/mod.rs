@@ -13,9 +13,11 @@ mod pycompat;
 mod session;
 mod syntax;
 mod template;
+mod tool_grammar;
 
 pub use error::ChatError;
 pub use parser::{OutputEvent, OutputParser};
 pub use session::{hidden_token_ids, ChatSession, Reply};
 pub use syntax::{declaration, parse_tool_call, parse_tool_calls, parse_value, to_gemma, QUOTE};
 pub use template::{ChatTemplate, Message, RenderOptions, Role, ToolCall};
+pub use tool_grammar::{tool_call_constraint, ForcedToolCall};
