@@ -17,6 +17,7 @@ mod basic;
 mod cancel;
 mod concurrency;
 mod errors;
+mod forced_tools;
 mod load;
 mod logprobs;
 mod reuse;

@@ -2,7 +2,7 @@
 //! messages (text, `thinking`, `tool_use`, `tool_result`), and the response's content blocks,
 //! stop reason and usage.
 
-use candle_gemma::chat::{Message, Role, ToolCall};
+use candle_gemma::chat::{ForcedToolCall, Message, Role, ToolCall};
 use candle_gemma::generate::FinishReason;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -141,25 +141,42 @@ pub fn to_messages(
     Ok(out)
 }
 
-/// The tools in the OpenAI shape the template takes, given `tool_choice`.
+/// The tools in the OpenAI shape the template takes, given `tool_choice`, and the calls it
+/// forces (`any`: any tool, one only with `disable_parallel_tool_use`; `tool`: the named one).
 ///
 /// # Errors
-/// 400 for a `tool_choice` other than `auto` or `none`, or a tool without a name.
+/// 400 for a `tool_choice` type other than `auto`, `none`, `any` or `tool`, a `tool` choice
+/// without a name, or a tool without a name.
 pub fn tools_for(
     tools: Option<&Vec<Value>>,
     choice: Option<&Value>,
-) -> Result<Vec<Value>, ApiError> {
-    match choice.and_then(|c| c.get("type")).and_then(Value::as_str) {
-        None | Some("auto") => {}
-        Some("none") => return Ok(Vec::new()),
+) -> Result<(Vec<Value>, Option<ForcedToolCall>), ApiError> {
+    let forced = match choice.and_then(|c| c.get("type")).and_then(Value::as_str) {
+        None | Some("auto") => None,
+        Some("none") => return Ok((Vec::new(), None)),
+        Some("any") => Some(ForcedToolCall::Any {
+            parallel: !choice
+                .and_then(|c| c.get("disable_parallel_tool_use"))
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+        }),
+        Some("tool") => match choice.and_then(|c| c.get("name")).and_then(Value::as_str) {
+            Some(name) => Some(ForcedToolCall::Named(name.to_string())),
+            None => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    "a tool_choice of type tool needs the tool's `name`",
+                ))
+            }
+        },
         Some(other) => {
-            return Err(ApiError::unsupported(
+            return Err(ApiError::invalid(
                 "tool_choice",
-                format!("tool_choice type must be auto or none, got {other}"),
+                format!("tool_choice type must be auto, none, any or tool, got {other}"),
             ))
         }
-    }
-    tools
+    };
+    let tools =     tools
         .into_iter()
         .flatten()
         .map(|t| {
@@ -175,7 +192,8 @@ pub fn tools_for(
                 }
             }))
         })
-        .collect()
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    Ok((tools, forced))
 }
 
 /// Whether the request asks for thinking.

@@ -35,7 +35,11 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         .as_ref()
         .ok_or_else(|| ApiError::missing("messages"))?;
     let messages = openai::to_messages(messages)?;
-    let tools = openai::tools_for(req.tools.as_ref(), req.tool_choice.as_ref())?;
+    let (tools, forced) = openai::tools_for(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls.unwrap_or(true),
+    )?;
     let thinking = req
         .chat_template_kwargs
         .as_ref()
@@ -46,10 +50,17 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
         .to_options(&state.config.defaults, 0, state.context())?;
     let prompt = state
         .renderer
-        .tokens(state.model(), &messages, tools, thinking)?;
+        .tokens(state.model(), &messages, tools.clone(), thinking)?;
     let mut options =
         req.knobs
             .to_options(&state.config.defaults, prompt.len(), state.context())?;
+    super::structured::force_tools(
+        state.model(),
+        &tools,
+        forced.as_ref(),
+        thinking,
+        &mut options,
+    )?;
     super::structured::check(state.model(), &options)?;
     // The split needs the tags; other special tokens are dropped by id.
     options.skip_special_tokens = false;

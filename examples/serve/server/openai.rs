@@ -1,7 +1,7 @@
 //! OpenAI wire types: the chat and completion requests, their conversion into the library's
 //! chat messages, and the response, chunk and usage objects.
 
-use candle_gemma::chat::{Message, Role, ToolCall};
+use candle_gemma::chat::{ForcedToolCall, Message, Role, ToolCall};
 use candle_gemma::generate::FinishReason;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -22,9 +22,13 @@ pub struct ChatRequest {
     /// Function tools the model may call.
     #[serde(default)]
     pub tools: Option<Vec<Value>>,
-    /// `"auto"` (default) or `"none"`.
+    /// `"auto"` (default), `"none"`, `"required"` or `{"type": "function", "function":
+    /// {"name": …}}` (the last two held by a grammar: `structured::force_tools`).
     #[serde(default)]
     pub tool_choice: Option<Value>,
+    /// Whether a required tool choice may make more than one call (default true).
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     /// Stream the answer as server-sent events.
     #[serde(default)]
     pub stream: bool,
@@ -176,26 +180,36 @@ pub fn to_messages(messages: &[ChatMessage]) -> Result<Vec<Message>, ApiError> {
         .collect()
 }
 
-/// The tools to render, given `tool_choice`.
+/// The tools to render, given `tool_choice`, and the calls it forces (`required`: any tool,
+/// several with `parallel`; a named function: that one).
 ///
 /// # Errors
-/// 400 for a `tool_choice` other than `auto` or `none`.
+/// 400 for a `tool_choice` other than `auto`, `none`, `required` or a named function.
 pub fn tools_for(
     tools: Option<&Vec<Value>>,
     choice: Option<&Value>,
-) -> Result<Vec<Value>, ApiError> {
-    match choice {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) if s == "auto" => {}
-        Some(Value::String(s)) if s == "none" => return Ok(Vec::new()),
-        Some(other) => {
-            return Err(ApiError::unsupported(
-                "tool_choice",
-                format!("tool_choice must be \"auto\" or \"none\", got {other}"),
-            ))
+    parallel: bool,
+) -> Result<(Vec<Value>, Option<ForcedToolCall>), ApiError> {
+    let tools = tools.cloned().unwrap_or_default();
+    let named = choice
+        .filter(|c| c.get("type").and_then(Value::as_str) == Some("function"))
+        .and_then(|c| c.pointer("/function/name"))
+        .and_then(Value::as_str);
+    match (choice, named) {
+        (None | Some(Value::Null), _) => Ok((tools, None)),
+        (Some(Value::String(s)), _) if s == "auto" => Ok((tools, None)),
+        (Some(Value::String(s)), _) if s == "none" => Ok((Vec::new(), None)),
+        (Some(Value::String(s)), _) if s == "required" => {
+            Ok((tools, Some(ForcedToolCall::Any { parallel })))
         }
+        (_, Some(name)) => Ok((tools, Some(ForcedToolCall::Named(name.to_string())))),
+        (Some(other), None) => Err(ApiError::invalid(
+            "tool_choice",
+            format!(
+                "tool_choice must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": …}}}}, got {other}"
+            ),
+        )),
     }
-    Ok(tools.cloned().unwrap_or_default())
 }
 
 /// OpenAI's `finish_reason`.

@@ -12,7 +12,13 @@
 //!
 //! `json_schema.strict` is accepted and changes nothing: every schema is enforced. A schema
 //! the constraint compiler does not take, or a malformed pattern, is a 400 naming the field.
+//!
+//! A forced tool choice (OpenAI's `tool_choice: "required"` or a named function, Anthropic's
+//! `any` or `tool`) is held the same way, by the grammar of
+//! [`candle_gemma::chat::tool_call_constraint`] ([`force_tools`]); it cannot be combined with
+//! the fields above.
 
+use candle_gemma::chat::{tool_call_constraint, ForcedToolCall};
 use candle_gemma::generate::Constraint;
 use candle_gemma::{GenOptions, Model};
 use serde_json::Value;
@@ -89,6 +95,38 @@ fn format_constraint(format: &Value) -> Result<Option<Constraint>, ApiError> {
             ),
         )),
     }
+}
+
+/// Holds the output to the calls `forced` asks for (a `tool_choice` of `required` or a named
+/// tool) through [`tool_call_constraint`]'s grammar over `tools`, with an optional thought
+/// first where `thinking`. Nothing where `forced` is `None`.
+///
+/// # Errors
+/// A 400 on `tool_choice`: a structured-output field set too (one grammar holds the output),
+/// a named tool that is not in `tools`, no tools, a tool the grammar cannot name.
+pub fn force_tools(
+    model: &Model,
+    tools: &[Value],
+    forced: Option<&ForcedToolCall>,
+    thinking: bool,
+    options: &mut GenOptions,
+) -> Result<(), ApiError> {
+    let Some(forced) = forced else {
+        return Ok(());
+    };
+    if options.constraint.is_some() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "a forced tool choice and response_format (or guided_json / guided_regex) cannot both hold the output",
+        ));
+    }
+    let tokenizer = model
+        .tokenizer()
+        .ok_or_else(|| ApiError::unsupported("tool_choice", "this model has no tokenizer"))?;
+    let c = tool_call_constraint(tokenizer, tools, forced, thinking)
+        .map_err(|e| ApiError::invalid("tool_choice", e.to_string()))?;
+    options.constraint = Some(c);
+    Ok(())
 }
 
 /// Compiles the options' constraint against `model`'s tokenizer before the request is queued,
