@@ -6,6 +6,7 @@
 //!
 //! ```text
 //! cargo bench --bench constraint_mask
+//! cargo bench --bench constraint_mask -- --write-tokenizer tokenizer.json  # the tokenizer only
 //! ```
 
 use std::collections::HashSet;
@@ -92,6 +93,18 @@ fn main() -> Result<()> {
     let built = Instant::now();
     let tokenizer = synthetic_tokenizer()?;
     let tokenizer_ms = built.elapsed().as_secs_f64() * 1e3;
+    // `-- --write-tokenizer PATH` only writes the tokenizer (for `serve --tokenizer` with
+    // random weights at the real vocabulary, as `scripts/serve-load.sh` uses it).
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(i) = args.iter().position(|a| a == "--write-tokenizer") {
+        let path = args
+            .get(i + 1)
+            .ok_or_else(|| anyhow::anyhow!("--write-tokenizer needs a path"))?;
+        tokenizer
+            .save(path, false)
+            .map_err(|e| anyhow::anyhow!("writing {path}: {e}"))?;
+        return Ok(());
+    }
     let cases = [
         ("json_object", Constraint::JsonObject),
         (

@@ -161,6 +161,8 @@ def request_body(args, rng, prompt_len, max_tokens):
         body["model"] = args.model
     if args.kv_bits is not None:
         body["kv_bits"] = args.kv_bits
+    if args.json_object:
+        body["response_format"] = {"type": "json_object"}
     return body
 
 
@@ -461,6 +463,8 @@ def main():
     p.add_argument("--shared-prefix", type=int, default=0,
                    help="the first N prompt tokens are the same in every request (prefix reuse)")
     p.add_argument("--kv-bits", type=int, choices=[4, 8], default=None)
+    p.add_argument("--json-object", action="store_true",
+                   help="constrained output: response_format json_object (needs a tokenizer)")
     p.add_argument("--vocab", type=int, default=32000, help="token ids drawn below this")
     p.add_argument("--min-token-id", type=int, default=10, help="token ids drawn from this up")
     p.add_argument("--no-token-ids", dest="token_ids", action="store_false",
@@ -486,7 +490,7 @@ def main():
         n = args.requests or max(4 * c, 8)
         s = run_level(args, c, n)
         s.update(prompt_len=args.prompt_len, max_tokens=args.max_tokens, kv_bits=args.kv_bits,
-                 shared_prefix=args.shared_prefix)
+                 shared_prefix=args.shared_prefix, json_object=args.json_object)
         levels.append(s)
         print(json.dumps(s), flush=True)
     probe = None

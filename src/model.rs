@@ -495,6 +495,27 @@ impl Model {
         self.constraint(constraint).map(drop)
     }
 
+    /// This model with `tokenizer` in place of its own (a random-weight model has none): text
+    /// prompts, chat and constrained generation then work on it, as for benchmarks of those
+    /// paths at real shapes.
+    ///
+    /// # Errors
+    /// [`Error::Tokenizer`] for a tokenizer with more tokens than the model's vocabulary.
+    pub fn with_tokenizer(mut self, tokenizer: Tokenizer) -> Result<Self> {
+        let (tokens, vocab) = (
+            tokenizer.get_vocab_size(true),
+            self.text.config().vocab_size,
+        );
+        if tokens > vocab {
+            return Err(Error::Tokenizer(format!(
+                "a tokenizer of {tokens} tokens for a vocabulary of {vocab}"
+            )));
+        }
+        self.tokenizer = Some(tokenizer);
+        self.grammars = Grammars::default();
+        Ok(self)
+    }
+
     /// The tokenizer, when the checkpoint has a `tokenizer.json`.
     pub fn tokenizer(&self) -> Option<&Tokenizer> {
         self.tokenizer.as_ref()

@@ -226,3 +226,40 @@ fn constrained_rows_batched_together_give_what_each_gives_alone() {
         "seeds should differ: {texts:?}"
     );
 }
+
+#[test]
+fn a_random_weight_model_given_a_tokenizer_takes_constraints() {
+    let fixture = load("e2b-hf");
+    let tokenizer = fixture.tokenizer().expect("tokenizer").clone();
+    let mut config = fixture.config().clone();
+    let random = |config| {
+        Model::random(
+            config,
+            &candle_core::Device::Cpu,
+            candle_core::DType::F32,
+            1,
+        )
+    };
+    let model = random(config.clone())
+        .expect("random")
+        .with_tokenizer(tokenizer.clone())
+        .expect("fits the vocabulary");
+    model
+        .check_constraint(&Constraint::JsonObject)
+        .expect("a constraint compiles over the given tokenizer");
+    let out = generate(
+        &model,
+        "Describe it",
+        options(
+            Some(Constraint::JsonSchema(bounded_schema())),
+            SamplingOptions::default(),
+        ),
+    );
+    assert_bounded_object(&out.text);
+    config.vocab_size = 100;
+    let small = random(config).expect("random");
+    assert!(matches!(
+        small.with_tokenizer(tokenizer),
+        Err(Error::Tokenizer(_))
+    ));
+}

@@ -55,10 +55,15 @@ struct Args {
     #[arg(long, conflicts_with = "random_weights")]
     model: Option<String>,
     /// A config.json: serve a model of its real shapes with random weights (benchmarks; no
-    /// tokenizer, so token-id prompts on /v1/completions only). A `generation_config.json`
+    /// tokenizer unless --tokenizer gives one, so token-id prompts on /v1/completions only). A
+    /// `generation_config.json`
     /// beside it gives the EOS ids and the recommended sampling.
     #[arg(long)]
     random_weights: Option<PathBuf>,
+    /// A tokenizer.json for the --random-weights model (one GPU): text prompts, chat and
+    /// structured output then work, for benchmarks of those paths at real shapes.
+    #[arg(long, requires = "random_weights")]
+    tokenizer: Option<PathBuf>,
     /// The name clients give as `model` (default: the --model argument).
     #[arg(long)]
     served_model_name: Option<String>,
@@ -160,8 +165,21 @@ fn load(args: &Args) -> Result<(Served, String)> {
         let name = path
             .file_stem()
             .map_or_else(|| "random".into(), |s| s.to_string_lossy().into_owned());
+        if args.tokenizer.is_some() && args.tp > 1 {
+            bail!("--tokenizer serves one GPU's random-weight model (leave out --tp)");
+        }
+        let random = |config: Config| -> Result<Model> {
+            let model = Model::random(config, &device, dtype, 1)?;
+            Ok(match &args.tokenizer {
+                Some(t) => model.with_tokenizer(
+                    tokenizers::Tokenizer::from_file(t)
+                        .map_err(|e| anyhow::anyhow!("reading {}: {e}", t.display()))?,
+                )?,
+                None => model,
+            })
+        };
         let served = match args.tp {
-            0 | 1 => Served::Single(Arc::new(Model::random(config, &device, dtype, 1)?)),
+            0 | 1 => Served::Single(Arc::new(random(config)?)),
             _ if device.is_cuda() => Served::Sharded(Arc::new(Model::random_sharded(
                 config, &ordinals, dtype, 1, None,
             )?)),
