@@ -105,13 +105,7 @@ pub fn to_gemma(value: &Value) -> String {
 /// # Errors
 /// [`ChatError::Tool`] (with `index`) if `function` has no string `name`.
 pub fn declaration(function: &Value, index: usize) -> Result<String, ChatError> {
-    let name = function
-        .get("name")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ChatError::Tool {
-            index,
-            reason: "the function has no string `name`".into(),
-        })?;
+    let name = function_name(function, index)?;
     let mut out = format!("declaration:{name}{{description:{QUOTE}");
     out.push_str(
         function
@@ -130,6 +124,20 @@ pub fn declaration(function: &Value, index: usize) -> Result<String, ChatError> 
     }
     out.push('}');
     Ok(out)
+}
+
+/// The `name` of an OpenAI-style function object, the tool at `index`.
+///
+/// # Errors
+/// [`ChatError::Tool`] if it has no string `name`.
+pub(crate) fn function_name(function: &Value, index: usize) -> Result<&str, ChatError> {
+    function
+        .get("name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ChatError::Tool {
+            index,
+            reason: "the function has no string `name`".into(),
+        })
 }
 
 fn write_value(out: &mut String, value: &Value, schema: bool) {

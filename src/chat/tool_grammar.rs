@@ -101,13 +101,7 @@ pub fn tool_call_constraint(
     let mut calls = Vec::new();
     for (index, tool) in tools.iter().enumerate() {
         let function = tool.get("function").unwrap_or(tool);
-        let name = function
-            .get("name")
-            .and_then(Value::as_str)
-            .ok_or_else(|| ChatError::Tool {
-                index,
-                reason: "the function has no string `name`".into(),
-            })?;
+        let name = super::syntax::function_name(function, index)?;
         if name.is_empty()
             || !name
                 .chars()

@@ -86,7 +86,7 @@ async fn forced_tool_choices_answer_with_fitting_calls_and_bad_ones_are_400() {
     let mut streamed = chat(named.clone(), json!({"stream": true}));
     streamed["seed"] = json!(4);
     let chunks = openai_chunks(&h.stream("/v1/chat/completions", &streamed).await);
-    let names: Vec<&str> = chunks
+    let deltas: Vec<&Value> = chunks
         .iter()
         .flat_map(|c| {
             c["choices"][0]["delta"]["tool_calls"]
@@ -94,17 +94,14 @@ async fn forced_tool_choices_answer_with_fitting_calls_and_bad_ones_are_400() {
                 .into_iter()
                 .flatten()
         })
+        .collect();
+    let names: Vec<&str> = deltas
+        .iter()
         .filter_map(|t| t["function"]["name"].as_str())
         .collect();
     assert_eq!(names, ["get_weather"], "{chunks:?}");
-    let args: String = chunks
+    let args: String = deltas
         .iter()
-        .flat_map(|c| {
-            c["choices"][0]["delta"]["tool_calls"]
-                .as_array()
-                .into_iter()
-                .flatten()
-        })
         .filter_map(|t| t["function"]["arguments"].as_str())
         .collect();
     let args: Value = serde_json::from_str(&args).expect("streamed arguments are JSON");

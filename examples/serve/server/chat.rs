@@ -48,22 +48,8 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     // Field errors first: they do not depend on the prompt.
     req.knobs
         .to_options(&state.config.defaults, 0, state.context())?;
-    let prompt = state
-        .renderer
-        .tokens(state.model(), &messages, tools.clone(), thinking)?;
-    let mut options =
-        req.knobs
-            .to_options(&state.config.defaults, prompt.len(), state.context())?;
-    super::structured::force_tools(
-        state.model(),
-        &tools,
-        forced.as_ref(),
-        thinking,
-        &mut options,
-    )?;
-    super::structured::check(state.model(), &options)?;
-    // The split needs the tags; other special tokens are dropped by id.
-    options.skip_special_tokens = false;
+    let (prompt, options) =
+        state.chat_request(&req.knobs, &messages, tools, forced.as_ref(), thinking)?;
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
     let return_ids = req.knobs.return_token_ids;
     // One completion id for every choice's chunks.

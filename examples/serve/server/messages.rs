@@ -43,21 +43,8 @@ async fn run(state: Arc<AppState>, body: &[u8]) -> Result<Response, ApiError> {
     let messages = anthropic::to_messages(req.system.as_ref(), messages)?;
     let (tools, forced) = anthropic::tools_for(req.tools.as_ref(), req.tool_choice.as_ref())?;
     let thinking = anthropic::thinking_enabled(req.thinking.as_ref());
-    let prompt = state
-        .renderer
-        .tokens(state.model(), &messages, tools.clone(), thinking)?;
-    let mut options =
-        req.knobs
-            .to_options(&state.config.defaults, prompt.len(), state.context())?;
-    super::structured::force_tools(
-        state.model(),
-        &tools,
-        forced.as_ref(),
-        thinking,
-        &mut options,
-    )?;
-    super::structured::check(state.model(), &options)?;
-    options.skip_special_tokens = false;
+    let (prompt, options) =
+        state.chat_request(&req.knobs, &messages, tools, forced.as_ref(), thinking)?;
     let submission = state.engine.submit(prompt, options)?;
     let mut stream = MessagesStream::new(
         state.model_id(),

@@ -123,6 +123,30 @@ impl AppState {
             .map_or("model", String::as_str)
     }
 
+    /// A chat request's prompt, `messages` rendered with `tools` (and `thinking`), and its
+    /// generation options: `knobs` at the prompt's length, the output held to the calls
+    /// `forced` asks for or to the structured output the knobs ask for, and special tokens kept
+    /// for the output split (which drops the others by id).
+    ///
+    /// # Errors
+    /// A 400 from the knobs, the template or the constraint.
+    pub fn chat_request(
+        &self,
+        knobs: &options::Knobs,
+        messages: &[candle_gemma::chat::Message],
+        tools: Vec<serde_json::Value>,
+        forced: Option<&candle_gemma::chat::ForcedToolCall>,
+        thinking: bool,
+    ) -> Result<(Vec<u32>, candle_gemma::GenOptions), ApiError> {
+        let prompt = self
+            .renderer
+            .tokens(self.model(), messages, tools.clone(), thinking)?;
+        let mut options = knobs.to_options(&self.config.defaults, prompt.len(), self.context())?;
+        structured::constrain(self.model(), &tools, forced, thinking, &mut options)?;
+        options.skip_special_tokens = false;
+        Ok((prompt, options))
+    }
+
     /// Checks a request's `model` field (absent is fine).
     ///
     /// # Errors

@@ -15,7 +15,7 @@
 //!
 //! A forced tool choice (OpenAI's `tool_choice: "required"` or a named function, Anthropic's
 //! `any` or `tool`) is held the same way, by the grammar of
-//! [`candle_gemma::chat::tool_call_constraint`] ([`force_tools`]); it cannot be combined with
+//! [`candle_gemma::chat::tool_call_constraint`] ([`constrain`]); it cannot be combined with
 //! the fields above.
 
 use candle_gemma::chat::{tool_call_constraint, ForcedToolCall};
@@ -99,12 +99,13 @@ fn format_constraint(format: &Value) -> Result<Option<Constraint>, ApiError> {
 
 /// Holds the output to the calls `forced` asks for (a `tool_choice` of `required` or a named
 /// tool) through [`tool_call_constraint`]'s grammar over `tools`, with an optional thought
-/// first where `thinking`. Nothing where `forced` is `None`.
+/// first where `thinking`; then [`check`]s the options' constraint, whichever it is.
 ///
 /// # Errors
 /// A 400 on `tool_choice`: a structured-output field set too (one grammar holds the output),
-/// a named tool that is not in `tools`, no tools, a tool the grammar cannot name.
-pub fn force_tools(
+/// a named tool that is not in `tools`, no tools, a tool the grammar cannot name; and as
+/// [`check`].
+pub fn constrain(
     model: &Model,
     tools: &[Value],
     forced: Option<&ForcedToolCall>,
@@ -112,7 +113,7 @@ pub fn force_tools(
     options: &mut GenOptions,
 ) -> Result<(), ApiError> {
     let Some(forced) = forced else {
-        return Ok(());
+        return check(model, options);
     };
     if options.constraint.is_some() {
         return Err(ApiError::invalid(
@@ -126,7 +127,7 @@ pub fn force_tools(
     let c = tool_call_constraint(tokenizer, tools, forced, thinking)
         .map_err(|e| ApiError::invalid("tool_choice", e.to_string()))?;
     options.constraint = Some(c);
-    Ok(())
+    check(model, options)
 }
 
 /// Compiles the options' constraint against `model`'s tokenizer before the request is queued,
