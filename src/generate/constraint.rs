@@ -164,7 +164,7 @@ impl TokenConstraint {
     }
 
     /// [`Self::allowed`] written into `mask` (the logits' width; every byte is set).
-    pub(crate) fn allowed_into(&mut self, mask: &mut [u8]) -> Result<()> {
+    fn allowed_into(&mut self, mask: &mut [u8]) -> Result<()> {
         if mask.len() != self.vocab {
             return Err(Error::Input(format!(
                 "a constraint over {} tokens for logits of {}",
@@ -172,19 +172,38 @@ impl TokenConstraint {
                 mask.len()
             )));
         }
+        let mut bits = vec![0u32; self.vocab.div_ceil(32)];
+        self.allowed_bits_into(&mut bits)?;
+        for (t, m) in mask.iter_mut().enumerate() {
+            *m = ((bits[t / 32] >> (t % 32)) & 1) as u8;
+        }
+        Ok(())
+    }
+
+    /// [`Self::allowed`] as bits: bit `t % 32` of `words[t / 32]` for token `t`, `words` one
+    /// word for every 32 tokens of the logits' width (bits past it clear).
+    pub(crate) fn allowed_bits_into(&mut self, words: &mut [u32]) -> Result<()> {
+        let want = self.vocab.div_ceil(32);
+        if words.len() != want {
+            return Err(Error::Input(format!(
+                "{} mask words for a constraint over {} tokens",
+                words.len(),
+                self.vocab
+            )));
+        }
         let set = self
             .matcher
             .compute_mask_or_eos()
             .map_err(|e| Error::Constraint(e.to_string()))?;
-        mask.fill(0);
-        let mut any = false;
-        set.iter_set_entries(|t| {
-            if let Some(m) = mask.get_mut(t) {
-                *m = 1;
-                any = true;
-            }
-        });
-        if !any {
+        // The parser's bits (its vocabulary may be wider or narrower than the logits).
+        let src = set.as_slice();
+        let n = src.len().min(want);
+        words[..n].copy_from_slice(&src[..n]);
+        words[n..].fill(0);
+        if !self.vocab.is_multiple_of(32) {
+            words[want - 1] &= (1u32 << (self.vocab % 32)) - 1;
+        }
+        if words.iter().all(|&w| w == 0) {
             return Err(Error::Constraint(
                 "no token of the vocabulary can continue the output".to_string(),
             ));

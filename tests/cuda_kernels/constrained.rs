@@ -1,7 +1,8 @@
 //! Constrained decoding on the GPU (the e2b-hf fixture with its tokenizer): greedy and drawn on
 //! the device (the recommended top-k 64, top-p 0.95) give the CPU's tokens in f32 and output
 //! valid under the schema in f32 and bf16; in a batch decoding ahead, the rows
-//! beside a constrained one give the tokens they give alone (compared in f32).
+//! beside a constrained one give the tokens they give alone (compared in f32); the bit mask
+//! kernel blocks exactly the tokens whose bits are clear.
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
@@ -129,6 +130,46 @@ fn constrained_decoding_on_the_gpu_holds_and_leaves_other_rows_alone() -> Result
     }
     if !failures.is_empty() {
         bail!("{failures:#?}");
+    }
+    Ok(())
+}
+
+/// The bit mask kernel against the host: random logits and bits at Gemma's vocabulary and an
+/// odd width (a last word partly past it).
+#[test]
+fn bit_masks_block_exactly_the_clear_bits() -> Result<()> {
+    let Some(gpu) = gpu("mask_by_bits") else {
+        return Ok(());
+    };
+    for (rows, vocab) in [(3usize, 262_144usize), (5, 1000)] {
+        let words = vocab.div_ceil(32);
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let bits: Vec<u32> = (0..rows * words).map(|_| next() as u32).collect();
+        let logits: Vec<f32> = (0..rows * vocab)
+            .map(|_| (next() % 2000) as f32 / 100.0 - 10.0)
+            .collect();
+        let lt = candle_core::Tensor::from_vec(logits.clone(), (rows, vocab), &gpu.dev)?;
+        let bt = candle_core::Tensor::from_vec(bits.clone(), (rows, words), &gpu.dev)?;
+        let got: Vec<f32> = candle_gemma::kernels::cuda::reduce::mask_by_bits(&lt, &bt)?
+            .flatten_all()?
+            .to_vec1()?;
+        for (i, (&g, &l)) in got.iter().zip(&logits).enumerate() {
+            let (r, t) = (i / vocab, i % vocab);
+            let want = if (bits[r * words + t / 32] >> (t % 32)) & 1 == 1 {
+                l
+            } else {
+                f32::NEG_INFINITY
+            };
+            if g != want {
+                bail!("[{rows}x{vocab}] row {r} token {t}: {g} against {want}");
+            }
+        }
     }
     Ok(())
 }

@@ -285,8 +285,10 @@ fn dense_matvec_family_matches_cpu() -> Result<()> {
                 check_dense_matvec(out_dim, in_dim, rows, dtype, &gpu.dev, &mut checks)?;
             }
         }
-        // E4B's down projection, one gated row of 10,240 inputs (and two, declined).
-        for rows in [1, 2] {
+        // E4B's down projection: one gated row of 10,240 inputs in bf16 (in f16 the GeGLU
+        // check's products, ~sqrt(in) squared, pass its largest value), and two, declined.
+        let rows: &[usize] = if dtype == DType::BF16 { &[1, 2] } else { &[2] };
+        for &rows in rows {
             check_dense_matvec(2560, 10240, rows, dtype, &gpu.dev, &mut checks)?;
         }
     }

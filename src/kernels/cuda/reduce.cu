@@ -201,6 +201,22 @@ extern "C" __global__ void argmax_merge_f32(const float* __restrict__ best_v,
     if (threadIdx.x == 0) out[row] = bi == 0xffffffffu ? 0u : bi;
 }
 
+// out = logits where the token's bit is set in its row of `bits` (bit t % 32 of word t / 32,
+// `words` words a row), else -inf: a constrained step's mask, uploaded as bits.
+extern "C" __global__ void mask_bits_f32(const float* __restrict__ logits,
+                                         const uint32_t* __restrict__ bits, uint32_t rows,
+                                         uint32_t vocab, uint32_t words,
+                                         float* __restrict__ out) {
+    pdl_entry();
+    const size_t n = (size_t)rows * vocab;
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = i / vocab, t = i % vocab;
+        const uint32_t w = bits[r * words + t / 32];
+        out[i] = (w >> (t % 32)) & 1u ? logits[i] : -INFINITY;
+    }
+}
+
 #define REDUCE_INST(TN, T)                                                                     \
     extern "C" __global__ void __launch_bounds__(NORM_THREADS)                                 \
         masked_softmax_##TN(const SoftmaxParams p, const T* scores, const uint32_t* positions, \

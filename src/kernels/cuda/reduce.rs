@@ -173,6 +173,58 @@ pub fn draw_rows(x: &Tensor, params: &[[u32; DRAW_WORDS]]) -> Result<Tensor> {
     picks.run("draw_chunks_f32", Some(&wv))
 }
 
+/// `logits` (f32 `[rows, vocab]`) with each token whose bit is clear in its row of `bits` (u32
+/// `[rows, words]`, bit `t % 32` of word `t / 32`) at -inf: a constrained step's mask, uploaded
+/// as bits (a 32nd of a byte mask's bytes).
+///
+/// # Errors
+/// Shapes or dtypes other than these, CUDA errors.
+pub fn mask_by_bits(logits: &Tensor, bits: &Tensor) -> Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    let (bit_rows, words) = bits.dims2()?;
+    if logits.dtype() != DType::F32
+        || bits.dtype() != DType::U32
+        || bit_rows != rows
+        || words != vocab.div_ceil(32)
+    {
+        candle_core::bail!(
+            "mask_by_bits: logits {:?} {:?}, bits {:?} {:?}",
+            logits.dims(),
+            logits.dtype(),
+            bits.dims(),
+            bits.dtype()
+        );
+    }
+    let dev = cuda_dev(logits)?;
+    let (logits, bits) = (logits.contiguous()?, bits.contiguous()?);
+    let n = rows * vocab;
+    // SAFETY: the grid-stride loop writes every element before any reader on this stream.
+    let mut out = unsafe { dev.alloc::<f32>(n.max(1))? };
+    bind!(lv, logits, f32);
+    bind!(bv, bits, u32);
+    let func = load_kernel(&dev, "mask_bits_f32", &REDUCE)?;
+    let mut b = func.builder();
+    b.arg(&lv);
+    b.arg(&bv);
+    let (r, v, w) = (
+        u32_of(rows, "rows")?,
+        u32_of(vocab, "vocab")?,
+        u32_of(words, "words")?,
+    );
+    b.arg(&r);
+    b.arg(&v);
+    b.arg(&w);
+    b.arg(&mut out);
+    let cfg = LaunchConfig {
+        grid_dim: (u32_of(n.div_ceil(256).clamp(1, 4096), "blocks")?, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: arguments match the kernel's signature; `bits` holds rows * words words.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(wrap(out, &dev, &[rows, vocab]))
+}
+
 /// What a pick of one column a row needs: the contiguous input, its sizes, each chunk's best
 /// (value, column) scratch and the first launch's shape.
 struct RowPicks {
