@@ -263,3 +263,31 @@ fn a_random_weight_model_given_a_tokenizer_takes_constraints() {
         Err(Error::Tokenizer(_))
     ));
 }
+
+#[test]
+fn a_constraint_started_again_starts_fresh_from_the_kept_parser() {
+    let model = load("e2b-hf");
+    let c = Constraint::JsonSchema(bounded_schema());
+    let mut a = model.constraint(&c).expect("starts");
+    let first = a.allowed().expect("mask");
+    for _ in 0..4 {
+        let m = a.allowed().expect("mask");
+        let t = m.iter().position(|&x| x == 1).expect("a token");
+        a.accept(t as u32).expect("accept");
+    }
+    let walked = a.allowed().expect("mask");
+    assert_ne!(walked, first, "four tokens in, the mask has moved");
+    // The second start copies the first's fresh parser, not the one that moved on.
+    let mut b = model.constraint(&c).expect("starts again");
+    assert_eq!(b.allowed().expect("mask"), first);
+    assert_eq!(
+        a.allowed().expect("mask"),
+        walked,
+        "the first is left as it was"
+    );
+    // Another constraint is not mistaken for it.
+    let mut rx = model
+        .constraint(&Constraint::Regex("[0-9]+".into()))
+        .expect("starts");
+    assert_ne!(rx.allowed().expect("mask"), first);
+}

@@ -13,7 +13,7 @@
 //! step ahead ([`crate::GenOptions::lookahead`]); the rows around it in a batch lose their
 //! run ahead too while it is live.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
@@ -39,6 +39,16 @@ pub enum Constraint {
 }
 
 impl Constraint {
+    /// The constraint as text, for recognising it again.
+    fn key(&self) -> String {
+        match self {
+            Constraint::JsonObject => "object".into(),
+            Constraint::JsonSchema(schema) => format!("schema {schema}"),
+            Constraint::Regex(rx) => format!("regex {rx}"),
+            Constraint::Lark(g) => format!("lark {g}"),
+        }
+    }
+
     fn grammar(&self) -> TopLevelGrammar {
         match self {
             Constraint::JsonObject => {
@@ -56,7 +66,14 @@ impl Constraint {
 pub struct ConstraintCompiler {
     factory: ParserFactory,
     vocab: usize,
+    /// Fresh parsers of the constraints started lately, by [`Constraint::key`], the latest
+    /// last: a constraint seen before starts as a copy instead of compiling again (a server's
+    /// requests often share one schema or tool list, and it checks each before queueing).
+    started: Mutex<Vec<(String, Matcher)>>,
 }
+
+/// Fresh parsers a [`ConstraintCompiler`] keeps for constraints started again.
+const STARTED_KEPT: usize = 32;
 
 impl std::fmt::Debug for ConstraintCompiler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -76,7 +93,11 @@ impl ConstraintCompiler {
     /// with byte fallback (Gemma's), or without an end-of-sequence token in the vocabulary.
     pub fn new(tokenizer: &Tokenizer, eos: &[u32], vocab: usize) -> Result<Self> {
         let factory = factory(tokenizer, eos, vocab).map_err(Error::Constraint)?;
-        Ok(Self { factory, vocab })
+        Ok(Self {
+            factory,
+            vocab,
+            started: Mutex::new(Vec::new()),
+        })
     }
 
     /// The running form of `constraint` for one generation.
@@ -85,14 +106,34 @@ impl ConstraintCompiler {
     /// [`Error::Constraint`] for a constraint that does not compile (an unsupported schema
     /// keyword, a malformed pattern or grammar).
     pub fn start(&self, constraint: &Constraint) -> Result<TokenConstraint> {
-        let parser = self
-            .factory
-            .create_parser(constraint.grammar())
-            .map_err(|e| Error::Constraint(e.to_string()))?;
-        let matcher = Matcher::new(Ok(parser));
-        if let Some(e) = matcher.get_error() {
-            return Err(Error::Constraint(e));
-        }
+        let key = constraint.key();
+        // A poisoned lock only means another start panicked; the list is still whole.
+        let mut started = self.started.lock().unwrap_or_else(|e| e.into_inner());
+        let matcher = match started.iter().position(|(k, _)| *k == key) {
+            Some(i) => {
+                let kept = started.remove(i);
+                let copy = kept.1.deep_clone();
+                started.push(kept);
+                copy
+            }
+            None => {
+                drop(started);
+                let parser = self
+                    .factory
+                    .create_parser(constraint.grammar())
+                    .map_err(|e| Error::Constraint(e.to_string()))?;
+                let matcher = Matcher::new(Ok(parser));
+                if let Some(e) = matcher.get_error() {
+                    return Err(Error::Constraint(e));
+                }
+                let mut started = self.started.lock().unwrap_or_else(|e| e.into_inner());
+                if started.len() >= STARTED_KEPT {
+                    started.remove(0);
+                }
+                started.push((key, matcher.deep_clone()));
+                matcher
+            }
+        };
         Ok(TokenConstraint {
             matcher,
             vocab: self.vocab,
