@@ -97,6 +97,7 @@ pub fn tool_call_constraint(
         count: 0,
         quote,
         text: format!("<[^{}]>", join(&control)),
+        any_written: false,
     };
     let mut calls = Vec::new();
     for (index, tool) in tools.iter().enumerate() {
@@ -159,6 +160,8 @@ struct Grammar {
     quote: u32,
     /// One token of a string's text.
     text: String,
+    /// Whether the any-value rules are written.
+    any_written: bool,
 }
 
 impl Grammar {
@@ -349,7 +352,7 @@ impl Grammar {
     }
 
     fn any_rules(&mut self) {
-        if self.rules.contains("any_value:") {
+        if std::mem::replace(&mut self.any_written, true) {
             return;
         }
         let q = self.quote;

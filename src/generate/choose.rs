@@ -17,7 +17,7 @@
 
 use candle_core::Tensor;
 
-use super::constraint::TokenConstraint;
+use super::constraint::{bits_to_bytes, TokenConstraint};
 use super::sampling::{DeviceDraw, Sampler};
 use crate::error::{Error, Result};
 use crate::kernels::ops::argmax::pick_rows;
@@ -239,12 +239,10 @@ fn constrain<R: Chooser + Send>(logits: &Tensor, rows: &mut [R]) -> Result<Optio
             logits, &bits,
         )?));
     }
-    let mask: Vec<u8> = (0..n * vocab)
-        .map(|i| {
-            let (r, t) = (i / vocab, i % vocab);
-            ((bits[r * words + t / 32] >> (t % 32)) & 1) as u8
-        })
-        .collect();
+    let mut mask = vec![0u8; n * vocab];
+    for (row, w) in mask.chunks_mut(vocab.max(1)).zip(bits.chunks(words.max(1))) {
+        bits_to_bytes(w, row);
+    }
     let mask = Tensor::from_vec(mask, (n, vocab), logits.device())?;
     let blocked = Tensor::new(f32::NEG_INFINITY, logits.device())?.broadcast_as((n, vocab))?;
     Ok(Some(mask.where_cond(logits, &blocked)?))

@@ -127,10 +127,13 @@ impl ConstraintCompiler {
                     return Err(Error::Constraint(e));
                 }
                 let mut started = self.started.lock().unwrap_or_else(|e| e.into_inner());
-                if started.len() >= STARTED_KEPT {
-                    started.remove(0);
+                // Another start of the same constraint may have kept it meanwhile.
+                if !started.iter().any(|(k, _)| *k == key) {
+                    if started.len() >= STARTED_KEPT {
+                        started.remove(0);
+                    }
+                    started.push((key, matcher.deep_clone()));
                 }
-                started.push((key, matcher.deep_clone()));
                 matcher
             }
         };
@@ -215,9 +218,7 @@ impl TokenConstraint {
         }
         let mut bits = vec![0u32; self.vocab.div_ceil(32)];
         self.allowed_bits_into(&mut bits)?;
-        for (t, m) in mask.iter_mut().enumerate() {
-            *m = ((bits[t / 32] >> (t % 32)) & 1) as u8;
-        }
+        bits_to_bytes(&bits, mask);
         Ok(())
     }
 
@@ -265,6 +266,13 @@ impl TokenConstraint {
         self.matcher
             .consume_token(token)
             .map_err(|e| Error::Constraint(format!("token {token}: {e}")))
+    }
+}
+
+/// `bytes[t]` = bit `t % 32` of `words[t / 32]`: a mask of bits as a byte a token.
+pub(crate) fn bits_to_bytes(words: &[u32], bytes: &mut [u8]) {
+    for (t, b) in bytes.iter_mut().enumerate() {
+        *b = ((words[t / 32] >> (t % 32)) & 1) as u8;
     }
 }
 

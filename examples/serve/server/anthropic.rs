@@ -176,7 +176,7 @@ pub fn tools_for(
             ))
         }
     };
-    let tools =     tools
+    let tools = tools
         .into_iter()
         .flatten()
         .map(|t| {

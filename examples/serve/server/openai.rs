@@ -23,7 +23,7 @@ pub struct ChatRequest {
     #[serde(default)]
     pub tools: Option<Vec<Value>>,
     /// `"auto"` (default), `"none"`, `"required"` or `{"type": "function", "function":
-    /// {"name": …}}` (the last two held by a grammar: `structured::force_tools`).
+    /// {"name": …}}` (the last two held by a grammar: `structured::constrain`).
     #[serde(default)]
     pub tool_choice: Option<Value>,
     /// Whether a required tool choice may make more than one call (default true).

@@ -79,10 +79,10 @@ pub fn dense_matvec(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     Ok(dense_mv(x, None, w, None)?.map(|r| r.0))
 }
 
-/// Most bytes of gated input rows [`dense_matvec_gated`] keeps in shared memory (rows times
-/// `in` elements): within the 48 KB a block gets without opting in, beside the epilogue's 8 KB
-/// and the norm tail's few reduction words (a full 40 KB of rows, E4B's 2 x 10,240, fails the
-/// launch of the norm-fused kernels).
+/// Most bytes of staged input rows a dense matvec keeps in shared memory (rows times `in`
+/// elements: [`dense_matvec_gated`]'s one row, [`dense_matvec_normed`]'s up to eight): within
+/// the 48 KB a block gets without opting in, beside the epilogue's 8 KB and the norm tail's few
+/// reduction words.
 pub const GATED_MV_MAX_SMEM: usize = (40 << 10) - 256;
 
 /// `(gelu_tanh(a) * b) · Wᵀ` for one row, the gate computed inside the product (no launch of

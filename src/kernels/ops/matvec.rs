@@ -130,13 +130,12 @@ fn dense_decode_product(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     Ok(None)
 }
 
-/// `(gelu_tanh(a) * b) · Wᵀ` in one matrix-vector launch on CUDA decode; `None` elsewhere.
+/// `(gelu_tanh(a) * b) · Wᵀ` in one matrix-vector launch on CUDA decode of one row; `None`
+/// elsewhere (the kernel declines more rows: `dense_matvec::folds_into_matvec`).
 fn gated_decode_product(a: &Tensor, b: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
-        if super::fused(a.device())
-            && crate::kernels::cuda::dense_matvec::folds_into_matvec(super::rows_of(a))
-        {
+        if super::fused(a.device()) {
             return Ok(crate::kernels::cuda::dense_matvec::dense_matvec_gated(
                 a, b, w,
             )?);

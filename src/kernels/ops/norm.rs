@@ -354,12 +354,15 @@ fn folded(
     let (norm_w, eps) = (a.norm.weight, a.norm.eps);
     match w {
         Weight::Dense(l) => {
-            let wd = l.weight();
-            if !crate::kernels::cuda::dense_matvec::folds_into_matvec(rows) {
-                return Ok(None);
-            }
+            // One row only: the kernel declines more (`dense_matvec::folds_into_matvec`).
             Ok(crate::kernels::cuda::dense_matvec::dense_matvec_add_norm(
-                x, gate, wd, a.res, norm_w, eps, &extra,
+                x,
+                gate,
+                l.weight(),
+                a.res,
+                norm_w,
+                eps,
+                &extra,
             )?)
         }
         Weight::Packed(p) => {
